@@ -1,0 +1,38 @@
+"""`kvoffload` command line: each sub-command lives in its own module and registers itself."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import ConfigError
+
+# sub-command -> module exposing `register(subparsers)`; the parser it adds sets `func`.
+SUBCOMMANDS = {
+    "plan": "kvoffload.plan_cli",
+    "render": "kvoffload.render_cli",
+    "run": "kvoffload.run_cli",
+    "exporter": "kvoffload.exporter.cli",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvoffload", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for module in SUBCOMMANDS.values():
+        importlib.import_module(module).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""observe: conditions and status as a pure function of what was read from the cluster.
+
+Kubernetes API conventions: type/status/reason/message/lastTransitionTime/observedGeneration;
+lastTransitionTime only moves when status changes; the full list is always written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from . import render
+from .errors import ConfigError
+from .pipeline import Desired
+from .quantity import format_bytes
+
+TYPES = ("Ready", "ConfigValid", "Scheduled", "OffloadActive", "DiskTierReady")
+
+
+@dataclass(frozen=True)
+class Cond:
+    type: str
+    status: str  # True | False | Unknown
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the reconciler read after applying: the StatefulSet and its pods (None/[] if absent)."""
+    statefulset: dict[str, Any] | None
+    pods: list[dict[str, Any]]
+
+
+def now_iso(clock: datetime | None = None) -> str:
+    return (clock or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _pod_condition(pod: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    for c in pod.get("status", {}).get("conditions", []) or []:
+        if c.get("type") == type_:
+            return c
+    return None
+
+
+def _unschedulable(pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    out = []
+    for pod in pods:
+        c = _pod_condition(pod, "PodScheduled")
+        if c and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+            out.append((pod["metadata"]["name"], c.get("message", "")))
+    return out
+
+
+def rolled_out(sts: dict[str, Any] | None, replicas: int) -> bool:
+    """The StatefulSet controller has seen the newest template and every pod runs it and is ready."""
+    if not sts:
+        return False
+    st = sts.get("status", {}) or {}
+    return (st.get("observedGeneration", 0) >= sts["metadata"].get("generation", 1)
+            and st.get("updateRevision", "") == st.get("currentRevision", st.get("updateRevision", ""))
+            and (st.get("updatedReplicas") or 0) == replicas
+            and (st.get("readyReplicas") or 0) == replicas
+            and (st.get("replicas") or 0) == replicas)
+
+
+def _scheduled(replicas: int, pods: list[dict[str, Any]]) -> Cond:
+    stuck = _unschedulable(pods)
+    if stuck:
+        name, msg = stuck[0]
+        return Cond("Scheduled", "False", "Unschedulable", f"{len(stuck)} pod(s) cannot be placed; {name}: {msg}")
+    bound = sum(1 for p in pods if p.get("spec", {}).get("nodeName"))
+    if replicas == 0:
+        return Cond("Scheduled", "True", "NoReplicas", "spec.replicas is 0")
+    if bound >= replicas:
+        nodes = sorted({p["spec"]["nodeName"] for p in pods if p.get("spec", {}).get("nodeName")})
+        return Cond("Scheduled", "True", "AllPodsScheduled", f"{bound}/{replicas} pods on nodes {', '.join(nodes)}")
+    return Cond("Scheduled", "Unknown", "PodsPending", f"{bound}/{replicas} pods bound to a node")
+
+
+def _ready(replicas: int, obs: Observed, scheduled: Cond) -> Cond:
+    st = (obs.statefulset or {}).get("status", {}) or {}
+    ready = st.get("readyReplicas") or 0
+    if rolled_out(obs.statefulset, replicas):
+        return Cond("Ready", "True", "AllReplicasReady", f"{ready}/{replicas} replicas ready and up to date")
+    if scheduled.status == "False":
+        return Cond("Ready", "False", "Unschedulable", scheduled.message)
+    updated = st.get("updatedReplicas") or 0
+    if obs.statefulset and (updated < replicas or st.get("observedGeneration", 0) < obs.statefulset["metadata"].get("generation", 1)):
+        return Cond("Ready", "False", "RollingOut", f"{updated}/{replicas} replicas updated, {ready} ready")
+    return Cond("Ready", "False", "ReplicasNotReady", f"{ready}/{replicas} replicas ready")
+
+
+def _disk(desired: Desired, pods: list[dict[str, Any]]) -> Cond:
+    disk = desired.spec.offload.disk
+    if not disk:
+        return Cond("DiskTierReady", "False", "NotConfigured", "spec.offload.disk is not set: CPU tier only")
+    where = (f"hostPath {disk.path}/<namespace>/<name>/<pod>" if disk.path else f"ephemeral volume ({disk.storage_class})")
+    cleanup = ("emptied at every pod start; node directories are left in place when the resource is deleted "
+               "(remove them with the node cleaner, see docs)" if disk.reclaim_policy == "Delete" else "reclaimPolicy Retain: kept")
+    initialized = [p for p in pods if (_pod_condition(p, "Initialized") or {}).get("status") == "True"]
+    replicas = desired.spec.replicas
+    if replicas and len(initialized) >= replicas:
+        return Cond("DiskTierReady", "True", "DirectoriesPrepared",
+                    f"{format_bytes(disk.size)} per replica on {where}; {len(initialized)}/{replicas} pod directories {cleanup}")
+    return Cond("DiskTierReady", "False", "Preparing", f"{len(initialized)}/{replicas} pod directories prepared on {where}")
+
+
+def _offload(desired: Desired, ready: Cond) -> Cond:
+    tiers = f"CPU {format_bytes(desired.spec.offload.cpu_size)}" + (
+        f", disk {format_bytes(desired.spec.offload.disk.size)}" if desired.spec.offload.disk else "")
+    if ready.status != "True":
+        return Cond("OffloadActive", "Unknown", "EngineNotReady", f"LMCacheConnectorV1 configured ({tiers}); engine not ready yet")
+    if not desired.spec.metrics_enabled:
+        return Cond("OffloadActive", "Unknown", "MetricsDisabled", f"LMCacheConnectorV1 configured ({tiers}); enable spec.metrics to prove it")
+    return Cond("OffloadActive", "Unknown", "SeeExporter",
+                f"LMCacheConnectorV1 configured ({tiers}); kvoffload_offload_active on each pod's exporter proves it is moving data")
+
+
+def evaluate(desired: Desired | None, error: ConfigError | None, obs: Observed) -> list[Cond]:
+    if error is not None or desired is None:
+        msg = str(error) if error else "not evaluated"
+        return [Cond("Ready", "False", "ConfigInvalid", msg), Cond("ConfigValid", "False", "InvalidSpec", msg),
+                Cond("Scheduled", "Unknown", "ConfigInvalid", "no children created or changed while the spec is invalid"),
+                Cond("OffloadActive", "Unknown", "ConfigInvalid", msg),
+                Cond("DiskTierReady", "Unknown", "ConfigInvalid", msg)]
+    replicas = desired.spec.replicas
+    scheduled = _scheduled(replicas, obs.pods)
+    ready = _ready(replicas, obs, scheduled)
+    warnings = "; ".join(desired.budget.warnings)
+    valid = Cond("ConfigValid", "True", "Valid", "spec is valid" + (f"; warnings: {warnings}" if warnings else ""))
+    return [ready, valid, scheduled, _offload(desired, ready), _disk(desired, obs.pods)]
+
+
+def merge(previous: list[dict[str, Any]] | None, new: list[Cond], generation: int, clock: datetime | None = None) -> list[dict[str, Any]]:
+    """Conditions as API objects; keep lastTransitionTime where status did not change."""
+    before = {c.get("type"): c for c in previous or []}
+    out = []
+    for c in new:
+        old = before.get(c.type)
+        since = old["lastTransitionTime"] if old and old.get("status") == c.status and old.get("lastTransitionTime") else now_iso(clock)
+        out.append({"type": c.type, "status": c.status, "reason": c.reason, "message": c.message[:32768],
+                    "lastTransitionTime": since, "observedGeneration": generation})
+    return out
+
+
+def status(body: dict[str, Any], desired: Desired | None, error: ConfigError | None, obs: Observed,
+           clock: datetime | None = None) -> dict[str, Any]:
+    """The whole status for `body`, derived only from its inputs."""
+    meta, previous = body["metadata"], body.get("status") or {}
+    generation = meta.get("generation", 1)
+    conds = evaluate(desired, error, obs)
+    out: dict[str, Any] = {"conditions": merge(previous.get("conditions"), conds, generation, clock)}
+    sts_status = (obs.statefulset or {}).get("status", {}) or {}
+    out["replicas"] = sts_status.get("replicas") or 0
+    out["readyReplicas"] = sts_status.get("readyReplicas") or 0
+    out["selector"] = f"{render.OWNER_LABEL}={meta['name']}"
+    if desired is None:
+        out["observedGeneration"] = generation  # nothing to roll out: the verdict is about this generation
+        for key in ("endpoint", "versions", "summary", "budget"):
+            if key in previous:
+                out[key] = previous[key]
+        return out
+    rolled = desired.spec.replicas == 0 or rolled_out(obs.statefulset, desired.spec.replicas)
+    # observedGeneration lags until the generation's children are applied and rolled out.
+    out["observedGeneration"] = generation if rolled else previous.get("observedGeneration", 0)
+    b = desired.budget
+    out["endpoint"] = render.endpoint(render.Owner(meta["name"], meta["namespace"]))
+    out["versions"] = {"image": desired.spec.engine.image, "vllm": desired.spec.engine.vllm_version,
+                       "lmcache": desired.spec.engine.lmcache_version}
+    out["summary"] = {"gpuTokens": b.tier("gpu").tokens, "cpuTokens": b.tier("cpu").tokens,
+                      "diskTokens": b.tier("disk").tokens, "memory": format_bytes(b.memory_limit)}
+    out["budget"] = b.to_dict()
+    return out

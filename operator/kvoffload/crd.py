@@ -1,0 +1,344 @@
+"""The KVOffloadServe CRD: the one source of truth for the API.
+
+`crds/` and the chart's CRD template are generated from `crd()` (`make generate`), the
+parser reads defaults from `schema()`, and tests prove all three agree. Every field has a
+description, so `kubectl explain kvs.spec...` teaches the API; bounds, enums and CEL rules
+let the API server refuse bad input before the operator sees it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GROUP = "kvoffload.io"
+VERSION = "v1alpha1"
+KIND = "KVOffloadServe"
+PLURAL = "kvoffloadserves"
+SINGULAR = "kvoffloadserve"
+SHORT_NAMES = ["kvs"]
+
+# Flags and env vars the operator renders itself; users may not override them.
+MANAGED_FLAGS = (
+    "--kv-transfer-config", "--tensor-parallel-size", "-tp", "--max-model-len", "--gpu-memory-utilization",
+    "--max-num-seqs", "--dtype", "--kv-cache-dtype", "--port", "--host", "--served-model-name",
+    "--kv-offloading-backend", "--kv-offloading-size", "--model",
+)
+MANAGED_ENV = ("LMCACHE_CONFIG_FILE", "PYTHONHASHSEED", "PROMETHEUS_MULTIPROC_DIR", "LMCACHE_USE_EXPERIMENTAL")
+MANAGED_ENV_PREFIX = "LMCACHE_"
+
+Schema = dict[str, Any]
+QUANTITY_RULE = "isQuantity(self) && quantity(self).sign() >= 0"
+POSITIVE_QUANTITY_RULE = "isQuantity(self) && quantity(self).sign() > 0"
+
+
+def _s(description: str, **kw: Any) -> Schema:
+    return {"type": "string", "description": description, **kw}
+
+
+def _i(description: str, **kw: Any) -> Schema:
+    return {"type": "integer", "description": description, **kw}
+
+
+def _q(description: str, *, positive: bool = True, **kw: Any) -> Schema:
+    """A Kubernetes quantity as a string (`40Gi`, `500G`), checked by the API server's CEL quantity library."""
+    rule = POSITIVE_QUANTITY_RULE if positive else QUANTITY_RULE
+    allowed = "> 0" if positive else ">= 0"
+    return _s(description, maxLength=32, **kw,
+              **{"x-kubernetes-validations": [{"rule": rule, "message": f"must be a Kubernetes quantity {allowed}, e.g. 40Gi or 500G"}]})
+
+
+def _o(description: str, properties: dict[str, Schema], *, required: list[str] | None = None,
+       rules: list[dict[str, str]] | None = None, **kw: Any) -> Schema:
+    out: Schema = {"type": "object", "description": description, "properties": properties, **kw}
+    if required:
+        out["required"] = required
+    if rules:
+        out["x-kubernetes-validations"] = rules
+    return out
+
+
+def _free(description: str, type_: str = "object") -> Schema:
+    """A Kubernetes core type passed through to the pod as is (the API server validates it on the pod)."""
+    s: Schema = {"type": type_, "description": description}
+    if type_ == "array":
+        s["items"] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    else:
+        s["x-kubernetes-preserve-unknown-fields"] = True
+    return s
+
+
+def _architecture() -> Schema:
+    return _o(
+        "Model shape, for models outside the built-in catalog or to correct it. Each field set here wins over the catalog.",
+        {
+            "layers": _i("Number of transformer layers (num_hidden_layers in config.json).", minimum=1, maximum=1024),
+            "attentionHeads": _i("Number of attention (query) heads (num_attention_heads).", minimum=1, maximum=1024),
+            "kvHeads": _i("Number of key/value heads (num_key_value_heads; equals attentionHeads without GQA).", minimum=1, maximum=1024),
+            "headDim": _i("Dimension of one attention head (head_dim, or hidden_size / num_attention_heads).", minimum=1, maximum=4096),
+            "parameters": _i("Parameter count, used to size the weights in GPU memory (e.g. 8030261248).", minimum=1, format="int64"),
+        },
+    )
+
+
+def _model() -> Schema:
+    return _o(
+        "The model to serve.",
+        {
+            "name": _s("Hugging Face model id (e.g. meta-llama/Llama-3.1-8B-Instruct) or a path inside the model cache volume.",
+                       minLength=1, maxLength=256, pattern=r"^[A-Za-z0-9_./-]+$"),
+            "servedName": _s("Name clients use in API requests (vLLM --served-model-name); defaults to name.", maxLength=256),
+            "architecture": _architecture(),
+            "kvDtype": _s("Element type of the KV cache (vLLM --kv-cache-dtype). auto follows engine.dtype; fp8 halves the KV bytes per token.",
+                          enum=["auto", "bf16", "fp8"], default="auto"),
+            "hfTokenSecret": _o(
+                "Secret holding a Hugging Face token, for gated models. Exposed to vLLM as HF_TOKEN.",
+                {"name": _s("Secret name, in the same namespace.", minLength=1, maxLength=253),
+                 "key": _s("Key in the Secret.", default="token", minLength=1, maxLength=253)},
+                required=["name"]),
+            "cache": _o(
+                "A PersistentVolumeClaim that holds downloaded weights, mounted as the Hugging Face cache so restarts skip the download.",
+                {"claimName": _s("PVC name, in the same namespace.", minLength=1, maxLength=253),
+                 "readOnly": {"type": "boolean", "description": "Mount the claim read-only (weights already present).", "default": False}},
+                required=["claimName"]),
+        },
+        required=["name"],
+    )
+
+
+def _engine() -> Schema:
+    return _o(
+        "The vLLM engine.",
+        {
+            "image": _s("Serving image with vLLM and LMCache. Defaults to the operator's default image.", maxLength=512),
+            "vllmVersion": _s("vLLM version inside image, required when the image is not in the operator's version table.",
+                              pattern=r"^[0-9]+\.[0-9]+\.[0-9]+$"),
+            "lmcacheVersion": _s("LMCache version inside image, required when the image is not in the operator's version table.",
+                                 pattern=r"^[0-9]+\.[0-9]+\.[0-9]+$"),
+            "maxModelLen": _i("Longest sequence (prompt + output) in tokens (vLLM --max-model-len). At least one such sequence must fit in the GPU tier.",
+                              minimum=16, maximum=16777216),
+            "gpuMemoryUtilization": {"type": "number", "description": "Fraction of each GPU's memory vLLM may use, in (0, 1] (vLLM --gpu-memory-utilization).",
+                                     "exclusiveMinimum": True, "minimum": 0, "maximum": 1, "default": 0.9},
+            "maxNumSeqs": _i("Maximum sequences served at once (vLLM --max-num-seqs).", minimum=1, maximum=65536, default=256),
+            "tensorParallelSize": _i("GPUs per replica the model is sharded over (vLLM --tensor-parallel-size). The pod asks for this many GPUs.",
+                                     minimum=1, maximum=64, default=1),
+            "dtype": _s("Weight and activation type (vLLM --dtype). auto means the model's own (bf16 for the catalog).",
+                        enum=["auto", "bfloat16", "float16"], default="auto"),
+            "extraArgs": {"type": "array", "maxItems": 64, "description": (
+                "Extra vLLM command-line arguments. Flags the operator manages are refused: " + ", ".join(MANAGED_FLAGS) + "."),
+                "items": {"type": "string", "maxLength": 1024},
+                "x-kubernetes-validations": [{
+                    "rule": "self.all(a, !(a.split('=')[0] in " + _cel_list(MANAGED_FLAGS) + "))",
+                    "message": "extraArgs may not set a flag the operator manages: " + ", ".join(MANAGED_FLAGS)}]},
+            "env": {"type": "array", "maxItems": 64, "description": (
+                "Extra environment variables for the vLLM container (Kubernetes EnvVar). Variables the operator manages are refused: "
+                + ", ".join(MANAGED_ENV) + " and any LMCACHE_* (put engine settings in spec.offload)."),
+                "items": {"type": "object", "required": ["name"], "x-kubernetes-preserve-unknown-fields": True,
+                          "properties": {"name": _s("Variable name.", minLength=1, maxLength=256)}},
+                "x-kubernetes-validations": [{
+                    "rule": "self.all(e, !(e.name in " + _cel_list(MANAGED_ENV) + ") && !e.name.startsWith('" + MANAGED_ENV_PREFIX + "'))",
+                    "message": "env may not set a variable the operator manages: " + ", ".join(MANAGED_ENV) + " or LMCACHE_*"}]},
+        },
+        required=["maxModelLen"],
+    )
+
+
+def _cel_list(items: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{i}'" for i in items) + "]"
+
+
+def _offload() -> Schema:
+    no_threshold = ("There is no CPU fill threshold: LMCache writes each chunk to every tier at store time "
+                    "(write-through), and each tier evicts on its own when full; a disk hit is copied back into the CPU tier.")
+    cpu = _o(
+        "Warm tier: pinned host memory, allocated in full when the engine starts (it cannot be reclaimed, so it is part of the "
+        "pod's memory request = limit). " + no_threshold,
+        {"size": _q("Pinned CPU memory for KV chunks, per replica (split evenly over the tensor-parallel ranks; LMCache's "
+                    "max_local_cpu_size is this ÷ tensorParallelSize, in GiB)."),
+         "evictionPolicy": _s("Which chunk a full tier drops (LMCache cache_policy; applies to the CPU and disk tiers).",
+                              enum=["LRU", "LFU", "FIFO", "MRU"], default="LRU")},
+        required=["size"],
+    )
+    disk = _o(
+        "Cold tier: node-local NVMe. Needs the CPU tier. Either a hostPath under a root the cluster admin allowed "
+        "(path), or a generic ephemeral volume from a StorageClass (storageClassName) for namespaces that forbid hostPath. "
+        "Each pod gets its own directory <path>/<namespace>/<name>/<pod>, emptied before the engine starts: LMCache never "
+        "reads back files of an earlier process and does not count them against its budget. " + no_threshold,
+        {"path": _s("Absolute node directory under one of the operator's allowed roots (not the root itself), e.g. /mnt/nvme/lmcache.",
+                    maxLength=512, pattern=r"^/[A-Za-z0-9._/-]*$",
+                    **{"x-kubernetes-validations": [{"rule": "!self.matches('(^|/)[.][.]?(/|$)') && !self.contains('//')",
+                                                     "message": "path must be absolute and normalized: no '.', '..' or '//' segments"}]}),
+         "storageClassName": _s("StorageClass of a generic ephemeral volume used instead of a hostPath (PSS-restricted namespaces).",
+                                maxLength=253),
+         "size": _q("Disk budget per replica (split over the tensor-parallel ranks; LMCache's max_local_disk_size is this ÷ "
+                    "tensorParallelSize, in GiB). LMCache never writes more than this."),
+         "reclaimPolicy": _s("What happens to node directories when a pod or the resource goes: Delete (emptied at every pod start; "
+                             "removed from nodes by the node cleaner when the resource is deleted) or Retain (left for the admin).",
+                             enum=["Delete", "Retain"], default="Delete"),
+         "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"},
+                          "description": "Node labels that mark nodes with this disk; defaults to the operator's NVMe label."}},
+        required=["size"],
+        rules=[{"rule": "has(self.path) != has(self.storageClassName)",
+                "message": "set exactly one of spec.offload.disk.path (hostPath) or spec.offload.disk.storageClassName (ephemeral volume)"}],
+    )
+    return _o(
+        "KV-cache offloading through LMCache (in-process connector LMCacheConnectorV1): hot blocks stay in GPU memory, warm "
+        "ones go to pinned CPU memory, cold ones to node-local disk.",
+        {"chunkSize": _i("Tokens per LMCache chunk (chunk_size); the unit stored, looked up and evicted.",
+                         minimum=16, maximum=8192, default=256),
+         "cpu": cpu,
+         "disk": disk},
+        required=["cpu"],
+    )
+
+
+def _resources() -> Schema:
+    return _o(
+        "Resources of each serving pod. Memory is computed from the tiers (request = limit); the fields here override the terms.",
+        {"gpuResourceName": _s("Extended resource that counts GPUs.", default="nvidia.com/gpu", maxLength=253),
+         "gpuMemory": _q("Memory of one GPU, used for sizing the GPU tier (e.g. 80Gi for H100, 141Gi for H200, 24Gi for an RTX 4090). "
+                         "Defaults to the operator's setting."),
+         "cpu": _q("CPU request of the vLLM container.", default="4"),
+         "memory": _q("Memory request = limit of the vLLM container, replacing the computed figure (it must still hold the CPU tier)."),
+         "engineBaseline": _q("Host memory of vLLM's API server and engine core, before KV tiers.", positive=False),
+         "perWorkerOverhead": _q("Host memory of each tensor-parallel worker process (torch, CUDA runtime).", positive=False),
+         "stagingPerWorker": _q("Pinned staging buffers per tensor-parallel worker for GPU/CPU/disk copies.", positive=False),
+         "shm": _q("Size of the memory-backed /dev/shm (counts against the memory limit)."),
+         "headroomPercent": _i("Headroom added on top of the sum, in percent.", minimum=0, maximum=100)},
+    )
+
+
+def _scheduling() -> Schema:
+    return _o(
+        "Where serving pods may run.",
+        {"nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}, "description": "Node labels pods require."},
+         "tolerations": _free("Pod tolerations (Kubernetes Toleration list).", "array"),
+         "affinity": _free("Pod affinity (Kubernetes Affinity)."),
+         "priorityClassName": _s("PriorityClass of the pods.", maxLength=253)},
+    )
+
+
+def _metrics() -> Schema:
+    return _o(
+        "The per-tier metrics exporter sidecar.",
+        {"enabled": {"type": "boolean", "description": "Run the exporter sidecar in every pod.", "default": True},
+         "port": _i("Port of the exporter's /metrics.", minimum=1024, maximum=65535, default=9400)},
+    )
+
+
+def spec_schema() -> Schema:
+    return _o(
+        "Desired state of a vLLM + LMCache service with KV-cache offloading.",
+        {"model": _model(),
+         "replicas": _i("Number of serving pods (each a full copy of the model).", minimum=0, maximum=1000, default=1),
+         "engine": _engine(),
+         "offload": _offload(),
+         "resources": _resources(),
+         "scheduling": _scheduling(),
+         "metrics": _metrics()},
+        required=["model", "engine", "offload"],
+        rules=[{"rule": "!has(self.offload.disk) || !has(self.offload.disk.nodeSelector) || !has(self.scheduling) "
+                        "|| !has(self.scheduling.nodeSelector) || self.offload.disk.nodeSelector.all(k, !(k in self.scheduling.nodeSelector) "
+                        "|| self.scheduling.nodeSelector[k] == self.offload.disk.nodeSelector[k])",
+                "message": "spec.offload.disk.nodeSelector and spec.scheduling.nodeSelector disagree on a label"}],
+    )
+
+
+def _condition() -> Schema:
+    return _o(
+        "A condition (Kubernetes API conventions).",
+        {"type": _s("Ready, ConfigValid, Scheduled, OffloadActive or DiskTierReady."),
+         "status": _s("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+         "reason": _s("CamelCase reason."),
+         "message": _s("Human-readable detail."),
+         "lastTransitionTime": _s("When status last changed.", format="date-time"),
+         "observedGeneration": _i("Generation the condition was computed from.", format="int64")},
+        required=["type", "status"],
+    )
+
+
+def status_schema() -> Schema:
+    return _o(
+        "Observed state, written by the operator.",
+        {"observedGeneration": _i("Generation of the spec the operator last acted on.", format="int64"),
+         "conditions": {"type": "array", "description": "Ready, ConfigValid, Scheduled, OffloadActive, DiskTierReady.",
+                        "items": _condition(), "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+         "replicas": _i("Pods that exist.", format="int32"),
+         "readyReplicas": _i("Pods that are Ready.", format="int32"),
+         "selector": _s("Label selector of the pods (for the scale subresource and HPA)."),
+         "endpoint": _s("In-cluster URL of the OpenAI-compatible API."),
+         "versions": _o("What is running.", {"image": _s("Serving image."), "vllm": _s("vLLM version."), "lmcache": _s("LMCache version.")}),
+         "summary": _o("Short figures for kubectl get.", {
+             "gpuTokens": _i("Tokens the GPU tier holds.", format="int64"),
+             "cpuTokens": _i("Tokens the CPU tier holds.", format="int64"),
+             "diskTokens": _i("Tokens the disk tier holds.", format="int64"),
+             "memory": _s("Memory request = limit of the vLLM container.")}),
+         "budget": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                    "description": "The computed budget: KV bytes per token, tokens and sequences per tier, memory terms, /dev/shm, reload vs recompute."}},
+    )
+
+
+def schema() -> Schema:
+    return {"type": "object", "description": "KVOffloadServe runs vLLM with LMCache KV-cache offloading (GPU, pinned CPU, node-local disk).",
+            "properties": {"apiVersion": {"type": "string", "description": "APIVersion of this object."},
+                           "kind": {"type": "string", "description": "Kind of this object."},
+                           "metadata": {"type": "object"},
+                           "spec": spec_schema(),
+                           "status": status_schema()},
+            "required": ["spec"]}
+
+
+def printer_columns() -> list[dict[str, Any]]:
+    return [
+        {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+        {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
+        {"name": "Available", "type": "integer", "jsonPath": ".status.readyReplicas"},
+        {"name": "GPU-Tokens", "type": "integer", "jsonPath": ".status.summary.gpuTokens"},
+        {"name": "CPU", "type": "string", "jsonPath": ".spec.offload.cpu.size"},
+        {"name": "CPU-Tokens", "type": "integer", "jsonPath": ".status.summary.cpuTokens", "priority": 1},
+        {"name": "Disk", "type": "string", "jsonPath": ".spec.offload.disk.size"},
+        {"name": "Disk-Tokens", "type": "integer", "jsonPath": ".status.summary.diskTokens", "priority": 1},
+        {"name": "Memory", "type": "string", "jsonPath": ".status.summary.memory"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+
+def crd() -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}", "labels": {"app.kubernetes.io/name": "kvoffload", "app.kubernetes.io/part-of": "kvoffload"}},
+        "spec": {
+            "group": GROUP,
+            "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL, "singular": SINGULAR,
+                      "shortNames": SHORT_NAMES, "categories": ["all", "kvoffload"]},
+            "scope": "Namespaced",
+            "versions": [{
+                "name": VERSION, "served": True, "storage": True,
+                "schema": {"openAPIV3Schema": schema()},
+                "subresources": {"status": {}, "scale": {"specReplicasPath": ".spec.replicas",
+                                                         "statusReplicasPath": ".status.replicas",
+                                                         "labelSelectorPath": ".status.selector"}},
+                "additionalPrinterColumns": printer_columns(),
+            }],
+        },
+    }
+
+
+def default_at(path: str) -> Any:
+    """The schema default at a dotted spec path (e.g. `offload.chunkSize`), or None."""
+    node = spec_schema()
+    for part in path.split("."):
+        node = node["properties"][part]
+    return node.get("default")
+
+
+def leaf_paths(node: Schema | None = None, prefix: str = "") -> set[str]:
+    """Every leaf field of the spec, as dotted paths; pass-through Kubernetes types count as leaves."""
+    node = spec_schema() if node is None else node
+    props = node.get("properties")
+    if node.get("type") != "object" or not props or node.get("x-kubernetes-preserve-unknown-fields"):
+        return {prefix}
+    out: set[str] = set()
+    for name, child in props.items():
+        out |= leaf_paths(child, f"{prefix}.{name}" if prefix else name)
+    return out

@@ -1,0 +1,104 @@
+"""kopf registrations, and nothing else: every event ends in the one idempotent `reconcile`.
+
+kopf is edge-triggered; this makes it level-based: CR events, child events and a slow timer
+all kick the same per-resource queue, which coalesces bursts (a rollout emits dozens of pod
+events) into one reconcile at a time per resource and retries failures with backoff.
+Handlers keep no state in the resource: no finalizer, no progress annotations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+import kopf
+
+from . import crd, render
+from .kube import Kube, load_api_client
+from .reconcile import reconcile
+from .settings import Settings, load
+
+log = logging.getLogger("kvoffload.operator")
+
+
+class Queue:
+    """At most one reconcile per resource in flight; kicks during one mark it dirty for one more pass."""
+
+    def __init__(self, kube: Kube, settings: Settings) -> None:
+        self.kube, self.settings = kube, settings
+        self.running: dict[tuple[str, str], bool] = {}  # key -> dirty
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def kick(self, namespace: str, name: str) -> None:
+        key = (namespace, name)
+        if key in self.running:
+            self.running[key] = True
+            return
+        self.running[key] = False
+        task = asyncio.get_running_loop().create_task(self._drain(key))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _drain(self, key: tuple[str, str]) -> None:
+        delay = 0.5
+        try:
+            while True:
+                self.running[key] = False
+                try:
+                    outcome = await asyncio.to_thread(reconcile, self.kube, key[0], key[1], self.settings)
+                    log.debug("reconciled %s/%s: %s", *key, outcome)
+                    delay = 0.5
+                except Exception as exc:  # API down, timeouts: level-based, so just try again later
+                    log.warning("reconcile %s/%s failed (retry in %.1fs): %s", *key, delay, exc)
+                    await asyncio.sleep(delay * (1 + random.random() / 2))
+                    delay = min(delay * 2, 30)
+                    self.running[key] = True
+                if not self.running[key]:
+                    return
+        finally:
+            self.running.pop(key, None)
+
+
+QUEUE: Queue | None = None
+SETTINGS: Settings = Settings()
+
+
+def _kick(namespace: str | None, name: str | None) -> None:
+    if QUEUE is not None and namespace and name:
+        QUEUE.kick(namespace, name)
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: object) -> None:
+    global QUEUE, SETTINGS
+    SETTINGS = load()
+    QUEUE = Queue(Kube(load_api_client()), SETTINGS)
+    settings.persistence.finalizer = f"{crd.GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=crd.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=crd.GROUP, key="last-handled-configuration")
+    settings.watching.server_timeout = 300  # watches never go idle silently
+    settings.watching.client_timeout = 310
+    settings.posting.enabled = False  # conditions carry the story; no event per reconcile
+    settings.execution.max_workers = 8
+
+
+@kopf.on.event(crd.GROUP, crd.VERSION, crd.PLURAL)
+def serve_event(type: str | None, namespace: str | None, name: str | None, **_: object) -> None:
+    if type != "DELETED":
+        _kick(namespace, name)
+
+
+def _child_event(labels: dict[str, str], namespace: str | None, **_: object) -> None:
+    _kick(namespace, labels.get(render.OWNER_LABEL))
+
+
+# Child events: pods drive Scheduled/Ready; the rest catches drift (a child deleted or edited by hand).
+for _resource in (("v1", "pods"), ("apps", "v1", "statefulsets"), ("v1", "configmaps"), ("v1", "services"),
+                  ("policy", "v1", "poddisruptionbudgets")):
+    kopf.on.event(*_resource, labels={render.OWNER_LABEL: kopf.PRESENT})(_child_event)
+
+
+@kopf.timer(crd.GROUP, crd.VERSION, crd.PLURAL, interval=SETTINGS.resync_seconds, initial_delay=SETTINGS.resync_seconds)
+def resync(namespace: str | None, name: str | None, **_: object) -> None:
+    _kick(namespace, name)

@@ -1,0 +1,52 @@
+"""Which (vLLM, LMCache) pair an image holds, and what that pair supports.
+
+No published image pairs vLLM 0.33.0 with LMCache 0.5.6 (LMCache's CUDA extension fails to
+import against vLLM 0.33's torch), so the operator must know the pair and render for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class EnginePair:
+    vllm: str
+    lmcache: str
+
+
+# Images whose contents are known. The kvoffload serving image is built by images/serving/Dockerfile
+# from the same pins; a test checks the two agree.
+KNOWN_IMAGES: dict[str, EnginePair] = {
+    "lmcache/vllm-openai:v0.5.4": EnginePair(vllm="0.27.1", lmcache="0.5.4"),
+    "ghcr.io/kvoffload/vllm-lmcache:0.27.1-0.5.4": EnginePair(vllm="0.27.1", lmcache="0.5.4"),
+}
+
+# LMCacheConnectorV1 with the in-process config file exists from these versions on.
+MIN_VLLM = (0, 10, 0)
+MIN_LMCACHE = (0, 3, 0)
+
+
+def _version(text: str, field: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in text.split("."))
+    except ValueError:
+        raise ConfigError(field, f"{text!r} is not a version like 0.5.6") from None
+
+
+def resolve(image: str, vllm: str | None, lmcache: str | None) -> EnginePair:
+    """The pair in `image`: explicit versions win, then the table; unknown images must say what they hold."""
+    known = KNOWN_IMAGES.get(image)
+    vllm = vllm or (known.vllm if known else None)
+    lmcache = lmcache or (known.lmcache if known else None)
+    if vllm is None or lmcache is None:
+        missing = "spec.engine.vllmVersion" if vllm is None else "spec.engine.lmcacheVersion"
+        raise ConfigError(missing, f"image {image!r} is not in the operator's version table "
+                                   f"({', '.join(sorted(KNOWN_IMAGES))}); set spec.engine.vllmVersion and spec.engine.lmcacheVersion")
+    if _version(vllm, "spec.engine.vllmVersion") < MIN_VLLM:
+        raise ConfigError("spec.engine.vllmVersion", f"vLLM {vllm} predates LMCacheConnectorV1; need >= {'.'.join(map(str, MIN_VLLM))}")
+    if _version(lmcache, "spec.engine.lmcacheVersion") < MIN_LMCACHE:
+        raise ConfigError("spec.engine.lmcacheVersion", f"LMCache {lmcache} is too old; need >= {'.'.join(map(str, MIN_LMCACHE))}")
+    return EnginePair(vllm=vllm, lmcache=lmcache)

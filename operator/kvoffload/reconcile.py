@@ -1,0 +1,99 @@
+"""One idempotent, level-based reconcile of a KVOffloadServe: I/O at the two ends of the pure pipeline.
+
+read CR -> desired (pure) -> apply what differs -> prune -> read children -> status (pure) -> write if changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Any
+
+from . import conditions, crd, pipeline, render
+from .errors import ConfigError
+from .kube import ApiError, Kube, collection
+from .settings import Settings
+
+log = logging.getLogger("kvoffload.reconcile")
+
+
+def cr_path(namespace: str, name: str = "") -> str:
+    base = f"/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{namespace}/{crd.PLURAL}"
+    return f"{base}/{name}" if name else base
+
+
+def covers(desired: Any, live: Any) -> bool:
+    """True when every field we set has that value in the live object (others' fields and server defaults ignored)."""
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(covers(v, live.get(k)) for k, v in desired.items())
+    if isinstance(desired, list):
+        return isinstance(live, list) and len(desired) == len(live) and all(covers(d, l) for d, l in zip(desired, live))
+    return desired == live
+
+
+def _key(obj: dict[str, Any]) -> tuple[str, str, str]:
+    return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
+
+
+def _live_children(kube: Kube, namespace: str, name: str) -> dict[tuple[str, str, str], dict[str, Any]]:
+    selector = f"{render.OWNER_LABEL}={name}"
+    live = {}
+    for api_version, kind in render.CHILD_KINDS:
+        for obj in kube.list(collection(api_version, kind, namespace), selector):
+            obj.setdefault("apiVersion", api_version)
+            obj.setdefault("kind", kind)
+            live[_key(obj)] = obj
+    return live
+
+
+def _owned_by(obj: dict[str, Any], uid: str) -> bool:
+    return any(ref.get("uid") == uid and ref.get("controller") for ref in obj["metadata"].get("ownerReferences", []) or [])
+
+
+def sync_children(kube: Kube, namespace: str, name: str, uid: str, children: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Apply children that differ from the cluster, prune ours that are no longer wanted; return the StatefulSet."""
+    live = _live_children(kube, namespace, name)
+    wanted = {_key(c) for c in children}
+    sts = None
+    for child in children:
+        current = live.get(_key(child))
+        if current is None or not covers(child, current):
+            log.info("apply %s %s/%s", child["kind"], namespace, child["metadata"]["name"])
+            current = kube.apply(child)
+        if child["kind"] == "StatefulSet":
+            sts = current
+    for key, obj in live.items():
+        if key not in wanted and _owned_by(obj, uid):
+            log.info("prune %s %s/%s", key[1], namespace, key[2])
+            kube.delete(f"{collection(key[0], key[1], namespace)}/{key[2]}")
+    return sts
+
+
+def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: datetime | None = None) -> str:
+    """Bring one KVOffloadServe's children and status in line with its spec. Returns a short outcome."""
+    body = kube.get(cr_path(namespace, name))
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return "gone"  # children go through garbage collection (ownerReferences)
+    meta = body["metadata"]
+    desired: pipeline.Desired | None = None
+    error: ConfigError | None = None
+    try:
+        pipeline.validate_name(name)
+        desired = pipeline.desired(name, namespace, meta["uid"], body.get("spec") or {}, settings)
+    except ConfigError as exc:
+        error = exc  # no child is created or changed while the spec is invalid
+    sts, pods = None, []
+    if desired is not None:
+        sts = sync_children(kube, namespace, name, meta["uid"], desired.children)
+        if desired.spec.replicas:
+            pods = kube.list(collection("v1", "Pod", namespace), f"{render.OWNER_LABEL}={name}")
+    new_status = conditions.status(body, desired, error, conditions.Observed(sts, pods), clock)
+    if new_status == (body.get("status") or {}):
+        return "unchanged"
+    try:
+        kube.replace_status(cr_path(namespace, name), new_status, meta["resourceVersion"])
+    except ApiError as exc:
+        if exc.status in (404, 409, 422):  # gone, or changed under us: the next event reconciles again
+            return "conflict"
+        raise
+    return "invalid" if error else "updated"

@@ -1,0 +1,310 @@
+"""render: (KVOffloadServe metadata, Spec, Budget, Settings) -> the children, as plain dicts.
+
+Pure and deterministic: the same input always gives byte-identical manifests, so golden
+files, `kvoffload render` and the reconciler agree, and a no-op reconcile writes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from . import crd
+from .quantity import format_bytes, gib
+from .settings import Settings
+from .sizing import Budget
+from .spec import Spec
+
+HTTP_PORT = 8000
+CONFIG_DIR = "/etc/lmcache"
+CONFIG_FILE = f"{CONFIG_DIR}/lmcache.yaml"
+DISK_DIR = "/kvcache"
+MULTIPROC_DIR = "/var/run/kvoffload/prometheus"
+MODELS_DIR = "/models"
+KV_TRANSFER_CONFIG = json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, separators=(",", ":"))
+OWNER_LABEL = "kvoffload.io/serve"
+CONFIG_HASH_ANNOTATION = "kvoffload.io/config-hash"
+KV_DTYPE_FLAG = {"bf16": "bfloat16", "fp8": "fp8"}
+# Kinds the operator owns, in apply order (config before the pods that mount it).
+CHILD_KINDS = (("v1", "ConfigMap"), ("v1", "Service"), ("apps/v1", "StatefulSet"), ("policy/v1", "PodDisruptionBudget"))
+
+
+@dataclass(frozen=True)
+class Owner:
+    name: str
+    namespace: str
+    uid: str = ""  # empty in offline rendering: no ownerReferences then
+
+
+def names(owner_name: str) -> dict[str, str]:
+    return {"statefulset": owner_name, "configmap": f"{owner_name}-lmcache", "service": owner_name,
+            "headless": f"{owner_name}-pods", "pdb": owner_name}
+
+
+def selector_labels(owner: Owner) -> dict[str, str]:
+    return {OWNER_LABEL: owner.name}
+
+
+def labels(owner: Owner, settings: Settings) -> dict[str, str]:
+    return {**settings.labels, "app.kubernetes.io/name": "vllm", "app.kubernetes.io/instance": owner.name,
+            "app.kubernetes.io/component": "serving", "app.kubernetes.io/managed-by": "kvoffload",
+            "app.kubernetes.io/part-of": "kvoffload", **selector_labels(owner)}
+
+
+def _meta(name: str, owner: Owner, settings: Settings, **extra: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": owner.namespace, "labels": labels(owner, settings), **extra}
+    if owner.uid:
+        meta["ownerReferences"] = [{"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND, "name": owner.name,
+                                    "uid": owner.uid, "controller": True, "blockOwnerDeletion": True}]
+    return meta
+
+
+def lmcache_config(spec: Spec) -> dict[str, Any]:
+    """LMCache 0.5.6 in-process config: keys and units exactly as `LMCacheEngineConfig` reads them
+    (sizes are GiB floats per worker, i.e. per tensor-parallel rank)."""
+    tp = spec.engine.tensor_parallel_size
+    config: dict[str, Any] = {
+        "chunk_size": spec.offload.chunk_size,
+        "local_cpu": True,  # the disk tier needs it; the CPU tier is the point of this product
+        "max_local_cpu_size": round(gib(spec.offload.cpu_size) / tp, 6),
+        "cache_policy": spec.offload.eviction_policy,
+    }
+    if spec.offload.disk:
+        config["local_disk"] = f"file://{DISK_DIR}/"
+        config["max_local_disk_size"] = round(gib(spec.offload.disk.size) / tp, 6)
+    return config
+
+
+def _hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def configmap(owner: Owner, spec: Spec, settings: Settings) -> dict[str, Any]:
+    text = "# Rendered by kvoffload; LMCache 0.5.6 keys. Edit the KVOffloadServe, not this.\n" + yaml.safe_dump(
+        lmcache_config(spec), sort_keys=True)
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(names(owner.name)["configmap"], owner, settings),
+            "data": {"lmcache.yaml": text}}
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+
+
+def _vllm_args(spec: Spec) -> list[str]:
+    e = spec.engine
+    args = [spec.model.name,
+            "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+            "--served-model-name", spec.model.served_name,
+            "--max-model-len", str(e.max_model_len),
+            "--gpu-memory-utilization", repr(e.gpu_memory_utilization),
+            "--max-num-seqs", str(e.max_num_seqs),
+            "--tensor-parallel-size", str(e.tensor_parallel_size),
+            "--dtype", e.dtype]
+    if spec.model.kv_dtype != "auto":
+        args += ["--kv-cache-dtype", KV_DTYPE_FLAG[spec.model.kv_dtype]]
+    return args + ["--kv-transfer-config", KV_TRANSFER_CONFIG, *e.extra_args]
+
+
+def _vllm_env(spec: Spec, settings: Settings) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "LMCACHE_CONFIG_FILE", "value": CONFIG_FILE},
+        {"name": "PYTHONHASHSEED", "value": settings.python_hash_seed},
+        {"name": "PROMETHEUS_MULTIPROC_DIR", "value": MULTIPROC_DIR},
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_NAMESPACE", "metadata.namespace"),
+    ]
+    if spec.model.cache_claim:
+        env.append({"name": "HF_HOME", "value": MODELS_DIR})
+    if spec.model.hf_token_secret:
+        secret, key = spec.model.hf_token_secret
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
+    return env + [dict(v) for v in spec.engine.env]
+
+
+def _probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 5}
+
+
+RESTRICTED = {"allowPrivilegeEscalation": False, "privileged": False, "capabilities": {"drop": ["ALL"]},
+              "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _vllm_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> dict[str, Any]:
+    tp = str(spec.engine.tensor_parallel_size)
+    memory = format_bytes(budget.memory_limit)
+    mounts = [{"name": "lmcache-config", "mountPath": CONFIG_DIR, "readOnly": True},
+              {"name": "dshm", "mountPath": "/dev/shm"},
+              {"name": "prometheus-multiproc", "mountPath": MULTIPROC_DIR}]
+    if spec.offload.disk:
+        mounts.append(_disk_mount(owner, spec, read_only=False))
+    if spec.model.cache_claim:
+        mounts.append({"name": "model-cache", "mountPath": MODELS_DIR, "readOnly": spec.model.cache_read_only})
+    return {
+        "name": "vllm",
+        "image": spec.engine.image,
+        "command": ["vllm", "serve"],
+        "args": _vllm_args(spec),
+        "env": _vllm_env(spec, settings),
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "resources": {
+            "requests": {"cpu": spec.resources.cpu, "memory": memory, spec.resources.gpu_resource_name: tp},
+            "limits": {"memory": memory, spec.resources.gpu_resource_name: tp},
+        },
+        "volumeMounts": mounts,
+        # Loading weights can take many minutes: the startup budget is 30 minutes before liveness applies.
+        "startupProbe": _probe("/health", "http", 10, 180),
+        "readinessProbe": _probe("/health", "http", 5, 3),
+        "livenessProbe": _probe("/health", "http", 10, 6),
+        "securityContext": dict(RESTRICTED),
+    }
+
+
+def _disk_mount(owner: Owner, spec: Spec, *, read_only: bool) -> dict[str, Any]:
+    mount: dict[str, Any] = {"name": "kv-disk", "mountPath": DISK_DIR, "readOnly": read_only}
+    if spec.offload.disk and spec.offload.disk.path:
+        # Each pod gets <path>/<namespace>/<name>/<pod>; kubelet refuses a subPath that escapes the volume.
+        mount["subPathExpr"] = f"$(POD_NAMESPACE)/{owner.name}/$(POD_NAME)"
+    return mount
+
+
+def _disk_init_container(owner: Owner, spec: Spec) -> dict[str, Any]:
+    # LMCache 0.5.6 starts with an empty index and never counts old files: empty the directory
+    # first or the disk fills past its budget after every restart.
+    script = ('set -eu; d="' + DISK_DIR + '"; '
+              'find "$d" -xdev -mindepth 1 -delete; '
+              'echo "kvoffload: emptied $d ($POD_NAMESPACE/' + owner.name + '/$POD_NAME)"')
+    return {
+        "name": "prepare-disk-tier",
+        "image": spec.engine.image,
+        "command": ["/bin/sh", "-c", script],
+        "env": [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace")],
+        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
+        "volumeMounts": [_disk_mount(owner, spec, read_only=False)],
+        "securityContext": {**RESTRICTED, "readOnlyRootFilesystem": True},
+    }
+
+
+def _exporter_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> dict[str, Any]:
+    args = ["exporter",
+            "--listen", f"$(POD_IP):{spec.metrics_port}",  # the pod IP only, not every interface
+            "--vllm-metrics-url", f"http://127.0.0.1:{HTTP_PORT}/metrics",
+            "--multiproc-dir", MULTIPROC_DIR,
+            "--lmcache-config", CONFIG_FILE,
+            "--tensor-parallel-size", str(spec.engine.tensor_parallel_size),
+            "--kv-bytes-per-token", str(budget.kv_bytes_per_token)]
+    mounts = [{"name": "lmcache-config", "mountPath": CONFIG_DIR, "readOnly": True},
+              {"name": "prometheus-multiproc", "mountPath": MULTIPROC_DIR, "readOnly": True}]
+    if spec.offload.disk:
+        args += ["--disk-dir", DISK_DIR]
+        mounts.append(_disk_mount(owner, spec, read_only=True))
+    return {
+        "name": "exporter",
+        "image": settings.exporter_image,
+        "imagePullPolicy": settings.exporter_image_pull_policy,
+        "command": ["kvoffload"],
+        "args": args,
+        "env": [_field_env("POD_IP", "status.podIP")],
+        "ports": [{"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "20m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}},
+        "volumeMounts": mounts,
+        "livenessProbe": _probe("/healthz", "metrics", 20, 3),
+        "securityContext": {**RESTRICTED, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+                            "runAsUser": 65532, "runAsGroup": 65532},
+    }
+
+
+def _volumes(owner: Owner, spec: Spec, budget: Budget) -> list[dict[str, Any]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "lmcache-config", "configMap": {"name": names(owner.name)["configmap"]}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(budget.shm)}},
+        {"name": "prometheus-multiproc", "emptyDir": {"sizeLimit": "256Mi"}},
+    ]
+    disk = spec.offload.disk
+    if disk and disk.path:
+        volumes.append({"name": "kv-disk", "hostPath": {"path": disk.path, "type": "DirectoryOrCreate"}})
+    elif disk:
+        volumes.append({"name": "kv-disk", "ephemeral": {"volumeClaimTemplate": {
+            "metadata": {"labels": selector_labels(owner)},
+            "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": disk.storage_class,
+                     "resources": {"requests": {"storage": format_bytes(disk.size)}}}}}})
+    if spec.model.cache_claim:
+        volumes.append({"name": "model-cache", "persistentVolumeClaim": {"claimName": spec.model.cache_claim,
+                                                                         "readOnly": spec.model.cache_read_only}})
+    return volumes
+
+
+def statefulset(owner: Owner, spec: Spec, budget: Budget, settings: Settings, config_hash: str) -> dict[str, Any]:
+    containers = [_vllm_container(owner, spec, budget, settings)]
+    if spec.metrics_enabled:
+        containers.append(_exporter_container(owner, spec, budget, settings))
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # vLLM never talks to the API server
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": containers,
+        "volumes": _volumes(owner, spec, budget),
+    }
+    if spec.offload.disk:
+        pod["initContainers"] = [_disk_init_container(owner, spec)]
+    node_selector = {**spec.scheduling.node_selector, **(spec.offload.disk.node_selector if spec.offload.disk else {})}
+    if node_selector:
+        pod["nodeSelector"] = dict(sorted(node_selector.items()))
+    if spec.scheduling.tolerations:
+        pod["tolerations"] = [dict(t) for t in spec.scheduling.tolerations]
+    if spec.scheduling.affinity:
+        pod["affinity"] = spec.scheduling.affinity
+    if spec.scheduling.priority_class_name:
+        pod["priorityClassName"] = spec.scheduling.priority_class_name
+    n = names(owner.name)
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": _meta(n["statefulset"], owner, settings),
+        "spec": {
+            "replicas": spec.replicas,
+            "serviceName": n["headless"],
+            "podManagementPolicy": "Parallel",  # replicas are independent caches; no ordering needed
+            "updateStrategy": {"type": "RollingUpdate"},
+            "selector": {"matchLabels": selector_labels(owner)},
+            "template": {"metadata": {"labels": labels(owner, settings),
+                                      "annotations": {CONFIG_HASH_ANNOTATION: config_hash}},
+                         "spec": pod},
+        },
+    }
+
+
+def _service_ports(spec: Spec) -> list[dict[str, Any]]:
+    ports = [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}]
+    if spec.metrics_enabled:
+        ports.append({"name": "metrics", "port": spec.metrics_port, "targetPort": "metrics", "protocol": "TCP"})
+    return ports
+
+
+def services(owner: Owner, spec: Spec, settings: Settings) -> list[dict[str, Any]]:
+    n = names(owner.name)
+    serving = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(n["service"], owner, settings),
+               "spec": {"type": "ClusterIP", "selector": selector_labels(owner), "ports": _service_ports(spec)}}
+    headless = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(n["headless"], owner, settings),
+                "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector_labels(owner),
+                         "ports": _service_ports(spec)}}
+    return [serving, headless]
+
+
+def pdb(owner: Owner, settings: Settings) -> dict[str, Any]:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(names(owner.name)["pdb"], owner, settings),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner)}}}
+
+
+def endpoint(owner: Owner) -> str:
+    return f"http://{names(owner.name)['service']}.{owner.namespace}.svc:{HTTP_PORT}/v1"
+
+
+def children(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> list[dict[str, Any]]:
+    """Every child, in apply order."""
+    cm = configmap(owner, spec, settings)
+    return [cm, *services(owner, spec, settings), statefulset(owner, spec, budget, settings, _hash(cm["data"])),
+            pdb(owner, settings)]

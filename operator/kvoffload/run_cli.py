@@ -1,0 +1,38 @@
+"""`kvoffload run`: the operator process (kopf), scoped to namespaces or the whole cluster."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("run", help="run the operator")
+    p.add_argument("--namespace", "-n", action="append", default=[], help="watch only these namespaces (repeatable)")
+    p.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
+    p.add_argument("--operator-config", help="operator settings YAML (chart: operator.config)")
+    p.add_argument("--liveness", default="http://127.0.0.1:8080/healthz", help="liveness endpoint URL, or '' for none")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--peering", default=None, help="kopf peering name for several replicas (default: standalone)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import kopf
+
+    if args.operator_config:
+        os.environ["KVOFFLOAD_CONFIG"] = args.operator_config
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from . import handlers  # noqa: F401  registers the handlers
+
+    namespaces = [] if args.all_namespaces else args.namespace
+    asyncio.run(kopf.operator(
+        clusterwide=not namespaces,
+        namespaces=namespaces or None,
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        liveness_endpoint=args.liveness or None,
+    ))
+    return 0

@@ -1,0 +1,67 @@
+"""Operator settings: what the cluster admin decides (chart values -> a YAML file -> this)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Settings:
+    # hostPath roots the disk tier may live under (never the root itself).
+    allowed_disk_roots: tuple[str, ...] = ("/mnt/nvme", "/var/lib/kvoffload")
+    # Default serving image; its (vLLM, LMCache) pair comes from kvoffload.images.
+    default_image: str = "lmcache/vllm-openai:v0.5.4"
+    # Image of the exporter sidecar (the operator image carries the exporter too).
+    exporter_image: str = "ghcr.io/kvoffload/kvoffload:0.1.0"
+    exporter_image_pull_policy: str = "IfNotPresent"
+    # Node label (key=value) that marks nodes with local NVMe for the disk tier.
+    nvme_node_label: str = "kvoffload.io/nvme=true"
+    default_gpu_memory: str = "80Gi"
+    # Memory-term defaults (Kubernetes quantities); each is overridable per resource.
+    engine_baseline: str = "4Gi"
+    per_worker_overhead: str = "2Gi"
+    staging_per_worker: str = "1Gi"
+    headroom_percent: int = 10
+    # Same value in every rank and replica, or LMCache chunk hashes differ (zero hits with TP > 1).
+    python_hash_seed: str = "0"
+    # Seconds between level-based resyncs of every resource.
+    resync_seconds: int = 300
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def nvme_selector(self) -> dict[str, str]:
+        key, _, value = self.nvme_node_label.partition("=")
+        return {key: value or "true"}
+
+
+_KEYS = {f.name: f for f in fields(Settings)}
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(p.title() for p in rest)
+
+
+def from_dict(data: dict[str, Any]) -> Settings:
+    """Settings from the chart's camelCase keys; an unknown key is an error, not a silent default."""
+    by_camel = {_camel(n): n for n in _KEYS}
+    kwargs: dict[str, Any] = {}
+    for key, value in (data or {}).items():
+        if key not in by_camel:
+            raise ConfigError(f"operator config {key}", f"unknown setting; allowed: {', '.join(sorted(by_camel))}")
+        name = by_camel[key]
+        kwargs[name] = tuple(value) if name == "allowed_disk_roots" else value
+    return Settings(**kwargs)
+
+
+def load(path: str | None = None) -> Settings:
+    path = path or os.environ.get("KVOFFLOAD_CONFIG")
+    if not path:
+        return Settings()
+    with open(path, encoding="utf-8") as fh:
+        return from_dict(yaml.safe_load(fh) or {})

@@ -1,0 +1,345 @@
+"""KV-cache sizing: bytes per token, tokens per tier, pod memory and reload-vs-recompute. Pure.
+
+Conventions
+- Every size in this API is a PER-REPLICA total in bytes (a replica is one vLLM engine: one pod
+  with `tp` GPUs). A worker is one TP rank; its share is total // tp, which is what LMCache's
+  `max_local_cpu_size` / `max_local_disk_size` want (as GiB floats: quantity.gib).
+- KV bytes per token = 2 (K and V) × layers × kv_heads × head_dim × bytes per element. Each GPU
+  holds max(1, kv_heads / tp) heads: when tp > kv_heads vLLM replicates heads, so a replica
+  holds per-GPU bytes × tp per token, more than the model's own figure, in every tier.
+- GPU tier: per GPU, gpu_memory × utilization − weights / tp − activation_reserve holds KV.
+  Every GPU holds its head slice of every token, so the replica holds as many tokens as one
+  GPU does (never × tp).
+- Sliding-window layers (Gemma-2 every other layer, Mistral v0.1 every layer) need at most
+  `window` tokens per sequence, but only while vLLM's hybrid KV cache manager is on. vLLM turns
+  it off whenever `--kv-transfer-config` is set, i.e. whenever an offload tier is on, and then
+  sizes windowed layers like full ones. So: no offload tier → windowed layers hold
+  min(window, max_model_len) tokens per sequence; any offload tier → full length. LMCache tiers
+  are assumed to store every layer of every token it saves (the engine hands it full-length
+  KV), so they use the full per-token figure. For windowed models GPU "tokens" are the tokens
+  in flight when every sequence is max_model_len long.
+- LMCache stores whole chunks of chunk_size tokens per worker: offload-tier tokens are rounded
+  down to whole chunks, and sequences = tokens // max_model_len in every tier.
+- Pod memory: request = limit (pinned memory can never be reclaimed) = engine baseline
+  + per-worker overhead × tp + CPU tier (pinned in full at start-up, all ranks) + staging
+  buffers × tp (only with an offload tier) + /dev/shm (memory-backed, charged to the pod)
+  + headroom, rounded up to whole MiB.
+- Reload vs recompute for one max_model_len prefix: the CPU tier reloads each rank's slice over
+  that rank's own host link in parallel (bytes / tp / cpu_read); the disk tier is one node-local
+  device shared by all ranks (bytes / disk_read); recompute = tokens / prefill rate. Measured
+  figures: /work/shared/reference/h200-tier-physics.json.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .catalog import ModelArch
+from .errors import ConfigError
+from .quantity import GiB, MiB, human
+
+# h200-tier-physics.json: pinned host→GPU copy, disk read, and the 32K prefill of an 8B Llama.
+H2D_PINNED_BPS = 54.847573715916525e9
+DISK_READ_BPS = 0.9384999892678052e9
+MEASURED_PREFILL_TOKENS = 32768
+MEASURED_PREFILL_S = 1.3815045919999989
+MEASURED_PARAMS = 8_030_261_248  # the Llama-3.1-8B shape that was measured
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
+KV_DTYPES = ("auto", *DTYPE_BYTES)
+
+F_TP = "spec.engine.tensorParallelSize"
+F_GPU_MEMORY = "spec.resources.gpuMemory"
+F_MAX_MODEL_LEN = "spec.engine.maxModelLen"
+F_UTIL = "spec.engine.gpuMemoryUtilization"
+F_SEQS = "spec.engine.maxNumSeqs"
+F_CPU = "spec.offload.cpu.size"
+F_DISK = "spec.offload.disk.size"
+
+
+@dataclass(frozen=True)
+class MemoryDefaults:
+    """Every pod-memory term, overridable."""
+    engine_baseline: int = 4 * GiB  # vLLM API server + engine core process
+    per_worker_overhead: int = 2 * GiB  # each TP worker process: torch/CUDA runtime
+    staging_per_worker: int = 1 * GiB  # pinned staging buffers for GPU<->CPU<->disk copies
+    shm: int | None = None  # /dev/shm; None = 1Gi + 1Gi per TP rank
+    headroom_fraction: float = 0.10  # of the sum above, at least headroom_min
+    headroom_min: int = 1 * GiB
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    """Bytes/s. Defaults: h200-tier-physics.json (h2d_pinned_GBps, disk_read_GBps)."""
+    cpu_read: float = H2D_PINNED_BPS
+    disk_read: float = DISK_READ_BPS
+    # None = derive: measured 8B on H200 (32768 tokens / 1.3815 s) scaled by 8B/params × TP
+    prefill_tokens_per_s: float | None = None
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    model: ModelArch
+    max_model_len: int
+    concurrency: int = 1  # max concurrent sequences (vLLM --max-num-seqs)
+    gpu_memory: int = 80 * GiB  # per GPU, bytes
+    gpus: int | None = None  # GPUs per replica; None = tp
+    tp: int = 1
+    gpu_memory_utilization: float = 0.9
+    weight_dtype: str = "bf16"  # bf16|fp16|fp8
+    kv_dtype: str = "auto"  # auto (= weight dtype)|bf16|fp16|fp8
+    cpu_tier: int = 0  # bytes per replica
+    disk_tier: int = 0  # bytes per replica
+    chunk_size: int = 256  # LMCache chunk_size, tokens
+    activation_reserve: int = 2 * GiB  # per GPU: activations, CUDA context, graphs
+    memory: MemoryDefaults = field(default_factory=MemoryDefaults)
+    bandwidths: Bandwidths = field(default_factory=Bandwidths)
+
+
+@dataclass(frozen=True)
+class TierBudget:
+    name: str  # gpu | cpu | disk
+    bytes: int  # per replica
+    bytes_per_worker: int
+    tokens: int
+    sequences: int  # full max_model_len sequences
+
+
+@dataclass(frozen=True)
+class MemoryTerm:
+    name: str
+    bytes: int
+    note: str
+
+
+@dataclass(frozen=True)
+class ReloadEstimate:
+    tier: str
+    tokens: int
+    bytes: int
+    reload_s: float
+    recompute_s: float
+    slower_than_recompute: bool
+
+
+@dataclass(frozen=True)
+class Budget:
+    kv_bytes_per_token: int  # per replica, all layers, all KV heads held (replicas included)
+    kv_bytes_per_token_per_gpu: int
+    kv_bytes_per_sequence: int  # one max_model_len request on the GPU (window rule applied)
+    tiers: tuple[TierBudget, ...]  # gpu, cpu, disk (zeros when off)
+    memory_terms: tuple[MemoryTerm, ...]
+    memory_request: int  # = limit
+    memory_limit: int
+    shm: int
+    reload: tuple[ReloadEstimate, ...]  # per offload tier that is on
+    warnings: tuple[str, ...]
+
+    def tier(self, name: str) -> TierBudget:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able status form: camelCase, integer bytes, floats to 4 decimals."""
+        return {
+            "kvBytesPerToken": self.kv_bytes_per_token,
+            "kvBytesPerTokenPerGpu": self.kv_bytes_per_token_per_gpu,
+            "kvBytesPerSequence": self.kv_bytes_per_sequence,
+            "tiers": [{"name": t.name, "bytes": t.bytes, "bytesPerWorker": t.bytes_per_worker,
+                       "tokens": t.tokens, "sequences": t.sequences} for t in self.tiers],
+            "memory": {"request": self.memory_request, "limit": self.memory_limit,
+                       "terms": [{"name": m.name, "bytes": m.bytes, "note": m.note} for m in self.memory_terms]},
+            "shm": self.shm,
+            "reload": [{"tier": r.tier, "tokens": r.tokens, "bytes": r.bytes,
+                        "reloadSeconds": round(r.reload_s, 4), "recomputeSeconds": round(r.recompute_s, 4),
+                        "slowerThanRecompute": r.slower_than_recompute} for r in self.reload],
+            "warnings": list(self.warnings),
+        }
+
+
+def validate_tp(model: ModelArch, tp: int) -> None:
+    """Refuse what vLLM refuses: heads must split evenly, KV heads split or replicate evenly."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(F_TP, f"must be an integer >= 1, got {tp!r}")
+    if model.attention_heads % tp:
+        raise ConfigError(F_TP, f"{tp} does not divide {model.hf_id}'s {model.attention_heads} attention heads")
+    if model.kv_heads % tp and tp % model.kv_heads:
+        raise ConfigError(F_TP, f"{tp} neither divides nor is a multiple of {model.hf_id}'s {model.kv_heads} KV heads")
+
+
+def _int(value: Any, minimum: int, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(name, f"must be an integer >= {minimum}, got {value!r}")
+
+
+def _positive_float(value: Any, name: str, *, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(name, f"must be a number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def _validate(inp: PlanInput) -> None:
+    m = inp.model
+    if m.attention == "mla":
+        raise ConfigError("spec.model.name", f"{m.hf_id} uses multi-head latent attention (MLA); this sizing "
+                          "model covers standard and grouped-query attention only and will not guess")
+    validate_tp(m, inp.tp)
+    if inp.gpus is not None and inp.gpus != inp.tp:
+        raise ConfigError("spec.resources.gpus", f"{inp.gpus} GPUs with {F_TP} {inp.tp}: pipeline "
+                          "parallelism is not modelled; use as many GPUs as the tensor-parallel size")
+    _int(inp.max_model_len, 1, F_MAX_MODEL_LEN)
+    _int(inp.concurrency, 1, F_SEQS)
+    _int(inp.chunk_size, 1, "spec.offload.chunkSize")
+    if not (isinstance(inp.gpu_memory_utilization, (int, float)) and 0 < inp.gpu_memory_utilization <= 1):
+        raise ConfigError(F_UTIL, f"must be in (0, 1], got {inp.gpu_memory_utilization!r}")
+    if inp.weight_dtype not in DTYPE_BYTES:
+        raise ConfigError("spec.engine.dtype", f"{inp.weight_dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    if inp.kv_dtype not in KV_DTYPES:
+        raise ConfigError("spec.model.kvDtype", f"{inp.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    _int(inp.gpu_memory, 1, F_GPU_MEMORY)
+    _int(inp.cpu_tier, 0, F_CPU)
+    _int(inp.disk_tier, 0, F_DISK)
+    if inp.disk_tier and not inp.cpu_tier:
+        raise ConfigError(F_CPU, "the disk tier needs a CPU tier (LMCache reads disk hits back through it); "
+                          f"set {F_CPU} > 0 or {F_DISK} to 0")
+    _int(inp.activation_reserve, 0, "spec.engine.activationReserve")
+    mem, mf = inp.memory, "spec.resources.memory."
+    for name in ("engine_baseline", "per_worker_overhead", "staging_per_worker", "headroom_min"):
+        _int(getattr(mem, name), 0, mf + _camel(name))
+    if mem.shm is not None:
+        _int(mem.shm, 0, mf + "shm")
+    _positive_float(mem.headroom_fraction, mf + "headroomFraction", allow_zero=True)
+    _positive_float(inp.bandwidths.cpu_read, "spec.offload.cpu.readBandwidth")
+    _positive_float(inp.bandwidths.disk_read, "spec.offload.disk.readBandwidth")
+    if inp.bandwidths.prefill_tokens_per_s is not None:
+        _positive_float(inp.bandwidths.prefill_tokens_per_s, "spec.engine.prefillTokensPerSecond")
+
+
+def _camel(snake: str) -> str:
+    head, *rest = snake.split("_")
+    return head + "".join(w.title() for w in rest)
+
+
+def prefill_tokens_per_s(inp: PlanInput) -> float:
+    if inp.bandwidths.prefill_tokens_per_s is not None:
+        return inp.bandwidths.prefill_tokens_per_s
+    measured = MEASURED_PREFILL_TOKENS / MEASURED_PREFILL_S
+    return measured * MEASURED_PARAMS / inp.model.params * inp.tp
+
+
+def _gpu_tier(inp: PlanInput, per_gpu_bpt: int, windowed: bool) -> tuple[TierBudget, int]:
+    """The GPU tier and one max_model_len sequence's bytes per GPU."""
+    m, L = inp.model, inp.max_model_len
+    weights = m.params * DTYPE_BYTES[inp.weight_dtype]
+    usable = int(inp.gpu_memory * inp.gpu_memory_utilization)
+    budget = usable - math.ceil(weights / inp.tp) - inp.activation_reserve
+    if budget <= 0:
+        raise ConfigError(F_GPU_MEMORY, (
+            f"{m.hf_id} weights ({human(weights)} {inp.weight_dtype}) need {human(math.ceil(weights / inp.tp))} per GPU "
+            f"at {F_TP}={inp.tp}; {human(inp.gpu_memory)} × {F_UTIL} {inp.gpu_memory_utilization} = "
+            f"{human(usable)}, minus the {human(inp.activation_reserve)} activation reserve, leaves no room for KV: "
+            f"raise {F_GPU_MEMORY}, {F_UTIL} or {F_TP}"))
+    per_layer = per_gpu_bpt // m.layers
+    seq_layers_tokens = m.layers * L
+    if windowed:
+        seq_layers_tokens = m.full_layers * L + m.sliding_window_layers * min(L, m.sliding_window or L)
+    seq = per_layer * seq_layers_tokens
+    if budget < seq:
+        raise ConfigError(F_MAX_MODEL_LEN, (
+            f"one {L}-token request needs {human(seq)} of KV per GPU, but only {human(budget)} per GPU is left "
+            f"after weights and the activation reserve (vLLM refuses to start): lower {F_MAX_MODEL_LEN}"
+            f"{'' if windowed else f' to at most {budget // per_gpu_bpt}'}, or raise {F_GPU_MEMORY}, "
+            f"{F_UTIL} or {F_TP}"))
+    tier = TierBudget("gpu", budget * inp.tp, budget, budget * L // seq, budget // seq)
+    return tier, seq
+
+
+def _offload_tier(name: str, size: int, inp: PlanInput, per_gpu_bpt: int) -> TierBudget:
+    per_worker = size // inp.tp
+    chunks = per_worker // (inp.chunk_size * per_gpu_bpt)  # each rank stores its slice of every chunk
+    tokens = chunks * inp.chunk_size
+    return TierBudget(name, size, per_worker, tokens, tokens // inp.max_model_len)
+
+
+def _memory(inp: PlanInput, offload: bool) -> tuple[tuple[MemoryTerm, ...], int, int]:
+    mem, tp = inp.memory, inp.tp
+    shm = mem.shm if mem.shm is not None else GiB + GiB * tp
+    terms = [
+        MemoryTerm("engine_baseline", mem.engine_baseline, "vLLM API server + engine core process"),
+        MemoryTerm("worker_overhead", mem.per_worker_overhead * tp, f"{tp} TP worker(s) × {human(mem.per_worker_overhead)}: torch/CUDA runtime"),
+        MemoryTerm("cpu_tier", inp.cpu_tier, f"LMCache CPU tier, pinned in full at start-up: {tp} rank(s) × {human(inp.cpu_tier // tp)}"),
+        MemoryTerm("staging", mem.staging_per_worker * tp if offload else 0,
+                   f"pinned staging buffers, {tp} rank(s) × {human(mem.staging_per_worker)}" if offload else "no offload tier: none"),
+        MemoryTerm("shm", shm, "memory-backed /dev/shm for NCCL and worker IPC, charged to the pod"),
+    ]
+    subtotal = sum(t.bytes for t in terms)
+    headroom = max(mem.headroom_min, math.ceil(subtotal * mem.headroom_fraction))
+    terms.append(MemoryTerm("headroom", headroom, f"{mem.headroom_fraction:g} of the terms above, at least {human(mem.headroom_min)}"))
+    total = -(-(subtotal + headroom) // MiB) * MiB
+    return tuple(terms), total, shm
+
+
+def plan(inp: PlanInput) -> Budget:
+    """Validate `inp` (ConfigError names the CRD field) and size every tier and the pod."""
+    _validate(inp)
+    m, tp, L = inp.model, inp.tp, inp.max_model_len
+    kv_bytes = DTYPE_BYTES[inp.weight_dtype if inp.kv_dtype == "auto" else inp.kv_dtype]
+    heads_per_gpu = max(1, m.kv_heads // tp)
+    per_gpu_bpt = 2 * m.layers * heads_per_gpu * m.head_dim * kv_bytes
+    offload = bool(inp.cpu_tier or inp.disk_tier)
+    windowed = bool(m.sliding_window and m.sliding_window_layers) and not offload
+    gpu, seq_per_gpu = _gpu_tier(inp, per_gpu_bpt, windowed)
+    tiers = (gpu, _offload_tier("cpu", inp.cpu_tier, inp, per_gpu_bpt), _offload_tier("disk", inp.disk_tier, inp, per_gpu_bpt))
+    terms, total, shm = _memory(inp, offload)
+
+    warnings: list[str] = []
+    if m.max_context and L > m.max_context:
+        warnings.append(f"{F_MAX_MODEL_LEN} {L} exceeds {m.hf_id}'s max_position_embeddings {m.max_context}: vLLM refuses "
+                        "it unless the model's rope scaling is overridden or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set")
+    if tp > m.kv_heads:
+        warnings.append(f"{F_TP} {tp} > {m.kv_heads} KV heads: each KV head is replicated on {tp // m.kv_heads} "
+                        f"GPUs, so every tier stores {per_gpu_bpt * tp} B/token instead of {per_gpu_bpt * m.kv_heads}")
+    if m.sliding_window and m.sliding_window_layers:
+        warnings.append(
+            f"{m.sliding_window_layers} of {m.layers} layers use a {m.sliding_window}-token sliding window: " + (
+                "the GPU tier assumes vLLM's hybrid KV cache manager keeps only the window in those layers" if windowed else
+                "vLLM turns its hybrid KV cache manager off when a KV connector is set, so those layers take full-length "
+                "GPU memory; LMCache tiers are sized as storing every layer of every token"))
+    if gpu.sequences < inp.concurrency:
+        warnings.append(f"the GPU tier holds {gpu.sequences} full-length ({L}-token) sequences but {F_SEQS} is "
+                        f"{inp.concurrency}: vLLM preempts or queues requests when that many long ones run at once")
+    for t in tiers[1:]:
+        if t.bytes and not t.tokens:
+            warnings.append(f"{t.name} tier: {human(t.bytes_per_worker)} per worker is less than one {inp.chunk_size}-token "
+                            f"chunk ({human(inp.chunk_size * per_gpu_bpt)} per worker): it can hold nothing")
+
+    prefill = prefill_tokens_per_s(inp)
+    prefix = L * per_gpu_bpt * tp
+    reload: list[ReloadEstimate] = []
+    for name, size, read_bytes, bw in (("cpu", inp.cpu_tier, prefix / tp, inp.bandwidths.cpu_read),
+                                        ("disk", inp.disk_tier, prefix, inp.bandwidths.disk_read)):
+        if not size:
+            continue
+        est = ReloadEstimate(name, L, prefix, read_bytes / bw, L / prefill, read_bytes / bw > L / prefill)
+        reload.append(est)
+        if est.slower_than_recompute:
+            warnings.append(f"{name} tier: reloading a {L}-token prefix ({human(prefix)}) takes {est.reload_s:.3g} s at "
+                            f"{bw / 1e9:.3g} GB/s, recomputing it {est.recompute_s:.3g} s: hits from this tier are SLOWER "
+                            f"than recompute (it pays off above {read_bytes / est.recompute_s / 1e9:.3g} GB/s)")
+
+    return Budget(
+        kv_bytes_per_token=per_gpu_bpt * tp,
+        kv_bytes_per_token_per_gpu=per_gpu_bpt,
+        kv_bytes_per_sequence=seq_per_gpu * tp,
+        tiers=tiers,
+        memory_terms=terms,
+        memory_request=total,
+        memory_limit=total,
+        shm=shm,
+        reload=tuple(reload),
+        warnings=tuple(warnings),
+    )

@@ -1,0 +1,294 @@
+"""parse: a KVOffloadServe spec (a dict from the API) -> a typed, defaulted, validated Spec.
+
+The API server already refused what the schema and CEL rules can see; this re-checks all of
+it (the operator may see objects written before a CRD upgrade, and `kvoffload render` runs
+without an API server) plus what only the operator knows: allowed disk roots, the image's
+engine versions, the model catalog. Every error names the field.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import crd, images
+from .errors import ConfigError
+from .quantity import to_bytes
+from .settings import Settings
+
+_MISSING = object()
+
+
+class _Reader:
+    """Reads dotted spec paths, falling back to the CRD's defaults; remembers what was read
+    so a test can prove the parser and the schema cover the same fields."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.read: set[str] = set()
+
+    def get(self, path: str, default: Any = _MISSING) -> Any:
+        self.read.add(path)
+        node: Any = self.spec
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node or node[part] is None:
+                return crd.default_at(path) if default is _MISSING else default
+            node = node[part]
+        return node
+
+    def has(self, path: str) -> bool:
+        return self.get(path, None) is not None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    served_name: str
+    architecture: dict[str, int]
+    kv_dtype: str
+    hf_token_secret: tuple[str, str] | None  # (secret name, key)
+    cache_claim: str | None
+    cache_read_only: bool
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    image: str
+    vllm_version: str
+    lmcache_version: str
+    max_model_len: int
+    gpu_memory_utilization: float
+    max_num_seqs: int
+    tensor_parallel_size: int
+    dtype: str
+    extra_args: tuple[str, ...]
+    env: tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class DiskSpec:
+    path: str | None
+    storage_class: str | None
+    size: int
+    reclaim_policy: str
+    node_selector: dict[str, str]
+
+
+@dataclass(frozen=True)
+class OffloadSpec:
+    chunk_size: int
+    cpu_size: int
+    eviction_policy: str
+    disk: DiskSpec | None
+
+
+@dataclass(frozen=True)
+class ResourcesSpec:
+    gpu_resource_name: str
+    gpu_memory: int
+    cpu: str
+    memory: int | None
+    engine_baseline: int
+    per_worker_overhead: int
+    staging_per_worker: int
+    shm: int | None
+    headroom_percent: int
+
+
+@dataclass(frozen=True)
+class SchedulingSpec:
+    node_selector: dict[str, str]
+    tolerations: tuple[dict[str, Any], ...]
+    affinity: dict[str, Any] | None
+    priority_class_name: str | None
+
+
+@dataclass(frozen=True)
+class Spec:
+    model: ModelSpec
+    replicas: int
+    engine: EngineSpec
+    offload: OffloadSpec
+    resources: ResourcesSpec
+    scheduling: SchedulingSpec
+    metrics_enabled: bool
+    metrics_port: int
+    read_paths: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+
+
+def _int(r: _Reader, path: str, lo: int, hi: int) -> int:
+    value = r.get(path)
+    if value is None:
+        raise ConfigError(f"spec.{path}", "is required")
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigError(f"spec.{path}", f"{value!r} must be an integer in [{lo}, {hi}]")
+    return value
+
+
+def _enum(r: _Reader, path: str) -> str:
+    node = crd.spec_schema()
+    for part in path.split("."):
+        node = node["properties"][part]
+    value = r.get(path)
+    if value not in node["enum"]:
+        raise ConfigError(f"spec.{path}", f"{value!r} is not allowed; allowed values: {', '.join(node['enum'])}")
+    return value
+
+
+def _size(r: _Reader, path: str, *, required: bool = False, allow_zero: bool = False) -> int | None:
+    value = r.get(path)
+    if value is None:
+        if required:
+            raise ConfigError(f"spec.{path}", "is required (a Kubernetes quantity such as 40Gi)")
+        return None
+    return to_bytes(value, f"spec.{path}", allow_zero=allow_zero)
+
+
+def _str_map(r: _Reader, path: str) -> dict[str, str]:
+    value = r.get(path) or {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ConfigError(f"spec.{path}", "must be a map of string to string")
+    return dict(value)
+
+
+def _model(r: _Reader) -> ModelSpec:
+    name = r.get("model.name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_./-]{1,256}", name):
+        raise ConfigError("spec.model.name", f"{name!r} must be a Hugging Face id or path (letters, digits, _ . / -)")
+    arch = {k: _int(r, f"model.architecture.{k}", 1, 10**15 if k == "parameters" else 4096)
+            for k in ("layers", "attentionHeads", "kvHeads", "headDim", "parameters") if r.has(f"model.architecture.{k}")}
+    secret = (r.get("model.hfTokenSecret.name"), r.get("model.hfTokenSecret.key")) if r.has("model.hfTokenSecret.name") else None
+    return ModelSpec(
+        name=name,
+        served_name=r.get("model.servedName") or name,
+        architecture=arch,
+        kv_dtype=_enum(r, "model.kvDtype"),
+        hf_token_secret=secret,
+        cache_claim=r.get("model.cache.claimName"),
+        cache_read_only=bool(r.get("model.cache.readOnly")),
+    )
+
+
+def _engine(r: _Reader, settings: Settings) -> EngineSpec:
+    image = r.get("engine.image") or settings.default_image
+    pair = images.resolve(image, r.get("engine.vllmVersion"), r.get("engine.lmcacheVersion"))
+    util = r.get("engine.gpuMemoryUtilization")
+    if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+        raise ConfigError("spec.engine.gpuMemoryUtilization", f"{util!r} must be a number in (0, 1]")
+    extra = tuple(r.get("engine.extraArgs") or ())
+    for arg in extra:
+        flag = str(arg).split("=", 1)[0]
+        if flag in crd.MANAGED_FLAGS:
+            raise ConfigError("spec.engine.extraArgs", f"{flag} is managed by the operator; set it through the spec instead "
+                                                       f"(managed: {', '.join(crd.MANAGED_FLAGS)})")
+    env = tuple(r.get("engine.env") or ())
+    for var in env:
+        name = var.get("name", "") if isinstance(var, dict) else ""
+        if not name:
+            raise ConfigError("spec.engine.env", "every entry needs a name")
+        if name in crd.MANAGED_ENV or name.startswith(crd.MANAGED_ENV_PREFIX):
+            raise ConfigError("spec.engine.env", f"{name} is managed by the operator ({', '.join(crd.MANAGED_ENV)}, LMCACHE_*)")
+    return EngineSpec(
+        image=image, vllm_version=pair.vllm, lmcache_version=pair.lmcache,
+        max_model_len=_int(r, "engine.maxModelLen", 16, 16777216),
+        gpu_memory_utilization=float(util),
+        max_num_seqs=_int(r, "engine.maxNumSeqs", 1, 65536),
+        tensor_parallel_size=_int(r, "engine.tensorParallelSize", 1, 64),
+        dtype=_enum(r, "engine.dtype"),
+        extra_args=tuple(str(a) for a in extra),
+        env=env,
+    )
+
+
+def check_disk_path(path: str, allowed_roots: tuple[str, ...]) -> str:
+    """A hostPath is host access: accept only a normalized absolute path strictly below an allowed root."""
+    field_ = "spec.offload.disk.path"
+    roots = ", ".join(allowed_roots) or "(none: the admin allowed no hostPath roots)"
+    if not path.startswith("/"):
+        raise ConfigError(field_, f"{path!r} must be an absolute path under an allowed root: {roots}")
+    if any(seg in (".", "..") for seg in path.split("/")) or "//" in path or posixpath.normpath(path) != path.rstrip("/"):
+        raise ConfigError(field_, f"{path!r} must be normalized: no '.', '..' or '//' segments")
+    path = path.rstrip("/")
+    for root in allowed_roots:
+        root = posixpath.normpath(root)
+        if path == root:
+            raise ConfigError(field_, f"{path!r} is an allowed root itself; use a sub-directory such as {root}/lmcache")
+        if path.startswith(root.rstrip("/") + "/"):
+            return path
+    raise ConfigError(field_, f"{path!r} is outside the allowed roots: {roots}")
+
+
+def _offload(r: _Reader, settings: Settings) -> OffloadSpec:
+    cpu = _size(r, "offload.cpu.size", required=True)
+    disk = None
+    if r.get("offload.disk") is not None:
+        path, sc = r.get("offload.disk.path"), r.get("offload.disk.storageClassName")
+        if (path is None) == (sc is None):
+            raise ConfigError("spec.offload.disk", "set exactly one of path (hostPath) or storageClassName (ephemeral volume)")
+        node_selector = _str_map(r, "offload.disk.nodeSelector") or (settings.nvme_selector() if path else {})
+        disk = DiskSpec(
+            path=check_disk_path(path, settings.allowed_disk_roots) if path is not None else None,
+            storage_class=sc,
+            size=_size(r, "offload.disk.size", required=True),
+            reclaim_policy=_enum(r, "offload.disk.reclaimPolicy"),
+            node_selector=node_selector,
+        )
+    return OffloadSpec(chunk_size=_int(r, "offload.chunkSize", 16, 8192), cpu_size=cpu,
+                       eviction_policy=_enum(r, "offload.cpu.evictionPolicy"), disk=disk)
+
+
+def _resources(r: _Reader, settings: Settings) -> ResourcesSpec:
+    def term(path: str, default: str) -> int:
+        value = _size(r, path, allow_zero=True)
+        return value if value is not None else to_bytes(default, f"operator setting for spec.{path}")
+
+    cpu = r.get("resources.cpu")
+    to_bytes(cpu, "spec.resources.cpu", allow_zero=False)  # validates the quantity
+    headroom = _int(r, "resources.headroomPercent", 0, 100) if r.has("resources.headroomPercent") else settings.headroom_percent
+    return ResourcesSpec(
+        gpu_resource_name=r.get("resources.gpuResourceName"),
+        gpu_memory=_size(r, "resources.gpuMemory") or to_bytes(settings.default_gpu_memory, "operator setting defaultGpuMemory"),
+        cpu=str(cpu),
+        memory=_size(r, "resources.memory"),
+        engine_baseline=term("resources.engineBaseline", settings.engine_baseline),
+        per_worker_overhead=term("resources.perWorkerOverhead", settings.per_worker_overhead),
+        staging_per_worker=term("resources.stagingPerWorker", settings.staging_per_worker),
+        shm=_size(r, "resources.shm"),
+        headroom_percent=headroom,
+    )
+
+
+def _scheduling(r: _Reader) -> SchedulingSpec:
+    tolerations = r.get("scheduling.tolerations") or []
+    affinity = r.get("scheduling.affinity")
+    if not isinstance(tolerations, list) or not all(isinstance(t, dict) for t in tolerations):
+        raise ConfigError("spec.scheduling.tolerations", "must be a list of Kubernetes Tolerations")
+    if affinity is not None and not isinstance(affinity, dict):
+        raise ConfigError("spec.scheduling.affinity", "must be a Kubernetes Affinity object")
+    return SchedulingSpec(node_selector=_str_map(r, "scheduling.nodeSelector"), tolerations=tuple(tolerations),
+                          affinity=affinity, priority_class_name=r.get("scheduling.priorityClassName"))
+
+
+def parse(spec: dict[str, Any], settings: Settings) -> Spec:
+    if not isinstance(spec, dict):
+        raise ConfigError("spec", "is required")
+    r = _Reader(spec)
+    parsed = Spec(
+        model=_model(r),
+        replicas=_int(r, "replicas", 0, 1000),
+        engine=_engine(r, settings),
+        offload=_offload(r, settings),
+        resources=_resources(r, settings),
+        scheduling=_scheduling(r),
+        metrics_enabled=bool(r.get("metrics.enabled")),
+        metrics_port=_int(r, "metrics.port", 1024, 65535),
+    )
+    if parsed.resources.memory is not None and parsed.resources.memory < parsed.offload.cpu_size:
+        raise ConfigError("spec.resources.memory", "must hold at least the CPU tier (spec.offload.cpu.size): pinned memory is allocated in full")
+    if parsed.offload.disk and parsed.offload.disk.node_selector:
+        for key, value in parsed.offload.disk.node_selector.items():
+            if parsed.scheduling.node_selector.get(key, value) != value:
+                raise ConfigError("spec.scheduling.nodeSelector", f"{key} disagrees with spec.offload.disk.nodeSelector")
+    return Spec(**{**parsed.__dict__, "read_paths": frozenset(r.read)})
