@@ -284,7 +284,9 @@ def schema() -> Schema:
                            "metadata": {"type": "object"},
                            "spec": spec_schema(),
                            "status": status_schema()},
-            "required": ["spec"]}
+            "required": ["spec"],
+            "x-kubernetes-validations": [{"rule": "self.metadata.name.size() <= 52",
+                                          "message": "metadata.name must be at most 52 characters so child and pod names fit in 63"}]}
 
 
 def printer_columns() -> list[dict[str, Any]]:

@@ -1,0 +1,107 @@
+"""`kvoffload exporter`: the flags (the operator renders them into the pod: names are a contract)
+and the run loop."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+
+from ..errors import ConfigError
+from .capacity import load_budget
+from .collector import ExporterConfig, TierCollector
+from .disk_tier import DiskTierMonitor
+from .server import parse_listen, start_server
+from .sources import SourceHealth
+
+log = logging.getLogger("kvoffload.exporter")
+
+DESCRIPTION = ("Serve per-tier KV-cache metrics (kvoffload_*) for the vLLM + LMCache beside it, "
+               "on /metrics, with /healthz.")
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("exporter", help="run the tier-metrics exporter sidecar",
+                                   description=DESCRIPTION)
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", default="127.0.0.1:9400", metavar="HOST:PORT",
+                   help="address to serve /metrics and /healthz on (default %(default)s)")
+    p.add_argument("--vllm-metrics-url", default="http://127.0.0.1:8000/metrics", metavar="URL",
+                   help="vLLM's Prometheus endpoint, plain http (default %(default)s)")
+    p.add_argument("--multiproc-dir", metavar="DIR",
+                   help="the PROMETHEUS_MULTIPROC_DIR LMCache writes to; without it, lmcache:* "
+                        "metrics are taken from vLLM's page")
+    p.add_argument("--disk-dir", metavar="DIR", help="the pod's LMCache disk-tier directory")
+    p.add_argument("--lmcache-config", metavar="PATH",
+                   help="LMCache YAML (max_local_cpu_size / max_local_disk_size: GiB per worker)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="TP workers per replica; multiplies the per-worker LMCache sizes")
+    p.add_argument("--kv-bytes-per-token", type=int, default=0, metavar="N",
+                   help="KV bytes per token for one replica (all TP ranks); gives the gpu tier's "
+                        "capacity from vllm:cache_config_info. 0: unknown")
+    p.add_argument("--scrape-timeout", type=float, default=2.0, metavar="SECONDS",
+                   help="longest wait for vLLM during one scrape (default %(default)s)")
+    p.add_argument("--disk-rescan-interval", type=float, default=30.0, metavar="SECONDS",
+                   help="seconds between background rescans of --disk-dir (default %(default)s)")
+
+
+def build(args: argparse.Namespace) -> tuple[CollectorRegistry, TierCollector, tuple[str, int]]:
+    """Validate the flags and assemble the registry (nothing started yet)."""
+    address = parse_listen(args.listen)
+    if args.tensor_parallel_size < 1:
+        raise ConfigError("--tensor-parallel-size", "must be >= 1")
+    if args.kv_bytes_per_token < 0:
+        raise ConfigError("--kv-bytes-per-token", "must be >= 0")
+    if not args.scrape_timeout > 0:
+        raise ConfigError("--scrape-timeout", "must be > 0 seconds")
+    if not args.disk_rescan_interval > 0:
+        raise ConfigError("--disk-rescan-interval", "must be > 0 seconds")
+    config = ExporterConfig(
+        vllm_metrics_url=args.vllm_metrics_url,
+        multiproc_dir=args.multiproc_dir,
+        scrape_timeout=args.scrape_timeout,
+        kv_bytes_per_token=args.kv_bytes_per_token,
+        budget=load_budget(args.lmcache_config, args.tensor_parallel_size),
+    )
+    disk = None
+    if args.disk_dir:
+        disk = DiskTierMonitor(args.disk_dir, args.disk_rescan_interval, SourceHealth("disk"))
+    collector = TierCollector(config, disk)
+    # A private registry: nothing of prometheus_client's default (multiprocess-aware) one.
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    ProcessCollector(registry=registry)  # the sidecar's own RSS/CPU, to check its budget
+    return registry, collector, address
+
+
+def run(args: argparse.Namespace) -> int:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    registry, collector, (host, port) = build(args)
+    try:
+        server = start_server(registry, host, port)
+    except OSError as exc:
+        raise ConfigError("--listen", f"cannot bind {args.listen}: {exc.strerror or exc}") from None
+    if collector.disk is not None:
+        collector.disk.start()
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    bound_host, bound_port = server.server_address[:2]
+    log.info("kvoffload exporter listening on http://%s:%d/metrics", bound_host, bound_port)
+    stop.wait()
+    log.info("stopping")
+    server.shutdown()
+    server.server_close()
+    if collector.disk is not None:
+        collector.disk.stop()
+    return 0

@@ -1,0 +1,92 @@
+"""One source of truth: crds/, the chart's CRD and the Python parser agree with kvoffload.crd."""
+
+import yaml
+
+from kvoffload import crd, generate
+from kvoffload.settings import Settings
+from kvoffload.spec import parse
+
+from .helpers import ROOT
+
+FULL_SPEC = {
+    "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "servedName": "llama", "kvDtype": "fp8",
+              "architecture": {"layers": 32, "attentionHeads": 32, "kvHeads": 8, "headDim": 128, "parameters": 8030261248},
+              "hfTokenSecret": {"name": "hf", "key": "token"}, "cache": {"claimName": "models", "readOnly": True}},
+    "replicas": 2,
+    "engine": {"image": "lmcache/vllm-openai:v0.5.4", "vllmVersion": "0.27.1", "lmcacheVersion": "0.5.4",
+               "maxModelLen": 32768, "gpuMemoryUtilization": 0.9, "maxNumSeqs": 16, "tensorParallelSize": 2,
+               "dtype": "bfloat16", "extraArgs": ["--enable-prefix-caching"], "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "INFO"}]},
+    "offload": {"chunkSize": 256, "cpu": {"size": "40Gi", "evictionPolicy": "LFU"},
+                "disk": {"path": "/mnt/nvme/kv", "size": "100Gi", "reclaimPolicy": "Retain",
+                         "nodeSelector": {"kvoffload.io/nvme": "true"}}},
+    "resources": {"gpuResourceName": "nvidia.com/gpu", "gpuMemory": "80Gi", "cpu": "8", "memory": "120Gi",
+                  "engineBaseline": "4Gi", "perWorkerOverhead": "2Gi", "stagingPerWorker": "1Gi", "shm": "4Gi",
+                  "headroomPercent": 10},
+    "scheduling": {"nodeSelector": {"pool": "gpu"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                   "affinity": {}, "priorityClassName": "serving"},
+    "metrics": {"enabled": True, "port": 9400},
+}
+
+# The disk tier is either a hostPath or an ephemeral volume: one spec cannot set both.
+EPHEMERAL_SPEC = {**FULL_SPEC, "offload": {**FULL_SPEC["offload"], "disk": {"storageClassName": "local-nvme", "size": "100Gi"}}}
+
+
+def test_generated_files_are_current():
+    assert generate.main(["--root", str(ROOT), "--check"]) == 0
+
+
+def test_chart_crd_equals_plain_crd_once_helm_renders_it():
+    text = (ROOT / generate.CHART_FILE).read_text()
+    rendered = "\n".join(line for line in text.splitlines() if "{{" not in line and "helm.sh/resource-policy" not in line)
+    chart_crd = yaml.safe_load(rendered)
+    chart_crd["metadata"].pop("annotations")
+    assert chart_crd == yaml.safe_load((ROOT / generate.CRD_FILE).read_text()) == crd.crd()
+
+
+def test_parser_reads_exactly_the_fields_the_schema_declares():
+    read = parse(FULL_SPEC, Settings()).read_paths | parse(EPHEMERAL_SPEC, Settings()).read_paths
+    assert read >= crd.leaf_paths(), sorted(crd.leaf_paths() - read)
+    parent_paths = {p.rsplit(".", 1)[0] for p in crd.leaf_paths()} | {""}
+    extra = {p for p in read - crd.leaf_paths() if p not in parent_paths}
+    assert not extra, f"parser reads fields the CRD does not declare: {sorted(extra)}"
+
+
+def test_full_spec_sets_every_leaf():
+    def leaves(d, prefix=""):
+        out = set()
+        for k, v in d.items():
+            p = f"{prefix}.{k}" if prefix else k
+            if isinstance(v, dict) and v and p in {q.rsplit('.', 1)[0] for q in crd.leaf_paths() if q.startswith(p + ".")}:
+                out |= leaves(v, p)
+            else:
+                out.add(p)
+        return out
+    assert leaves(FULL_SPEC) | leaves(EPHEMERAL_SPEC) == crd.leaf_paths()
+
+
+def _walk(node, path="spec"):
+    yield path, node
+    for name, child in (node.get("properties") or {}).items():
+        yield from _walk(child, f"{path}.{name}")
+    if "items" in node:
+        yield from _walk(node["items"], path + "[]")
+
+
+def test_every_field_is_described():
+    missing = [p for p, n in _walk(crd.spec_schema()) if not n.get("description") and not p.endswith("[]")]
+    missing += [p for p, n in _walk(crd.status_schema(), "status") if not n.get("description") and not p.endswith("[]")]
+    assert not missing
+
+
+def test_no_threshold_knob_and_the_docs_say_why():
+    paths = crd.leaf_paths()
+    assert not any("threshold" in p.lower() for p in paths)
+    assert "no CPU fill threshold" in crd.spec_schema()["properties"]["offload"]["properties"]["cpu"]["description"]
+
+
+def test_scale_subresource_and_printer_columns():
+    version = crd.crd()["spec"]["versions"][0]
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
+    assert version["subresources"]["status"] == {}
+    names = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert names[0] == "Ready" and "Memory" in names and names[-1] == "Age"

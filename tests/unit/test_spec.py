@@ -1,0 +1,107 @@
+"""parse: defaults, and every bad input ends in a ConfigError naming the field."""
+
+import pytest
+
+from kvoffload import crd
+from kvoffload.errors import ConfigError
+from kvoffload.settings import Settings
+from kvoffload.spec import check_disk_path, parse
+
+from .helpers import spec
+
+S = Settings()
+
+
+def test_defaults_come_from_the_crd():
+    s = parse(spec(), S)
+    assert s.replicas == crd.default_at("replicas") == 1
+    assert s.engine.gpu_memory_utilization == 0.9
+    assert s.engine.tensor_parallel_size == 1
+    assert s.offload.chunk_size == 256
+    assert s.offload.eviction_policy == "LRU"
+    assert s.offload.disk.reclaim_policy == "Delete"
+    assert s.offload.disk.node_selector == {"kvoffload.io/nvme": "true"}
+    assert s.engine.image == S.default_image and (s.engine.vllm_version, s.engine.lmcache_version) == ("0.27.1", "0.5.4")
+    assert s.metrics_enabled and s.metrics_port == 9400
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"model__name": "bad name!"}, "spec.model.name"),
+    ({"model__kvDtype": "int4"}, "spec.model.kvDtype"),
+    ({"engine__maxModelLen": None}, "spec.engine.maxModelLen"),
+    ({"engine__maxModelLen": "long"}, "spec.engine.maxModelLen"),
+    ({"engine__gpuMemoryUtilization": 0}, "spec.engine.gpuMemoryUtilization"),
+    ({"engine__gpuMemoryUtilization": 1.5}, "spec.engine.gpuMemoryUtilization"),
+    ({"engine__tensorParallelSize": 0}, "spec.engine.tensorParallelSize"),
+    ({"engine__dtype": "fp4"}, "spec.engine.dtype"),
+    ({"engine__extraArgs": ["--max-model-len=9"]}, "spec.engine.extraArgs"),
+    ({"engine__extraArgs": ["--kv-transfer-config", "{}"]}, "spec.engine.extraArgs"),
+    ({"engine__env": [{"name": "LMCACHE_CHUNK_SIZE", "value": "1"}]}, "spec.engine.env"),
+    ({"engine__env": [{"name": "PYTHONHASHSEED", "value": "1"}]}, "spec.engine.env"),
+    ({"engine__image": "example.com/custom:1"}, "spec.engine.vllmVersion"),
+    ({"engine__image": "example.com/custom:1", "engine__vllmVersion": "0.27.1"}, "spec.engine.lmcacheVersion"),
+    ({"engine__image": "x:1", "engine__vllmVersion": "0.5.0", "engine__lmcacheVersion": "0.5.6"}, "spec.engine.vllmVersion"),
+    ({"offload__chunkSize": 0}, "spec.offload.chunkSize"),
+    ({"offload__chunkSize": 100000}, "spec.offload.chunkSize"),
+    ({"offload__cpu__size": None}, "spec.offload.cpu.size"),
+    ({"offload__cpu__size": "-1Gi"}, "spec.offload.cpu.size"),
+    ({"offload__cpu__size": "forty"}, "spec.offload.cpu.size"),
+    ({"offload__cpu__size": "0"}, "spec.offload.cpu.size"),
+    ({"offload__cpu__evictionPolicy": "RANDOM"}, "spec.offload.cpu.evictionPolicy"),
+    ({"offload__disk__size": None}, "spec.offload.disk.size"),
+    ({"offload__disk__size": "1.5.5Gi"}, "spec.offload.disk.size"),
+    ({"offload__disk__path": None}, "spec.offload.disk"),
+    ({"offload__disk__storageClassName": "nvme"}, "spec.offload.disk"),
+    ({"offload__disk__reclaimPolicy": "Recycle"}, "spec.offload.disk.reclaimPolicy"),
+    ({"offload__disk__path": "relative/dir"}, "spec.offload.disk.path"),
+    ({"offload__disk__path": "/mnt/nvme/../../etc"}, "spec.offload.disk.path"),
+    ({"offload__disk__path": "/mnt/nvme"}, "spec.offload.disk.path"),
+    ({"offload__disk__path": "/etc/kv"}, "spec.offload.disk.path"),
+    ({"offload__disk__path": "/mnt/nvmeX/kv"}, "spec.offload.disk.path"),
+    ({"resources__memory": "1Gi"}, "spec.resources.memory"),
+    ({"resources__cpu": "lots"}, "spec.resources.cpu"),
+    ({"resources__headroomPercent": 500}, "spec.resources.headroomPercent"),
+    ({"replicas": -1}, "spec.replicas"),
+    ({"replicas": True}, "spec.replicas"),
+    ({"metrics__port": 80}, "spec.metrics.port"),
+    ({"scheduling__tolerations": "all"}, "spec.scheduling.tolerations"),
+    ({"scheduling__nodeSelector": {"kvoffload.io/nvme": "false"}}, "spec.scheduling.nodeSelector"),
+])
+def test_bad_input_names_the_field(patch, field):
+    with pytest.raises(ConfigError) as err:
+        parse(spec(**patch), S)
+    assert err.value.field == field, err.value
+
+
+@pytest.mark.parametrize("path, ok", [
+    ("/mnt/nvme/lmcache", True),
+    ("/mnt/nvme/a/b/c", True),
+    ("/var/lib/kvoffload/x", True),
+    ("/mnt/nvme/lmcache/", True),
+    ("/mnt/nvme", False),
+    ("/mnt/nvme/", False),
+    ("/mnt", False),
+    ("/", False),
+    ("mnt/nvme/x", False),
+    ("/mnt/nvme/./x", False),
+    ("/mnt/nvme/x/..", False),
+    ("/mnt/nvme//x", False),
+    ("/mnt/nvme2/x", False),
+])
+def test_disk_path_must_sit_strictly_below_an_allowed_root(path, ok):
+    if ok:
+        assert check_disk_path(path, S.allowed_disk_roots) == path.rstrip("/")
+    else:
+        with pytest.raises(ConfigError, match="spec.offload.disk.path"):
+            check_disk_path(path, S.allowed_disk_roots)
+
+
+def test_no_allowed_roots_means_no_hostpath():
+    with pytest.raises(ConfigError, match="no hostPath roots"):
+        check_disk_path("/mnt/nvme/x", ())
+
+
+def test_storage_class_is_the_hostpath_free_alternative():
+    s = parse(spec(offload__disk__path=None, offload__disk__storageClassName="local-nvme"), S)
+    assert s.offload.disk.storage_class == "local-nvme" and s.offload.disk.path is None
+    assert s.offload.disk.node_selector == {}
