@@ -129,8 +129,10 @@ def _probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 5}
 
 
-RESTRICTED = {"allowPrivilegeEscalation": False, "privileged": False, "capabilities": {"drop": ["ALL"]},
-              "seccompProfile": {"type": "RuntimeDefault"}}
+def _restricted(**extra: Any) -> dict[str, Any]:
+    """A fresh restricted security context (fresh: children must share no mutable parts)."""
+    return {"allowPrivilegeEscalation": False, "privileged": False, "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"}, **extra}
 
 
 def _vllm_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> dict[str, Any]:
@@ -159,7 +161,7 @@ def _vllm_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings
         "startupProbe": _probe("/health", "http", 10, 180),
         "readinessProbe": _probe("/health", "http", 5, 3),
         "livenessProbe": _probe("/health", "http", 10, 6),
-        "securityContext": dict(RESTRICTED),
+        "securityContext": _restricted(),
     }
 
 
@@ -184,7 +186,7 @@ def _disk_init_container(owner: Owner, spec: Spec) -> dict[str, Any]:
         "env": [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace")],
         "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
         "volumeMounts": [_disk_mount(owner, spec, read_only=False)],
-        "securityContext": {**RESTRICTED, "readOnlyRootFilesystem": True},
+        "securityContext": _restricted(readOnlyRootFilesystem=True),
     }
 
 
@@ -212,8 +214,7 @@ def _exporter_container(owner: Owner, spec: Spec, budget: Budget, settings: Sett
         "resources": {"requests": {"cpu": "20m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}},
         "volumeMounts": mounts,
         "livenessProbe": _probe("/healthz", "metrics", 20, 3),
-        "securityContext": {**RESTRICTED, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
-                            "runAsUser": 65532, "runAsGroup": 65532},
+        "securityContext": _restricted(readOnlyRootFilesystem=True, runAsNonRoot=True, runAsUser=65532, runAsGroup=65532),
     }
 
 

@@ -42,7 +42,8 @@ def render_file(args: argparse.Namespace) -> int:
 
 
 class _Dumper(yaml.SafeDumper):
-    pass
+    def ignore_aliases(self, data: object) -> bool:  # manifests, not anchors
+        return True
 
 
 def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:

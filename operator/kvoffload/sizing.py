@@ -176,7 +176,7 @@ def _int(value: Any, minimum: int, name: str) -> None:
         raise ConfigError(name, f"must be an integer >= {minimum}, got {value!r}")
 
 
-def _positive_float(value: Any, name: str, *, allow_zero: bool = False) -> None:
+def _number(value: Any, name: str, *, allow_zero: bool = False) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(name, f"must be a number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
@@ -212,11 +212,11 @@ def _validate(inp: PlanInput) -> None:
         _int(getattr(mem, name), 0, mf + _camel(name))
     if mem.shm is not None:
         _int(mem.shm, 0, mf + "shm")
-    _positive_float(mem.headroom_fraction, mf + "headroomFraction", allow_zero=True)
-    _positive_float(inp.bandwidths.cpu_read, "spec.offload.cpu.readBandwidth")
-    _positive_float(inp.bandwidths.disk_read, "spec.offload.disk.readBandwidth")
+    _number(mem.headroom_fraction, mf + "headroomFraction", allow_zero=True)
+    _number(inp.bandwidths.cpu_read, "spec.offload.cpu.readBandwidth")
+    _number(inp.bandwidths.disk_read, "spec.offload.disk.readBandwidth")
     if inp.bandwidths.prefill_tokens_per_s is not None:
-        _positive_float(inp.bandwidths.prefill_tokens_per_s, "spec.engine.prefillTokensPerSecond")
+        _number(inp.bandwidths.prefill_tokens_per_s, "spec.engine.prefillTokensPerSecond")
 
 
 def _camel(snake: str) -> str:
@@ -236,10 +236,11 @@ def _gpu_tier(inp: PlanInput, per_gpu_bpt: int, windowed: bool) -> tuple[TierBud
     m, L = inp.model, inp.max_model_len
     weights = m.params * DTYPE_BYTES[inp.weight_dtype]
     usable = int(inp.gpu_memory * inp.gpu_memory_utilization)
-    budget = usable - math.ceil(weights / inp.tp) - inp.activation_reserve
+    weights_per_gpu = -(-weights // inp.tp)
+    budget = usable - weights_per_gpu - inp.activation_reserve
     if budget <= 0:
         raise ConfigError(F_GPU_MEMORY, (
-            f"{m.hf_id} weights ({human(weights)} {inp.weight_dtype}) need {human(math.ceil(weights / inp.tp))} per GPU "
+            f"{m.hf_id} weights ({human(weights)} {inp.weight_dtype}) need {human(weights_per_gpu)} per GPU "
             f"at {F_TP}={inp.tp}; {human(inp.gpu_memory)} × {F_UTIL} {inp.gpu_memory_utilization} = "
             f"{human(usable)}, minus the {human(inp.activation_reserve)} activation reserve, leaves no room for KV: "
             f"raise {F_GPU_MEMORY}, {F_UTIL} or {F_TP}"))

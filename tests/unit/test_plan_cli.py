@@ -32,7 +32,10 @@ def test_table(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = run(capsys, *LLAMA, "--context", "32768", "--cpu-tier", "40Gi", "--disk-tier", "500Gi")
     assert (rc, err) == (0, "")
     assert "131072 B/token per replica" in out and "one 32768-token request: 4 GiB" in out
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["gpu"], ["cpu"], ["disk"])}
+    rows: dict[str, list[str]] = {}
+    for line in out.splitlines():  # the first gpu/cpu/disk rows are the tier table
+        if line.split()[:1] in (["gpu"], ["cpu"], ["disk"]):
+            rows.setdefault(line.split()[0], line.split())
     assert rows["gpu"][-2:] == ["450,907", "13"]
     assert rows["cpu"][-2:] == ["327,680", "10"]
     assert rows["disk"][-2:] == ["4,096,000", "125"]
@@ -115,7 +118,7 @@ def test_24gib_gpu_case(capsys: pytest.CaptureFixture[str]) -> None:
     (["--context", "0"], "--context"),
     (["--context", "1e6"], "--context"),
     (["--concurrency", "0"], "--concurrency"),
-    (["--context", "131072", "--gpu-memory", "24Gi", "--dtype", "fp8"], "--context"),
+    (["--context", "262144", "--gpu-memory", "24Gi", "--dtype", "fp8"], "--context"),  # 16 GiB > 12.1 GiB
     (["--engine-baseline", "-1"], "--engine-baseline"),
     (["--disk-read-gbps", "0", "--cpu-tier", "1Gi", "--disk-tier", "1Gi"], "--disk-read-gbps"),
 ])
