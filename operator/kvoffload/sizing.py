@@ -207,7 +207,7 @@ def _validate(inp: PlanInput) -> None:
         raise ConfigError(F_CPU, "the disk tier needs a CPU tier (LMCache reads disk hits back through it); "
                           f"set {F_CPU} > 0 or {F_DISK} to 0")
     _int(inp.activation_reserve, 0, "spec.engine.activationReserve")
-    mem, mf = inp.memory, "spec.resources.memory."
+    mem, mf = inp.memory, "spec.resources."
     for name in ("engine_baseline", "per_worker_overhead", "staging_per_worker", "headroom_min"):
         _int(getattr(mem, name), 0, mf + _camel(name))
     if mem.shm is not None:

@@ -4,6 +4,7 @@ Figures come from the real vLLM 0.33.0 / LMCache 0.5.6 samples in tests/fixtures
 from __future__ import annotations
 
 import socket
+import struct
 import time
 from pathlib import Path
 
@@ -113,9 +114,13 @@ def test_env_var_is_not_what_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_multiproc_dir_failures(tmp_path: Path) -> None:
     with pytest.raises(SourceError, match="does not exist"):
         read_multiproc_dir(str(tmp_path / "missing"))
-    (tmp_path / "counter_1.db").write_bytes(b"\xff" * 64)
-    with pytest.raises(SourceError, match="unreadable"):
+    # header says 64 bytes used, first entry claims a 1000-byte key: prometheus_client refuses it
+    (tmp_path / "counter_1.db").write_bytes(struct.pack("ii", 64, 0) + struct.pack("i", 1000) + b"x" * 52)
+    with pytest.raises(SourceError, match="unreadable multiprocess files"):
         read_multiproc_dir(str(tmp_path))
+    (tmp_path / "counter_1.db").write_bytes(b"\xff" * 64)  # garbage that reads as "nothing written"
+    with pytest.raises(SourceError, match="no lmcache"):
+        parse_lmcache(read_multiproc_dir(str(tmp_path)))
 
 
 def test_no_lmcache_metrics_among_other_families(tmp_path: Path) -> None:

@@ -259,8 +259,8 @@ def test_validate_tp_accepts(hf_id: str, tp: int) -> None:
     ({"gpus": 2}, "spec.resources.gpus"),
     ({"chunk_size": 0}, "spec.offload.chunkSize"),
     ({"tp": 5}, "spec.engine.tensorParallelSize"),
-    ({"memory": MemoryDefaults(engine_baseline=-1)}, "spec.resources.memory.engineBaseline"),
-    ({"memory": MemoryDefaults(headroom_fraction=-0.1)}, "spec.resources.memory.headroomFraction"),
+    ({"memory": MemoryDefaults(engine_baseline=-1)}, "spec.resources.engineBaseline"),
+    ({"memory": MemoryDefaults(headroom_fraction=-0.1)}, "spec.resources.headroomFraction"),
     ({"bandwidths": Bandwidths(disk_read=0)}, "spec.offload.disk.readBandwidth"),
 ])
 def test_bad_input_names_the_field(change: dict, field: str) -> None:

@@ -1,0 +1,224 @@
+"""The operator on the real control plane: kube-apiserver validates, kube-scheduler places pods
+on kwok GPU nodes, kube-controller-manager runs the StatefulSet and garbage collector."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+
+import pytest
+import yaml
+
+from operator_proc import ROOT, OperatorProcess
+
+pytestmark = pytest.mark.cluster
+
+SMALL = {
+    "apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe",
+    "metadata": {"name": "svc"},
+    "spec": {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen": 16384},
+             "offload": {"cpu": {"size": "16Gi"}, "disk": {"path": "/mnt/nvme/lmcache", "size": "100Gi"}},
+             "resources": {"gpuMemory": "141Gi"}},
+}
+GPU_NODES = {"gpu-node-0", "gpu-node-1", "gpu-node-2", "workstation-0"}
+
+
+@pytest.fixture(scope="module")
+def crd_installed(cluster):
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/kvoffloadserves.kvoffload.io", "--timeout=60s")
+
+
+@pytest.fixture
+def operator(cluster, crd_installed, namespace):
+    proc = OperatorProcess(cluster.env, [namespace])
+    yield proc
+    proc.stop()
+    print(proc.output()[-5000:])
+
+
+def apply(cluster, ns, obj, check=True):
+    return cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(obj), check=check)
+
+
+def get(cluster, ns, kind, name=None, check=True):
+    args = ["get", kind] + ([name] if name else []) + ["-n", ns, "-o", "json"]
+    res = cluster.kubectl(*args, check=check)
+    return json.loads(res.stdout) if res.returncode == 0 else None
+
+
+def cond(obj, type_):
+    return next((c for c in (obj or {}).get("status", {}).get("conditions", []) if c["type"] == type_), {})
+
+
+def wait_cond(cluster, ns, name, type_, status, timeout=90, reason=None):
+    def check():
+        obj = get(cluster, ns, "kvs", name, check=False)
+        c = cond(obj, type_)
+        return obj if c.get("status") == status and (reason is None or c.get("reason") == reason) else None
+    return cluster.wait_until(check, timeout=timeout, message=f"{name} {type_}={status}")
+
+
+def wait_ready(cluster, ns, name, generation=None, timeout=120):
+    def check():
+        obj = get(cluster, ns, "kvs", name, check=False)
+        gen = generation or obj["metadata"]["generation"]
+        ok = cond(obj, "Ready").get("status") == "True" and obj["status"].get("observedGeneration") == gen
+        return obj if ok else None
+    return cluster.wait_until(check, timeout=timeout, message=f"{name} Ready at its generation")
+
+
+def children(cluster, ns, name):
+    out = {}
+    for kind in ("configmap", "service", "statefulset", "poddisruptionbudget"):
+        for item in get(cluster, ns, kind)["items"]:
+            if item["metadata"].get("labels", {}).get("kvoffload.io/serve") == name:
+                out[(item["kind"], item["metadata"]["name"])] = item
+    return out
+
+
+def test_create_runs_on_gpu_nodes_and_reports_the_budget(cluster, namespace, operator):
+    apply(cluster, namespace, SMALL)
+    obj = wait_ready(cluster, namespace, "svc")
+    kids = children(cluster, namespace, "svc")
+    assert set(kids) == {("ConfigMap", "svc-lmcache"), ("Service", "svc"), ("Service", "svc-pods"),
+                         ("StatefulSet", "svc"), ("PodDisruptionBudget", "svc")}
+    for child in kids.values():
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert ref["uid"] == obj["metadata"]["uid"] and ref["controller"]
+    pods = get(cluster, namespace, "pods")["items"]
+    assert len(pods) == 1 and pods[0]["status"]["phase"] == "Running"
+    assert pods[0]["spec"]["nodeName"] in {"gpu-node-0", "gpu-node-1", "gpu-node-2"}  # NVMe nodes only
+    st = obj["status"]
+    assert cond(obj, "ConfigValid")["status"] == "True" and cond(obj, "Scheduled")["status"] == "True"
+    assert cond(obj, "DiskTierReady")["status"] == "True"
+    assert st["summary"]["cpuTokens"] > 0 and st["summary"]["diskTokens"] > st["summary"]["cpuTokens"]
+    assert st["versions"] == {"image": "lmcache/vllm-openai:v0.5.4", "vllm": "0.27.1", "lmcache": "0.5.4"}
+    assert st["endpoint"] == f"http://svc.{namespace}.svc:8000/v1"
+    vllm = kids[("StatefulSet", "svc")]["spec"]["template"]["spec"]["containers"][0]
+    assert vllm["resources"]["limits"]["memory"] == st["summary"]["memory"]
+    table = cluster.kubectl("get", "kvs", "-n", namespace).stdout
+    assert "GPU-TOKENS" in table and "True" in table and st["summary"]["memory"] in table
+
+
+def test_update_rolls_out_and_status_follows(cluster, namespace, operator):
+    apply(cluster, namespace, SMALL)
+    wait_ready(cluster, namespace, "svc")
+    changed = copy.deepcopy(SMALL)
+    changed["spec"]["offload"]["cpu"]["size"] = "24Gi"
+    apply(cluster, namespace, changed)
+    obj = wait_ready(cluster, namespace, "svc", generation=2)
+    cm = get(cluster, namespace, "configmap", "svc-lmcache")
+    assert "max_local_cpu_size: 24.0" in cm["data"]["lmcache.yaml"]
+    sts = get(cluster, namespace, "statefulset", "svc")
+    assert sts["status"]["updateRevision"] == sts["status"]["currentRevision"]
+    assert obj["status"]["summary"]["memory"] == sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]
+
+
+def test_scale_subresource(cluster, namespace, operator):
+    apply(cluster, namespace, SMALL)
+    wait_ready(cluster, namespace, "svc")
+    cluster.kubectl("scale", "kvs/svc", "-n", namespace, "--replicas=2")
+    obj = wait_ready(cluster, namespace, "svc")
+    assert obj["status"]["readyReplicas"] == 2 and obj["spec"]["replicas"] == 2
+    assert get(cluster, namespace, "statefulset", "svc")["spec"]["replicas"] == 2
+    scale = json.loads(cluster.kubectl("get", "--raw",
+                                       f"/apis/kvoffload.io/v1alpha1/namespaces/{namespace}/kvoffloadserves/svc/scale").stdout)
+    assert scale["status"]["replicas"] == 2 and scale["status"]["selector"] == "kvoffload.io/serve=svc"
+
+
+def test_delete_garbage_collects_children(cluster, namespace, operator):
+    apply(cluster, namespace, SMALL)
+    wait_ready(cluster, namespace, "svc")
+    cluster.kubectl("delete", "kvs/svc", "-n", namespace, "--wait=true", "--timeout=60s")
+    cluster.wait_until(lambda: not children(cluster, namespace, "svc"), timeout=90, message="children garbage-collected")
+
+
+def test_drift_is_repaired(cluster, namespace, operator):
+    apply(cluster, namespace, SMALL)
+    wait_ready(cluster, namespace, "svc")
+    cluster.kubectl("delete", "configmap/svc-lmcache", "-n", namespace)
+    cluster.kubectl("patch", "statefulset/svc", "-n", namespace, "--type=json", "-p",
+                    json.dumps([{"op": "replace", "path": "/spec/template/spec/containers/0/image", "value": "evil:latest"}]))
+    cluster.wait_until(lambda: get(cluster, namespace, "configmap", "svc-lmcache", check=False), timeout=60,
+                       message="ConfigMap re-created")
+    cluster.wait_until(
+        lambda: get(cluster, namespace, "statefulset", "svc")["spec"]["template"]["spec"]["containers"][0]["image"]
+        == "lmcache/vllm-openai:v0.5.4", timeout=60, message="image restored")
+
+
+@pytest.mark.parametrize("patch, needle", [
+    ({"engine": {"maxModelLen": 4096, "gpuMemoryUtilization": 1.5}}, "spec.engine.gpuMemoryUtilization"),
+    ({"engine": {"maxModelLen": 4096, "tensorParallelSize": 0}}, "spec.engine.tensorParallelSize"),
+    ({"engine": {"maxModelLen": 4096, "extraArgs": ["--max-model-len=1"]}}, "spec.engine.extraArgs"),
+    ({"engine": {"maxModelLen": 4096, "env": [{"name": "LMCACHE_LOCAL_DISK", "value": "True"}]}}, "spec.engine.env"),
+    ({"offload": {"chunkSize": 0, "cpu": {"size": "1Gi"}}}, "spec.offload.chunkSize"),
+    ({"offload": {"cpu": {"size": "forty"}}}, "spec.offload.cpu.size"),
+    ({"offload": {"cpu": {"size": "1Gi"}, "disk": {"size": "10Gi"}}}, "spec.offload.disk"),
+    ({"offload": {"cpu": {"size": "1Gi"}, "disk": {"path": "/mnt/nvme/../etc", "size": "10Gi"}}}, "spec.offload.disk.path"),
+    ({"offload": {"cpu": {"size": "1Gi"}, "disk": {"path": "relative", "size": "10Gi"}}}, "spec.offload.disk.path"),
+    ({"offload": {"cpu": {"size": "1Gi", "evictionPolicy": "RANDOM"}}}, "spec.offload.cpu.evictionPolicy"),
+    ({"offload": {"cpu": {"size": "1Gi"}, "cpuThreshold": 0.8}}, "cpuThreshold"),
+])
+def test_api_server_refuses_bad_specs_naming_the_field(cluster, namespace, crd_installed, patch, needle):
+    obj = copy.deepcopy(SMALL)
+    for key, value in patch.items():
+        obj["spec"][key] = {**obj["spec"].get(key, {}), **value} if key == "engine" else value
+    res = apply(cluster, namespace, obj, check=False)
+    assert res.returncode != 0 and needle in res.stderr, res.stderr
+    assert get(cluster, namespace, "kvs", "svc", check=False) is None
+
+
+def test_api_server_refuses_long_names(cluster, namespace, crd_installed):
+    obj = copy.deepcopy(SMALL)
+    obj["metadata"]["name"] = "x" * 53
+    res = apply(cluster, namespace, obj, check=False)
+    assert res.returncode != 0 and "at most 52 characters" in res.stderr
+
+
+def test_operator_refuses_what_only_it_can_see(cluster, namespace, operator):
+    obj = copy.deepcopy(SMALL)
+    obj["spec"]["offload"]["disk"]["path"] = "/etc/lmcache"  # well-formed, but outside the allowed roots
+    apply(cluster, namespace, obj)
+    found = wait_cond(cluster, namespace, "svc", "ConfigValid", "False")
+    assert "spec.offload.disk.path" in cond(found, "ConfigValid")["message"]
+    assert "allowed roots" in cond(found, "ConfigValid")["message"]
+    assert children(cluster, namespace, "svc") == {}
+    # Fixing it creates the children; breaking it again changes nothing that exists.
+    apply(cluster, namespace, SMALL)
+    wait_ready(cluster, namespace, "svc")
+    before = {k: v["metadata"]["resourceVersion"] for k, v in children(cluster, namespace, "svc").items()}
+    bad_tp = copy.deepcopy(SMALL)
+    bad_tp["spec"]["engine"]["tensorParallelSize"] = 3  # Qwen2.5-7B: 28 heads, 4 KV heads; vLLM refuses TP 3
+    apply(cluster, namespace, bad_tp)
+    found = wait_cond(cluster, namespace, "svc", "ConfigValid", "False")
+    assert "spec.engine.tensorParallelSize" in cond(found, "ConfigValid")["message"]
+    after = {k: v["metadata"]["resourceVersion"] for k, v in children(cluster, namespace, "svc").items()}
+    assert after == before
+
+
+def test_too_big_for_every_node_is_unschedulable(cluster, namespace, operator):
+    obj = copy.deepcopy(SMALL)
+    obj["spec"]["offload"]["cpu"]["size"] = "3Ti"  # nodes have at most 2 TiB
+    apply(cluster, namespace, obj)
+    found = wait_cond(cluster, namespace, "svc", "Scheduled", "False", reason="Unschedulable")
+    assert "Insufficient memory" in cond(found, "Scheduled")["message"]
+    assert cond(found, "Ready")["status"] == "False"
+
+
+def test_steady_state_writes_nothing(cluster, namespace, operator):
+    apply(cluster, namespace, SMALL)
+    wait_ready(cluster, namespace, "svc")
+    time.sleep(5)  # let the last pod events settle before taking the baseline
+
+    def versions():
+        kvs = get(cluster, namespace, "kvs", "svc")
+        return {("kvs", "svc"): kvs["metadata"]["resourceVersion"],
+                **{k: v["metadata"]["resourceVersion"] for k, v in children(cluster, namespace, "svc").items()}}
+
+    before = versions()
+    log_before = operator.output().count("apply ")
+    time.sleep(60)  # three resync timers (resyncSeconds: 20) fire in this minute
+    assert versions() == before
+    assert operator.output().count("apply ") == log_before
