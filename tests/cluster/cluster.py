@@ -182,6 +182,14 @@ def node_pod_cidr(index: int) -> str:
     return f"{POD_CIDR_BASE + index * 256}/24"
 
 
+def node_addresses(name: str, index: int) -> list[dict]:
+    # Both types must be present: kwok's node-initialize stage rewrites `addresses` when
+    # either is missing (and, with no --node-name, writes an empty list). The apiserver only
+    # ever uses InternalIP (--kubelet-preferred-address-types), so the Hostname is never
+    # resolved through DNS.
+    return [{"type": "InternalIP", "address": node_ip(index)}, {"type": "Hostname", "address": name}]
+
+
 def render_nodes(pools: list[dict], start_index: int = 0) -> list[dict]:
     """Node objects (with status) for a fleet; node IPs and pod CIDRs are loopback."""
     nodes = []
@@ -202,7 +210,7 @@ def render_nodes(pools: list[dict], start_index: int = 0) -> list[dict]:
                 "spec": {"podCIDR": node_pod_cidr(i), "podCIDRs": [node_pod_cidr(i)],
                          "taints": list(pool.get("taints") or [])},
                 "status": {"capacity": cap, "allocatable": dict(cap),
-                           "addresses": [{"type": "InternalIP", "address": node_ip(i)}]},
+                           "addresses": node_addresses(name, i)},
             })
             i += 1
     names = [n["metadata"]["name"] for n in nodes]
@@ -286,6 +294,24 @@ def _pki(d: Path) -> None:
     issue("kube-scheduler", "system:kube-scheduler")
     # kwok plays every kubelet of the fleet (node status, leases, pod status, deletes).
     issue("kwok", "kwok-controller", "system:masters")
+
+    # Front proxy (aggregation layer): its own CA and the apiserver's proxy client cert.
+    fp_key = ec.generate_private_key(ec.SECP256R1())
+    fp_name = name("kvoffload-front-proxy-ca")
+    fp = (x509.CertificateBuilder().subject_name(fp_name).issuer_name(fp_name)
+          .public_key(fp_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now).not_valid_after(until)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(fp_key, hashes.SHA256()))
+    (d / "front-proxy-ca.crt").write_bytes(fp.public_bytes(serialization.Encoding.PEM))
+    pc_key = ec.generate_private_key(ec.SECP256R1())
+    pc = (x509.CertificateBuilder().subject_name(name("front-proxy-client")).issuer_name(fp_name)
+          .public_key(pc_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now).not_valid_after(until)
+          .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+          .sign(fp_key, hashes.SHA256()))
+    (d / "front-proxy-client.crt").write_bytes(pc.public_bytes(serialization.Encoding.PEM))
+    write_key(d / "front-proxy-client.key", pc_key)
 
     sa = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     write_key(d / "sa.key", sa)
@@ -604,7 +630,7 @@ class Cluster:
             for n in new:
                 n["spec"]["podCIDR"] = node_pod_cidr(idx)
                 n["spec"]["podCIDRs"] = [node_pod_cidr(idx)]
-                n["status"]["addresses"] = [{"type": "InternalIP", "address": node_ip(idx)}]
+                n["status"]["addresses"] = node_addresses(n["metadata"]["name"], idx)
                 idx += 1
                 code, body = self.request("POST", "/api/v1/nodes", n)
                 if code not in (200, 201, 409):
@@ -796,6 +822,13 @@ class Cluster:
             f"--service-account-signing-key-file={k / 'sa.key'}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--allow-privileged=true",
+            f"--requestheader-client-ca-file={k / 'front-proxy-ca.crt'}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={k / 'front-proxy-client.crt'}",
+            f"--proxy-client-key-file={k / 'front-proxy-client.key'}",
             # No Endpoints for the `kubernetes` Service (its only address would be loopback).
             "--endpoint-reconciler-type=none",
             # logs/exec/port-forward would dial the node's InternalIP (loopback), never a

@@ -1,0 +1,126 @@
+{{/*
+Chart name, truncated to 63 characters (a DNS-1123 label).
+*/}}
+{{- define "kvoffload-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Full name: release-chart, or the release name alone when it already holds the chart name;
+truncated to 63 characters.
+*/}}
+{{- define "kvoffload-operator.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+helm.sh/chart label value.
+*/}}
+{{- define "kvoffload-operator.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Selector labels: name and instance only (a Deployment's selector is immutable).
+*/}}
+{{- define "kvoffload-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvoffload-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+Standard labels on every object of the chart.
+*/}}
+{{- define "kvoffload-operator.labels" -}}
+helm.sh/chart: {{ include "kvoffload-operator.chart" . }}
+{{ include "kvoffload-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvoffload
+{{- end }}
+
+{{/*
+ServiceAccount name.
+*/}}
+{{- define "kvoffload-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kvoffload-operator.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+Operator image (also the exporter sidecar's unless operator.config.exporterImage is set).
+*/}}
+{{- define "kvoffload-operator.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/*
+The operator settings file (kvoffload/settings.py keys). exporterImage defaults to the operator image.
+*/}}
+{{- define "kvoffload-operator.config" -}}
+{{- $cfg := deepCopy .Values.operator.config }}
+{{- if not $cfg.exporterImage }}
+{{- $_ := set $cfg "exporterImage" (include "kvoffload-operator.image" .) }}
+{{- end }}
+{{- if hasKey $cfg "pythonHashSeed" }}
+{{- $_ := set $cfg "pythonHashSeed" (toString $cfg.pythonHashSeed) }}
+{{- end }}
+{{- toYaml $cfg }}
+{{- end }}
+
+{{/*
+Namespace selector for monitors: the watched namespaces, or any.
+*/}}
+{{- define "kvoffload-operator.monitorNamespaceSelector" -}}
+{{- if .Values.watchNamespaces }}
+matchNames:
+  {{- toYaml .Values.watchNamespaces | nindent 2 }}
+{{- else }}
+any: true
+{{- end }}
+{{- end }}
+
+{{/*
+RBAC rules: exactly what the operator calls (kvoffload/kube.py, reconcile.py, handlers.py). No
+wildcards, no Secrets (a Hugging Face token is referenced by name in the pod spec, never read).
+*/}}
+{{- define "kvoffload-operator.rules" -}}
+# Watch KVOffloadServes and read one before each reconcile. patch: kopf adds and removes its
+# finalizer (kvoffload.io/finalizer), which its timer handler requires.
+- apiGroups: ["kvoffload.io"]
+  resources: ["kvoffloadserves"]
+  verbs: ["get", "list", "watch", "patch"]
+# Conditions and the computed budget.
+- apiGroups: ["kvoffload.io"]
+  resources: ["kvoffloadserves/status"]
+  verbs: ["patch"]
+# Children: server-side apply (PATCH; create for new objects), prune, list/watch for drift.
+- apiGroups: [""]
+  resources: ["configmaps", "services"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+# Pods drive the Scheduled and Ready conditions.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "watch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}

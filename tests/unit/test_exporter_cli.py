@@ -1,0 +1,170 @@
+"""The `exporter` sub-command (flag contract, validation) and the HTTP server (/metrics, /healthz),
+in-process and as a real process on 127.0.0.1."""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import importlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvoffload.errors import ConfigError
+from kvoffload.exporter import cli as exporter_cli
+from kvoffload.exporter.capacity import GiB
+from kvoffload.exporter.collector import ExporterConfig, TierCollector
+from kvoffload.exporter.server import parse_listen, start_server
+from kvoffload.exporter.testkit import ExporterProcess, FakeVllm
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+VLLM_TEXT = (FIXTURES / "vllm-0.33.0-metrics-sample" / "exposition.txt").read_text()
+MULTIPROC = FIXTURES / "lmcache-0.5.6-metrics-sample" / "multiproc"
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvoffload")
+    exporter_cli.register(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["exporter", *argv])
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    finally:
+        conn.close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_kvoffload_cli_dispatches_to_this_module() -> None:
+    from kvoffload import cli
+
+    assert cli.SUBCOMMANDS["exporter"] == "kvoffload.exporter.cli"
+    assert callable(importlib.import_module(cli.SUBCOMMANDS["exporter"]).register)
+
+
+def test_flag_contract_and_defaults() -> None:
+    args = parse([])
+    assert args.func is exporter_cli.run
+    assert args.listen == "127.0.0.1:9400"
+    assert args.vllm_metrics_url == "http://127.0.0.1:8000/metrics"
+    assert args.scrape_timeout == 2.0
+    assert (args.multiproc_dir, args.disk_dir, args.lmcache_config) == (None, None, None)
+    assert (args.tensor_parallel_size, args.kv_bytes_per_token) == (1, 0)
+    args = parse(["--listen", "127.0.0.1:9500", "--vllm-metrics-url", "http://127.0.0.1:8001/metrics",
+                  "--multiproc-dir", "/tmp/mp", "--disk-dir", "/var/lib/kvoffload/d",
+                  "--lmcache-config", "/etc/lmcache/lmcache.yaml", "--tensor-parallel-size", "4",
+                  "--kv-bytes-per-token", "131072", "--scrape-timeout", "1.5",
+                  "--disk-rescan-interval", "60"])
+    assert (args.tensor_parallel_size, args.kv_bytes_per_token, args.disk_rescan_interval) == (4, 131072, 60)
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--listen", "9400"], "--listen"),
+    (["--listen", "127.0.0.1:http"], "--listen"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+    (["--kv-bytes-per-token", "-1"], "--kv-bytes-per-token"),
+    (["--scrape-timeout", "0"], "--scrape-timeout"),
+    (["--disk-rescan-interval", "-5"], "--disk-rescan-interval"),
+    (["--lmcache-config", "/nonexistent/lmcache.yaml"], "--lmcache-config"),
+])
+def test_bad_flags_name_the_flag(argv: list[str], field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        exporter_cli.build(parse(argv))
+    assert err.value.field == field
+
+
+def test_parse_listen() -> None:
+    assert parse_listen("127.0.0.1:9400") == ("127.0.0.1", 9400)
+    assert parse_listen("[::1]:9400") == ("::1", 9400)
+
+
+def test_build_uses_the_lmcache_config(tmp_path: Path) -> None:
+    cfg = tmp_path / "lmcache.yaml"
+    cfg.write_text("max_local_cpu_size: 10\nlocal_disk: /d\nmax_local_disk_size: 30\n")
+    _, collector, address = exporter_cli.build(parse(["--lmcache-config", str(cfg),
+                                                      "--tensor-parallel-size", "2",
+                                                      "--disk-dir", str(tmp_path)]))
+    assert address == ("127.0.0.1", 9400)
+    assert collector.config.budget.cpu_bytes == 20 * GiB
+    assert collector.config.budget.disk_bytes == 60 * GiB
+    assert collector.disk is not None and set(collector.health) == {"vllm", "lmcache", "disk"}
+
+
+def test_server_endpoints_in_process() -> None:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(TierCollector(ExporterConfig(
+        vllm_metrics_url=f"http://127.0.0.1:{_closed_port()}/metrics", multiproc_dir=str(MULTIPROC))))
+    server = start_server(registry, "127.0.0.1", 0)
+    try:
+        port = server.server_address[1]
+        assert get(port, "/healthz") == (200, "ok\n")
+        status, body = get(port, "/metrics")
+        assert status == 200
+        assert 'kvoffload_source_up{source="vllm"} 0.0' in body
+        assert 'kvoffload_tier_used_bytes{tier="cpu"} 2.147483648e+10' in body
+        assert get(port, "/other")[0] == 404
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_exporter_process_end_to_end(tmp_path: Path) -> None:
+    mp = tmp_path / "mp"
+    shutil.copytree(MULTIPROC, mp)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (disk / "chunk.pt").write_bytes(b"k" * 4096)
+    with FakeVllm(VLLM_TEXT) as vllm, ExporterProcess([
+            "--vllm-metrics-url", vllm.url, "--multiproc-dir", str(mp), "--disk-dir", str(disk),
+            "--disk-rescan-interval", "0.2"]) as exporter:
+        assert get(exporter.port, "/healthz") == (200, "ok\n")
+        status, body = get(exporter.port, "/metrics")
+        assert status == 200
+        assert 'kvoffload_offload_active 1.0' in body
+        assert 'kvoffload_tier_hit_tokens_total{tier="external"} 8192.0' in body
+        assert "process_resident_memory_bytes" in body
+        exporter.proc.send_signal(signal.SIGTERM)
+        assert exporter.proc.wait(10) == 0
+
+
+def test_exporter_process_survives_every_source_failing(tmp_path: Path) -> None:
+    with ExporterProcess(["--vllm-metrics-url", f"http://127.0.0.1:{_closed_port()}/metrics",
+                          "--multiproc-dir", str(tmp_path / "empty"),
+                          "--disk-dir", str(tmp_path / "missing"),
+                          "--scrape-timeout", "0.5", "--disk-rescan-interval", "0.1"]) as exporter:
+        for _ in range(3):
+            status, body = get(exporter.port, "/metrics")
+            assert status == 200
+        assert 'kvoffload_scrape_errors_total{source="vllm"} 3.0' in body
+        assert 'kvoffload_source_up{source="disk"} 0.0' in body
+        assert get(exporter.port, "/healthz")[0] == 200
+        assert exporter.proc.poll() is None
+        log = "".join(exporter.log_lines)
+        assert log.count("source vllm failing") == 1
+        assert log.count("source disk failing") == 1
+
+
+def test_exporter_process_refuses_a_busy_port() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "kvoffload.exporter", "--listen", f"127.0.0.1:{port}"],
+                              capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert "--listen" in done.stderr
