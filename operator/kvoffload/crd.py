@@ -27,8 +27,8 @@ MANAGED_ENV = ("LMCACHE_CONFIG_FILE", "PYTHONHASHSEED", "PROMETHEUS_MULTIPROC_DI
 MANAGED_ENV_PREFIX = "LMCACHE_"
 
 Schema = dict[str, Any]
-QUANTITY_RULE = "isQuantity(self) && quantity(self).sign() >= 0"
-POSITIVE_QUANTITY_RULE = "isQuantity(self) && quantity(self).sign() > 0"
+QUANTITY_RULE = "isQuantity(self) && !quantity(self).isLessThan(quantity('0'))"
+POSITIVE_QUANTITY_RULE = "isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))"
 
 
 def _s(description: str, **kw: Any) -> Schema:
@@ -55,6 +55,12 @@ def _o(description: str, properties: dict[str, Schema], *, required: list[str] |
     if rules:
         out["x-kubernetes-validations"] = rules
     return out
+
+
+def _labels(description: str) -> Schema:
+    # Bounded so the CEL cost estimator accepts rules over these maps.
+    return {"type": "object", "description": description, "maxProperties": 32,
+            "additionalProperties": {"type": "string", "maxLength": 63}}
 
 
 def _free(description: str, type_: str = "object") -> Schema:
@@ -174,8 +180,7 @@ def _offload() -> Schema:
          "reclaimPolicy": _s("What happens to node directories when a pod or the resource goes: Delete (emptied at every pod start; "
                              "removed from nodes by the node cleaner when the resource is deleted) or Retain (left for the admin).",
                              enum=["Delete", "Retain"], default="Delete"),
-         "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"},
-                          "description": "Node labels that mark nodes with this disk; defaults to the operator's NVMe label."}},
+         "nodeSelector": _labels("Node labels that mark nodes with this disk; defaults to the operator's NVMe label.")},
         required=["size"],
         rules=[{"rule": "has(self.path) != has(self.storageClassName)",
                 "message": "set exactly one of spec.offload.disk.path (hostPath) or spec.offload.disk.storageClassName (ephemeral volume)"}],
@@ -210,7 +215,7 @@ def _resources() -> Schema:
 def _scheduling() -> Schema:
     return _o(
         "Where serving pods may run.",
-        {"nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}, "description": "Node labels pods require."},
+        {"nodeSelector": _labels("Node labels pods require."),
          "tolerations": _free("Pod tolerations (Kubernetes Toleration list).", "array"),
          "affinity": _free("Pod affinity (Kubernetes Affinity)."),
          "priorityClassName": _s("PriorityClass of the pods.", maxLength=253)},

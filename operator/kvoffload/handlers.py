@@ -3,7 +3,8 @@
 kopf is edge-triggered; this makes it level-based: CR events, child events and a slow timer
 all kick the same per-resource queue, which coalesces bursts (a rollout emits dozens of pod
 events) into one reconcile at a time per resource and retries failures with backoff.
-Handlers keep no state in the resource: no finalizer, no progress annotations.
+Handlers keep no state in the resource: no finalizer, no progress annotations. (A kopf timer
+would add a finalizer to every resource, so the resync is a plain task over the resources seen.)
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class Queue:
 
 QUEUE: Queue | None = None
 SETTINGS: Settings = Settings()
+KNOWN: set[tuple[str, str]] = set()  # resources seen in watch events, for the resync
 
 
 def _kick(namespace: str | None, name: str | None) -> None:
@@ -70,7 +72,7 @@ def _kick(namespace: str | None, name: str | None) -> None:
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: object) -> None:
+async def configure(settings: kopf.OperatorSettings, **_: object) -> None:
     global QUEUE, SETTINGS
     SETTINGS = load()
     QUEUE = Queue(Kube(load_api_client()), SETTINGS)
@@ -81,24 +83,33 @@ def configure(settings: kopf.OperatorSettings, **_: object) -> None:
     settings.watching.client_timeout = 310
     settings.posting.enabled = False  # conditions carry the story; no event per reconcile
     settings.execution.max_workers = 8
+    QUEUE.tasks.add(asyncio.get_running_loop().create_task(_resync_forever(SETTINGS.resync_seconds)))
+
+
+async def _resync_forever(interval: float) -> None:
+    """Level-based safety net: re-reconcile every known resource now and then (writes only on drift)."""
+    while True:
+        await asyncio.sleep(interval)
+        for namespace, name in sorted(KNOWN):
+            _kick(namespace, name)
 
 
 @kopf.on.event(crd.GROUP, crd.VERSION, crd.PLURAL)
-def serve_event(type: str | None, namespace: str | None, name: str | None, **_: object) -> None:
-    if type != "DELETED":
-        _kick(namespace, name)
+async def serve_event(type: str | None, namespace: str | None, name: str | None, **_: object) -> None:
+    if not namespace or not name:
+        return
+    if type == "DELETED":
+        KNOWN.discard((namespace, name))
+        return
+    KNOWN.add((namespace, name))
+    _kick(namespace, name)
 
 
-def _child_event(labels: dict[str, str], namespace: str | None, **_: object) -> None:
+async def _child_event(labels: dict[str, str], namespace: str | None, **_: object) -> None:
     _kick(namespace, labels.get(render.OWNER_LABEL))
 
 
-# Child events: pods drive Scheduled/Ready; the rest catches drift (a child deleted or edited by hand).
+# Handlers are async: they only kick the queue, on the event loop. Child events: pods drive Scheduled/Ready; the rest catches drift (a child deleted or edited by hand).
 for _resource in (("v1", "pods"), ("apps", "v1", "statefulsets"), ("v1", "configmaps"), ("v1", "services"),
                   ("policy", "v1", "poddisruptionbudgets")):
     kopf.on.event(*_resource, labels={render.OWNER_LABEL: kopf.PRESENT})(_child_event)
-
-
-@kopf.timer(crd.GROUP, crd.VERSION, crd.PLURAL, interval=SETTINGS.resync_seconds, initial_delay=SETTINGS.resync_seconds)
-def resync(namespace: str | None, name: str | None, **_: object) -> None:
-    _kick(namespace, name)

@@ -85,12 +85,12 @@ class Kube:
         """Server-side apply with the one field manager; force takes back fields others changed (drift)."""
         meta = obj["metadata"]
         path = f"{collection(obj['apiVersion'], obj['kind'], meta['namespace'])}/{meta['name']}"
-        return self.request("PATCH", path, json.dumps(obj), query={"fieldManager": FIELD_MANAGER, "force": "true"},
+        return self.request("PATCH", path, obj, query={"fieldManager": FIELD_MANAGER, "force": "true"},
                             content_type="application/apply-patch+yaml")
 
     def delete(self, path: str) -> None:
         try:
-            self.request("DELETE", path, json.dumps({"propagationPolicy": "Background"}))
+            self.request("DELETE", path, {"propagationPolicy": "Background"})
         except ApiError as e:
             if e.status != 404:
                 raise
@@ -100,4 +100,4 @@ class Kube:
         # resourceVersion test refuses to overwrite a newer object.
         ops = [{"op": "test", "path": "/metadata/resourceVersion", "value": resource_version},
                {"op": "add", "path": "/status", "value": status}]
-        return self.request("PATCH", path + "/status", json.dumps(ops), content_type="application/json-patch+json")
+        return self.request("PATCH", path + "/status", ops, content_type="application/json-patch+json")

@@ -144,7 +144,7 @@ def _vllm_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings
     if spec.offload.disk:
         mounts.append(_disk_mount(owner, spec, read_only=False))
     if spec.model.cache_claim:
-        mounts.append({"name": "model-cache", "mountPath": MODELS_DIR, "readOnly": spec.model.cache_read_only})
+        mounts.append({"name": "model-cache", "mountPath": MODELS_DIR, **({"readOnly": True} if spec.model.cache_read_only else {})})
     return {
         "name": "vllm",
         "image": spec.engine.image,
@@ -166,7 +166,8 @@ def _vllm_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings
 
 
 def _disk_mount(owner: Owner, spec: Spec, *, read_only: bool) -> dict[str, Any]:
-    mount: dict[str, Any] = {"name": "kv-disk", "mountPath": DISK_DIR, "readOnly": read_only}
+    # readOnly is omitempty in the API: only ever write `true`, or the live object never matches.
+    mount: dict[str, Any] = {"name": "kv-disk", "mountPath": DISK_DIR, **({"readOnly": True} if read_only else {})}
     if spec.offload.disk and spec.offload.disk.path:
         # Each pod gets <path>/<namespace>/<name>/<pod>; kubelet refuses a subPath that escapes the volume.
         mount["subPathExpr"] = f"$(POD_NAMESPACE)/{owner.name}/$(POD_NAME)"
@@ -233,8 +234,8 @@ def _volumes(owner: Owner, spec: Spec, budget: Budget) -> list[dict[str, Any]]:
             "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": disk.storage_class,
                      "resources": {"requests": {"storage": format_bytes(disk.size)}}}}}})
     if spec.model.cache_claim:
-        volumes.append({"name": "model-cache", "persistentVolumeClaim": {"claimName": spec.model.cache_claim,
-                                                                         "readOnly": spec.model.cache_read_only}})
+        claim = {"claimName": spec.model.cache_claim, **({"readOnly": True} if spec.model.cache_read_only else {})}
+        volumes.append({"name": "model-cache", "persistentVolumeClaim": claim})
     return volumes
 
 

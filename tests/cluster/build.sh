@@ -61,7 +61,7 @@ build_etcd() {
 }
 
 build_kwok() {
-  [ -x "$BIN/kwok" ] && return
+  [ -x "$BIN/kwok" ] && [ -f "$BIN/kwok-stages/node/fast/node-initialize.yaml" ] && return
   log "kwok $KWOK_VERSION"
   GOBIN="$BIN" go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
   # Keep kwok's own stage definitions next to the binary.

@@ -277,3 +277,26 @@ def test_second_cluster_starts_fast_and_down_leaves_nothing(cluster, tmp_path):
     bound = {p for _, p, _ in kvcluster.listening_sockets()}
     assert not ports & bound, f"ports still bound after down: {ports & bound}"
     assert c2.running() is False
+
+
+def test_service_endpoints_refused_for_loopback_pod_ips(cluster, namespace):
+    """The price of the network rule: pod IPs are loopback, and the API server refuses
+    loopback addresses in EndpointSlices, so a Service never gets endpoints and nothing
+    (not even the apiserver resolving a webhook Service) can dial a pod."""
+    cluster.kubectl("create", "deployment", "web", "--image=registry.invalid/kvoffload/fake:0",
+                    "-n", namespace)
+    cluster.kubectl("expose", "deployment", "web", "--port=80", "-n", namespace)
+    cluster.wait_until(
+        lambda: cluster.kubectl("get", "pods", "-n", namespace, "-l", "app=web", "-o",
+                                "jsonpath={.items[*].status.phase}").stdout == "Running",
+        timeout=60, message="web pod Running")
+
+    def refused():
+        events = get_json(cluster, "events", "-n", namespace,
+                          "--field-selector", "reason=FailedToUpdateEndpointSlices")["items"]
+        return [e for e in events if "loopback" in e["message"]]
+
+    cluster.wait_until(refused, timeout=60, message="FailedToUpdateEndpointSlices event")
+    slices = get_json(cluster, "endpointslices", "-n", namespace,
+                      "-l", "kubernetes.io/service-name=web")["items"]
+    assert all(not s.get("endpoints") for s in slices), slices

@@ -97,11 +97,11 @@ RBAC rules: exactly what the operator calls (kvoffload/kube.py, reconcile.py, ha
 wildcards, no Secrets (a Hugging Face token is referenced by name in the pod spec, never read).
 */}}
 {{- define "kvoffload-operator.rules" -}}
-# Watch KVOffloadServes and read one before each reconcile. patch: kopf adds and removes its
-# finalizer (kvoffload.io/finalizer), which its timer handler requires.
+# Watch KVOffloadServes and read one before each reconcile. No patch: the operator keeps no
+# finalizer or annotation on them (tests/integration/test_chart_rbac.py proves it).
 - apiGroups: ["kvoffload.io"]
   resources: ["kvoffloadserves"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["get", "list", "watch"]
 # Conditions and the computed budget.
 - apiGroups: ["kvoffload.io"]
   resources: ["kvoffloadserves/status"]

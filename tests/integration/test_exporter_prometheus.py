@@ -1,0 +1,188 @@
+"""A REAL Prometheus (/usr/bin/prometheus, the Debian package) scrapes the exporter every second;
+PromQL over its HTTP API returns the tier figures of the real vLLM 0.33.0 / LMCache 0.5.6 samples,
+and every expression of the Grafana dashboard evaluates. Everything binds to 127.0.0.1."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvoffload.exporter.capacity import GiB
+from kvoffload.exporter.testkit import ExporterProcess, FakeVllm
+
+PROMETHEUS = Path("/usr/bin/prometheus")
+pytestmark = pytest.mark.skipif(not PROMETHEUS.exists(),
+                                reason="/usr/bin/prometheus is absent (Debian: apt-get install -y prometheus)")
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures"
+VLLM_TEXT = (FIXTURES / "vllm-0.33.0-metrics-sample" / "exposition.txt").read_text()
+MULTIPROC = FIXTURES / "lmcache-0.5.6-metrics-sample" / "multiproc"
+DASHBOARD = ROOT / "charts" / "kvoffload-operator" / "dashboards" / "kvoffload-tiers.json"
+CACHE_CONFIG_INFO = ('# TYPE vllm:cache_config_info gauge\n'
+                     'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n')
+KV_BYTES_PER_TOKEN = 131072
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PromAPI:
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def get(self, path: str, **params: str) -> tuple[int, str]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            conn.request("GET", f"{path}?{urllib.parse.urlencode(params)}" if params else path)
+            resp = conn.getresponse()
+            return resp.status, resp.read().decode()
+        finally:
+            conn.close()
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        status, body = self.get("/api/v1/query", query=promql)
+        doc = json.loads(body)
+        assert status == 200 and doc["status"] == "success", f"{promql}: {body}"
+        return doc["data"]["result"]
+
+    def by(self, promql: str, label: str) -> dict[str, float]:
+        return {r["metric"].get(label, ""): float(r["value"][1]) for r in self.query(promql)}
+
+    def scalar(self, promql: str) -> float:
+        result = self.query(promql)
+        assert len(result) == 1, f"{promql}: {result}"
+        return float(result[0]["value"][1])
+
+    def wait_for(self, promql: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.query(promql):
+                    return
+            except (OSError, AssertionError, ValueError):
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"no result for {promql} within {timeout}s")
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[tuple[PromAPI, FakeVllm]]:
+    mp = tmp_path / "multiproc"
+    shutil.copytree(MULTIPROC, mp)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    for i in range(3):
+        (disk / f"chunk{i}.pt").write_bytes(b"k" * 1000)
+    config = tmp_path / "lmcache.yaml"
+    config.write_text("chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 40\n"
+                      f"local_disk: file://{disk}/\nmax_local_disk_size: 100\n")
+    with FakeVllm(VLLM_TEXT + CACHE_CONFIG_INFO) as vllm, ExporterProcess([
+            "--vllm-metrics-url", vllm.url, "--multiproc-dir", str(mp), "--disk-dir", str(disk),
+            "--lmcache-config", str(config), "--tensor-parallel-size", "2",
+            "--kv-bytes-per-token", str(KV_BYTES_PER_TOKEN), "--disk-rescan-interval", "1"]) as exporter:
+        prom_port = free_port()
+        vllm_target = vllm.url.split("//", 1)[1].split("/", 1)[0]
+        (tmp_path / "prometheus.yml").write_text(json.dumps({  # JSON is YAML
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [
+                {"job_name": "kvoffload", "static_configs": [
+                    {"targets": [f"127.0.0.1:{exporter.port}"], "labels": {"namespace": "ns", "pod": "serve-0"}}]},
+                {"job_name": "vllm", "static_configs": [
+                    {"targets": [vllm_target], "labels": {"namespace": "ns", "pod": "serve-0"}}]},
+            ],
+        }))
+        log = (tmp_path / "prometheus.log").open("w")
+        prom = subprocess.Popen(
+            [str(PROMETHEUS), f"--config.file={tmp_path / 'prometheus.yml'}",
+             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}",
+             "--log.level=warn"], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+        try:
+            api = PromAPI(prom_port)
+            deadline = time.monotonic() + 30
+            while api_status(api) != 200:
+                assert prom.poll() is None, (tmp_path / "prometheus.log").read_text()
+                assert time.monotonic() < deadline, "Prometheus not ready"
+                time.sleep(0.2)
+            api.wait_for('kvoffload_tier_used_bytes{tier="cpu"}')
+            api.wait_for("vllm:kv_cache_usage_perc")
+            yield api, vllm
+        finally:
+            prom.terminate()
+            try:
+                prom.wait(15)
+            except subprocess.TimeoutExpired:
+                prom.kill()
+                prom.wait()
+            log.close()
+
+
+def api_status(api: PromAPI) -> int:
+    try:
+        return api.get("/-/ready")[0]
+    except OSError:
+        return 0
+
+
+def test_prometheus_sees_the_tier_figures(stack: tuple[PromAPI, FakeVllm]) -> None:
+    api, _ = stack
+    assert api.scalar('up{job="kvoffload"}') == 1
+    capacity = api.by("kvoffload_tier_capacity_bytes", "tier")
+    assert capacity == {"gpu": 1000 * 16 * KV_BYTES_PER_TOKEN, "cpu": 80 * GiB, "disk": 200 * GiB}
+    used = api.by("kvoffload_tier_used_bytes", "tier")
+    assert used["cpu"] == 21474836480 and used["disk"] == 64424509440
+    assert used["gpu"] == pytest.approx(0.42 * capacity["gpu"])
+    ratio = api.by("kvoffload_tier_hit_tokens_total / kvoffload_tier_requested_tokens_total", "tier")
+    assert ratio == pytest.approx({"gpu": 4096 / 12288, "external": 8192 / 12288})
+    assert api.by("kvoffload_tier_evictions_total", "tier") == {"cpu": 5, "disk": 0}
+    assert api.scalar("kvoffload_disk_files") == 3
+    assert api.scalar("kvoffload_disk_bytes") == 3000
+    assert api.scalar("kvoffload_disk_orphaned_bytes") == 0
+    assert api.scalar("kvoffload_disk_free_bytes") > 0
+    assert api.scalar("kvoffload_offload_active") == 1
+    assert api.by("kvoffload_source_up", "source") == {"vllm": 1, "lmcache": 1, "disk": 1}
+    assert api.by("kvoffload_scrape_errors_total", "source") == {"vllm": 0, "lmcache": 0, "disk": 0}
+    assert api.scalar('max by (pod) (vllm:kv_cache_usage_perc{namespace=~".*", pod=~".*"})') == 0.42
+
+
+def test_dashboard_queries_evaluate_and_hit_ratio_follows_traffic(stack: tuple[PromAPI, FakeVllm]) -> None:
+    api, vllm = stack
+    # More traffic: 12,288 more tokens queried, 8,192 more found in the GPU prefix cache.
+    vllm.body = (VLLM_TEXT + CACHE_CONFIG_INFO).replace(
+        'vllm:prefix_cache_queries_total{engine="0",model_name="llama-8b"} 12288.0',
+        'vllm:prefix_cache_queries_total{engine="0",model_name="llama-8b"} 24576.0').replace(
+        'vllm:prefix_cache_hits_total{engine="0",model_name="llama-8b"} 4096.0',
+        'vllm:prefix_cache_hits_total{engine="0",model_name="llama-8b"} 12288.0')
+    api.wait_for('kvoffload_tier_requested_tokens_total{tier="gpu"} == 24576')
+    time.sleep(2.5)  # a few more scrapes after the change
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    values = {"$__rate_interval": "1m", "$namespace": "ns", "$pod": "serve-0"}
+    results: dict[str, list[dict[str, Any]]] = {}
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for var, val in values.items():
+                expr = expr.replace(var, val)
+            results[f"{panel['title']}/{target['refId']}"] = api.query(expr)  # asserts success
+    for key, result in results.items():
+        assert result, f"dashboard query {key} returned no series"
+
+    hit_ratio = {r["metric"]["tier"]: float(r["value"][1]) for r in results["Hit ratio by tier/A"]}
+    assert hit_ratio["gpu"] == pytest.approx(8192 / 12288)
+    fill = {r["metric"]["tier"]: float(r["value"][1]) for r in results["Tier fill/A"]}
+    assert fill == pytest.approx({"gpu": 0.42, "cpu": 20 / 80, "disk": 60 / 200})
+    assert float(results["Offload active/A"][0]["value"][1]) == 1

