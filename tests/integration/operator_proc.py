@@ -28,7 +28,8 @@ class OperatorProcess:
                                      start_new_session=True)
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text()
 
     def stop(self) -> None:

@@ -80,13 +80,14 @@ def test_unchanged_directory_is_not_listed_again(tmp_path: Path, count_scandir: 
     settle(tmp_path)
     scanner = DiskTierScanner(str(tmp_path))
     assert scanner.rescan(cutoff=None)[0].files == 50
-    assert len(count_scandir) == 1
+    listings = len(count_scandir)
+    assert listings >= 1
     for _ in range(3):
         assert scanner.rescan(cutoff=None)[0].files == 50
-    assert len(count_scandir) == 1  # one stat() per rescan, no listing
+    assert len(count_scandir) == listings  # one stat() per rescan, no listing
     put(tmp_path / "new.pt", 10)
     assert scanner.rescan(cutoff=None)[0].files == 51
-    assert len(count_scandir) == 2
+    assert len(count_scandir) > listings
 
 
 def test_file_still_being_written_is_measured_again(tmp_path: Path) -> None:

@@ -1,0 +1,293 @@
+"""The Helm chart against the real local control plane (tests/cluster).
+
+- every ci/*-values.yaml scenario: `helm template` | `kubectl apply --dry-run=server`;
+- a real `helm install`, `helm upgrade` with a CRD change, `helm uninstall` keeping the CRD and
+  a user's KVOffloadServe (crds.keep);
+- the operator pod is admitted in a namespace enforcing Pod Security "restricted";
+- the example in NOTES.txt is accepted by the API server.
+
+The cluster is shared with other tests: everything namespaced lives in the `namespace` fixture
+(or namespaces made here and deleted after), cluster-scoped objects carry a unique release name,
+and the install/upgrade/uninstall test renames the CRD's API group in a copy of the chart so it
+never touches the kvoffloadserves.kvoffload.io CRD that other tests use.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvoffload import crd, generate
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "kvoffload-operator"
+SCENARIOS = ("default", "namespaced", "no-crds", "monitoring", "custom-roots")
+EXAMPLE = ROOT / "examples" / "cpu-tier-qwen25-7b.yaml"
+
+
+def uid() -> str:
+    return uuid.uuid4().hex[:6]
+
+
+def get_json(cluster, *args, check: bool = True):
+    cp = cluster.kubectl("get", *args, "-o", "json", check=check)
+    return json.loads(cp.stdout) if cp.returncode == 0 else None
+
+
+def docs_of(text: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def make_namespace(cluster, name: str, labels: dict[str, str] | None = None) -> str:
+    cluster.kubectl("create", "namespace", name)
+    cluster.kubectl("label", "namespace", name, "kvoffload.io/test=true", *[f"{k}={v}" for k, v in (labels or {}).items()],
+                    "--overwrite")
+    return name
+
+
+def delete_namespace(cluster, name: str) -> None:
+    cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+
+
+@pytest.fixture(scope="module")
+def crd_installed(cluster):
+    """The project's CRD, as the other integration tests install it (crds/, server-side)."""
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd.PLURAL}.{crd.GROUP}", "--timeout=60s")
+
+
+# Stand-ins for the Prometheus Operator's PodMonitor/ServiceMonitor CRDs: structural schemas with
+# the real field names (prometheus-operator's monitoring.coreos.com_{pod,service}monitors.yaml) for
+# every field the chart sets, so a server-side dry run with strict field validation catches a
+# misspelt field. Created only where the cluster has none, and deleted afterwards.
+def _relabel():
+    return {"type": "object", "properties": {
+        "sourceLabels": {"type": "array", "items": {"type": "string"}}, "separator": {"type": "string"},
+        "targetLabel": {"type": "string"}, "regex": {"type": "string"}, "modulus": {"type": "integer"},
+        "replacement": {"type": "string"}, "action": {"type": "string"}}}
+
+
+def _endpoint():
+    return {"type": "object", "properties": {
+        "port": {"type": "string"}, "path": {"type": "string"}, "interval": {"type": "string"},
+        "scrapeTimeout": {"type": "string"}, "relabelings": {"type": "array", "items": _relabel()}}}
+
+
+def _selector():
+    return {"type": "object", "properties": {
+        "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "matchExpressions": {"type": "array", "items": {"type": "object", "properties": {
+            "key": {"type": "string"}, "operator": {"type": "string"},
+            "values": {"type": "array", "items": {"type": "string"}}}}}}}
+
+
+def _monitor_crd(kind: str, plural: str, spec_props: dict) -> dict:
+    spec = {"type": "object", "properties": {
+        "selector": _selector(), "jobLabel": {"type": "string"},
+        "namespaceSelector": {"type": "object", "properties": {
+            "any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}},
+        **spec_props}}
+    return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "metadata": {"name": f"{plural}.monitoring.coreos.com", "labels": {"kvoffload.io/test": "stand-in"}},
+            "spec": {"group": "monitoring.coreos.com", "scope": "Namespaced",
+                     "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List"},
+                     "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+                         "type": "object", "properties": {"spec": spec}}}}]}}
+
+
+MONITOR_CRDS = [
+    _monitor_crd("PodMonitor", "podmonitors", {
+        "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+        "podMetricsEndpoints": {"type": "array", "items": _endpoint()}}),
+    _monitor_crd("ServiceMonitor", "servicemonitors", {
+        "targetLabels": {"type": "array", "items": {"type": "string"}},
+        "endpoints": {"type": "array", "items": _endpoint()}}),
+]
+
+
+@pytest.fixture(scope="module")
+def monitoring_api(cluster):
+    created = []
+    for c in MONITOR_CRDS:
+        name = c["metadata"]["name"]
+        if cluster.kubectl("get", "crd", name, check=False).returncode != 0:
+            cp = cluster.kubectl("create", "-f", "-", input=json.dumps(c), check=False)
+            if cp.returncode == 0:
+                created.append(name)
+            elif "AlreadyExists" not in cp.stderr:
+                raise AssertionError(cp.stderr)
+        cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    try:
+        yield
+    finally:
+        for name in created:
+            cluster.kubectl("delete", "crd", name, "--ignore-not-found", "--wait=false", check=False)
+
+
+# --------------------------------------------------------------------------- ci scenarios
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_ci_scenario_server_dry_run(cluster, namespace, scenario, request):
+    args = ["-f", CHART / "ci" / f"{scenario}-values.yaml"]
+    extra: list[str] = []
+    if scenario == "namespaced":
+        # The scenario's namespaces, made unique for a shared cluster (Roles need them to exist).
+        extra = [make_namespace(cluster, f"{namespace[:50]}-b")]
+        args += ["--set", f"watchNamespaces={{{namespace},{extra[0]}}}"]
+    if scenario == "monitoring":
+        request.getfixturevalue("monitoring_api")
+        args += ["--api-versions", "monitoring.coreos.com/v1"]
+    try:
+        release = f"kvo-{uid()}"
+        rendered = cluster.helm("template", release, CHART, "--namespace", namespace, *args).stdout
+        docs = docs_of(rendered)
+        kinds = {d["kind"] for d in docs}
+        assert ("PodMonitor" in kinds) == (scenario == "monitoring")
+        assert ("Role" in kinds) == (scenario == "namespaced")
+        cp = cluster.kubectl("apply", "--dry-run=server", "--validate=strict", "-f", "-", input=rendered, check=False)
+        assert cp.returncode == 0, f"server refused the {scenario} scenario:\n{cp.stderr}\n{cp.stdout}"
+        applied = [line for line in cp.stdout.splitlines() if line.endswith("(server dry run)")]
+        assert len(applied) == len(docs), cp.stdout
+        # Dry run: nothing of it exists afterwards.
+        assert cluster.kubectl("get", "clusterrole", f"{release}-kvoffload-operator", check=False).returncode != 0
+    finally:
+        for ns in extra:
+            delete_namespace(cluster, ns)
+
+
+def test_notes_example_is_accepted_by_the_api_server(cluster, namespace, crd_installed):
+    out = cluster.helm("install", "kvo", CHART, "--namespace", namespace, "--dry-run=client").stdout
+    m = re.search(r"^kubectl apply -n \S+ -f - <<'EOF'\n(.*?)^EOF$", out, re.M | re.S)
+    assert m, out
+    cp = cluster.kubectl("apply", "--dry-run=server", "--validate=strict", "-n", namespace, "-f", "-",
+                         input=m.group(1), check=False)
+    assert cp.returncode == 0, cp.stderr
+
+
+# --------------------------------------------------------------------------- install / upgrade / uninstall
+def isolated_chart(tmp_path: Path, monkeypatch, group: str, extra_column: dict | None = None,
+                   description: str | None = None) -> Path:
+    """A copy of the chart whose CRD (written by the real generator) serves `group` instead of kvoffload.io."""
+    chart = tmp_path / "kvoffload-operator"
+    if not chart.exists():
+        shutil.copytree(CHART, chart)
+    real = crd.crd
+
+    def patched():
+        c = real()
+        c["metadata"]["name"] = f"{crd.PLURAL}.{group}"
+        c["spec"]["group"] = group
+        c["spec"]["names"].pop("shortNames", None)  # `kvs` and the `all` category stay the real CRD's
+        c["spec"]["names"].pop("categories", None)
+        version = c["spec"]["versions"][0]
+        if extra_column:
+            version["additionalPrinterColumns"].insert(-1, extra_column)
+        if description:
+            version["schema"]["openAPIV3Schema"]["description"] = description
+        return c
+
+    with monkeypatch.context() as m:
+        m.setattr(crd, "crd", patched)
+        text = generate.chart()
+    (chart / generate.CHART_FILE.relative_to("charts/kvoffload-operator")).write_text(text)
+    return chart
+
+
+def test_install_upgrade_uninstall(cluster, namespace, tmp_path, monkeypatch):
+    group = f"t{uid()}.kvoffload.io"
+    crd_name = f"{crd.PLURAL}.{group}"
+    release = f"kvo-{uid()}"
+    fullname = f"{release}-kvoffload-operator"
+    chart = isolated_chart(tmp_path, monkeypatch, group)
+    serve = yaml.safe_load(EXAMPLE.read_text())
+    serve["apiVersion"] = f"{group}/{crd.VERSION}"
+    serve["metadata"]["namespace"] = namespace
+    try:
+        # -- install (Helm 4: server-side apply; --wait: the Deployment becomes Available on kwok)
+        cluster.helm("install", release, chart, "--namespace", namespace, "--wait", "--timeout", "180s")
+        cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd_name}", "--timeout=60s")
+        live = get_json(cluster, "crd", crd_name)
+        assert live["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+        assert live["metadata"]["annotations"]["meta.helm.sh/release-name"] == release
+        dep = get_json(cluster, "deployment", fullname, "-n", namespace, "--show-managed-fields")
+        assert dep["status"].get("availableReplicas") == 1
+        assert any(f.get("manager") == "helm" and f.get("operation") == "Apply"
+                   for f in dep["metadata"]["managedFields"]), "Helm 4 applies server-side"
+        assert get_json(cluster, "clusterrole", fullname)["rules"]
+        crb = get_json(cluster, "clusterrolebinding", fullname)
+        assert crb["subjects"] == [{"kind": "ServiceAccount", "name": fullname, "namespace": namespace}]
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(serve))  # a user's KVOffloadServe
+
+        # -- upgrade: a CRD change (new printer column, new description) and a settings change
+        column = {"name": "Upgraded", "type": "string", "jsonPath": ".spec.model.name"}
+        chart = isolated_chart(tmp_path, monkeypatch, group, extra_column=column,
+                               description="Changed by the chart upgrade test.")
+        cluster.helm("upgrade", release, chart, "--namespace", namespace, "--wait", "--timeout", "180s",
+                     "--set", "operator.config.headroomPercent=20")
+        live = get_json(cluster, "crd", crd_name)
+        version = live["spec"]["versions"][0]
+        assert column in version["additionalPrinterColumns"]
+        assert version["schema"]["openAPIV3Schema"]["description"] == "Changed by the chart upgrade test."
+        table = cluster.kubectl("get", f"{crd.PLURAL}.{group}", "-n", namespace).stdout
+        assert "UPGRADED" in table.splitlines()[0] and "Qwen/Qwen2.5-7B-Instruct" in table, table
+        cm = get_json(cluster, "configmap", f"{fullname}-config", "-n", namespace)
+        assert yaml.safe_load(cm["data"]["config.yaml"])["headroomPercent"] == 20
+        history = json.loads(cluster.helm("history", release, "--namespace", namespace, "-o", "json").stdout)
+        assert [h["revision"] for h in history] == [1, 2] and history[-1]["status"] == "deployed"
+
+        # -- uninstall: the release's objects go, the CRD and the user's KVOffloadServe stay
+        cluster.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
+        assert cluster.kubectl("get", "deployment", fullname, "-n", namespace, check=False).returncode != 0
+        assert cluster.kubectl("get", "clusterrole", fullname, check=False).returncode != 0
+        assert cluster.kubectl("get", "serviceaccount", fullname, "-n", namespace, check=False).returncode != 0
+        assert get_json(cluster, "crd", crd_name)["spec"]["group"] == group
+        kept = get_json(cluster, f"{crd.PLURAL}.{group}", serve["metadata"]["name"], "-n", namespace)
+        assert kept["spec"]["model"]["name"] == "Qwen/Qwen2.5-7B-Instruct"
+    finally:
+        cluster.helm("uninstall", release, "--namespace", namespace, check=False)
+        cluster.kubectl("delete", f"{crd.PLURAL}.{group}", "--all", "-n", namespace, "--ignore-not-found",
+                        "--wait=false", check=False)
+        cluster.kubectl("delete", "crd", crd_name, "--ignore-not-found", "--wait=false", check=False)
+
+
+# --------------------------------------------------------------------------- Pod Security
+def test_operator_pod_admitted_under_restricted_pod_security(cluster, namespace):
+    cluster.kubectl("label", "namespace", namespace, "--overwrite",
+                    "pod-security.kubernetes.io/enforce=restricted",
+                    "pod-security.kubernetes.io/enforce-version=latest")
+    # Control: this namespace really enforces "restricted" (a plain pod is refused).
+    cp = cluster.kubectl("run", "plain", "--image=busybox:1.36", "--restart=Never", "-n", namespace,
+                         "--dry-run=server", check=False)
+    assert cp.returncode != 0 and "violates PodSecurity" in cp.stderr, cp.stdout + cp.stderr
+
+    release = f"kvo-{uid()}"
+    fullname = f"{release}-kvoffload-operator"
+    try:
+        cluster.helm("install", release, CHART, "--namespace", namespace, "--set", "crds.enabled=false")
+
+        def pods_created():
+            rs = [r for r in get_json(cluster, "replicasets", "-n", namespace)["items"]
+                  if any(o["name"] == fullname for o in r["metadata"].get("ownerReferences", []))]
+            failed = [e for e in get_json(cluster, "events", "-n", namespace)["items"]
+                      if e.get("reason") == "FailedCreate"]
+            assert not failed, "pods refused: " + "; ".join(e["message"] for e in failed)
+            for r in rs:
+                bad = [c for c in r["status"].get("conditions", []) if c["type"] == "ReplicaFailure"]
+                assert not bad, bad
+            pods = get_json(cluster, "pods", "-n", namespace, "-l", f"app.kubernetes.io/instance={release}")["items"]
+            return pods if rs and pods else None
+
+        pods = cluster.wait_until(pods_created, timeout=60, message="the operator's ReplicaSet creates its pod")
+        assert len(pods) == 1
+        # The admitted pod is the chart's, with its restricted security context.
+        (c,) = pods[0]["spec"]["containers"]
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert pods[0]["spec"]["securityContext"]["runAsNonRoot"] is True
+    finally:
+        cluster.helm("uninstall", release, "--namespace", namespace, check=False)
