@@ -8,9 +8,10 @@ the real LMCache 0.5.6 multiprocess files, runs the exporter as a subprocess
   - RSS of the exporter process (VmRSS now, VmHWM peak since start);
   - CPU: the exporter's utime+stime over a window with one scrape every --cpu-interval seconds
     (background disk rescans included), optionally while files churn in the directory.
+Files are made an hour old (settled, as in a serving pod) unless --fresh-files.
 
     .venv/bin/python benchmarks/exporter_bench.py [--files 100000] [--scrapes 200]
-        [--cpu-window 60] [--cpu-interval 15] [--churn 0] [--rescan-interval 30]
+        [--cpu-window 60] [--cpu-interval 15] [--churn 0] [--rescan-interval 30] [--fresh-files]
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ def main() -> None:
     ap.add_argument("--cpu-window", type=float, default=60.0)
     ap.add_argument("--cpu-interval", type=float, default=15.0)
     ap.add_argument("--churn", type=float, default=0.0, help="files written+evicted per second during the CPU window")
+    ap.add_argument("--fresh-files", action="store_true",
+                    help="leave the files' mtimes at 'just written' (default: an hour old, as in a "
+                         "serving pod): the exporter then lists and stats them all once more")
     ap.add_argument("--rescan-interval", type=float, default=30.0, help="--disk-rescan-interval (default: the exporter's)")
     opts = ap.parse_args()
 
@@ -97,8 +101,14 @@ def main() -> None:
         disk.mkdir()
         payload = b"k" * opts.file_size
         t0 = time.monotonic()
+        old = time.time() - 3600
         for i in range(opts.files):
-            (disk / f"vllm@llama-8b@2@0@{i:016x}@bfloat16.pt").write_bytes(payload)
+            chunk = disk / f"vllm@llama-8b@2@0@{i:016x}@bfloat16.pt"
+            chunk.write_bytes(payload)
+            if not opts.fresh_files:
+                os.utime(chunk, (old, old))
+        if not opts.fresh_files:
+            os.utime(disk, (old, old))
         print(f"created {opts.files} files in {time.monotonic() - t0:.1f}s")
         mp = tmp / "multiproc"
         shutil.copytree(FIXTURES / "lmcache-0.5.6-metrics-sample" / "multiproc", mp)
@@ -156,6 +166,7 @@ def main() -> None:
             "cpu_scrape_interval_s": opts.cpu_interval,
             "disk_rescan_interval_s": opts.rescan_interval,
             "churn_files_per_s": opts.churn,
+            "fresh_files": opts.fresh_files,
             "cpu_percent_of_one_core": round(cpu_pct, 3),
         }
         print(json.dumps(result, indent=2))

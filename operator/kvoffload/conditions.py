@@ -31,6 +31,7 @@ class Observed:
     """What the reconciler read after applying: the StatefulSet and its pods (None/[] if absent)."""
     statefulset: dict[str, Any] | None
     pods: list[dict[str, Any]]
+    probes: dict[str, float | str] | None = None  # pod -> exporter's kvoffload_offload_active, or an error
 
 
 def now_iso(clock: datetime | None = None) -> str:
@@ -107,15 +108,30 @@ def _disk(desired: Desired, pods: list[dict[str, Any]]) -> Cond:
     return Cond("DiskTierReady", "False", "Preparing", f"{len(initialized)}/{replicas} pod directories prepared on {where}")
 
 
-def _offload(desired: Desired, ready: Cond) -> Cond:
+def _offload(desired: Desired, ready: Cond, probes: dict[str, float | str] | None) -> Cond:
     tiers = f"CPU {format_bytes(desired.spec.offload.cpu_size)}" + (
         f", disk {format_bytes(desired.spec.offload.disk.size)}" if desired.spec.offload.disk else "")
-    if ready.status != "True":
-        return Cond("OffloadActive", "Unknown", "EngineNotReady", f"LMCacheConnectorV1 configured ({tiers}); engine not ready yet")
+    configured = f"LMCacheConnectorV1 configured ({tiers})"
     if not desired.spec.metrics_enabled:
-        return Cond("OffloadActive", "Unknown", "MetricsDisabled", f"LMCacheConnectorV1 configured ({tiers}); enable spec.metrics to prove it")
-    return Cond("OffloadActive", "Unknown", "SeeExporter",
-                f"LMCacheConnectorV1 configured ({tiers}); kvoffload_offload_active on each pod's exporter proves it is moving data")
+        return Cond("OffloadActive", "Unknown", "MetricsDisabled", f"{configured}; enable spec.metrics for proof")
+    if ready.status != "True":
+        return Cond("OffloadActive", "Unknown", "EngineNotReady", f"{configured}; engine not ready yet")
+    if probes is None:
+        return Cond("OffloadActive", "Unknown", "ProbesDisabled",
+                    f"{configured}; the operator does not probe exporters (probeExporters: false): read kvoffload_offload_active")
+    failed = sorted((pod, v) for pod, v in probes.items() if isinstance(v, str))
+    idle = sorted(pod for pod, v in probes.items() if not isinstance(v, str) and v < 1)
+    if not probes or len(failed) == len(probes):
+        detail = f"; {failed[0][0]}: {failed[0][1]}" if failed else ""
+        return Cond("OffloadActive", "Unknown", "ExporterUnreachable", f"{configured}; no exporter answered{detail}")
+    if idle:
+        return Cond("OffloadActive", "False", "NoLMCacheActivity",
+                    f"{len(idle)}/{len(probes)} pods show no LMCache activity ({', '.join(idle[:3])}): normal before the first "
+                    "requests; while vLLM serves traffic it means offloading is not wired (see troubleshooting)")
+    active = len(probes) - len(failed)
+    return Cond("OffloadActive", "True", "LMCacheActive",
+                f"{configured}; LMCache metrics present and moving on {active}/{len(probes)} pods" +
+                (f" ({len(failed)} exporters unreachable)" if failed else ""))
 
 
 def evaluate(desired: Desired | None, error: ConfigError | None, obs: Observed) -> list[Cond]:
@@ -130,7 +146,7 @@ def evaluate(desired: Desired | None, error: ConfigError | None, obs: Observed) 
     ready = _ready(replicas, obs, scheduled)
     warnings = "; ".join(desired.budget.warnings)
     valid = Cond("ConfigValid", "True", "Valid", "spec is valid" + (f"; warnings: {warnings}" if warnings else ""))
-    return [ready, valid, scheduled, _offload(desired, ready), _disk(desired, obs.pods)]
+    return [ready, valid, scheduled, _offload(desired, ready, obs.probes), _disk(desired, obs.pods)]
 
 
 def merge(previous: list[dict[str, Any]] | None, new: list[Cond], generation: int, clock: datetime | None = None) -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ import logging
 from datetime import datetime
 from typing import Any
 
-from . import conditions, crd, pipeline, render
+from . import conditions, crd, pipeline, probe, render
 from .errors import ConfigError
 from .kube import ApiError, Kube, collection
 from .settings import Settings
@@ -82,12 +82,14 @@ def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: 
         desired = pipeline.desired(name, namespace, meta["uid"], body.get("spec") or {}, settings)
     except ConfigError as exc:
         error = exc  # no child is created or changed while the spec is invalid
-    sts, pods = None, []
+    sts, pods, probes = None, [], None
     if desired is not None:
         sts = sync_children(kube, namespace, name, meta["uid"], desired.children)
         if desired.spec.replicas:
             pods = kube.list(collection("v1", "Pod", namespace), f"{render.OWNER_LABEL}={name}")
-    new_status = conditions.status(body, desired, error, conditions.Observed(sts, pods), clock)
+        if settings.probe_exporters and desired.spec.metrics_enabled:
+            probes = probe.probe_offload(pods, desired.spec.metrics_port)
+    new_status = conditions.status(body, desired, error, conditions.Observed(sts, pods, probes), clock)
     if new_status == (body.get("status") or {}):
         return "unchanged"
     try:

@@ -30,7 +30,10 @@ class Settings:
     headroom_percent: int = 10
     # Same value in every rank and replica, or LMCache chunk hashes differ (zero hits with TP > 1).
     python_hash_seed: str = "0"
-    # Seconds between level-based resyncs of every resource.
+    # Ask each ready pod's exporter whether LMCache really moves data (OffloadActive); needs the
+    # operator to reach pod IPs on the metrics port.
+    probe_exporters: bool = True
+    # Seconds between level-based resyncs of every resource (also refreshes OffloadActive).
     resync_seconds: int = 300
     labels: dict[str, str] = field(default_factory=dict)
 

@@ -222,3 +222,34 @@ def test_steady_state_writes_nothing(cluster, namespace, operator):
     time.sleep(60)  # three resync timers (resyncSeconds: 20) fire in this minute
     assert versions() == before
     assert operator.output().count("apply ") == log_before
+
+
+def test_offload_active_comes_from_the_pods_exporter(cluster, namespace, operator, tmp_path):
+    """The proof path end to end: kwok pod IPs are loopback, so a real exporter bound to the pod's IP
+    (serving LMCache 0.5.6's own multiprocess metric files) answers the operator's probe."""
+    import shutil
+    import subprocess
+    import sys
+
+    apply(cluster, namespace, SMALL)
+    obj = wait_ready(cluster, namespace, "svc")
+    assert cond(obj, "OffloadActive")["status"] == "Unknown"  # nothing listens on the pod IP yet
+    pod = get(cluster, namespace, "pods")["items"][0]
+    ip = pod["status"]["podIP"]
+    assert ip.startswith("127.")  # the network rule: kwok pod IPs are loopback
+    multiproc = tmp_path / "multiproc"
+    shutil.copytree(ROOT / "tests/fixtures/lmcache-0.5.6-metrics-sample/multiproc", multiproc)
+    config = tmp_path / "lmcache.yaml"
+    config.write_text(get(cluster, namespace, "configmap", "svc-lmcache")["data"]["lmcache.yaml"])
+    exporter = subprocess.Popen([sys.executable, "-m", "kvoffload.cli", "exporter", "--listen", f"{ip}:9400",
+                                 "--vllm-metrics-url", "http://127.0.0.1:9/metrics", "--multiproc-dir", str(multiproc),
+                                 "--lmcache-config", str(config), "--tensor-parallel-size", "1"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # The operator re-probes at its next reconcile (resyncSeconds: 20 in tests).
+        found = wait_cond(cluster, namespace, "svc", "OffloadActive", "True", timeout=60)
+        assert "1/1 pods" in cond(found, "OffloadActive")["message"]
+    finally:
+        exporter.terminate()
+        exporter.wait(10)
+    found = wait_cond(cluster, namespace, "svc", "OffloadActive", "Unknown", timeout=60, reason="ExporterUnreachable")

@@ -99,3 +99,25 @@ def test_status_is_stable_for_the_same_inputs():
     a = conditions.status(body(), desired(), None, conditions.Observed(sts(), [pod()]), T0)
     b = conditions.status(body(status=a), desired(), None, conditions.Observed(sts(), [pod()]), T1)
     assert a == b  # so a no-op reconcile writes nothing
+
+
+def ready_pod():
+    p = pod()
+    p["status"]["conditions"].append({"type": "Ready", "status": "True"})
+    return p
+
+
+def offload(probes, **patch):
+    obs = conditions.Observed(sts(), [ready_pod()], probes)
+    return by_type(conditions.status(body(), desired(**patch), None, obs, T0))["OffloadActive"]
+
+
+def test_offload_active_needs_proof_from_every_exporter():
+    assert offload({"svc-0": 1.0})["status"] == "True"
+    assert offload({"svc-0": 1.0, "svc-1": "refused"})["reason"] == "LMCacheActive"
+    idle = offload({"svc-0": 0.0, "svc-1": 1.0})
+    assert idle["status"] == "False" and idle["reason"] == "NoLMCacheActivity" and "svc-0" in idle["message"]
+    gone = offload({"svc-0": "http://127.16.0.2:9400/metrics: connection refused"})
+    assert gone["status"] == "Unknown" and "connection refused" in gone["message"]
+    assert offload(None)["reason"] == "ProbesDisabled"
+    assert offload({"svc-0": 1.0}, metrics={"enabled": False})["reason"] == "MetricsDisabled"

@@ -1,0 +1,156 @@
+"""The operator runs under exactly the chart's RBAC, and nothing more.
+
+The chart's ServiceAccount + (Cluster)Role + binding are rendered with `helm template` into a
+test namespace; the operator runs as a local subprocess (`python -m kvoffload.cli run`) with a
+kubeconfig holding only that ServiceAccount's token (`kubectl create token`), and its settings
+file is the chart's own operator ConfigMap. It must bring examples/cpu-tier-qwen25-7b.yaml to
+ConfigValid=True with a StatefulSet, without one 403, and let the resource be deleted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvoffload import crd
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "kvoffload-operator"
+EXAMPLE = ROOT / "examples" / "cpu-tier-qwen25-7b.yaml"
+# The operator must be serving well within this (it reconciles in about a second once it runs).
+START_BUDGET_S = 30
+# kopf observes CRDs (and, given namespaces, lists them) unless `settings.scanning.disabled` is set;
+# without cluster-wide list/watch on both it retries each 403 for about a minute before it falls
+# back, and in namespaced mode serves nothing until then. The chart grants neither (least
+# privilege, and no ClusterRole at all in namespaced mode): the operator has to turn scanning off.
+SCANNING_HINT = ("kopf's CRD/namespace observation was refused: set `settings.scanning.disabled = True` "
+                 "in the operator's kopf start-up (the chart passes exact namespaces and installs the CRD first)")
+
+
+@pytest.fixture(scope="module")
+def crd_installed(cluster):
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd.PLURAL}.{crd.GROUP}", "--timeout=60s")
+
+
+def token_kubeconfig(cluster, path: Path, token: str, namespace: str) -> Path:
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    server = admin["clusters"][0]["cluster"]
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "kvoffload", "cluster": {"server": server["server"],
+                                                       "certificate-authority-data": server["certificate-authority-data"]}}],
+        "users": [{"name": "operator", "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": "kvoffload", "user": "operator", "namespace": namespace}}],
+        "current-context": "operator",
+    }))
+    path.chmod(0o600)
+    return path
+
+
+def condition(obj: dict, ctype: str) -> dict | None:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == ctype), None)
+
+
+def can_i(cluster, kubeconfig: Path, *args: str) -> bool:
+    cp = cluster.kubectl("--kubeconfig", str(kubeconfig), "auth", "can-i", *args, check=False)
+    return cp.stdout.strip() == "yes"
+
+
+@pytest.mark.parametrize("mode", ["cluster-role", "namespaced-role"])
+def test_operator_runs_under_exactly_the_charts_rbac(cluster, namespace, crd_installed, tmp_path, mode):
+    release = f"rbac-{uuid.uuid4().hex[:6]}"
+    sa = f"{release}-kvoffload-operator"
+    values = ["--set", "crds.enabled=false"]
+    if mode == "namespaced-role":
+        values += ["--set", f"watchNamespaces={{{namespace}}}"]
+    rendered = cluster.helm("template", release, CHART, "--namespace", namespace, *values,
+                            "--show-only", "templates/serviceaccount.yaml", "--show-only", "templates/rbac.yaml",
+                            "--show-only", "templates/configmap.yaml").stdout
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == (["ClusterRole", "ClusterRoleBinding", "ConfigMap", "ServiceAccount"] if mode == "cluster-role"
+                     else ["ConfigMap", "Role", "RoleBinding", "ServiceAccount"])
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    config = tmp_path / "config.yaml"
+    config.write_text(cm["data"]["config.yaml"])  # the chart's own settings file
+    rbac = "---\n".join(yaml.safe_dump(d) for d in docs if d["kind"] != "ConfigMap")
+
+    proc = None
+    log_path = tmp_path / "operator.log"
+    cr_name = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
+    try:
+        cluster.kubectl("apply", "-f", "-", input=rbac)
+        token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=1h").stdout.strip()
+        kubeconfig = token_kubeconfig(cluster, tmp_path / "operator.kubeconfig", token, namespace)
+        # The token is the chart's identity: what the operator needs, and no Secrets.
+        assert can_i(cluster, kubeconfig, "patch", "statefulsets.apps", "-n", namespace)
+        assert can_i(cluster, kubeconfig, "patch", f"{crd.PLURAL}.{crd.GROUP}", "--subresource=status", "-n", namespace)
+        assert not can_i(cluster, kubeconfig, "get", "secrets", "-n", namespace)
+        assert not can_i(cluster, kubeconfig, "patch", f"{crd.PLURAL}.{crd.GROUP}", "-n", namespace)
+        assert not can_i(cluster, kubeconfig, "create", "pods", "-n", namespace)
+        if mode == "namespaced-role":
+            assert not can_i(cluster, kubeconfig, "list", "configmaps", "-n", "default")
+
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+        env["KUBECONFIG"] = str(kubeconfig)
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvoffload.cli", "run", "--namespace", namespace, "--liveness", "",
+                 "--operator-config", str(config), "--log-level", "INFO"],
+                env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+        serve = yaml.safe_load(EXAMPLE.read_text())
+        serve["metadata"]["namespace"] = namespace
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(serve))
+        started = time.monotonic()
+
+        def reconciled():
+            assert proc.poll() is None, f"operator exited {proc.returncode}:\n{log_path.read_text()[-4000:]}"
+            obj = json.loads(cluster.kubectl("get", f"{crd.PLURAL}.{crd.GROUP}", cr_name, "-n", namespace,
+                                             "-o", "json").stdout)
+            ok = (condition(obj, "ConfigValid") or {}).get("status") == "True"
+            sts = cluster.kubectl("get", "statefulset", cr_name, "-n", namespace, check=False).returncode == 0
+            return obj if ok and sts else None
+
+        try:
+            obj = cluster.wait_until(reconciled, timeout=90, message="ConfigValid=True and the StatefulSet")
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n--- operator log ---\n{log_path.read_text()[-6000:]}") from None
+        took = time.monotonic() - started
+        assert obj["status"].get("observedGeneration") == obj["metadata"]["generation"] or \
+            condition(obj, "ConfigValid").get("observedGeneration") == obj["metadata"]["generation"]
+        # Its other children exist too (applied under the same identity).
+        for kind, name in (("configmap", f"{cr_name}-lmcache"), ("service", cr_name), ("poddisruptionbudget", cr_name)):
+            assert cluster.kubectl("get", kind, name, "-n", namespace, check=False).returncode == 0, f"{kind}/{name}"
+
+        # A user can delete it while the operator runs: no finalizer of ours holds it.
+        cluster.kubectl("delete", f"{crd.PLURAL}.{crd.GROUP}", cr_name, "-n", namespace, "--timeout=60s")
+
+        log = log_path.read_text()
+        denied = [line[:400] for line in log.splitlines() if "403" in line or "orbidden" in line]
+        hint = SCANNING_HINT if any("customresourcedefinitions" in d or "/api/v1/namespaces " in d for d in denied) else ""
+        assert not denied, (f"the operator was denied what the chart's RBAC does not grant {hint}:\n"
+                            + "\n".join(denied[:6]))
+        assert took < START_BUDGET_S, f"ConfigValid took {took:.0f}s under the chart's RBAC"
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        cluster.kubectl("delete", f"{crd.PLURAL}.{crd.GROUP}", cr_name, "-n", namespace, "--ignore-not-found",
+                        "--wait=false", check=False)
+        cluster.kubectl("delete", "-f", "-", "--ignore-not-found", "--wait=false", input=rbac, check=False)
