@@ -23,12 +23,28 @@ MANAGED_FLAGS = (
     "--max-num-seqs", "--dtype", "--kv-cache-dtype", "--port", "--host", "--served-model-name",
     "--kv-offloading-backend", "--kv-offloading-size", "--model",
 )
-MANAGED_ENV = ("LMCACHE_CONFIG_FILE", "PYTHONHASHSEED", "PROMETHEUS_MULTIPROC_DIR", "LMCACHE_USE_EXPERIMENTAL")
+# POD_NAME / POD_NAMESPACE expand the disk tier's subPathExpr: a user value would mount another pod's directory.
+MANAGED_ENV = ("LMCACHE_CONFIG_FILE", "PYTHONHASHSEED", "PROMETHEUS_MULTIPROC_DIR", "LMCACHE_USE_EXPERIMENTAL",
+               "POD_NAME", "POD_NAMESPACE")
 MANAGED_ENV_PREFIX = "LMCACHE_"
+# vLLM's FlexibleArgumentParser reads `--max_model_len` as `--max-model-len` and `--kv-transfer-config.x=y` as a
+# sub-key of `--kv-transfer-config`: compare the flag as vLLM sees it (the same expression in CEL and spec.py).
+CEL_FLAG = "a.split('=')[0].split('.')[0].replace('_', '-')"
+# Largest quantity accepted anywhere (1 PiB): far beyond any node, and sums of terms stay well inside int64.
+MAX_QUANTITY = "1Pi"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# Child and pod names derive from metadata.name, and Service names must be DNS-1035 labels.
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+MAX_NAME = 52
+# A fully-qualified extended resource (nvidia.com/gpu): never cpu, memory or another built-in resource.
+EXTENDED_RESOURCE = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?[.])*[a-z0-9]([-a-z0-9]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+LABEL_KEY = r"^(([a-z0-9]([-a-z0-9]*[a-z0-9])?[.])*[a-z0-9]([-a-z0-9]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
 
 Schema = dict[str, Any]
-QUANTITY_RULE = "isQuantity(self) && !quantity(self).isLessThan(quantity('0'))"
-POSITIVE_QUANTITY_RULE = "isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))"
+_AT_MOST = f" && !quantity(self).isGreaterThan(quantity('{MAX_QUANTITY}'))"
+QUANTITY_RULE = "isQuantity(self) && !quantity(self).isLessThan(quantity('0'))" + _AT_MOST
+POSITIVE_QUANTITY_RULE = "isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))" + _AT_MOST
 
 
 def _s(description: str, **kw: Any) -> Schema:
@@ -44,7 +60,7 @@ def _q(description: str, *, positive: bool = True, **kw: Any) -> Schema:
     rule = POSITIVE_QUANTITY_RULE if positive else QUANTITY_RULE
     allowed = "> 0" if positive else ">= 0"
     return _s(description, maxLength=32, **kw,
-              **{"x-kubernetes-validations": [{"rule": rule, "message": f"must be a Kubernetes quantity {allowed}, e.g. 40Gi or 500G"}]})
+              **{"x-kubernetes-validations": [{"rule": rule, "message": f"must be a Kubernetes quantity {allowed} and at most {MAX_QUANTITY}, e.g. 40Gi or 500G"}]})
 
 
 def _o(description: str, properties: dict[str, Schema], *, required: list[str] | None = None,
@@ -60,7 +76,9 @@ def _o(description: str, properties: dict[str, Schema], *, required: list[str] |
 def _labels(description: str) -> Schema:
     # Bounded so the CEL cost estimator accepts rules over these maps.
     return {"type": "object", "description": description, "maxProperties": 32,
-            "additionalProperties": {"type": "string", "maxLength": 63}}
+            "additionalProperties": {"type": "string", "maxLength": 63, "pattern": LABEL_VALUE},
+            "x-kubernetes-validations": [{"rule": f"self.all(k, k.size() <= 317 && k.matches('{LABEL_KEY}'))",
+                                          "message": "keys must be Kubernetes label keys ([prefix/]name)"}]}
 
 
 def _free(description: str, type_: str = "object") -> Schema:
@@ -81,8 +99,11 @@ def _architecture() -> Schema:
             "attentionHeads": _i("Number of attention (query) heads (num_attention_heads).", minimum=1, maximum=1024),
             "kvHeads": _i("Number of key/value heads (num_key_value_heads; equals attentionHeads without GQA).", minimum=1, maximum=1024),
             "headDim": _i("Dimension of one attention head (head_dim, or hidden_size / num_attention_heads).", minimum=1, maximum=4096),
-            "parameters": _i("Parameter count, used to size the weights in GPU memory (e.g. 8030261248).", minimum=1, format="int64"),
+            "parameters": _i("Parameter count, used to size the weights in GPU memory (e.g. 8030261248).", minimum=1,
+                             maximum=10**15, format="int64"),
         },
+        rules=[{"rule": "!has(self.kvHeads) || !has(self.attentionHeads) || self.attentionHeads % self.kvHeads == 0",
+                "fieldPath": ".kvHeads", "message": "kvHeads must divide attentionHeads"}],
     )
 
 
@@ -98,12 +119,12 @@ def _model() -> Schema:
                           enum=["auto", "bf16", "fp8"], default="auto"),
             "hfTokenSecret": _o(
                 "Secret holding a Hugging Face token, for gated models. Exposed to vLLM as HF_TOKEN.",
-                {"name": _s("Secret name, in the same namespace.", minLength=1, maxLength=253),
-                 "key": _s("Key in the Secret.", default="token", minLength=1, maxLength=253)},
+                {"name": _s("Secret name, in the same namespace.", minLength=1, maxLength=253, pattern=DNS_SUBDOMAIN),
+                 "key": _s("Key in the Secret.", default="token", minLength=1, maxLength=253, pattern=r"^[-._a-zA-Z0-9]+$")},
                 required=["name"]),
             "cache": _o(
                 "A PersistentVolumeClaim that holds downloaded weights, mounted as the Hugging Face cache so restarts skip the download.",
-                {"claimName": _s("PVC name, in the same namespace.", minLength=1, maxLength=253),
+                {"claimName": _s("PVC name, in the same namespace.", minLength=1, maxLength=253, pattern=DNS_SUBDOMAIN),
                  "readOnly": {"type": "boolean", "description": "Mount the claim read-only (weights already present).", "default": False}},
                 required=["claimName"]),
         },
@@ -133,13 +154,16 @@ def _engine() -> Schema:
                 "Extra vLLM command-line arguments. Flags the operator manages are refused: " + ", ".join(MANAGED_FLAGS) + "."),
                 "items": {"type": "string", "maxLength": 1024},
                 "x-kubernetes-validations": [{
-                    "rule": "self.all(a, !(a.split('=')[0] in " + _cel_list(MANAGED_FLAGS) + "))",
-                    "message": "extraArgs may not set a flag the operator manages: " + ", ".join(MANAGED_FLAGS)}]},
+                    "rule": f"self.all(a, !({CEL_FLAG} in " + _cel_list(MANAGED_FLAGS) + "))",
+                    "message": "extraArgs may not set a flag the operator manages (also spelt with _ or as --flag.key): "
+                               + ", ".join(MANAGED_FLAGS)}]},
             "env": {"type": "array", "maxItems": 64, "description": (
                 "Extra environment variables for the vLLM container (Kubernetes EnvVar). Variables the operator manages are refused: "
                 + ", ".join(MANAGED_ENV) + " and any LMCACHE_* (put engine settings in spec.offload)."),
                 "items": {"type": "object", "required": ["name"], "x-kubernetes-preserve-unknown-fields": True,
-                          "properties": {"name": _s("Variable name.", minLength=1, maxLength=256)}},
+                          "properties": {"name": _s("Variable name.", minLength=1, maxLength=256),
+                                         "value": _s("Variable value."),
+                                         "valueFrom": _free("Source of the value (Kubernetes EnvVarSource).")}},
                 "x-kubernetes-validations": [{
                     "rule": "self.all(e, !(e.name in " + _cel_list(MANAGED_ENV) + ") && !e.name.startsWith('" + MANAGED_ENV_PREFIX + "'))",
                     "message": "env may not set a variable the operator manages: " + ", ".join(MANAGED_ENV) + " or LMCACHE_*"}]},
@@ -174,7 +198,7 @@ def _offload() -> Schema:
                     **{"x-kubernetes-validations": [{"rule": "!self.matches('(^|/)[.][.]?(/|$)') && !self.contains('//')",
                                                      "message": "path must be absolute and normalized: no '.', '..' or '//' segments"}]}),
          "storageClassName": _s("StorageClass of a generic ephemeral volume used instead of a hostPath (PSS-restricted namespaces).",
-                                maxLength=253),
+                                maxLength=253, pattern=DNS_SUBDOMAIN),
          "size": _q("Disk budget per replica (split over the tensor-parallel ranks; LMCache's max_local_disk_size is this ÷ "
                     "tensorParallelSize, in GiB). LMCache never writes more than this."),
          "reclaimPolicy": _s("What happens to node directories when a pod or the resource goes: Delete (emptied at every pod start; "
@@ -199,7 +223,8 @@ def _offload() -> Schema:
 def _resources() -> Schema:
     return _o(
         "Resources of each serving pod. Memory is computed from the tiers (request = limit); the fields here override the terms.",
-        {"gpuResourceName": _s("Extended resource that counts GPUs.", default="nvidia.com/gpu", maxLength=253),
+        {"gpuResourceName": _s("Extended resource that counts GPUs (domain/name).", default="nvidia.com/gpu", maxLength=253,
+                               pattern=EXTENDED_RESOURCE),
          "gpuMemory": _q("Memory of one GPU, used for sizing the GPU tier (e.g. 80Gi for H100, 141Gi for H200, 24Gi for an RTX 4090). "
                          "Defaults to the operator's setting."),
          "cpu": _q("CPU request of the vLLM container.", default="4"),
@@ -218,7 +243,7 @@ def _scheduling() -> Schema:
         {"nodeSelector": _labels("Node labels pods require."),
          "tolerations": _free("Pod tolerations (Kubernetes Toleration list).", "array"),
          "affinity": _free("Pod affinity (Kubernetes Affinity)."),
-         "priorityClassName": _s("PriorityClass of the pods.", maxLength=253)},
+         "priorityClassName": _s("PriorityClass of the pods.", maxLength=253, pattern=DNS_SUBDOMAIN)},
     )
 
 
@@ -244,7 +269,11 @@ def spec_schema() -> Schema:
         rules=[{"rule": "!has(self.offload.disk) || !has(self.offload.disk.nodeSelector) || !has(self.scheduling) "
                         "|| !has(self.scheduling.nodeSelector) || self.offload.disk.nodeSelector.all(k, !(k in self.scheduling.nodeSelector) "
                         "|| self.scheduling.nodeSelector[k] == self.offload.disk.nodeSelector[k])",
-                "message": "spec.offload.disk.nodeSelector and spec.scheduling.nodeSelector disagree on a label"}],
+                "message": "spec.offload.disk.nodeSelector and spec.scheduling.nodeSelector disagree on a label"},
+               {"rule": "!has(self.resources) || !has(self.resources.memory) || !isQuantity(self.resources.memory) "
+                        "|| !isQuantity(self.offload.cpu.size) || !quantity(self.resources.memory).isLessThan(quantity(self.offload.cpu.size))",
+                "fieldPath": ".resources.memory",
+                "message": "must hold at least the CPU tier (spec.offload.cpu.size): pinned memory is allocated in full"}],
     )
 
 
@@ -290,8 +319,12 @@ def schema() -> Schema:
                            "spec": spec_schema(),
                            "status": status_schema()},
             "required": ["spec"],
-            "x-kubernetes-validations": [{"rule": "self.metadata.name.size() <= 52",
-                                          "message": "metadata.name must be at most 52 characters so child and pod names fit in 63"}]}
+            "x-kubernetes-validations": [
+                {"rule": f"self.metadata.name.size() <= {MAX_NAME}",
+                 "message": f"metadata.name must be at most {MAX_NAME} characters so child and pod names fit in 63"},
+                {"rule": f"self.metadata.name.matches('{NAME_PATTERN}')",
+                 "message": "metadata.name must be a DNS-1035 label (lower-case letters, digits and '-', starting with a letter): "
+                            "it names Services and pods"}]}
 
 
 def printer_columns() -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ import random
 
 import kopf
 
-from . import crd, render
+from . import crd, leader, render
 from .kube import Kube, load_api_client
 from .reconcile import reconcile
 from .settings import Settings, load
@@ -30,8 +30,11 @@ class Queue:
         self.kube, self.settings = kube, settings
         self.running: dict[tuple[str, str], bool] = {}  # key -> dirty
         self.tasks: set[asyncio.Task[None]] = set()
+        self.leading = True  # standalone; with leader election only while this replica holds the Lease
 
     def kick(self, namespace: str, name: str) -> None:
+        if not self.leading:  # a follower watches (to know what exists) but never acts
+            return
         key = (namespace, name)
         if key in self.running:
             self.running[key] = True
@@ -55,7 +58,7 @@ class Queue:
                     await asyncio.sleep(delay * (1 + random.random() / 2))
                     delay = min(delay * 2, 30)
                     self.running[key] = True
-                if not self.running[key]:
+                if not self.running[key] or not self.leading:
                     return
         finally:
             self.running.pop(key, None)
@@ -64,6 +67,7 @@ class Queue:
 QUEUE: Queue | None = None
 SETTINGS: Settings = Settings()
 KNOWN: set[tuple[str, str]] = set()  # resources seen in watch events, for the resync
+ELECTOR: leader.Elector | None = None
 
 
 def _kick(namespace: str | None, name: str | None) -> None:
@@ -73,7 +77,7 @@ def _kick(namespace: str | None, name: str | None) -> None:
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, **_: object) -> None:
-    global QUEUE, SETTINGS
+    global QUEUE, SETTINGS, ELECTOR
     SETTINGS = load()
     QUEUE = Queue(Kube(load_api_client()), SETTINGS)
     settings.persistence.finalizer = f"{crd.GROUP}/finalizer"
@@ -84,6 +88,25 @@ async def configure(settings: kopf.OperatorSettings, **_: object) -> None:
     settings.posting.enabled = False  # conditions carry the story; no event per reconcile
     settings.execution.max_workers = 8
     QUEUE.tasks.add(asyncio.get_running_loop().create_task(_resync_forever(SETTINGS.resync_seconds)))
+    lease = leader.config_from_env()
+    if lease is not None:  # `run --leader-election`: act only while holding the Lease
+        QUEUE.leading = False
+        ELECTOR = leader.Elector(Kube(load_api_client(), timeout=5), lease, _on_leadership)
+        QUEUE.tasks.add(asyncio.get_running_loop().create_task(ELECTOR.run()))
+
+
+def _on_leadership(leading: bool) -> None:
+    if QUEUE is not None:
+        QUEUE.leading = leading
+        if leading:  # catch up on everything the watches saw while following
+            for namespace, name in sorted(KNOWN):
+                _kick(namespace, name)
+
+
+@kopf.on.cleanup()
+async def release_lease(**_: object) -> None:
+    if ELECTOR is not None:
+        await asyncio.to_thread(ELECTOR.release)
 
 
 async def _resync_forever(interval: float) -> None:

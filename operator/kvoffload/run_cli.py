@@ -16,6 +16,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--liveness", default="http://127.0.0.1:8080/healthz", help="liveness endpoint URL, or '' for none")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--peering", default=None, help="kopf peering name for several replicas (default: standalone)")
+    p.add_argument("--leader-election", action="store_true",
+                   help="several replicas: only the holder of a coordination.k8s.io Lease reconciles (default: standalone)")
+    p.add_argument("--leader-election-namespace", default=None,
+                   help="namespace of the Lease (default: the pod's own, else the one --namespace, else default)")
+    p.add_argument("--lease-name", default=None, help="name of the Lease (default: kvoffload-operator)")
     p.set_defaults(func=run)
 
 
@@ -24,10 +29,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.operator_config:
         os.environ["KVOFFLOAD_CONFIG"] = args.operator_config
+    namespaces = [] if args.all_namespaces else args.namespace
+    if args.leader_election:
+        from . import leader
+
+        lease_ns = args.leader_election_namespace or leader.default_namespace(namespaces)
+        os.environ[leader.ENV] = f"{lease_ns}/{args.lease_name or leader.DEFAULT_LEASE_NAME}"
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from . import handlers  # noqa: F401  registers the handlers
 
-    namespaces = [] if args.all_namespaces else args.namespace
     asyncio.run(kopf.operator(
         clusterwide=not namespaces,
         namespaces=namespaces or None,

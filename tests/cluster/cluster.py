@@ -680,6 +680,73 @@ class Cluster:
         with self._lock():
             return self._stop()
 
+    # -- one component (fault tests)
+    def stop_component(self, comp: str, sig: int = signal.SIGKILL, timeout: float = 15) -> None:
+        """Kill one running component's process group and wait until it is gone and its ports are free."""
+        with self._lock():
+            st = self.state()
+            rec = st.get("processes", {}).get(comp)
+            if not rec:
+                raise ClusterError(f"{comp} is not part of the running cluster in {self.dir}")
+            self._kill(comp, rec, sig)
+
+            def gone() -> bool:
+                p = _POPEN.get(rec["pid"])
+                if p is not None:
+                    p.poll()
+                return not _alive(rec)
+
+            wait_until(gone, timeout=timeout, interval=0.05, message=f"{comp} exited")
+            _POPEN.pop(rec["pid"], None)
+            ports = [st["ports"][k] for k in self._component_ports(comp)]
+            wait_until(lambda: not any(_port_bound(p) for p in ports), timeout=timeout, interval=0.1,
+                       message=f"{comp} ports {ports} free")
+
+    def start_component(self, comp: str, timeout: float = 90) -> float:
+        """Start a stopped component again with its recorded flags (same ports, same data); wait until healthy.
+
+        Returns the seconds it took to become healthy.
+        """
+        with self._lock():
+            st = self.state()
+            rec = st.get("processes", {}).get(comp)
+            if not rec:
+                raise ClusterError(f"{comp} is not part of the cluster in {self.dir}")
+            if _alive(rec):
+                raise ClusterError(f"{comp} (pid {rec['pid']}) is still running")
+            t0 = time.monotonic()
+            self._spawn(st, comp, rec["cmd"][1:])
+            ports = st["ports"]
+            if comp == "etcd":
+                check = lambda: self._etcd_ok(ports["etcd-client"])  # noqa: E731
+            elif comp == "kube-apiserver":
+                check = lambda: self.request("GET", "/readyz", timeout=2)[0] == 200  # noqa: E731
+            elif comp in ("kube-controller-manager", "kube-scheduler"):
+                check = lambda: self.request("GET", "/healthz", port=ports[comp], timeout=2,  # noqa: E731
+                                             client=False)[0] == 200
+            else:
+                check = lambda: True  # noqa: E731  kwok serves nothing
+            wait_until(lambda: self._watch(st, comp) and check(), timeout=timeout, interval=0.1,
+                       message=f"{comp} healthy after restart")
+            return round(time.monotonic() - t0, 2)
+
+    def restart(self, comp: str, downtime: float = 0.0, sig: int = signal.SIGKILL) -> float:
+        """Kill one component and start it again with the same flags, ports and data dir.
+
+        `downtime` seconds pass between the kill and the start. Returns the seconds from the
+        start until the component was healthy. The other components keep running.
+        """
+        self.stop_component(comp, sig)
+        if downtime:
+            time.sleep(downtime)
+        return self.start_component(comp)
+
+    @staticmethod
+    def _component_ports(comp: str) -> list[str]:
+        return {"etcd": ["etcd-client", "etcd-peer"], "kube-apiserver": ["kube-apiserver"],
+                "kube-controller-manager": ["kube-controller-manager"],
+                "kube-scheduler": ["kube-scheduler"]}.get(comp, [])
+
     def _start(self, pools: list[dict]) -> None:
         missing = missing_binaries(self.bin)
         if missing:

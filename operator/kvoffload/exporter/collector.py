@@ -182,7 +182,8 @@ def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSna
                 "kvoffload_disk_orphaned_bytes",
                 "Bytes on disk LMCache does not account for and will never reuse or evict: disk "
                 "dir bytes - sum of lmcache:local_storage_usage (floor 0); without LMCache metrics, "
-                "bytes in files last modified before vLLM started (left by an earlier process).",
+                "bytes in files last modified before vLLM started (its process_start_time_seconds, "
+                "else the exporter's start): files left by an earlier process.",
                 value=orphaned),
             GaugeMetricFamily("kvoffload_disk_last_rescan_timestamp_seconds",
                               "When the last successful rescan of the disk-tier directory ended.",

@@ -5,7 +5,6 @@ change cost one stat() per directory."""
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -15,8 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .sources import SourceHealth
-
-log = logging.getLogger("kvoffload.exporter")
 
 # A file or directory modified this recently may still change without its parent's mtime moving
 # (a chunk still being written; mtime granularity): look at it again on the next rescan.
@@ -79,7 +76,7 @@ class DiskTierScanner:
         while stack:
             path = stack.pop()
             try:
-                d: _Dir | None = self._refresh(path, now, full)
+                d = self._refresh(path, now, full)
             except FileNotFoundError:
                 if path == self.root:
                     raise
@@ -88,9 +85,9 @@ class DiskTierScanner:
                 if path == self.root:
                     raise
                 problems.append(f"cannot read {path}: {type(exc).__name__}")
-                d = self._dirs.get(path)
-                if d is None:
+                if path not in self._dirs:
                     continue
+                d = self._dirs[path]
             seen[path] = d
             if cutoff is not None and d.old_cutoff != cutoff:
                 # +1: mtimes are kept in whole seconds; count a file only if surely older

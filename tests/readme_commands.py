@@ -1,0 +1,16 @@
+"""The commands the README shows (`$ ` lines in console blocks), so tests can run every one."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def commands(text: str | None = None) -> list[str]:
+    text = README.read_text() if text is None else text
+    out = []
+    for block in re.findall(r"```console\n(.*?)```", text, flags=re.S):
+        out += [line[2:].strip() for line in block.splitlines() if line.startswith("$ ")]
+    return out
