@@ -3,7 +3,7 @@ files in the disk-tier directory, RSS <= 60 MiB, <= 1 % of a core at one scrape 
 
 It creates N small files in a temp dir, serves the real vLLM 0.33.0 sample on 127.0.0.1, copies
 the real LMCache 0.5.6 multiprocess files, runs the exporter as a subprocess
-(`python -m kvoffload.exporter`, listening on 127.0.0.1), then measures
+(`python -m kvoffload.exporter`, or `kvoffload exporter` with --via-cli; on 127.0.0.1), then measures
   - scrape latency: sequential GET /metrics, a new TCP connection each (Prometheus-like worst case);
   - RSS of the exporter process (VmRSS now, VmHWM peak since start);
   - CPU: the exporter's utime+stime over a window with one scrape every --cpu-interval seconds
@@ -12,6 +12,7 @@ Files are made an hour old (settled, as in a serving pod) unless --fresh-files.
 
     .venv/bin/python benchmarks/exporter_bench.py [--files 100000] [--scrapes 200]
         [--cpu-window 60] [--cpu-interval 15] [--churn 0] [--rescan-interval 30] [--fresh-files]
+        [--via-cli]
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ def main() -> None:
     ap.add_argument("--fresh-files", action="store_true",
                     help="leave the files' mtimes at 'just written' (default: an hour old, as in a "
                          "serving pod): the exporter then lists and stats them all once more")
+    ap.add_argument("--via-cli", action="store_true",
+                    help="run `python -m kvoffload.cli exporter` (imports every sub-command) instead "
+                         "of `python -m kvoffload.exporter`")
     ap.add_argument("--rescan-interval", type=float, default=30.0, help="--disk-rescan-interval (default: the exporter's)")
     opts = ap.parse_args()
 
@@ -117,7 +121,7 @@ def main() -> None:
         with FakeVllm(vllm_text) as vllm, ExporterProcess([
                 "--vllm-metrics-url", vllm.url, "--multiproc-dir", str(mp), "--disk-dir", str(disk),
                 "--tensor-parallel-size", "1", "--kv-bytes-per-token", "131072",
-                "--disk-rescan-interval", str(opts.rescan_interval)]) as exporter:
+                "--disk-rescan-interval", str(opts.rescan_interval)], via_cli=opts.via_cli) as exporter:
             pid, port = exporter.proc.pid, exporter.port
             t0 = time.monotonic()
             while metric(scrape(port)[1], "kvoffload_disk_files") != opts.files:  # first full scan
@@ -167,6 +171,7 @@ def main() -> None:
             "disk_rescan_interval_s": opts.rescan_interval,
             "churn_files_per_s": opts.churn,
             "fresh_files": opts.fresh_files,
+            "entry_point": "python -m kvoffload.cli exporter" if opts.via_cli else "python -m kvoffload.exporter",
             "cpu_percent_of_one_core": round(cpu_pct, 3),
         }
         print(json.dumps(result, indent=2))

@@ -85,6 +85,9 @@ async def configure(settings: kopf.OperatorSettings, **_: object) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=crd.GROUP, key="last-handled-configuration")
     settings.watching.server_timeout = 300  # watches never go idle silently
     settings.watching.client_timeout = 310
+    # No cluster-wide CRD/namespace scanning: the chart's least-privilege RBAC (a Role per watched
+    # namespace) grants neither, and the operator knows its one resource and its namespaces.
+    settings.scanning.disabled = True
     settings.posting.enabled = False  # conditions carry the story; no event per reconcile
     settings.execution.max_workers = 8
     QUEUE.tasks.add(asyncio.get_running_loop().create_task(_resync_forever(SETTINGS.resync_seconds)))

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
 from . import crd
+from .errors import ConfigError
 from .quantity import format_bytes, gib
 from .settings import Settings
 from .sizing import Budget
@@ -305,8 +307,16 @@ def endpoint(owner: Owner) -> str:
     return f"http://{names(owner.name)['service']}.{owner.namespace}.svc:{HTTP_PORT}/v1"
 
 
+def check_name(name: str) -> None:
+    """Children are <name>, <name>-lmcache, <name>-pods and pods <name>-<ordinal>; Services need DNS-1035 labels."""
+    if not isinstance(name, str) or len(name) > crd.MAX_NAME or not re.fullmatch(crd.NAME_PATTERN.strip("^$"), name):
+        raise ConfigError("metadata.name", f"{name!r} must be a DNS-1035 label (a-z, 0-9, '-', starting with a letter) of at "
+                                           f"most {crd.MAX_NAME} characters so child and pod names fit in 63")
+
+
 def children(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> list[dict[str, Any]]:
     """Every child, in apply order."""
+    check_name(owner.name)
     cm = configmap(owner, spec, settings)
     return [cm, *services(owner, spec, settings), statefulset(owner, spec, budget, settings, _hash(cm["data"])),
             pdb(owner, settings)]

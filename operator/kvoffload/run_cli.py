@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     asyncio.run(kopf.operator(
         clusterwide=not namespaces,
-        namespaces=namespaces or None,
+        namespaces=namespaces,
         standalone=args.peering is None,
         peering_name=args.peering,
         liveness_endpoint=args.liveness or None,

@@ -8,10 +8,14 @@ engine versions, the model catalog. Every error names the field.
 
 from __future__ import annotations
 
+import functools
 import posixpath
 import re
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
 
 from . import crd, images
 from .errors import ConfigError
@@ -19,6 +23,26 @@ from .quantity import to_bytes
 from .settings import Settings
 
 _MISSING = object()
+# The Kubernetes quantity grammar, as the API server's isQuantity() reads it (no spaces, no "inf", no "0x").
+_QUANTITY = re.compile(r"[+-]?([0-9]+([.][0-9]*)?|[.][0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[mkMGTPE])?")
+MAX_BYTES = int(parse_quantity(crd.MAX_QUANTITY))
+
+
+@functools.lru_cache(maxsize=1)
+def _schema() -> dict[str, Any]:
+    return crd.spec_schema()
+
+
+def _node(path: str) -> dict[str, Any]:
+    node = _schema()
+    for part in path.split("."):
+        node = node["properties"][part]
+    return node
+
+
+def _matches(pattern: str, value: str) -> bool:
+    """An anchored OpenAPI pattern as the API server (Go RE2) applies it: `$` never matches before a final newline."""
+    return re.fullmatch(pattern.removeprefix("^").removesuffix("$"), value) is not None
 
 
 class _Reader:
@@ -128,13 +152,25 @@ def _int(r: _Reader, path: str, lo: int, hi: int) -> int:
 
 
 def _enum(r: _Reader, path: str) -> str:
-    node = crd.spec_schema()
-    for part in path.split("."):
-        node = node["properties"][part]
+    node = _node(path)
     value = r.get(path)
-    if value not in node["enum"]:
+    if not isinstance(value, str) or value not in node["enum"]:
         raise ConfigError(f"spec.{path}", f"{value!r} is not allowed; allowed values: {', '.join(node['enum'])}")
     return value
+
+
+def quantity_bytes(value: Any, field_: str, *, allow_zero: bool) -> int:
+    """A quantity the API server would accept (string in its grammar, or a plain integer), at most MAX_BYTES."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or (
+            isinstance(value, str) and (len(value) > 32 or not _QUANTITY.fullmatch(value))):
+        raise ConfigError(field_, f"{value!r} is not a Kubernetes quantity (examples: 40Gi, 500G, 1073741824)")
+    try:
+        too_big = parse_quantity(value) > Decimal(MAX_BYTES)
+    except ArithmeticError:  # an exponent beyond Decimal's range
+        too_big = True
+    if too_big:
+        raise ConfigError(field_, f"{value!r} is more than {crd.MAX_QUANTITY}")
+    return to_bytes(value, field_, allow_zero=allow_zero)
 
 
 def _size(r: _Reader, path: str, *, required: bool = False, allow_zero: bool = False) -> int | None:
@@ -143,51 +179,99 @@ def _size(r: _Reader, path: str, *, required: bool = False, allow_zero: bool = F
         if required:
             raise ConfigError(f"spec.{path}", "is required (a Kubernetes quantity such as 40Gi)")
         return None
-    return to_bytes(value, f"spec.{path}", allow_zero=allow_zero)
+    return quantity_bytes(value, f"spec.{path}", allow_zero=allow_zero)
+
+
+def _str(r: _Reader, path: str) -> str | None:
+    """An optional string field, checked against its schema (length, pattern) as the API server does."""
+    value = r.get(path)
+    if value is None:
+        return None
+    node, field_ = _node(path), f"spec.{path}"
+    if not isinstance(value, str):
+        raise ConfigError(field_, f"{value!r} must be a string")
+    if not node.get("minLength", 0) <= len(value) <= node.get("maxLength", len(value)):
+        raise ConfigError(field_, f"must be {node.get('minLength', 0)} to {node.get('maxLength')} characters long")
+    if "pattern" in node and not _matches(node["pattern"], value):
+        raise ConfigError(field_, f"{value!r} must match {node['pattern']}")
+    return value
+
+
+def _bool(r: _Reader, path: str) -> bool:
+    value = r.get(path)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ConfigError(f"spec.{path}", f"{value!r} must be true or false")
+    return value
+
+
+def _list(r: _Reader, path: str) -> list[Any]:
+    value = r.get(path)
+    if value is None:
+        return []
+    limit = _node(path).get("maxItems")
+    if not isinstance(value, list) or (limit is not None and len(value) > limit):
+        raise ConfigError(f"spec.{path}", f"must be a list{f' of at most {limit} items' if limit else ''}")
+    return value
 
 
 def _str_map(r: _Reader, path: str) -> dict[str, str]:
     value = r.get(path) or {}
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise ConfigError(f"spec.{path}", "must be a map of string to string")
+    if len(value) > 32:
+        raise ConfigError(f"spec.{path}", "must have at most 32 entries")
+    for k, v in value.items():
+        if len(k) > 317 or not _matches(crd.LABEL_KEY, k) or len(v) > 63 or not _matches(crd.LABEL_VALUE, v):
+            raise ConfigError(f"spec.{path}", f"{k!r}: {v!r} is not a Kubernetes label (key [prefix/]name, value <= 63 characters)")
     return dict(value)
+
+
+def managed_flag(arg: str) -> str:
+    """The flag in an argument as vLLM's FlexibleArgumentParser reads it (same expression as crd.CEL_FLAG)."""
+    return arg.split("=")[0].split(".")[0].replace("_", "-")
 
 
 def _model(r: _Reader) -> ModelSpec:
     name = r.get("model.name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_./-]{1,256}", name):
         raise ConfigError("spec.model.name", f"{name!r} must be a Hugging Face id or path (letters, digits, _ . / -)")
-    arch = {k: _int(r, f"model.architecture.{k}", 1, 10**15 if k == "parameters" else 4096)
+    arch = {k: _int(r, f"model.architecture.{k}", 1, _node(f"model.architecture.{k}")["maximum"])
             for k in ("layers", "attentionHeads", "kvHeads", "headDim", "parameters") if r.has(f"model.architecture.{k}")}
-    secret = (r.get("model.hfTokenSecret.name"), r.get("model.hfTokenSecret.key")) if r.has("model.hfTokenSecret.name") else None
+    secret = (_str(r, "model.hfTokenSecret.name"), _str(r, "model.hfTokenSecret.key")) if r.has("model.hfTokenSecret.name") else None
     return ModelSpec(
         name=name,
-        served_name=r.get("model.servedName") or name,
+        served_name=_str(r, "model.servedName") or name,
         architecture=arch,
         kv_dtype=_enum(r, "model.kvDtype"),
         hf_token_secret=secret,
-        cache_claim=r.get("model.cache.claimName"),
-        cache_read_only=bool(r.get("model.cache.readOnly")),
+        cache_claim=_str(r, "model.cache.claimName"),
+        cache_read_only=_bool(r, "model.cache.readOnly"),
     )
 
 
 def _engine(r: _Reader, settings: Settings) -> EngineSpec:
-    image = r.get("engine.image") or settings.default_image
-    pair = images.resolve(image, r.get("engine.vllmVersion"), r.get("engine.lmcacheVersion"))
+    image = _str(r, "engine.image") or settings.default_image
+    pair = images.resolve(image, _str(r, "engine.vllmVersion"), _str(r, "engine.lmcacheVersion"))
     util = r.get("engine.gpuMemoryUtilization")
     if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
         raise ConfigError("spec.engine.gpuMemoryUtilization", f"{util!r} must be a number in (0, 1]")
-    extra = tuple(r.get("engine.extraArgs") or ())
+    extra = tuple(_list(r, "engine.extraArgs"))
     for arg in extra:
-        flag = str(arg).split("=", 1)[0]
+        if not isinstance(arg, str) or len(arg) > 1024:
+            raise ConfigError("spec.engine.extraArgs", f"{arg!r} must be a string of at most 1024 characters")
+        flag = managed_flag(arg)
         if flag in crd.MANAGED_FLAGS:
-            raise ConfigError("spec.engine.extraArgs", f"{flag} is managed by the operator; set it through the spec instead "
-                                                       f"(managed: {', '.join(crd.MANAGED_FLAGS)})")
-    env = tuple(r.get("engine.env") or ())
+            raise ConfigError("spec.engine.extraArgs", f"{arg.split('=')[0]} sets {flag}, which is managed by the operator; set it "
+                                                       f"through the spec instead (managed: {', '.join(crd.MANAGED_FLAGS)})")
+    env = tuple(_list(r, "engine.env"))
     for var in env:
         name = var.get("name", "") if isinstance(var, dict) else ""
-        if not name:
-            raise ConfigError("spec.engine.env", "every entry needs a name")
+        if not name or not isinstance(name, str) or len(name) > 256:
+            raise ConfigError("spec.engine.env", "every entry needs a name (a string of at most 256 characters)")
+        if not isinstance(var.get("value", ""), str) or not isinstance(var.get("valueFrom", {}), dict):
+            raise ConfigError("spec.engine.env", f"{name}: value must be a string and valueFrom an object")
         if name in crd.MANAGED_ENV or name.startswith(crd.MANAGED_ENV_PREFIX):
             raise ConfigError("spec.engine.env", f"{name} is managed by the operator ({', '.join(crd.MANAGED_ENV)}, LMCACHE_*)")
     return EngineSpec(
@@ -224,7 +308,7 @@ def _offload(r: _Reader, settings: Settings) -> OffloadSpec:
     cpu = _size(r, "offload.cpu.size", required=True)
     disk = None
     if r.get("offload.disk") is not None:
-        path, sc = r.get("offload.disk.path"), r.get("offload.disk.storageClassName")
+        path, sc = _str(r, "offload.disk.path"), _str(r, "offload.disk.storageClassName")
         if (path is None) == (sc is None):
             raise ConfigError("spec.offload.disk", "set exactly one of path (hostPath) or storageClassName (ephemeral volume)")
         node_selector = _str_map(r, "offload.disk.nodeSelector") or (settings.nvme_selector() if path else {})
@@ -245,10 +329,10 @@ def _resources(r: _Reader, settings: Settings) -> ResourcesSpec:
         return value if value is not None else to_bytes(default, f"operator setting for spec.{path}")
 
     cpu = r.get("resources.cpu")
-    to_bytes(cpu, "spec.resources.cpu", allow_zero=False)  # validates the quantity
+    quantity_bytes(cpu, "spec.resources.cpu", allow_zero=False)  # validates the quantity
     headroom = _int(r, "resources.headroomPercent", 0, 100) if r.has("resources.headroomPercent") else settings.headroom_percent
     return ResourcesSpec(
-        gpu_resource_name=r.get("resources.gpuResourceName"),
+        gpu_resource_name=_str(r, "resources.gpuResourceName"),
         gpu_memory=_size(r, "resources.gpuMemory") or to_bytes(settings.default_gpu_memory, "operator setting defaultGpuMemory"),
         cpu=str(cpu),
         memory=_size(r, "resources.memory"),
@@ -268,7 +352,7 @@ def _scheduling(r: _Reader) -> SchedulingSpec:
     if affinity is not None and not isinstance(affinity, dict):
         raise ConfigError("spec.scheduling.affinity", "must be a Kubernetes Affinity object")
     return SchedulingSpec(node_selector=_str_map(r, "scheduling.nodeSelector"), tolerations=tuple(tolerations),
-                          affinity=affinity, priority_class_name=r.get("scheduling.priorityClassName"))
+                          affinity=affinity, priority_class_name=_str(r, "scheduling.priorityClassName"))
 
 
 def parse(spec: dict[str, Any], settings: Settings) -> Spec:
@@ -282,7 +366,7 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
         offload=_offload(r, settings),
         resources=_resources(r, settings),
         scheduling=_scheduling(r),
-        metrics_enabled=bool(r.get("metrics.enabled")),
+        metrics_enabled=_bool(r, "metrics.enabled"),
         metrics_port=_int(r, "metrics.port", 1024, 65535),
     )
     if parsed.resources.memory is not None and parsed.resources.memory < parsed.offload.cpu_size:

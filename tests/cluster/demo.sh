@@ -33,12 +33,12 @@ kubectl get nodes -L nvidia.com/gpu.product,kvoffload.io/nvme
 
 step "helm install kvoffload (CRDs, RBAC, operator settings)"
 "$HELM" upgrade --install kvoffload charts/kvoffload-operator --namespace kvoffload-system --create-namespace \
-  --kubeconfig "$KUBECONFIG" --wait=false
+  --kubeconfig "$KUBECONFIG"
 kubectl wait --for=condition=Established crd/kvoffloadserves.kvoffload.io --timeout=60s
 
 step "operator: kvoffload run (local process, same settings as the chart), log in .cluster/logs/demo-operator.log"
 stop_operator
-kubectl get configmap -n kvoffload-system -l app.kubernetes.io/component=operator -o jsonpath='{.items[0].data.operator\.yaml}' \
+kubectl get configmap -n kvoffload-system -l app.kubernetes.io/component=operator -o jsonpath='{.items[0].data.config\.yaml}' \
   > "$STATE/demo-operator.yaml" 2>/dev/null || echo "{}" > "$STATE/demo-operator.yaml"
 mkdir -p "$STATE/logs"
 nohup "$BIN/kvoffload" run --all-namespaces --operator-config "$STATE/demo-operator.yaml" \
@@ -68,25 +68,6 @@ step "children"
 kubectl get statefulsets,services,configmaps,poddisruptionbudgets,pods -n "$NS" -l kvoffload.io/serve -o wide
 
 step "computed budgets and conditions"
-kubectl get kvs -n "$NS" -o json | "$BIN/python" -c '
-import json, sys
-from kvoffload.quantity import human
-for item in json.load(sys.stdin)["items"]:
-    st, name = item.get("status", {}), item["metadata"]["name"]
-    print(f"\n{name}")
-    for c in st.get("conditions", []):
-        print(f"  {c[\"type\"]:<14} {c[\"status\"]:<8} {c[\"reason\"]}: {c[\"message\"][:150]}")
-    b = st.get("budget")
-    if not b:
-        continue
-    print(f"  KV bytes/token {b[\"kvBytesPerToken\"]:,} ({human(b[\"kvBytesPerToken\"])}); one max-length sequence {human(b[\"kvBytesPerSequence\"])}")
-    for t in b["tiers"]:
-        print(f"  tier {t[\"name\"]:<5} {human(t[\"bytes\"]):>10}  {t[\"tokens\"]:>12,} tokens  {t[\"sequences\"]:>6,} sequences")
-    m = b["memory"]
-    print(f"  memory request = limit {human(m[\"limit\"])}: " + " + ".join(f"{x[\"name\"]} {human(x[\"bytes\"])}" for x in m["terms"]))
-    for r in b.get("reload", []):
-        flag = "  SLOWER than recompute" if r["slowerThanRecompute"] else ""
-        print(f"  reload {r[\"tier\"]:<5} {r[\"reloadSeconds\"]:.3f}s vs recompute {r[\"recomputeSeconds\"]:.3f}s{flag}")
-'
+kubectl get kvs -n "$NS" -o json | "$BIN/python" tests/cluster/show_budgets.py
 echo
 echo "The operator keeps running (pid $(cat "$PIDFILE")); KUBECONFIG=$KUBECONFIG. Stop everything with: make demo-down"

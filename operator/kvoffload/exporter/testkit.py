@@ -84,13 +84,15 @@ def write_lmcache_metrics(directory: str, counters: dict[str, float] | None = No
 
 
 class ExporterProcess:
-    """`python -m kvoffload.exporter --listen 127.0.0.1:0 ARGS...`, waiting for its "listening on"
-    log line to learn the port. Its log lines are kept in `log_lines`."""
+    """`python -m kvoffload.exporter --listen 127.0.0.1:0 ARGS...` (or `kvoffload exporter ...`),
+    waiting for its "listening on" log line to learn the port. Log lines are kept in `log_lines`."""
 
-    def __init__(self, args: Sequence[str], start_timeout: float = 20.0) -> None:
+    def __init__(self, args: Sequence[str], start_timeout: float = 20.0, via_cli: bool = False) -> None:
         env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+        # via_cli: `kvoffload exporter`, through the CLI that also imports the other sub-commands
+        command = ["kvoffload.cli", "exporter"] if via_cli else ["kvoffload.exporter"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvoffload.exporter", "--listen", "127.0.0.1:0", *args],
+            [sys.executable, "-m", *command, "--listen", "127.0.0.1:0", *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.log_lines: list[str] = []
         self._listening = threading.Event()

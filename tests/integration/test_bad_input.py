@@ -1,0 +1,395 @@
+"""The bad-input catalogue, on the real control plane: every invalid KVOffloadServe is refused.
+
+Each case says where it is refused:
+- API: `kubectl apply` (strict field validation, the default) exits non-zero, its stderr names the
+  field, and nothing is stored;
+- OPERATOR: the API server stores it (only the operator knows the allowed disk roots, the model
+  catalog, the image table and GPU sizing) and the operator sets ConfigValid=False with a message
+  naming the field.
+In both cases no child (ConfigMap, Service, StatefulSet, PodDisruptionBudget labelled
+kvoffload.io/serve=<name>) is created, and a running serve's children are not changed.
+
+Sizes that are valid but fit no node are not config errors: the operator renders them and the
+scheduler refuses the pod (Scheduled=False, Unschedulable); those are listed separately.
+
+One operator subprocess and one namespace serve the whole module.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pytest
+
+from operator_proc import ROOT, OperatorProcess
+
+pytestmark = pytest.mark.cluster
+
+API, OPERATOR = "api", "operator"
+CHILD_KINDS = "configmaps,services,statefulsets,poddisruptionbudgets"
+
+VALID: dict[str, Any] = {
+    "apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe",
+    "metadata": {"name": "placeholder"},
+    "spec": {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen": 16384},
+             "offload": {"cpu": {"size": "16Gi"}, "disk": {"path": "/mnt/nvme/lmcache", "size": "100Gi"}},
+             "resources": {"gpuMemory": "141Gi"}},
+}
+DELETE = object()
+
+
+def patched(changes: dict[str, Any]) -> dict[str, Any]:
+    """VALID with dotted-path changes (`spec.offload.disk.path`); DELETE removes the key."""
+    obj = copy.deepcopy(VALID)
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        node = obj
+        for part in parents:
+            node = node.setdefault(part, {})
+        if value is DELETE:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return obj
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    changes: dict[str, Any]
+    where: str  # API or OPERATOR
+    field: str  # the field path the error must name
+    needle: str = ""  # more text the error must contain
+
+    @property
+    def name(self) -> str:
+        return self.changes.get("metadata.name") or re.sub(r"[^a-z0-9]+", "-", self.id.lower()).strip("-")[:52].rstrip("-")
+
+    def manifest(self) -> dict[str, Any]:
+        obj = patched(self.changes)
+        obj["metadata"]["name"] = self.name
+        return obj
+
+
+P = "spec.offload.disk.path"
+CASES = [
+    # --- wrong types
+    Case("type replicas string", {"spec.replicas": "two"}, API, "spec.replicas", "must be of type integer"),
+    Case("type maxModelLen string", {"spec.engine.maxModelLen": "long"}, API, "spec.engine.maxModelLen"),
+    Case("type gpuMemoryUtilization string", {"spec.engine.gpuMemoryUtilization": "high"}, API, "spec.engine.gpuMemoryUtilization"),
+    Case("type metrics enabled string", {"spec.metrics": {"enabled": "yes"}}, API, "spec.metrics.enabled", "boolean"),
+    Case("type cpu size integer", {"spec.offload.cpu.size": 40}, API, "spec.offload.cpu.size", "must be of type string"),
+    Case("type extraArgs string", {"spec.engine.extraArgs": "--enforce-eager"}, API, "spec.engine.extraArgs", "array"),
+    Case("type tolerations string", {"spec.scheduling": {"tolerations": "all"}}, API, "spec.scheduling.tolerations", "array"),
+    Case("type env value integer", {"spec.engine.env": [{"name": "A", "value": 5}]}, API, "spec.engine.env[0].value", "string"),
+    Case("type model string", {"spec.model": "Qwen/Qwen2.5-7B-Instruct"}, API, "spec.model", "must be of type object"),
+    Case("type nodeSelector value integer", {"spec.scheduling": {"nodeSelector": {"pool": 1}}}, API, "spec.scheduling.nodeSelector.pool"),
+    # --- out-of-range numbers
+    Case("range replicas negative", {"spec.replicas": -1}, API, "spec.replicas", "greater than or equal to 0"),
+    Case("range replicas 1001", {"spec.replicas": 1001}, API, "spec.replicas"),
+    Case("range tp 0", {"spec.engine.tensorParallelSize": 0}, API, "spec.engine.tensorParallelSize"),
+    Case("range tp 65", {"spec.engine.tensorParallelSize": 65}, API, "spec.engine.tensorParallelSize"),
+    Case("range utilization 0", {"spec.engine.gpuMemoryUtilization": 0}, API, "spec.engine.gpuMemoryUtilization"),
+    Case("range utilization 1.5", {"spec.engine.gpuMemoryUtilization": 1.5}, API, "spec.engine.gpuMemoryUtilization"),
+    Case("range maxNumSeqs 0", {"spec.engine.maxNumSeqs": 0}, API, "spec.engine.maxNumSeqs"),
+    Case("range maxModelLen 8", {"spec.engine.maxModelLen": 8}, API, "spec.engine.maxModelLen"),
+    Case("range chunkSize 0", {"spec.offload.chunkSize": 0}, API, "spec.offload.chunkSize"),
+    Case("range chunkSize 100000", {"spec.offload.chunkSize": 100000}, API, "spec.offload.chunkSize"),
+    Case("range metrics port 80", {"spec.metrics": {"port": 80}}, API, "spec.metrics.port"),
+    Case("range headroom 101", {"spec.resources.headroomPercent": 101}, API, "spec.resources.headroomPercent"),
+    Case("range layers 0", {"spec.model.architecture": {"layers": 0}}, API, "spec.model.architecture.layers"),
+    # --- missing parts
+    Case("missing spec", {"spec": DELETE}, API, "spec", "Required value"),
+    Case("missing model", {"spec.model": DELETE}, API, "spec.model", "Required value"),
+    Case("missing model name", {"spec.model": {"servedName": "x"}}, API, "spec.model.name", "Required value"),
+    Case("missing maxModelLen", {"spec.engine": {"maxNumSeqs": 4}}, API, "spec.engine.maxModelLen", "Required value"),
+    Case("missing cpu tier", {"spec.offload.cpu": DELETE}, API, "spec.offload.cpu", "Required value"),
+    Case("missing disk size", {"spec.offload.disk": {"path": "/mnt/nvme/lmcache"}}, API, "spec.offload.disk.size", "Required value"),
+    Case("missing secret name", {"spec.model.hfTokenSecret": {"key": "token"}}, API, "spec.model.hfTokenSecret.name", "Required value"),
+    # --- conflicting fields
+    Case("conflict path and storageClass", {"spec.offload.disk.storageClassName": "local-nvme"}, API, "spec.offload.disk",
+         "set exactly one of"),
+    Case("conflict neither path nor storageClass", {"spec.offload.disk": {"size": "10Gi"}}, API, "spec.offload.disk",
+         "set exactly one of"),
+    Case("conflict node selectors", {"spec.offload.disk.nodeSelector": {"kvoffload.io/nvme": "true"},
+                                     "spec.scheduling": {"nodeSelector": {"kvoffload.io/nvme": "false"}}},
+         API, "spec.offload.disk.nodeSelector", "disagree"),
+    Case("conflict memory below cpu tier", {"spec.resources.memory": "8Gi"}, API, "spec.resources.memory", "CPU tier"),
+    Case("conflict kvHeads vs attentionHeads", {"spec.model.architecture": {"attentionHeads": 32, "kvHeads": 3}}, API,
+         "spec.model.architecture.kvHeads", "divide"),
+    # --- unknown fields (kubectl's default strict field validation)
+    Case("unknown cpuThreshold", {"spec.offload.cpuThreshold": 0.8}, API, "spec.offload.cpuThreshold", "unknown field"),
+    Case("unknown typo maxModelLength", {"spec.engine.maxModelLength": 4096}, API, "spec.engine.maxModelLength", "unknown field"),
+    Case("unknown top-level gpus", {"spec.gpus": 2}, API, "spec.gpus", "unknown field"),
+    # --- hostPath escapes (shape, checked by the schema and CEL)
+    Case("path dotdot escape", {P: "/mnt/nvme/../../etc"}, API, P, "normalized"),
+    Case("path trailing dotdot", {P: "/mnt/nvme/x/.."}, API, P, "normalized"),
+    Case("path dot segment", {P: "/mnt/nvme/./x"}, API, P, "normalized"),
+    Case("path leading double slash", {P: "//mnt/nvme/x"}, API, P, "normalized"),
+    Case("path inner double slash", {P: "/mnt/nvme//x"}, API, P, "normalized"),
+    Case("path relative", {P: "mnt/nvme/x"}, API, P),
+    Case("path relative dotdot", {P: "../etc"}, API, P),
+    Case("path empty", {P: ""}, API, P),
+    Case("path with space", {P: "/mnt/nvme/my cache"}, API, P),
+    # --- bad quantities
+    Case("quantity with space", {"spec.offload.cpu.size": "10 Gi"}, API, "spec.offload.cpu.size", "quantity"),
+    Case("quantity negative", {"spec.offload.cpu.size": "-1"}, API, "spec.offload.cpu.size", "quantity"),
+    Case("quantity 1e400", {"spec.offload.cpu.size": "1e400"}, API, "spec.offload.cpu.size", "at most 1Pi"),
+    Case("quantity 100Ei disk", {"spec.offload.disk.size": "100Ei"}, API, "spec.offload.disk.size", "at most 1Pi"),
+    Case("quantity empty", {"spec.offload.cpu.size": ""}, API, "spec.offload.cpu.size", "quantity"),
+    Case("quantity zero", {"spec.offload.cpu.size": "0"}, API, "spec.offload.cpu.size", "> 0"),
+    Case("quantity infinity", {"spec.resources.gpuMemory": "Infinity"}, API, "spec.resources.gpuMemory", "quantity"),
+    Case("quantity double dot", {"spec.offload.disk.size": "1.5.5Gi"}, API, "spec.offload.disk.size", "quantity"),
+    Case("quantity shm negative", {"spec.resources.shm": "-4Gi"}, API, "spec.resources.shm", "quantity"),
+    # --- enums
+    Case("enum eviction lowercase", {"spec.offload.cpu.evictionPolicy": "lru"}, API, "spec.offload.cpu.evictionPolicy", "Unsupported value"),
+    Case("enum eviction RANDOM", {"spec.offload.cpu.evictionPolicy": "RANDOM"}, API, "spec.offload.cpu.evictionPolicy"),
+    Case("enum reclaim Recycle", {"spec.offload.disk.reclaimPolicy": "Recycle"}, API, "spec.offload.disk.reclaimPolicy"),
+    Case("enum dtype fp4", {"spec.engine.dtype": "fp4"}, API, "spec.engine.dtype"),
+    Case("enum kvDtype int4", {"spec.model.kvDtype": "int4"}, API, "spec.model.kvDtype"),
+    # --- managed flags and env
+    Case("flag max-model-len", {"spec.engine.extraArgs": ["--max-model-len=1"]}, API, "spec.engine.extraArgs", "manages"),
+    Case("flag underscore spelling", {"spec.engine.extraArgs": ["--max_model_len", "1"]}, API, "spec.engine.extraArgs", "manages"),
+    Case("flag dotted json key", {"spec.engine.extraArgs": ["--kv-transfer-config.kv_connector=Other"]}, API,
+         "spec.engine.extraArgs", "manages"),
+    Case("flag tp short", {"spec.engine.extraArgs": ["-tp", "2"]}, API, "spec.engine.extraArgs", "manages"),
+    Case("env LMCACHE prefix", {"spec.engine.env": [{"name": "LMCACHE_LOCAL_DISK", "value": "True"}]}, API, "spec.engine.env", "LMCACHE_*"),
+    Case("env PYTHONHASHSEED", {"spec.engine.env": [{"name": "PYTHONHASHSEED", "value": "1"}]}, API, "spec.engine.env"),
+    Case("env POD_NAMESPACE redirects disk", {"spec.engine.env": [{"name": "POD_NAMESPACE", "value": "victim"}]}, API,
+         "spec.engine.env", "POD_NAMESPACE"),
+    # --- names
+    Case("name 53 chars", {"metadata.name": "n" * 53}, API, "metadata.name", "at most 52 characters"),
+    Case("name with dot", {"metadata.name": "my.serve"}, API, "metadata.name", "DNS-1035"),
+    Case("name starts with digit", {"metadata.name": "7b-serve"}, API, "metadata.name", "DNS-1035"),
+    Case("name upper case", {"metadata.name": "Serve"}, API, "metadata.name"),
+    # --- other shapes the pod would refuse later
+    Case("gpuResourceName memory", {"spec.resources.gpuResourceName": "memory"}, API, "spec.resources.gpuResourceName"),
+    Case("priorityClassName invalid", {"spec.scheduling": {"priorityClassName": "Bad_Class"}}, API, "spec.scheduling.priorityClassName"),
+    Case("claimName invalid", {"spec.model.cache": {"claimName": "models/weights"}}, API, "spec.model.cache.claimName"),
+    Case("vllmVersion latest", {"spec.engine.vllmVersion": "latest"}, API, "spec.engine.vllmVersion"),
+    Case("model name with space", {"spec.model.name": "my model"}, API, "spec.model.name"),
+    Case("nodeSelector key invalid", {"spec.scheduling": {"nodeSelector": {"bad key!": "x"}}}, API, "spec.scheduling.nodeSelector",
+         "label keys"),
+
+    # ---- accepted by the API server, refused by the operator (what only it knows)
+    Case("op path outside allowed roots", {P: "/etc/lmcache"}, OPERATOR, P, "outside the allowed roots"),
+    Case("op path is the allowed root", {P: "/mnt/nvme"}, OPERATOR, P, "allowed root itself"),
+    Case("op path is the root with slash", {P: "/mnt/nvme/"}, OPERATOR, P, "allowed root itself"),
+    Case("op path is the second root", {P: "/var/lib/kvoffload"}, OPERATOR, P, "allowed root itself"),
+    Case("op path root lookalike", {P: "/mnt/nvme2/kv"}, OPERATOR, P, "outside the allowed roots"),
+    Case("op path under root parent", {P: "/mnt/kv"}, OPERATOR, P, "outside the allowed roots"),
+    Case("op weights larger than gpu", {"spec.model.name": "meta-llama/Llama-3.1-70B-Instruct", "spec.resources.gpuMemory": "80Gi"},
+         OPERATOR, "spec.resources.gpuMemory", "weights"),
+    Case("op low utilization leaves no room", {"spec.engine.gpuMemoryUtilization": 0.05}, OPERATOR, "spec.resources.gpuMemory",
+         "leaves no room for KV"),
+    Case("op maxModelLen too long for gpu", {"spec.model.name": "meta-llama/Llama-2-7b-hf", "spec.engine.maxModelLen": 1048576},
+         OPERATOR, "spec.engine.maxModelLen", "lower"),
+    Case("op tp 3 for qwen", {"spec.engine.tensorParallelSize": 3}, OPERATOR, "spec.engine.tensorParallelSize", "does not divide"),
+    Case("op tp 64 for llama 8b", {"spec.model.name": "meta-llama/Llama-3.1-8B-Instruct", "spec.engine.tensorParallelSize": 64},
+         OPERATOR, "spec.engine.tensorParallelSize"),
+    Case("op unknown model", {"spec.model.name": "acme/secret-model-7b"}, OPERATOR, "spec.model.name", "not in the built-in catalog"),
+    Case("op unknown model partial arch", {"spec.model.name": "acme/secret-model-7b", "spec.model.architecture": {"layers": 32}},
+         OPERATOR, "spec.model.architecture.kvHeads"),
+    Case("op unknown image", {"spec.engine.image": "registry.example/vllm:custom"}, OPERATOR, "spec.engine.vllmVersion",
+         "version table"),
+    Case("op vllm too old", {"spec.engine.image": "registry.example/vllm:old", "spec.engine.vllmVersion": "0.5.0",
+                             "spec.engine.lmcacheVersion": "0.5.6"}, OPERATOR, "spec.engine.vllmVersion", "predates"),
+    Case("op lmcache too old", {"spec.engine.image": "registry.example/vllm:old", "spec.engine.vllmVersion": "0.27.1",
+                                "spec.engine.lmcacheVersion": "0.1.0"}, OPERATOR, "spec.engine.lmcacheVersion", "too old"),
+]
+API_CASES = [c for c in CASES if c.where == API]
+OPERATOR_CASES = [c for c in CASES if c.where == OPERATOR]
+
+# Valid configs that no node can hold: rendered, then refused by kube-scheduler.
+UNSCHEDULABLE = [
+    Case("sched cpu tier beyond every node", {"spec.offload.cpu.size": "3Ti"}, "scheduler", "Insufficient memory"),
+    Case("sched more gpus than any node", {"spec.model.name": "meta-llama/Llama-3.1-405B-Instruct", "spec.engine.maxModelLen": 8192,
+                                           "spec.engine.tensorParallelSize": 16}, "scheduler", "Insufficient nvidia.com/gpu"),
+]
+
+
+def test_catalogue_is_big_and_names_are_unique():
+    assert len(CASES) >= 40 and len(OPERATOR_CASES) >= 10
+    names = [c.name for c in CASES + UNSCHEDULABLE]
+    assert len(set(names)) == len(names)
+
+
+@pytest.fixture(scope="module")
+def ns(cluster):
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/kvoffloadserves.kvoffload.io", "--timeout=60s")
+    name = f"t-bad-input-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", name)
+    cluster.kubectl("label", "namespace", name, "kvoffload.io/test=true")
+    cluster.wait_until(lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
+                       timeout=30, message=f"ServiceAccount default in {name}")
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, ns):
+    proc = OperatorProcess(cluster.env, [ns])
+    yield proc
+    proc.stop()
+    print(proc.output()[-5000:])
+
+
+def apply(cluster, ns: str, obj: dict[str, Any], check: bool = False):
+    # JSON, not YAML: PyYAML writes the string "1e18" unquoted and kubectl would read a number.
+    return cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj), check=check)
+
+
+def get_json(cluster, *args: str) -> dict[str, Any]:
+    return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
+
+
+def serves(cluster, ns: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in get_json(cluster, "kvs", "-n", ns)["items"]}
+
+
+def children(cluster, ns: str) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for item in get_json(cluster, CHILD_KINDS, "-n", ns, "-l", "kvoffload.io/serve")["items"]:
+        out.setdefault(item["metadata"]["labels"]["kvoffload.io/serve"], []).append(item)
+    return out
+
+
+def cond(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    return next((c for c in (obj or {}).get("status", {}).get("conditions", []) if c["type"] == type_), {})
+
+
+def verdict_at_generation(obj: dict[str, Any], type_: str = "ConfigValid") -> dict[str, Any] | None:
+    c = cond(obj, type_)
+    return c if c and c.get("observedGeneration") == obj["metadata"]["generation"] else None
+
+
+# ----------------------------------------------------------------------------- refused by the API server
+
+
+@pytest.fixture(scope="module")
+def api_results(cluster, ns):
+    """Apply every API case once; nothing may be stored."""
+    results = {c.id: apply(cluster, ns, c.manifest()) for c in API_CASES}
+    stored = set(serves(cluster, ns))
+    return results, stored
+
+
+@pytest.mark.parametrize("case", API_CASES, ids=[c.id for c in API_CASES])
+def test_api_server_refuses(cluster, ns, api_results, case):
+    results, stored = api_results
+    res = results[case.id]
+    assert res.returncode != 0, f"accepted: {res.stdout}"
+    assert case.field in res.stderr, res.stderr
+    assert case.needle in res.stderr, res.stderr
+    assert case.name not in stored
+
+
+# ----------------------------------------------------------------------------- refused by the operator
+
+
+@pytest.fixture(scope="module")
+def operator_verdicts(cluster, ns, operator):
+    for c in OPERATOR_CASES:
+        res = apply(cluster, ns, c.manifest())
+        assert res.returncode == 0, f"{c.id}: the API server should store it: {res.stderr}"
+    names = {c.name for c in OPERATOR_CASES}
+
+    def all_judged():
+        found = serves(cluster, ns)
+        judged = {n: found[n] for n in names if n in found and verdict_at_generation(found[n])}
+        return judged if len(judged) == len(names) else None
+
+    judged = cluster.wait_until(all_judged, timeout=120, interval=0.5, message="ConfigValid on every operator case")
+    return judged, children(cluster, ns)
+
+
+@pytest.mark.parametrize("case", OPERATOR_CASES, ids=[c.id for c in OPERATOR_CASES])
+def test_operator_refuses(operator_verdicts, case):
+    judged, kids = operator_verdicts
+    obj = judged[case.name]
+    valid = cond(obj, "ConfigValid")
+    assert (valid["status"], valid["reason"]) == ("False", "InvalidSpec"), valid
+    assert valid["message"].startswith(case.field + ":"), valid["message"]
+    assert case.needle in valid["message"], valid["message"]
+    assert cond(obj, "Ready")["status"] == "False"
+    assert cond(obj, "Scheduled")["status"] == "Unknown"
+    assert case.name not in kids, [k["kind"] for k in kids[case.name]]
+
+
+def test_operator_changes_nothing_when_a_running_serve_turns_bad(cluster, ns, operator):
+    """A valid serve runs; invalid updates (refused by the API server or by the operator) leave its children alone."""
+    name = "running"
+    good = patched({"metadata.name": name})
+    assert apply(cluster, ns, good).returncode == 0
+
+    def ready():
+        obj = serves(cluster, ns).get(name)
+        ok = obj and cond(obj, "Ready").get("status") == "True" and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
+        return obj if ok else None
+
+    cluster.wait_until(ready, timeout=120, message=f"{name} Ready")
+
+    def fingerprint():
+        # Controllers write the status of StatefulSets and PDBs; nobody but the operator writes ConfigMaps and Services.
+        return {(k["kind"], k["metadata"]["name"]): json.dumps(
+                    [k.get("spec"), k.get("data"), k["metadata"].get("labels"), k["metadata"].get("annotations"),
+                     k["metadata"].get("generation"), k["metadata"]["resourceVersion"] if k["kind"] in ("ConfigMap", "Service") else ""],
+                    sort_keys=True)
+                for k in children(cluster, ns).get(name, [])}
+
+    applied = re.compile(rf"apply \w+ {re.escape(ns)}/{name}(-lmcache|-pods)?$", re.M)
+    before = fingerprint()
+    assert len(before) == 5
+    applies_before = len(applied.findall(operator.output()))
+    assert applies_before >= 5, "the operator log should show the first applies"
+    generation = serves(cluster, ns)[name]["metadata"]["generation"]
+    for case in API_CASES[:5] + [c for c in API_CASES if c.field == P][:3]:
+        bad = case.manifest()
+        bad["metadata"]["name"] = name
+        if case.id == "missing spec":
+            continue
+        assert apply(cluster, ns, bad).returncode != 0, case.id
+    assert serves(cluster, ns)[name]["metadata"]["generation"] == generation
+    for case in OPERATOR_CASES[:4] + OPERATOR_CASES[6:10]:
+        bad = case.manifest()
+        bad["metadata"]["name"] = name
+        assert apply(cluster, ns, bad).returncode == 0, case.id
+
+        def judged(field=case.field):
+            obj = serves(cluster, ns)[name]
+            c = verdict_at_generation(obj)
+            return c if c and c["status"] == "False" and c["message"].startswith(field + ":") else None
+
+        cluster.wait_until(judged, timeout=60, message=f"{name} ConfigValid=False for {case.id}")
+    assert fingerprint() == before
+    assert len(applied.findall(operator.output())) == applies_before, "the operator applied a child while the spec was invalid"
+    # Back to the valid spec: the same children, still untouched (nothing differs, so nothing is applied).
+    assert apply(cluster, ns, good).returncode == 0
+    cluster.wait_until(lambda: (verdict_at_generation(serves(cluster, ns)[name]) or {}).get("status") == "True",
+                       timeout=60, message=f"{name} ConfigValid=True again")
+    assert fingerprint() == before
+
+
+# ----------------------------------------------------------------------------- valid, but fits no node
+
+
+@pytest.mark.parametrize("case", UNSCHEDULABLE, ids=[c.id for c in UNSCHEDULABLE])
+def test_scheduler_refuses_what_no_node_can_hold(cluster, ns, operator, case):
+    assert apply(cluster, ns, case.manifest()).returncode == 0
+
+    def unschedulable():
+        obj = serves(cluster, ns).get(case.name)
+        c = cond(obj, "Scheduled")
+        return obj if c.get("status") == "False" and c.get("reason") == "Unschedulable" else None
+
+    obj = cluster.wait_until(unschedulable, timeout=90, message=f"{case.name} Scheduled=False")
+    assert case.needle in cond(obj, "Scheduled")["message"]
+    assert cond(obj, "ConfigValid")["status"] == "True"
+    assert cond(obj, "Ready")["status"] == "False"
+    assert {k["kind"] for k in children(cluster, ns)[case.name]} == {"ConfigMap", "Service", "StatefulSet", "PodDisruptionBudget"}

@@ -1,0 +1,319 @@
+"""Faults on the real control plane: the operator SIGKILLed mid-rollout, kube-apiserver and etcd restarted.
+
+These tests restart control-plane components, so they run on a private cluster (its own state dir,
+ports and etcd, 8 kwok GPU nodes) started for this module and stopped after it: the shared cluster
+in .cluster/ that other suites use is never touched.
+
+After every fault the same invariants are checked (`assert_converged`): every KVOffloadServe Ready at
+its generation, exactly the expected children (ConfigMap, two Services, StatefulSet, PDB), each with
+exactly one controller ownerReference to a KVOffloadServe that exists, nothing orphaned, the expected
+pods, and no finalizer or kopf bookkeeping on any resource.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from operator_proc import ROOT, OperatorProcess
+
+sys.path.insert(0, str(ROOT / "tests" / "cluster"))
+import cluster as kvcluster  # noqa: E402
+
+pytestmark = pytest.mark.cluster
+
+GROUP, VERSION, PLURAL = "kvoffload.io", "v1alpha1", "kvoffloadserves"
+OWNER_LABEL = "kvoffload.io/serve"
+# CPU tier only, one replica of one GPU: 8 nodes x 8 GPUs hold every pod of these tests at once.
+SPEC = {"replicas": 1, "model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen": 4096},
+        "offload": {"cpu": {"size": "1Gi"}}, "resources": {"gpuMemory": "141Gi"}}
+
+
+def expected_children(name: str) -> set[tuple[str, str]]:
+    return {("ConfigMap", f"{name}-lmcache"), ("Service", name), ("Service", f"{name}-pods"),
+            ("StatefulSet", name), ("PodDisruptionBudget", name)}
+
+
+# ------------------------------------------------------------------------------ a private cluster
+@pytest.fixture(scope="module")
+def private_cluster(tmp_path_factory):
+    missing = kvcluster.missing_binaries()
+    if missing:
+        msg = f"local cluster binaries missing: {', '.join(missing)}; build them with tests/cluster/build.sh"
+        if os.environ.get("KVO_REQUIRE_CLUSTER"):
+            pytest.fail(msg, pytrace=False)
+        pytest.skip(msg)
+    c = kvcluster.Cluster(dir=tmp_path_factory.mktemp("faults-cluster"))
+    c.up(kvcluster.make_fleet(gpu_nodes=8, workstations=0))
+    try:
+        c.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
+        c.kubectl("wait", "--for=condition=Established", "crd/kvoffloadserves.kvoffload.io", "--timeout=60s")
+        yield c
+    finally:
+        problems = c.down()
+        assert not problems, problems
+
+
+class Api:
+    """The typed clients for one cluster, and the few calls these tests make."""
+
+    def __init__(self, c: kvcluster.Cluster) -> None:
+        self.cluster = c
+        api_client = c.api_client()
+        self.custom = client.CustomObjectsApi(api_client)
+        self.core = client.CoreV1Api(api_client)
+        self.apps = client.AppsV1Api(api_client)
+        self.policy = client.PolicyV1Api(api_client)
+
+    def create(self, ns: str, name: str, spec: dict[str, Any] | None = None) -> None:
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "KVOffloadServe", "metadata": {"name": name},
+                "spec": copy.deepcopy(spec or SPEC)}
+        self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body)
+
+    def create_once(self, ns: str, name: str) -> bool:
+        """Create, counting "already exists" as done (a retried create whose first answer was lost)."""
+        try:
+            self.create(ns, name)
+        except client.ApiException as exc:
+            if exc.status != 409:
+                raise
+        return True
+
+    def patch_spec(self, ns: str, name: str, patch: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name, {"spec": patch})
+
+    def delete(self, ns: str, name: str) -> None:
+        self.custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+
+    def serves(self, ns: str) -> list[dict[str, Any]]:
+        return self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]
+
+    def children(self, ns: str) -> list[dict[str, Any]]:
+        """Every ConfigMap, Service, StatefulSet and PDB in the namespace (labelled by us or not), as dicts."""
+        san = self.core.api_client.sanitize_for_serialization
+        out = []
+        for kind, call in (("ConfigMap", self.core.list_namespaced_config_map),
+                           ("Service", self.core.list_namespaced_service),
+                           ("StatefulSet", self.apps.list_namespaced_stateful_set),
+                           ("PodDisruptionBudget", self.policy.list_namespaced_pod_disruption_budget)):
+            for item in call(ns).items:
+                obj = san(item)
+                obj["kind"] = kind
+                out.append(obj)
+        return out
+
+    def pods(self, ns: str) -> list[dict[str, Any]]:
+        return self.core.api_client.sanitize_for_serialization(self.core.list_namespaced_pod(ns).items)
+
+    def namespace(self, name: str) -> str:
+        self.core.create_namespace({"metadata": {"name": name}})
+        kvcluster.wait_until(lambda: self.core.read_namespaced_service_account("default", name), timeout=30,
+                             message=f"ServiceAccount default in {name}")
+        return name
+
+
+def ready(obj: dict[str, Any]) -> bool:
+    st = obj.get("status") or {}
+    conds = {c["type"]: c for c in st.get("conditions", [])}
+    return (st.get("observedGeneration") == obj["metadata"]["generation"]
+            and conds.get("Ready", {}).get("status") == "True")
+
+
+def problems(api: Api, ns: str, want: dict[str, dict[str, Any]] | None = None) -> list[str]:
+    """Everything that is not as it should be once the operator has converged ([] when all is well).
+
+    want: name -> spec patch applied (to check the rollout reached the children), for every resource that
+    should exist; None means "whatever exists".
+    """
+    out: list[str] = []
+    serves = {s["metadata"]["name"]: s for s in api.serves(ns)}
+    if want is not None and set(serves) != set(want):
+        out.append(f"resources {sorted(set(serves) ^ set(want))} missing or unexpected")
+    uids = {s["metadata"]["uid"]: name for name, s in serves.items()}
+    for name, s in sorted(serves.items()):
+        meta = s["metadata"]
+        if meta.get("finalizers"):
+            out.append(f"{name}: finalizers {meta['finalizers']}")
+        kopf_marks = [k for k in (meta.get("annotations") or {}) if "kopf" in k or k.startswith(f"{GROUP}/last-handled")]
+        if kopf_marks:
+            out.append(f"{name}: kopf annotations {kopf_marks}")
+        if not ready(s):
+            out.append(f"{name}: not Ready at generation {meta['generation']}: {(s.get('status') or {}).get('conditions')}")
+    found: dict[str, set[tuple[str, str]]] = {name: set() for name in serves}
+    sts_by_name: dict[str, dict[str, Any]] = {}
+    cm_by_name: dict[str, dict[str, Any]] = {}
+    for child in api.children(ns):
+        meta = child["metadata"]
+        refs = [r for r in meta.get("ownerReferences") or [] if r.get("kind") == "KVOffloadServe"]
+        labelled = OWNER_LABEL in (meta.get("labels") or {})
+        if not refs and not labelled:
+            continue  # kube-root-ca.crt and the like
+        key = (child["kind"], meta["name"])
+        controllers = [r for r in meta.get("ownerReferences") or [] if r.get("controller")]
+        if len(refs) != 1 or len(controllers) != 1 or controllers[0] is not refs[0]:
+            out.append(f"{key}: ownerReferences {meta.get('ownerReferences')}")
+            continue
+        owner = uids.get(refs[0]["uid"])
+        if owner is None:
+            out.append(f"{key}: orphan, owner {refs[0]['name']} uid {refs[0]['uid']} does not exist")
+            continue
+        if meta["labels"].get(OWNER_LABEL) != owner or key in found[owner]:
+            out.append(f"{key}: label {meta['labels'].get(OWNER_LABEL)!r} or duplicate for {owner}")
+        if meta.get("finalizers"):
+            out.append(f"{key}: finalizers {meta['finalizers']}")
+        found[owner].add(key)
+        if child["kind"] == "StatefulSet":
+            sts_by_name[meta["name"]] = child
+        if child["kind"] == "ConfigMap":
+            cm_by_name[owner] = child
+    for name, kids in sorted(found.items()):
+        if kids != expected_children(name):
+            out.append(f"{name}: children {sorted(kids)}, expected {sorted(expected_children(name))}")
+    for name, s in sorted(serves.items()):
+        sts = sts_by_name.get(name)
+        if sts is None:
+            continue
+        cpu = ((want or {}).get(name) or {}).get("offload", {}).get("cpu", {}).get("size", "1Gi")
+        st = sts.get("status") or {}
+        if st.get("updateRevision") != st.get("currentRevision"):
+            out.append(f"{name}: StatefulSet revisions {st.get('updateRevision')} != {st.get('currentRevision')}")
+        engine_cfg = (cm_by_name.get(name) or {}).get("data", {}).get("lmcache.yaml", "")
+        if want is not None and f"max_local_cpu_size: {float(cpu.removesuffix('Gi'))}" not in engine_cfg:
+            out.append(f"{name}: ConfigMap does not hold the CPU tier {cpu} of the spec")
+        mem = sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]
+        if (s.get("status") or {}).get("summary", {}).get("memory") != mem:
+            out.append(f"{name}: status memory {(s.get('status') or {}).get('summary', {}).get('memory')} != StatefulSet {mem}")
+    pods_by_owner: dict[str, list[str]] = {}
+    for pod in api.pods(ns):
+        owner = (pod["metadata"].get("labels") or {}).get(OWNER_LABEL)
+        if pod["metadata"].get("deletionTimestamp"):
+            continue
+        pods_by_owner.setdefault(owner or "?", []).append(pod["metadata"]["name"])
+        if owner not in serves:
+            out.append(f"pod {pod['metadata']['name']}: owner {owner!r} does not exist")
+        elif pod.get("status", {}).get("phase") != "Running":
+            out.append(f"pod {pod['metadata']['name']}: phase {pod.get('status', {}).get('phase')}")
+    for name, s in serves.items():
+        if sorted(pods_by_owner.get(name, [])) != [f"{name}-{i}" for i in range(s["spec"].get("replicas", 1))]:
+            out.append(f"{name}: pods {sorted(pods_by_owner.get(name, []))}")
+    return out
+
+
+def assert_converged(api: Api, ns: str, want: dict[str, dict[str, Any]] | None, timeout: float) -> float:
+    """Wait until `problems` is empty; return the seconds it took. On timeout, fail with what is still wrong."""
+    t0 = time.monotonic()
+    last: list[str] = []
+    while time.monotonic() - t0 < timeout:
+        try:
+            last = problems(api, ns, want)
+        except Exception as exc:  # noqa: BLE001 - the API may be restarting
+            last = [f"{type(exc).__name__}: {exc}"]
+        if not last:
+            return time.monotonic() - t0
+        time.sleep(1)
+    pytest.fail(f"not converged after {timeout:.0f}s:\n" + "\n".join(last[:30]), pytrace=False)
+
+
+def start_operator(c: kvcluster.Cluster, ns: str, log_path: Path | None = None) -> OperatorProcess:
+    return OperatorProcess(c.env, [ns], {"resyncSeconds": 20}, log_path=log_path)
+
+
+def wait_log(op: OperatorProcess, needle: str, timeout: float, after: int = 0) -> None:
+    kvcluster.wait_until(lambda: op.output().count(needle) > after or op.proc.poll() is not None, timeout=timeout,
+                         interval=0.05, message=f"operator log line {needle!r}")
+    assert op.proc.poll() is None, op.output()[-3000:]
+
+
+def sigkill(op: OperatorProcess) -> None:
+    os.killpg(op.proc.pid, signal.SIGKILL)
+    op.proc.wait(10)
+    op.log.close()
+
+
+# ------------------------------------------------------------------------------ the tests
+KILLS = 10
+CREATE_PER_ROUND = 4  # 40 resources over the 10 rounds
+UPDATE_PER_ROUND = 2  # spec changes that roll the StatefulSet
+DELETE_ROUNDS = (3, 7)  # rounds that also delete a resource (garbage collection while the operator is down)
+
+
+def test_sigkill_mid_rollout_ten_times(private_cluster, tmp_path):
+    """Kill -9 the operator at random points of a rollout, 10 times, restarting it each time."""
+    seed = int(os.environ.get("KVO_FAULT_SEED", time.time_ns() % 100_000))
+    rng = random.Random(seed)
+    print(f"KVO_FAULT_SEED={seed}")
+    api = Api(private_cluster)
+    ns = api.namespace(f"faults-kill-{seed}")
+    want: dict[str, dict[str, Any]] = {}
+    kill_points = []
+    for round_ in range(KILLS):
+        for i in range(CREATE_PER_ROUND):
+            name = f"s{round_:02d}-{i}"
+            api.create(ns, name)
+            want[name] = {}
+        older = sorted(n for n in want if not n.startswith(f"s{round_:02d}-"))
+        for name in rng.sample(older, min(UPDATE_PER_ROUND, len(older))):
+            want[name] = {"offload": {"cpu": {"size": f"{rng.randint(2, 8)}Gi"}}}
+            api.patch_spec(ns, name, want[name])
+        if round_ in DELETE_ROUNDS and older:
+            gone = rng.choice(older)
+            api.delete(ns, gone)
+            del want[gone]
+        op = start_operator(private_cluster, ns, tmp_path / f"operator-{round_}.log")
+        # Kill somewhere between its first write and a couple of seconds later: mid-apply, between a
+        # StatefulSet and its PDB, during a status write, or while pods roll.
+        wait_log(op, "apply ", timeout=60)
+        delay = rng.uniform(0, 2.5)
+        time.sleep(delay)
+        applies = op.output().count("apply ")
+        sigkill(op)
+        kill_points.append((round(delay, 2), applies))
+    print(f"kills (seconds after the first apply, applies logged before the kill): {kill_points}")
+    op = start_operator(private_cluster, ns, tmp_path / "operator-final.log")
+    try:
+        took = assert_converged(api, ns, want, timeout=150)
+        print(f"converged {took:.1f}s after the final restart; {len(want)} resources")
+    finally:
+        op.stop()
+
+
+@pytest.mark.parametrize("component", ["kube-apiserver", "etcd"])
+def test_control_plane_restart_mid_rollout(private_cluster, tmp_path, component):
+    """Restart kube-apiserver (or etcd) while the operator rolls out; the same operator process recovers."""
+    api = Api(private_cluster)
+    ns = api.namespace(f"faults-{component}-{time.time_ns() % 100_000}")
+    op = start_operator(private_cluster, ns, tmp_path / "operator.log")
+    try:
+        want = {}
+        for i in range(10):
+            api.create(ns, f"before-{i}")
+            want[f"before-{i}"] = {}
+        wait_log(op, "apply ", timeout=60)
+        time.sleep(random.uniform(0.5, 2))
+        healthy_after = private_cluster.restart(component, downtime=5)
+        print(f"{component}: down 5 s, healthy {healthy_after:.1f}s after its restart")
+        # New work after the restart proves the watches came back, not only the retries of old work.
+        api = Api(private_cluster)
+        for i in range(5):
+            kvcluster.wait_until(lambda i=i: api.create_once(ns, f"after-{i}"), timeout=60, message=f"create after-{i}")
+            want[f"after-{i}"] = {}
+        api.patch_spec(ns, "before-0", {"offload": {"cpu": {"size": "3Gi"}}})
+        want["before-0"] = {"offload": {"cpu": {"size": "3Gi"}}}
+        took = assert_converged(api, ns, want, timeout=150)
+        print(f"converged {took:.1f}s after the restart")
+        assert op.proc.poll() is None, "the operator process exited:\n" + op.output()[-3000:]
+    finally:
+        op.stop()
+        trouble = [line for line in op.output().splitlines() if " WARNING " in line or " ERROR " in line]
+        print(f"operator: {len(trouble)} warnings/errors while {component} was down, e.g.:")
+        print("\n".join(line[:300] for line in trouble[:12]))
