@@ -17,16 +17,20 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """All sub-commands, or only `only`: the exporter sidecar must not pay for the kubernetes client."""
     parser = argparse.ArgumentParser(prog="kvoffload", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module in SUBCOMMANDS.values():
-        importlib.import_module(module).register(subparsers)
+    for name, module in SUBCOMMANDS.items():
+        if only in (None, name):
+            importlib.import_module(module).register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    only = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    args = build_parser(only).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:

@@ -15,8 +15,10 @@ from __future__ import annotations
 import copy
 import os
 import random
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -46,21 +48,28 @@ def expected_children(name: str) -> set[tuple[str, str]]:
 
 # ------------------------------------------------------------------------------ a private cluster
 @pytest.fixture(scope="module")
-def private_cluster(tmp_path_factory):
+def private_cluster(request):
     missing = kvcluster.missing_binaries()
     if missing:
         msg = f"local cluster binaries missing: {', '.join(missing)}; build them with tests/cluster/build.sh"
         if os.environ.get("KVO_REQUIRE_CLUSTER"):
             pytest.fail(msg, pytrace=False)
         pytest.skip(msg)
-    c = kvcluster.Cluster(dir=tmp_path_factory.mktemp("faults-cluster"))
+    # Its own state dir (not pytest's tmp_path, which other sessions' runs prune): the component logs stay
+    # for a post-mortem when a test fails, and go when all passed.
+    c = kvcluster.Cluster(dir=Path(tempfile.mkdtemp(prefix="kvo-faults-cluster-")))
     c.up(kvcluster.make_fleet(gpu_nodes=8, workstations=0))
+    failed_before = request.session.testsfailed
     try:
         c.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
         c.kubectl("wait", "--for=condition=Established", "crd/kvoffloadserves.kvoffload.io", "--timeout=60s")
         yield c
     finally:
         problems = c.down()
+        if request.session.testsfailed == failed_before and not problems:
+            shutil.rmtree(c.dir, ignore_errors=True)
+        else:
+            print(f"private cluster state and logs kept in {c.dir}")
         assert not problems, problems
 
 

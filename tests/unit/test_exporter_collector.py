@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -234,6 +235,21 @@ def test_hung_vllm_does_not_block_a_scrape_beyond_the_timeout() -> None:
     assert elapsed < 1.5
     assert value(m, "kvoffload_source_up", source="vllm") == 0
     assert value(m, "kvoffload_tier_used_bytes", tier="cpu") == 20 * GiB
+
+
+def test_concurrent_scrapes_each_bounded_by_the_timeout() -> None:
+    with FakeVllm(VLLM_TEXT, delay=10) as vllm:
+        registry, _ = make(ExporterConfig(vllm_metrics_url=vllm.url, multiproc_dir=MULTIPROC,
+                                          scrape_timeout=0.5))
+        start = time.monotonic()
+        threads = [threading.Thread(target=scrape, args=(registry,)) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.monotonic() - start
+        vllm.delay = 0
+    assert elapsed < 1.5  # not 3 x 0.5 s one after the other
 
 
 def test_empty_or_missing_multiproc_dir(tmp_path: Path) -> None:

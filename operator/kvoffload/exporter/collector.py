@@ -50,7 +50,9 @@ class TierCollector(Collector):
         if disk is not None:
             self.health["disk"] = disk.health
         self._clock = clock
-        self._lock = threading.Lock()  # concurrent scrapes: one look at a time, state stays consistent
+        # Concurrent scrapes (an HA Prometheus pair) look at the sources in parallel, each bounded
+        # by the scrape timeout; only the offload-activity state is shared.
+        self._activity_lock = threading.Lock()
         self._lmcache_progress = 0.0
         self._last_move: float | None = None
 
@@ -58,9 +60,7 @@ class TierCollector(Collector):
         return []  # keeps registration from running a (network) look
 
     def collect(self) -> Iterator[Metric]:
-        with self._lock:
-            families = self._look()
-        yield from families
+        yield from self._look()
 
     def _look(self) -> list[Metric]:
         vllm = self._look_vllm()
@@ -97,12 +97,13 @@ class TierCollector(Collector):
     def _offload_active(self, vllm: VllmSnapshot | None, lmc: LmcacheSnapshot | None) -> bool:
         if lmc is None:
             return False
-        now = self._clock()
         progress = lmc.requested_tokens + lmc.stored_tokens
-        if progress != self._lmcache_progress and progress > 0:  # rose, or LMCache restarted and moved
-            self._last_move = now
-        self._lmcache_progress = progress
-        moving = self._last_move is not None and now - self._last_move <= ACTIVITY_WINDOW_S
+        with self._activity_lock:
+            now = self._clock()
+            if progress != self._lmcache_progress and progress > 0:  # rose, or LMCache restarted and moved
+                self._last_move = now
+            self._lmcache_progress = progress
+            moving = self._last_move is not None and now - self._last_move <= ACTIVITY_WINDOW_S
         consulted = vllm is not None and ((vllm.external_queries or 0) > 0
                                           or (vllm.external_prompt_tokens or 0) > 0)
         return moving or consulted
