@@ -36,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
         lease_ns = args.leader_election_namespace or leader.default_namespace(namespaces)
         os.environ[leader.ENV] = f"{lease_ns}/{args.lease_name or leader.DEFAULT_LEASE_NAME}"
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if logging.getLogger().level > logging.DEBUG:
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one "handler succeeded" line per pod event
     from . import handlers  # noqa: F401  registers the handlers
 
     asyncio.run(kopf.operator(

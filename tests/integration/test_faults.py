@@ -230,7 +230,9 @@ def assert_converged(api: Api, ns: str, want: dict[str, dict[str, Any]] | None, 
         if not last:
             return time.monotonic() - t0
         time.sleep(1)
-    pytest.fail(f"not converged after {timeout:.0f}s:\n" + "\n".join(last[:30]), pytrace=False)
+    health = {comp: detail for comp, (ok, detail) in api.cluster.component_health().items()}
+    pytest.fail(f"not converged after {timeout:.0f}s (control plane: {health}):\n" + "\n".join(p[:400] for p in last[:30]),
+                pytrace=False)
 
 
 def start_operator(c: kvcluster.Cluster, ns: str, log_path: Path | None = None) -> OperatorProcess:
