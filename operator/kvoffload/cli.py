@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "render": "kvoffload.render_cli",
     "run": "kvoffload.run_cli",
     "exporter": "kvoffload.exporter.cli",
+    "clean-disk": "kvoffload.cleaner_cli",
 }
 
 

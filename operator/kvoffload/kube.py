@@ -81,12 +81,12 @@ class Kube:
     def list(self, path: str, label_selector: str) -> list[dict[str, Any]]:
         return self.request("GET", path, query={"labelSelector": label_selector})["items"]
 
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, obj: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
         """Server-side apply with the one field manager; force takes back fields others changed (drift)."""
         meta = obj["metadata"]
         path = f"{collection(obj['apiVersion'], obj['kind'], meta['namespace'])}/{meta['name']}"
-        return self.request("PATCH", path, obj, query={"fieldManager": FIELD_MANAGER, "force": "true"},
-                            content_type="application/apply-patch+yaml")
+        query = {"fieldManager": FIELD_MANAGER, "force": "true", **({"dryRun": "All"} if dry_run else {})}
+        return self.request("PATCH", path, obj, query=query, content_type="application/apply-patch+yaml")
 
     def delete(self, path: str) -> None:
         try:

@@ -50,16 +50,30 @@ def _owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid and ref.get("controller") for ref in obj["metadata"].get("ownerReferences", []) or [])
 
 
+def _dry_run(kube: Kube, children: list[dict[str, Any]]) -> None:
+    """All or nothing: the API server validates every changed child before any is written, so a
+    pass-through field it refuses (tolerations, affinity, env valueFrom) is a ConfigValid=False, not a half-apply."""
+    for child in children:
+        try:
+            kube.apply(child, dry_run=True)
+        except ApiError as exc:
+            if exc.status not in (400, 422):
+                raise
+            raise ConfigError("spec", f"the API server refused the rendered {child['kind']}: {exc.message} "
+                                      "(spec.scheduling and spec.engine.env are passed to the pod unchanged)") from None
+
+
 def sync_children(kube: Kube, namespace: str, name: str, uid: str, children: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Apply children that differ from the cluster, prune ours that are no longer wanted; return the StatefulSet."""
     live = _live_children(kube, namespace, name)
     wanted = {_key(c) for c in children}
-    sts = None
-    for child in children:
-        current = live.get(_key(child))
-        if current is None or not covers(child, current):
-            log.info("apply %s %s/%s", child["kind"], namespace, child["metadata"]["name"])
-            current = kube.apply(child)
+    changed = [c for c in children if _key(c) not in live or not covers(c, live[_key(c)])]
+    if changed:
+        _dry_run(kube, changed)
+    sts = live.get(("apps/v1", "StatefulSet", render.names(name)["statefulset"]))
+    for child in changed:
+        log.info("apply %s %s/%s", child["kind"], namespace, child["metadata"]["name"])
+        current = kube.apply(child)
         if child["kind"] == "StatefulSet":
             sts = current
     for key, obj in live.items():
@@ -84,7 +98,11 @@ def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: 
         error = exc  # no child is created or changed while the spec is invalid
     sts, pods, probes = None, [], None
     if desired is not None:
-        sts = sync_children(kube, namespace, name, meta["uid"], desired.children)
+        try:
+            sts = sync_children(kube, namespace, name, meta["uid"], desired.children)
+        except ConfigError as exc:
+            desired, error = None, exc
+    if desired is not None:
         if desired.spec.replicas:
             pods = kube.list(collection("v1", "Pod", namespace), f"{render.OWNER_LABEL}={name}")
         if settings.probe_exporters and desired.spec.metrics_enabled:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 import yaml
@@ -46,9 +47,17 @@ class _Dumper(yaml.SafeDumper):
         return True
 
 
+# Strings a YAML 1.2 reader (kubectl, Go) would take for a number or a bool; PyYAML (YAML 1.1) leaves
+# some of them, such as 1e3, unquoted.
+_AMBIGUOUS = re.compile(r"^([-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)"
+                        r"|0x[0-9a-fA-F]+|0o[0-7]+|true|false|True|False|TRUE|FALSE|null|Null|NULL|~|yes|no|on|off)$")
+
+
 def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
     # Multi-line strings (the LMCache config) as literal blocks, so reviews read like the file itself.
-    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+    if "\n" in value:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|")
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style='"' if _AMBIGUOUS.match(value) else None)
 
 
 _Dumper.add_representer(str, _str)

@@ -22,7 +22,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -276,18 +276,17 @@ def verdict_at_generation(obj: dict[str, Any], type_: str = "ConfigValid") -> di
 def api_results(cluster, ns):
     """Apply every API case once; nothing may be stored."""
     results = {c.id: apply(cluster, ns, c.manifest()) for c in API_CASES}
-    stored = set(serves(cluster, ns))
-    return results, stored
+    return results, set(serves(cluster, ns)), children(cluster, ns)
 
 
 @pytest.mark.parametrize("case", API_CASES, ids=[c.id for c in API_CASES])
 def test_api_server_refuses(cluster, ns, api_results, case):
-    results, stored = api_results
+    results, stored, kids = api_results
     res = results[case.id]
     assert res.returncode != 0, f"accepted: {res.stdout}"
     assert case.field in res.stderr, res.stderr
     assert case.needle in res.stderr, res.stderr
-    assert case.name not in stored
+    assert case.name not in stored and case.name not in kids
 
 
 # ----------------------------------------------------------------------------- refused by the operator
@@ -393,3 +392,23 @@ def test_scheduler_refuses_what_no_node_can_hold(cluster, ns, operator, case):
     assert cond(obj, "ConfigValid")["status"] == "True"
     assert cond(obj, "Ready")["status"] == "False"
     assert {k["kind"] for k in children(cluster, ns)[case.name]} == {"ConfigMap", "Service", "StatefulSet", "PodDisruptionBudget"}
+
+
+# ----------------------------------------------------------------------------- the node cleaner's live set from the API
+
+
+def test_disk_cleaner_lists_live_serves_from_the_api(cluster, ns, operator_verdicts, tmp_path):
+    """`kvoffload clean-disk --kubeconfig`: stored serves (valid or not) are live; only a deleted one's directories go."""
+    from kvoffload.cleaner_cli import live_from_api
+    from kvoffload.disk_cleaner import clean
+
+    live = live_from_api(str(cluster.kubeconfig), in_cluster=False)
+    stored = OPERATOR_CASES[0].name
+    assert live[(ns, stored)] == "Delete"
+    root = tmp_path / "kv"
+    for name in (stored, "deleted-long-ago"):
+        (root / ns / name / f"{name}-0").mkdir(parents=True)
+        (root / ns / name / f"{name}-0" / "chunk.pt").write_bytes(b"x" * 64)
+    report = clean(str(root), live, unknown_policy="Delete", min_age=0)
+    assert [r["path"] for r in report.removed] == [f"{ns}/deleted-long-ago/deleted-long-ago-0"] and report.bytes_freed == 64
+    assert (root / ns / stored / f"{stored}-0" / "chunk.pt").exists()

@@ -253,3 +253,17 @@ def test_offload_active_comes_from_the_pods_exporter(cluster, namespace, operato
         exporter.terminate()
         exporter.wait(10)
     found = wait_cond(cluster, namespace, "svc", "OffloadActive", "Unknown", timeout=60, reason="ExporterUnreachable")
+
+
+def test_pass_through_fields_the_api_server_refuses_are_config_errors(cluster, namespace, operator):
+    """Tolerations/affinity/env reach the pod unchanged; if the API server refuses the StatefulSet they
+    make, no child is half-applied: every changed child is dry-run first."""
+    obj = copy.deepcopy(SMALL)
+    obj["spec"]["scheduling"] = {"tolerations": [{"key": "gpu", "operator": "Sometimes"}]}
+    apply(cluster, namespace, obj)
+    found = wait_cond(cluster, namespace, "svc", "ConfigValid", "False")
+    msg = cond(found, "ConfigValid")["message"]
+    assert "refused the rendered" in msg and "tolerations" in msg
+    assert children(cluster, namespace, "svc") == {}
+    apply(cluster, namespace, SMALL)
+    wait_ready(cluster, namespace, "svc")

@@ -33,6 +33,7 @@ from kvoffload.spec import managed_flag
 EXAMPLES = int(os.environ.get("KVO_FUZZ_EXAMPLES", "0"))
 FUZZ = settings(max_examples=EXAMPLES or 250, deadline=None, derandomize=not EXAMPLES, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ_SMALL = settings(FUZZ, max_examples=EXAMPLES or 80)
 SETTINGS = Settings()
 CHILD_KINDS = {kind for _, kind in render.CHILD_KINDS}
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -317,7 +318,7 @@ def test_garbage_never_crashes_the_pipeline(name, spec_dict):
         check_children(name, spec_dict, d)
 
 
-@FUZZ
+@FUZZ_SMALL
 @given(model=st.sampled_from(SMALL_MODELS), tp=st.sampled_from([1, 2, 4, 8]), cpu_gib=st.integers(1, 512),
        disk_gib=st.integers(0, 4096), max_len=st.integers(256, 32768), gpu=st.sampled_from(["80Gi", "141Gi"]),
        seqs=st.integers(1, 512))
