@@ -58,7 +58,8 @@ def private_cluster(request):
     # Its own state dir (not pytest's tmp_path, which other sessions' runs prune): the component logs stay
     # for a post-mortem when a test fails, and go when all passed.
     c = kvcluster.Cluster(dir=Path(tempfile.mkdtemp(prefix="kvo-faults-cluster-")))
-    c.up(kvcluster.make_fleet(gpu_nodes=8, workstations=0))
+    # 12 x 8 GPUs: room for the 40 + 15 + 15 single-GPU resources the tests below keep until the module ends.
+    c.up(kvcluster.make_fleet(gpu_nodes=12, workstations=0))
     failed_before = request.session.testsfailed
     try:
         c.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
