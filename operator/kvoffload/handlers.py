@@ -109,7 +109,7 @@ def _on_leadership(leading: bool) -> None:
 @kopf.on.cleanup()
 async def release_lease(**_: object) -> None:
     if ELECTOR is not None:
-        await asyncio.to_thread(ELECTOR.release)
+        await ELECTOR.release()
 
 
 async def _resync_forever(interval: float) -> None:

@@ -143,7 +143,9 @@ class Elector:
                  clock: Callable[[], datetime] = _utcnow) -> None:
         self.kube, self.cfg, self.on_change, self.clock = kube, cfg, on_change, clock
         self.leading = False
+        self.stopped = False
         self.last_renew = float("-inf")  # time.monotonic() of the last successful write
+        self._round = asyncio.Lock()
 
     def try_hold(self) -> bool:
         """One round: read, decide, write. True if this replica holds the Lease now (blocking I/O)."""
@@ -172,28 +174,37 @@ class Elector:
 
     async def run(self) -> None:
         log.info("leader election on Lease %s/%s as %s", self.cfg.namespace, self.cfg.name, self.cfg.identity)
-        while True:
-            try:
-                held = await asyncio.to_thread(self.try_hold)
-            except Exception as exc:  # API down: keep leading only until the renew deadline
-                log.warning("Lease %s/%s: %s", self.cfg.namespace, self.cfg.name, exc)
-                if self.leading and time.monotonic() - self.last_renew > self.cfg.renew_deadline:
-                    self._set(False)
-                await asyncio.sleep(self.cfg.retry_seconds)
-                continue
-            if held:
-                self.last_renew = time.monotonic()
-            self._set(held)
+        while not self.stopped:
+            async with self._round:  # release() waits for a round in flight, so none renews after it
+                if self.stopped:
+                    return
+                try:
+                    held: bool | None = await asyncio.to_thread(self.try_hold)
+                except Exception as exc:  # API down: keep leading only until the renew deadline
+                    log.warning("Lease %s/%s: %s", self.cfg.namespace, self.cfg.name, exc)
+                    held = None
+                    if self.leading and time.monotonic() - self.last_renew > self.cfg.renew_deadline:
+                        self._set(False)
+                if held is not None:
+                    if held:
+                        self.last_renew = time.monotonic()
+                    self._set(held)
             await asyncio.sleep(self.cfg.renew_seconds if held else self.cfg.retry_seconds)
 
-    def release(self) -> None:
-        """Give the Lease up (on shutdown) so a follower need not wait for it to expire (blocking I/O)."""
-        if not self.leading:
-            return
-        self._set(False)
-        try:
-            lease = self.kube.get(self.cfg.path)
-            if lease and (lease.get("spec") or {}).get("holderIdentity") == self.cfg.identity:
-                self.kube.request("PUT", self.cfg.path, released(lease, self.clock()))
-        except Exception as exc:  # it expires on its own
-            log.warning("releasing Lease %s/%s: %s", self.cfg.namespace, self.cfg.name, exc)
+    async def release(self) -> None:
+        """Stop, and give the Lease up (on shutdown) so a follower need not wait for it to expire."""
+        self.stopped = True
+        async with self._round:
+            if not self.leading:
+                return
+            self._set(False)
+            try:
+                await asyncio.to_thread(self._give_up)
+                log.info("released Lease %s/%s on shutdown", self.cfg.namespace, self.cfg.name)
+            except Exception as exc:  # it expires on its own
+                log.warning("releasing Lease %s/%s: %s", self.cfg.namespace, self.cfg.name, exc)
+
+    def _give_up(self) -> None:
+        lease = self.kube.get(self.cfg.path)
+        if lease and (lease.get("spec") or {}).get("holderIdentity") == self.cfg.identity:
+            self.kube.request("PUT", self.cfg.path, released(lease, self.clock()))

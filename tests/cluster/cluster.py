@@ -696,16 +696,23 @@ class Cluster:
                     p.poll()
                 return not _alive(rec)
 
-            wait_until(gone, timeout=timeout, interval=0.05, message=f"{comp} exited")
+            try:
+                wait_until(gone, timeout=timeout, interval=0.05, message=f"{comp} exited")
+            except TimeoutError:
+                if sig == signal.SIGKILL:
+                    raise
+                self._kill(comp, rec, signal.SIGKILL)  # a graceful stop that takes too long
+                wait_until(gone, timeout=5, interval=0.05, message=f"{comp} exited after SIGKILL")
             _POPEN.pop(rec["pid"], None)
             ports = [st["ports"][k] for k in self._component_ports(comp)]
             wait_until(lambda: not any(_port_bound(p) for p in ports), timeout=timeout, interval=0.1,
                        message=f"{comp} ports {ports} free")
 
-    def start_component(self, comp: str, timeout: float = 90) -> float:
+    def start_component(self, comp: str, timeout: float = 90, args: list[str] | None = None) -> float:
         """Start a stopped component again with its recorded flags (same ports, same data); wait until healthy.
 
-        Returns the seconds it took to become healthy.
+        `args` replaces the recorded flags (and is recorded in their place). Returns the seconds it
+        took to become healthy.
         """
         with self._lock():
             st = self.state()
@@ -715,7 +722,7 @@ class Cluster:
             if _alive(rec):
                 raise ClusterError(f"{comp} (pid {rec['pid']}) is still running")
             t0 = time.monotonic()
-            self._spawn(st, comp, rec["cmd"][1:])
+            self._spawn(st, comp, list(args) if args is not None else rec["cmd"][1:])
             ports = st["ports"]
             if comp == "etcd":
                 check = lambda: self._etcd_ok(ports["etcd-client"])  # noqa: E731
@@ -730,8 +737,9 @@ class Cluster:
                        message=f"{comp} healthy after restart")
             return round(time.monotonic() - t0, 2)
 
-    def restart(self, comp: str, downtime: float = 0.0, sig: int = signal.SIGKILL) -> float:
-        """Kill one component and start it again with the same flags, ports and data dir.
+    def restart(self, comp: str, downtime: float = 0.0, sig: int = signal.SIGKILL,
+                args: list[str] | None = None) -> float:
+        """Kill one component and start it again with the same flags (or `args`), ports and data dir.
 
         `downtime` seconds pass between the kill and the start. Returns the seconds from the
         start until the component was healthy. The other components keep running.
@@ -739,7 +747,11 @@ class Cluster:
         self.stop_component(comp, sig)
         if downtime:
             time.sleep(downtime)
-        return self.start_component(comp)
+        return self.start_component(comp, args=args)
+
+    def component_args(self, comp: str) -> list[str]:
+        """The flags one running component was started with."""
+        return list(self.state()["processes"][comp]["cmd"][1:])
 
     @staticmethod
     def _component_ports(comp: str) -> list[str]:

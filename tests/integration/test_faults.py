@@ -219,21 +219,28 @@ def problems(api: Api, ns: str, want: dict[str, dict[str, Any]] | None = None) -
     return out
 
 
-def assert_converged(api: Api, ns: str, want: dict[str, dict[str, Any]] | None, timeout: float) -> float:
-    """Wait until `problems` is empty; return the seconds it took. On timeout, fail with what is still wrong."""
+def wait_converged(api: Api, ns: str, want: dict[str, dict[str, Any]] | None, timeout: float) -> list[str]:
+    """Poll `problems` until it is empty or `timeout` passes; return what is still wrong ([] = converged)."""
     t0 = time.monotonic()
-    last: list[str] = []
-    while time.monotonic() - t0 < timeout:
+    while True:
         try:
             last = problems(api, ns, want)
         except Exception as exc:  # noqa: BLE001 - the API may be restarting
             last = [f"{type(exc).__name__}: {exc}"]
-        if not last:
-            return time.monotonic() - t0
+        if not last or time.monotonic() - t0 > timeout:
+            return last
         time.sleep(1)
-    health = {comp: detail for comp, (ok, detail) in api.cluster.component_health().items()}
-    pytest.fail(f"not converged after {timeout:.0f}s (control plane: {health}):\n" + "\n".join(p[:400] for p in last[:30]),
-                pytrace=False)
+
+
+def assert_converged(api: Api, ns: str, want: dict[str, dict[str, Any]] | None, timeout: float) -> float:
+    """Wait until `problems` is empty; return the seconds it took. On timeout, fail with what is still wrong."""
+    t0 = time.monotonic()
+    last = wait_converged(api, ns, want, timeout)
+    if last:
+        health = {comp: detail for comp, (ok, detail) in api.cluster.component_health().items()}
+        pytest.fail(f"not converged after {timeout:.0f}s (control plane: {health}):\n" +
+                    "\n".join(p[:400] for p in last[:30]), pytrace=False)
+    return time.monotonic() - t0
 
 
 def start_operator(c: kvcluster.Cluster, ns: str, log_path: Path | None = None) -> OperatorProcess:
@@ -312,8 +319,12 @@ def test_control_plane_restart_mid_rollout(private_cluster, tmp_path, component)
             want[f"before-{i}"] = {}
         wait_log(op, "apply ", timeout=60)
         time.sleep(random.uniform(0.5, 2))
-        healthy_after = private_cluster.restart(component, downtime=5)
-        print(f"{component}: down 5 s, healthy {healthy_after:.1f}s after its restart")
+        # etcd is stopped with SIGTERM: the local etcd runs with --unsafe-no-fsync, so a SIGKILL can lose
+        # writes it already acknowledged (seen: a pod binding), which a real etcd (fsync) never does.
+        # kube-apiserver keeps no state of its own: SIGKILL.
+        sig = signal.SIGTERM if component == "etcd" else signal.SIGKILL
+        healthy_after = private_cluster.restart(component, downtime=5, sig=sig)
+        print(f"{component}: stopped ({sig.name}), down 5 s, healthy {healthy_after:.1f}s after its restart")
         # New work after the restart proves the watches came back, not only the retries of old work.
         api = Api(private_cluster)
         for i in range(5):
@@ -321,8 +332,20 @@ def test_control_plane_restart_mid_rollout(private_cluster, tmp_path, component)
             want[f"after-{i}"] = {}
         api.patch_spec(ns, "before-0", {"offload": {"cpu": {"size": "3Gi"}}})
         want["before-0"] = {"offload": {"cpu": {"size": "3Gi"}}}
-        took = assert_converged(api, ns, want, timeout=150)
-        print(f"converged {took:.1f}s after the restart")
+        t0 = time.monotonic()
+        stuck = wait_converged(api, ns, want, timeout=60)
+        if any(line.startswith("pod ") for line in stuck) and all(
+                line.startswith("pod ") or "not Ready" in line or "revisions" in line for line in stuck):
+            # Only pods are behind: on this local control plane kube-scheduler now and then stops seeing new
+            # pods after a kube-apiserver restart (about 1 run in 3 here; they stay unbound for minutes, and
+            # a scheduler restart places them at once). That is not the operator's to fix: restart the
+            # scheduler and kwok, leave the operator alone, and demand full convergence again.
+            print(f"control plane left pods behind after the {component} restart (not the operator):\n" +
+                  "\n".join(stuck[:10]) + "\nrestarting kube-scheduler and kwok")
+            for comp in ("kube-scheduler", "kwok"):
+                private_cluster.restart(comp)
+        assert_converged(api, ns, want, timeout=90)
+        print(f"converged {time.monotonic() - t0:.1f}s after the restart" + (" (with the heal above)" if stuck else ""))
         assert op.proc.poll() is None, "the operator process exited:\n" + op.output()[-3000:]
     finally:
         op.stop()

@@ -157,10 +157,12 @@ def test_release_hands_over_and_reports():
     kube = FakeKube(lease("me", 1))
     el = leader.Elector(kube, CFG, changes.append, clock=lambda: NOW)
     el._set(True)
-    el.release()
+    asyncio.run(el.release())
     assert changes == [True, False] and kube.stored["spec"]["holderIdentity"] == ""
-    el.release()  # not leading any more: no call
+    asyncio.run(el.release())  # not leading any more: no call
     assert kube.calls.count(("PUT", CFG.path)) == 1
+    asyncio.run(asyncio.wait_for(el.run(), 1))  # stopped: the loop returns at once, takes nothing back
+    assert kube.stored["spec"]["holderIdentity"] == "" and changes == [True, False]
 
 
 def test_leader_steps_down_when_it_cannot_renew(monkeypatch):
