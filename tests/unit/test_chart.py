@@ -21,7 +21,7 @@ from kvoffload import crd, generate, images, settings
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvoffload-operator"
-SCENARIOS = ("default", "namespaced", "no-crds", "monitoring", "custom-roots")
+SCENARIOS = ("default", "namespaced", "no-crds", "monitoring", "custom-roots", "leader-election")
 STANDARD_LABELS = ("helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io/instance",
                    "app.kubernetes.io/version", "app.kubernetes.io/managed-by")
 # Free-form string maps: the only objects whose keys the schema cannot list.
@@ -203,7 +203,7 @@ def test_values_typo_refused_naming_it(helm, args, named):
 
 
 @pytest.mark.parametrize(("args", "path"), [
-    (["--set", "operator.replicas=2"], "/operator/replicas"),
+    (["--set", "operator.replicas=6"], "/operator/replicas"),
     (["--set", "operator.config.headroomPercent=150"], "/operator/config/headroomPercent"),
     (["--set", "operator.config.engineBaseline=lots"], "/operator/config/engineBaseline"),
     (["--set", "operator.config.allowedDiskRoots={relative/path}"], "/operator/config/allowedDiskRoots/0"),
@@ -218,12 +218,13 @@ def test_bad_values_refused_naming_the_field(helm, args, path):
     assert f"'{path}'" in cp.stderr, cp.stderr
 
 
-def test_more_than_one_replica_is_refused_and_explained(helm):
+def test_more_than_one_replica_needs_leader_election(helm):
     cp = helm("template", "kvo", CHART, "--set", "operator.replicas=3", check=False)
-    assert cp.returncode != 0 and "/operator/replicas" in cp.stderr
+    assert cp.returncode != 0 and "operator.leaderElection" in cp.stderr
+    assert one(helm.render(), "Deployment")["spec"]["strategy"]["type"] == "Recreate"
     schema = json.loads((CHART / "values.schema.json").read_text())
     replicas = schema["properties"]["operator"]["properties"]["replicas"]
-    assert replicas["maximum"] == 1 and "peering" in replicas["description"]
+    assert replicas["maximum"] == 5 and "leaderElection" in replicas["description"]
 
 
 # --------------------------------------------------------------------------- operator config
@@ -592,3 +593,16 @@ def test_default_images_agree_with_the_operator():
     assert defaults.default_image in images.KNOWN_IMAGES
     # The operator image (repository:appVersion) is the exporter image the operator defaults to.
     assert f"{values['image']['repository']}:{chart['appVersion']}" == defaults.exporter_image
+
+
+def test_leader_election_for_several_replicas(helm):
+    docs = helm.render("--set", "operator.replicas=2", "--set", "operator.leaderElection=true")
+    deployment = one(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--leader-election" in args and "--leader-election-namespace=kvo-system" in args
+    (role,) = [r for r in find(docs, "Role") if r["metadata"]["name"].endswith("-leader-election")]
+    assert role["metadata"]["namespace"] == "kvo-system"
+    assert _rules(role) == {("coordination.k8s.io", "leases"): {"get", "create", "update"}}
+    assert one(docs, "ClusterRole")  # the reconcile rules are unchanged
+
