@@ -8,6 +8,7 @@ let the API server refuse bad input before the operator sees it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 GROUP = "kvoffload.io"
@@ -364,12 +365,22 @@ def crd() -> dict[str, Any]:
     }
 
 
-def default_at(path: str) -> Any:
-    """The schema default at a dotted spec path (e.g. `offload.chunkSize`), or None."""
-    node = spec_schema()
+@functools.lru_cache(maxsize=1)
+def _cached_spec_schema() -> Schema:
+    return spec_schema()
+
+
+def schema_at(path: str) -> Schema:
+    """The (shared, read-only) schema node at a dotted spec path, e.g. `offload.chunkSize`."""
+    node = _cached_spec_schema()
     for part in path.split("."):
         node = node["properties"][part]
-    return node.get("default")
+    return node
+
+
+def default_at(path: str) -> Any:
+    """The schema default at a dotted spec path (e.g. `offload.chunkSize`), or None."""
+    return schema_at(path).get("default")
 
 
 def leaf_paths(node: Schema | None = None, prefix: str = "") -> set[str]:

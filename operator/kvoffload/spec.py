@@ -8,7 +8,6 @@ engine versions, the model catalog. Every error names the field.
 
 from __future__ import annotations
 
-import functools
 import posixpath
 import re
 from dataclasses import dataclass, field
@@ -28,16 +27,7 @@ _QUANTITY = re.compile(r"[+-]?([0-9]+([.][0-9]*)?|[.][0-9]+)([eE][+-]?[0-9]+|[KM
 MAX_BYTES = int(parse_quantity(crd.MAX_QUANTITY))
 
 
-@functools.lru_cache(maxsize=1)
-def _schema() -> dict[str, Any]:
-    return crd.spec_schema()
-
-
-def _node(path: str) -> dict[str, Any]:
-    node = _schema()
-    for part in path.split("."):
-        node = node["properties"][part]
-    return node
+_node = crd.schema_at
 
 
 def _matches(pattern: str, value: str) -> bool:
