@@ -49,8 +49,6 @@ class Kube:
     def __init__(self, api_client: client.ApiClient, timeout: float = 30) -> None:
         self.api = api_client
         self.timeout = timeout
-        self.requests = 0  # counted for the scale benchmark (requests per reconcile)
-        self.writes = 0
 
     def request(self, method: str, path: str, body: Any = None, *, query: dict[str, str] | None = None,
                 content_type: str = "application/json") -> Any:
@@ -60,9 +58,6 @@ class Kube:
             if auth.get("in") == "header" and auth.get("value"):
                 headers[auth["key"]] = auth["value"]
         url = cfg.host + path + ("?" + urlencode(query) if query else "")
-        self.requests += 1
-        if method != "GET":
-            self.writes += 1
         resp = self.api.rest_client.request(method, url, headers=headers, body=body, _request_timeout=self.timeout)
         data = resp.read() if hasattr(resp, "read") else resp.data
         text = data.decode() if isinstance(data, bytes) else (data or "")
