@@ -319,8 +319,7 @@ def check_name(name: str) -> None:
 
 
 def children(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> list[dict[str, Any]]:
-    """Every child, in apply order."""
-    check_name(owner.name)
+    """Every child, in apply order (owner.name passed check_name: pipeline.desired checks it first)."""
     cm = configmap(owner, spec, budget, settings)
     return [cm, *services(owner, spec, settings), statefulset(owner, spec, budget, settings, _hash(cm["data"])),
             pdb(owner, settings)]
