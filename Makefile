@@ -4,17 +4,19 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
-CLUSTER := $(BIN)/python tests/cluster/cluster.py
+CLUSTER := $(BIN)/python -m kvtest
 KUBECONFIG ?= $(CURDIR)/.cluster/kubeconfig
 LMCACHE_VERSION := 0.5.6
 
 .PHONY: venv system-deps cluster-build cluster-up cluster-down cluster-status generate unit integration test demo demo-down bench clean
 
 venv: $(VENV)/.done
-$(VENV)/.done: operator/pyproject.toml
+$(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e 'operator[test]'
+	# The test-support package (tests/support: kvtest), so tests, benchmarks and scripts `import kvtest`.
+	$(BIN)/pip install -q -e tests/support
 	# LMCache's own config loader, for fidelity tests only (no torch, no CUDA): not an operator dependency.
 	$(BIN)/pip install -q --no-deps lmcache==$(LMCACHE_VERSION)
 	touch $@

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from operator_proc import ROOT, OperatorProcess
+from kvtest import ROOT, OperatorProcess
 
 pytestmark = pytest.mark.cluster
 

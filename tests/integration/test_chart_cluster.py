@@ -57,13 +57,6 @@ def delete_namespace(cluster, name: str) -> None:
     cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
 
 
-@pytest.fixture(scope="module")
-def crd_installed(cluster):
-    """The project's CRD, as the other integration tests install it (crds/, server-side)."""
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd.PLURAL}.{crd.GROUP}", "--timeout=60s")
-
-
 # Stand-ins for the Prometheus Operator's PodMonitor/ServiceMonitor CRDs: structural schemas with
 # the real field names (prometheus-operator's monitoring.coreos.com_{pod,service}monitors.yaml) for
 # every field the chart sets, so a server-side dry run with strict field validation catches a

@@ -14,7 +14,7 @@ from kvoffload.api.errors import ConfigError
 from kvoffload.exporter.capacity import GiB, TierCapacity, capacity_from_config, load_capacity
 from kvoffload.exporter.lmcache_metrics import parse_lmcache, read_multiproc_dir
 from kvoffload.api.fetch import SourceError, fetch_text
-from kvoffload.exporter.testkit import FakeVllm, write_lmcache_metrics
+from kvtest.exporter import FakeVllm, write_lmcache_metrics
 from kvoffload.exporter.vllm_metrics import parse_vllm
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
