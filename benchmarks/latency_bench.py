@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import scale_bench as sb  # same directory: cluster helpers, the spec
 from kubernetes import client, watch
 
 import kvtest
-import scale_bench as sb  # same directory: cluster helpers, the spec
 from kvtest import OperatorProcess
 
 CHILD_WATCHES = (("ConfigMap", "list_namespaced_config_map", "core"), ("Service", "list_namespaced_service", "core"),

@@ -47,9 +47,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
 import kvtest
 from kvtest import OperatorProcess
+
+ROOT = Path(__file__).resolve().parents[1]
 
 GROUP, VERSION, PLURAL = "kvoffload.io", "v1alpha1", "kvoffloadserves"
 OWNER_LABEL = "kvoffload.io/serve"

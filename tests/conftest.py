@@ -23,8 +23,9 @@ import sys
 import uuid
 from pathlib import Path
 
-import kvtest
 import pytest
+
+import kvtest
 
 
 def pytest_configure(config):

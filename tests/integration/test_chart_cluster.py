@@ -261,7 +261,6 @@ def test_operator_pod_admitted_under_restricted_pod_security(cluster, namespace)
     assert cp.returncode != 0 and "violates PodSecurity" in cp.stderr, cp.stdout + cp.stderr
 
     release = f"kvo-{uid()}"
-    fullname = f"{release}-kvoffload-operator"
     try:
         cp = cluster.helm("install", release, CHART, "--namespace", namespace, "--set", "crds.enabled=false")
         assert "PodSecurity" not in cp.stdout + cp.stderr, cp.stderr

@@ -18,8 +18,8 @@ from ..api import crd
 from ..api.errors import ConfigError
 from ..api.quantity import format_bytes, gib
 from ..api.settings import Settings
-from ..planning.sizing import Budget
 from ..api.spec import Spec
+from ..planning.sizing import Budget
 
 HTTP_PORT = 8000
 CONFIG_DIR = "/etc/lmcache"
