@@ -52,8 +52,12 @@ import gpu_counters  # noqa: E402
 import gpu_manifests  # noqa: E402
 
 NCCL_SAFE = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-BASE_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", **NCCL_SAFE}
+# No network from the benchmark: no hub look-ups, no usage reports (vLLM's and LMCache's).
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "LMCACHE_TRACK_USAGE": "false"}
+BASE_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", **NCCL_SAFE, **OFFLINE}
 _CHILDREN: list[subprocess.Popen] = []
+T0 = time.monotonic()
 
 
 def log(msg: str) -> None:
@@ -349,7 +353,8 @@ def scan_disk(path: str) -> tuple[int, int, int]:
 
 
 def wait_disk_quiet(path: str, deadline_s: float = 60, still_s: float = 2.0) -> float:
-    """Until the disk dir stops changing (LMCache writes chunks asynchronously). Returns the time."""
+    """Until the disk dir stops changing (LMCache writes chunks asynchronously). Returns the wall-clock
+    time of the last change on disk (newest mtime of the directory and its files)."""
     end = time.monotonic() + deadline_s
     last, since = None, time.monotonic()
     while time.monotonic() < end:
@@ -359,7 +364,14 @@ def wait_disk_quiet(path: str, deadline_s: float = 60, still_s: float = 2.0) -> 
         elif time.monotonic() - since >= still_s:
             break
         time.sleep(0.5)
-    return time.time()
+    newest = 0.0
+    for dirpath, _dirs, names in os.walk(path):
+        for n in [None, *names]:
+            try:
+                newest = max(newest, os.lstat(dirpath if n is None else os.path.join(dirpath, n)).st_mtime)
+            except OSError:
+                pass
+    return newest
 
 
 def engine_read(port: int, run: gpu_manifests.LocalRun, disk_dir: str | None) -> gpu_counters.EngineRead:
@@ -388,6 +400,34 @@ def lmcache_log_facts(text: str) -> dict[str, Any]:
                  for a, b, c, d, e in RETRIEVED.findall(text)]
     return {"disk_read_lines": len(reads), "disk_read_bytes": sum(reads), "retrieved": retrieved,
             "hits": [{"hit": int(a), "load": int(b)} for a, b in HIT.findall(text)]}
+
+
+def per_worker(text: str) -> dict[str, dict[str, float]]:
+    """LMCache's own per-rank figures (worker_id label): the split of the tiers over TP ranks."""
+    out: dict[str, dict[str, float]] = {}
+    for name, labels, value in gpu_counters.parse_text(text):
+        short = name.removeprefix("lmcache:")
+        if short in ("local_cache_usage", "local_storage_usage", "num_stored_tokens_total",
+                     "local_cpu_evict_keys_count_total", "num_hit_tokens_total", "num_requested_tokens_total"):
+            w = out.setdefault(labels.get("worker_id", "?"), {})
+            w[short] = w.get(short, 0.0) + value
+    return out
+
+
+def disk_by_worker(path: str) -> dict[str, dict[str, int]]:
+    """Chunk files per TP rank: LMCache names them <model>@<world_size>@<worker_id>@<hash>@<dtype>.pt."""
+    out: dict[str, dict[str, int]] = {}
+    for dirpath, _dirs, names in os.walk(path):
+        for n in names:
+            parts = n.split("@")
+            w = parts[2] if len(parts) >= 4 else "?"
+            d = out.setdefault(w, {"files": 0, "bytes": 0})
+            d["files"] += 1
+            try:
+                d["bytes"] += os.lstat(os.path.join(dirpath, n)).st_size
+            except OSError:
+                pass
+    return out
 
 
 def drop_page_cache() -> bool:
@@ -497,6 +537,10 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
                     f"proc read {(io1 - io0) / 1e9:.2f} GB, LMCache disk reads {facts['disk_read_bytes'] / 1e9:.2f} GB")
             res["disk_proof"] = proofs
         res["phases"] = phases
+        res["per_worker"] = per_worker(lmcache_text(run.multiproc_dir))
+        if os.path.isdir(disk_dir):
+            wait_disk_quiet(disk_dir, deadline_s=20)
+            res["disk_by_worker"] = disk_by_worker(disk_dir)
         res["memory_after_phases"] = {"meminfo": meminfo(), "cgroup": cgroup_stat(cg), **rss_bytes(tree_pids(proc.pid))}
 
         # Exporter vs engine, once the disk tier is quiet and the exporter has rescanned it.
@@ -507,7 +551,7 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
             while time.monotonic() < end:
                 xtext = http_req(layout.exporter_port, "GET", "/metrics")[1]
                 ts = gpu_counters.Page(xtext).get("kvoffload_disk_last_rescan_timestamp_seconds")
-                if ts is None or ts >= quiet:
+                if ts is None or ts >= quiet + 0.5:
                     break
                 time.sleep(1)
             before = engine_read(layout.port, run, disk_dir)
@@ -642,7 +686,7 @@ def catalog_config(model: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rendered", required=True, action="append", help="rendered manifests (repeatable: one engine set each)")
+    ap.add_argument("--rendered", action="append", default=[], help="rendered manifests (repeatable: one engine set each)")
     ap.add_argument("--runs", default="connector,baseline,disk")
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="/tmp/kvbench")
@@ -654,7 +698,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start-timeout", type=float, default=420)
     ap.add_argument("--rescan-wait", type=float, default=40, help="max wait for the exporter's disk rescan")
     ap.add_argument("--config-json", help="model config.json to use instead of the catalog's")
+    ap.add_argument("--budget-s", type=float, default=0, help="start no engine run later than this many s minus --run-estimate-s")
+    ap.add_argument("--run-estimate-s", type=float, default=150)
     ap.add_argument("--no-probe", action="store_true")
+    ap.add_argument("--probe-only", action="store_true", help="host facts and bandwidths only, no engine")
     ap.add_argument("--no-smoke", action="store_true")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_signal)
@@ -664,16 +711,22 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.disk_root, exist_ok=True)
     out: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "args": vars(args), "runs": {}}
     try:
-        if not args.no_smoke:
+        if not args.no_smoke and not args.probe_only:
             smoke(args)
         if not args.no_probe:
             probe(args, out)
             save(out, args)
+        if args.probe_only:
+            return 0
         for path in args.rendered:
             rendered = load_rendered(path, args.python)
             cfg = json.loads(Path(args.config_json).read_text()) if args.config_json else catalog_config(
                 gpu_manifests.flag(rendered.vllm.args, "--served-model-name") or rendered.vllm.args[0])
             for kind in args.runs.split(","):
+                if args.budget_s and time.monotonic() - T0 + args.run_estimate_s > args.budget_s:
+                    log(f"{kind}-tp{rendered.tp}: skipped, not enough of --budget-s left")
+                    out.setdefault("skipped", []).append(f"{kind}-tp{rendered.tp}")
+                    continue
                 run_engine(kind, rendered, cfg, args, out)
                 if "start_s" not in out["runs"][f"{kind}-tp{rendered.tp}"]:
                     log("engine did not start: skipping the remaining runs")

@@ -172,7 +172,9 @@ def compare(exporter_text: str, before: EngineRead, after: EngineRead, *, kv_byt
             by_key[key] += value
     for (name, labels), value in sorted(by_key.items()):
         if name == "kvoffload_source_up":
-            checks.append(Check(name, labels, value, 1.0, 1.0, "source read without error", value == 1.0))
+            want = 0.0 if labels == "source=lmcache" and not connector else 1.0
+            checks.append(Check(name, labels, value, want, want,
+                                "source read without error" if want else "no LMCache without the connector", value == want))
         elif name == "kvoffload_scrape_errors_total":
             checks.append(Check(name, labels, value, None, None, "failed reads so far (reported)", None))
         else:
