@@ -135,7 +135,7 @@ def wait_http(port: int, path: str, deadline: float, proc: subprocess.Popen, wha
                 return
         except OSError:
             pass
-        time.sleep(1)
+        time.sleep(0.25)
     raise RuntimeError(f"{what}: no 200 from {path} before the deadline")
 
 
@@ -316,7 +316,7 @@ class Engine:
         ttft = time.perf_counter() - t0
         if status != 200:
             raise RuntimeError(f"completion: HTTP {status}: {body[:500]}")
-        time.sleep(0.3)  # let the engine publish the request's stats
+        time.sleep(STATS_WAIT_S)  # let the engine publish the request's stats
         after = sources(gpu_counters.Page(vllm_page(self.port)))
         return {"ttft_s": round(ttft, 5), "tokens": len(ids), **{k: after[k] - before[k] for k in after}}
 
@@ -352,7 +352,11 @@ def scan_disk(path: str) -> tuple[int, int, int]:
     return total, files, vfs.f_bavail * vfs.f_frsize
 
 
-def wait_disk_quiet(path: str, deadline_s: float = 60, still_s: float = 2.0) -> float:
+QUIET_S = 2.0  # the disk dir counts as quiet after this long without a change (--quiet-s)
+STATS_WAIT_S = 0.3  # after a response, for vLLM to publish the request's counters (--stats-wait-s)
+
+
+def wait_disk_quiet(path: str, deadline_s: float = 60, still_s: float | None = None) -> float:
     """Until the disk dir stops changing (LMCache writes chunks asynchronously). Returns the wall-clock
     time of the last change on disk (newest mtime of the directory and its files)."""
     end = time.monotonic() + deadline_s
@@ -361,7 +365,7 @@ def wait_disk_quiet(path: str, deadline_s: float = 60, still_s: float = 2.0) -> 
         now = scan_disk(path)[:2]
         if now != last:
             last, since = now, time.monotonic()
-        elif time.monotonic() - since >= still_s:
+        elif time.monotonic() - since >= (QUIET_S if still_s is None else still_s):
             break
         time.sleep(0.5)
     newest = 0.0
@@ -700,10 +704,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config-json", help="model config.json to use instead of the catalog's")
     ap.add_argument("--budget-s", type=float, default=0, help="start no engine run later than this many s minus --run-estimate-s")
     ap.add_argument("--run-estimate-s", type=float, default=150)
+    ap.add_argument("--quiet-s", type=float, default=2.0, help="disk dir quiet after this long unchanged")
+    ap.add_argument("--stats-wait-s", type=float, default=0.3, help="wait after a response before reading counters")
     ap.add_argument("--no-probe", action="store_true")
     ap.add_argument("--probe-only", action="store_true", help="host facts and bandwidths only, no engine")
     ap.add_argument("--no-smoke", action="store_true")
     args = ap.parse_args(argv)
+    global QUIET_S, STATS_WAIT_S
+    QUIET_S, STATS_WAIT_S = args.quiet_s, args.stats_wait_s
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     atexit.register(_kill_all)
