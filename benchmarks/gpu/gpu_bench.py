@@ -85,8 +85,29 @@ def stop(p: subprocess.Popen, grace: float = 30) -> None:
             except ProcessLookupError:
                 pass
             p.wait(10)
+    try:  # whatever the process left in its group (vLLM's engine core and workers)
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
     if p in _CHILDREN:
         _CHILDREN.remove(p)
+
+
+def wait_gpus_free(deadline_s: float = 90, below_mib: int = 4096) -> float:
+    """After an engine stops, until every GPU's used memory is small again (the next engine asks
+    for --gpu-memory-utilization of it at start-up). Returns the seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < deadline_s:
+        try:
+            r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True, timeout=20)
+            used = [int(x) for x in r.stdout.split()]
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            return 0.0
+        if not used or max(used) < below_mib:
+            break
+        time.sleep(1)
+    return round(time.monotonic() - t0, 1)
 
 
 def _on_signal(signum: int, _frame: Any) -> None:
@@ -474,6 +495,11 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
     kv_bpt = gpu_manifests.kv_bytes_per_token(cfg, gpu_manifests.flag(run.engine_argv, "--kv-cache-dtype") or "auto")
     res["kv_bytes_per_token"] = kv_bpt
 
+    res["init"] = []
+    for argv in run.init_argvs:
+        r = subprocess.run(argv, env={**os.environ, **BASE_ENV}, capture_output=True, text=True, timeout=300)
+        res["init"].append({"argv0": argv[:3], "rc": r.returncode, "output": (r.stdout + r.stderr)[-500:]})
+        log(f"{tag}: init {r.returncode}: {(r.stdout + r.stderr).strip()[-200:]}")
     cg = cgroup_make(f"kvbench-{tag}")
     res["cgroup"] = cg
     sampler = MemSampler(cg)
@@ -578,6 +604,7 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
         if exporter is not None:
             stop(exporter, grace=5)
         stop(proc, grace=30)
+        res["gpu_free_wait_s"] = wait_gpus_free()
         sampler.halt.set()
         sampler.join(5)
         res["memory"] = sampler.summary()
@@ -729,7 +756,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in args.rendered:
             rendered = load_rendered(path, args.python)
             cfg = json.loads(Path(args.config_json).read_text()) if args.config_json else catalog_config(
-                gpu_manifests.flag(rendered.vllm.args, "--served-model-name") or rendered.vllm.args[0])
+                gpu_manifests.flag(gpu_manifests.vllm_argv(rendered.vllm)[0], "--served-model-name")
+                or gpu_manifests.vllm_argv(rendered.vllm)[0][2])
             for kind in args.runs.split(","):
                 if args.budget_s and time.monotonic() - T0 + args.run_estimate_s > args.budget_s:
                     log(f"{kind}-tp{rendered.tp}: skipped, not enough of --budget-s left")

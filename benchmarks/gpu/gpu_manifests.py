@@ -73,6 +73,7 @@ class Rendered:
     volumes: dict[str, dict[str, Any]]  # name -> pod volume source
     config_maps: dict[str, dict[str, str]]  # ConfigMap name -> data
     tp: int
+    init: tuple[Container, ...] = ()
 
     def lmcache_config(self) -> dict[str, Any] | None:
         """The LMCache YAML the vLLM container would read (LMCACHE_CONFIG_FILE), parsed."""
@@ -129,12 +130,12 @@ def parse_rendered(text: str) -> Rendered:
     if "vllm" not in containers:
         raise ManifestError(f"no container named vllm (found {', '.join(containers)})")
     vllm = containers["vllm"]
-    tp = int(flag(vllm.args, "--tensor-parallel-size") or 1)
+    tp = int(flag(vllm_argv(vllm)[0], "--tensor-parallel-size") or 1)
     return Rendered(name=sts["metadata"]["name"], namespace=sts["metadata"].get("namespace", "default"),
                     vllm=vllm, exporter=containers.get("exporter"),
                     volumes={v["name"]: {k: x for k, x in v.items() if k != "name"} for v in pod.get("volumes") or []},
                     config_maps={d["metadata"]["name"]: dict(d.get("data") or {}) for d in docs if d.get("kind") == "ConfigMap"},
-                    tp=tp)
+                    tp=tp, init=tuple(_container(c) for c in pod.get("initContainers") or ()))
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ class LocalRun:
     exporter_env: dict[str, str]
     files: dict[str, str]  # host path -> content
     fresh_dirs: list[str]  # emptied before the run
+    init_argvs: list[list[str]]  # init containers run as local processes, in order, before vLLM
     lmcache: dict[str, Any] | None  # the LMCache config as written
     lmcache_path: str | None
     multiproc_dir: str | None
@@ -202,14 +204,27 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def vllm_argv(c: Container) -> tuple[list[str], str | None]:
+    """`vllm serve ARGS` the container finally runs, and its shell prelude if any. A rendered
+    command may be `/bin/sh -c 'PRELUDE; exec "$0" "$@"' vllm serve` + args (the prelude empties
+    the multiprocess dir at every container start): then $0 $@ is the vLLM argv."""
+    cmd = list(c.command)
+    if cmd[:2] in (["/bin/sh", "-c"], ["sh", "-c"]) and len(cmd) >= 4 and 'exec "$0" "$@"' in cmd[2]:
+        return cmd[3:] + list(c.args), cmd[2]
+    return cmd + list(c.args), None
+
+
 def localize(r: Rendered, layout: Layout, *, connector: bool = True, model_config: dict[str, Any] | None = None,
              lmcache_overrides: dict[str, Any] | None = None, extra_env: dict[str, str] | None = None) -> LocalRun:
     dirs = _volume_dirs(r, layout)
     fields = _field_values(r)
     changes: list[str] = []
     v = r.vllm
-    if v.command[:2] != ("vllm", "serve"):
-        raise ManifestError(f"vllm container command is {list(v.command)}, expected ['vllm', 'serve']")
+    full, prelude = vllm_argv(v)
+    if full[:2] != ["vllm", "serve"]:
+        raise ManifestError(f"vllm container runs {full[:2]}, expected ['vllm', 'serve'] (optionally after a sh -c prelude)")
+    if prelude is not None:
+        changes.append(f"shell prelude not run ({prelude!r}); the benchmark empties every emptyDir volume before each run")
     host = _mapper(v.mounts, dirs)
 
     # Environment: literal values (paths mapped), downward-API fields resolved.
@@ -225,7 +240,7 @@ def localize(r: Rendered, layout: Layout, *, connector: bool = True, model_confi
         changes.append(f"env {k}={val}")
 
     # Arguments: model -> local dir, host/port local, dummy weights, no tokenizer; baseline drops the connector.
-    args = list(v.args)
+    args = full[2:]
     if not args or args[0].startswith("-"):
         raise ManifestError("vllm serve has no model argument")
     model = args[0]
@@ -283,6 +298,18 @@ def localize(r: Rendered, layout: Layout, *, connector: bool = True, model_confi
     if model_config is not None:
         files[f"{layout.model_dir}/config.json"] = json.dumps(model_config, indent=2, sort_keys=True) + "\n"
 
+    # Init containers: Python ones run locally (paths mapped); shell ones that empty volumes are what
+    # the benchmark does itself before each run (fresh_dirs).
+    init_argvs: list[list[str]] = []
+    for c in r.init:
+        if c.command[:1] in (("python3",), ("python",)):
+            ih = _mapper(c.mounts, dirs)
+            init_argvs.append([layout.python, *[ih(a) if a.startswith("/") else a for a in [*c.command[1:], *c.args]]])
+            changes.append(f"init container {c.name}: run as {layout.python} with mapped paths")
+        else:
+            changes.append(f"init container {c.name} not run ({' '.join(c.command)[:60]}...): "
+                           "the benchmark empties every volume before the run")
+
     exporter_argv, exporter_env = None, {}
     if r.exporter is not None:
         e = r.exporter
@@ -313,7 +340,7 @@ def localize(r: Rendered, layout: Layout, *, connector: bool = True, model_confi
         exporter_env = {k: val for k, val in eenv.items()}
 
     return LocalRun(engine_argv=engine_argv, engine_env=env, exporter_argv=exporter_argv, exporter_env=exporter_env,
-                    files=files, fresh_dirs=fresh, lmcache=lmcache, lmcache_path=lmcache_path,
+                    files=files, fresh_dirs=fresh, init_argvs=init_argvs, lmcache=lmcache, lmcache_path=lmcache_path,
                     multiproc_dir=env.get("PROMETHEUS_MULTIPROC_DIR"), changes=changes)
 
 

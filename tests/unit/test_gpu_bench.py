@@ -70,7 +70,7 @@ def test_localize_changes_only_what_a_host_needs(tp1):
     assert gm.flag(argv, "--host") == "127.0.0.1" and gm.flag(argv, "--port") == "18000"
     assert argv[-3:] == ["--load-format", "dummy", "--skip-tokenizer-init"]
     # Every other rendered argument is passed through unchanged and in order.
-    rendered = list(tp1.vllm.args[1:])
+    rendered = gm.vllm_argv(tp1.vllm)[0][3:]
     kept = [a for a in argv[5:-3]]
     for opt in ("--host", "--port"):
         i = rendered.index(opt)
@@ -87,6 +87,23 @@ def test_localize_changes_only_what_a_host_needs(tp1):
     assert json.loads(run.files["/w/model/config.json"])["num_key_value_heads"] == 8
     assert "/d/kv" in run.fresh_dirs and "/dev/shm" not in run.fresh_dirs
     assert any("--host 0.0.0.0 -> 127.0.0.1" in c for c in run.changes)
+
+
+def test_a_shell_prelude_before_vllm_serve_is_recognised():
+    """`/bin/sh -c 'PRELUDE; exec "$0" "$@"' vllm serve` + args: the vLLM argv is $0 $@."""
+    docs = [d for d in yaml.safe_load_all(render(WORKSTATION)) if d]
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    c = next(c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm")
+    plain = gm.localize(gm.parse_rendered(yaml.safe_dump_all(docs)), LAYOUT).engine_argv
+    c["command"] = ["/bin/sh", "-c", 'find "$PROMETHEUS_MULTIPROC_DIR" -mindepth 1 -delete; exec "$0" "$@"', "vllm", "serve"]
+    r = gm.parse_rendered(yaml.safe_dump_all(docs))
+    argv, prelude = gm.vllm_argv(r.vllm)
+    assert argv[:2] == ["vllm", "serve"] and argv[2] == "meta-llama/Llama-3.1-8B-Instruct" and "find" in prelude
+    run = gm.localize(r, LAYOUT)
+    assert run.engine_argv == plain and any("shell prelude" in ch for ch in run.changes)
+    c["command"] = ["/bin/sh", "-c", "echo hi"]
+    with pytest.raises(gm.ManifestError, match="expected \\['vllm', 'serve'\\]"):
+        gm.localize(gm.parse_rendered(yaml.safe_dump_all(docs)), LAYOUT)
 
 
 def test_baseline_drops_the_connector_and_nothing_else(tp1):
