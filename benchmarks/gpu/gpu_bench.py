@@ -329,8 +329,10 @@ class Engine:
         self.port, self.model, self.proc, self.logfile = port, model, proc, logfile
 
     def complete(self, ids: list[int]) -> dict[str, Any]:
-        """One request, max_tokens 1: its latency is the time to first token. Token sources from vLLM."""
+        """One request, max_tokens 1: its latency is the time to first token. Token sources from vLLM;
+        what LMCache logged meanwhile (did it really retrieve?)."""
         before = sources(gpu_counters.Page(vllm_page(self.port)))
+        off = self.logfile.stat().st_size
         t0 = time.perf_counter()
         status, body = http_req(self.port, "POST", "/v1/completions",
                                 {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0}, timeout=300)
@@ -339,7 +341,11 @@ class Engine:
             raise RuntimeError(f"completion: HTTP {status}: {body[:500]}")
         time.sleep(STATS_WAIT_S)  # let the engine publish the request's stats
         after = sources(gpu_counters.Page(vllm_page(self.port)))
-        return {"ttft_s": round(ttft, 5), "tokens": len(ids), **{k: after[k] - before[k] for k in after}}
+        text = log_lines_between(self.logfile, off)
+        got = [int(x[0]) for x in RETRIEVED.findall(text)]
+        return {"ttft_s": round(ttft, 5), "tokens": len(ids), **{k: after[k] - before[k] for k in after},
+                "lmcache_retrieved_tokens": sum(got), "lmcache_retrieve_lines": len(got),
+                "lmcache_load_skipped_lines": text.count("start_load_kv, but the attn_metadata is None")}
 
     def reset_prefix_cache(self) -> None:
         status, body = http_req(self.port, "POST", "/reset_prefix_cache", timeout=60)
@@ -416,6 +422,7 @@ def log_lines_between(logfile: Path, start: int) -> str:
 
 DISK_READ = re.compile(r"Disk read size: (\d+) bytes")
 RETRIEVED = re.compile(r"Retrieved (\d+) out of (\d+) required tokens.*?size: ([\d.]+) gb, cost ([\d.]+) ms, throughput: ([\d.]+) GB/s")
+PREFETCH = re.compile(r"Prefetching (\d+) keys from disk")
 HIT = re.compile(r"LMCache hit tokens: (\d+), need to load: (\d+)")
 
 
@@ -424,6 +431,7 @@ def lmcache_log_facts(text: str) -> dict[str, Any]:
     retrieved = [{"tokens": int(a), "required": int(b), "gb": float(c), "ms": float(d), "gbps": float(e)}
                  for a, b, c, d, e in RETRIEVED.findall(text)]
     return {"disk_read_lines": len(reads), "disk_read_bytes": sum(reads), "retrieved": retrieved,
+            "disk_prefetch_keys": sum(int(x) for x in PREFETCH.findall(text)),
             "hits": [{"hit": int(a), "load": int(b)} for a, b in HIT.findall(text)]}
 
 
@@ -468,7 +476,7 @@ def drop_page_cache() -> bool:
 
 def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any], args: argparse.Namespace,
                out: dict[str, Any]) -> None:
-    tag = f"{kind}-tp{rendered.tp}"
+    tag = f"{kind}-tp{rendered.tp}{args.tag_suffix}"
     work = Path(args.work)
     root = work / tag
     disk_dir = f"{args.disk_root}/kvbench-{tag}/{rendered.namespace}/{rendered.name}/{rendered.name}-0"
@@ -476,9 +484,10 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
                                   port=free_port(), exporter_port=free_port(), python=args.python)
     connector = kind != "baseline"
     overrides = extra = None
+    extra = dict(kv.split("=", 1) for kv in args.engine_env)
     if kind == "disk":
         overrides = {"max_local_cpu_size": args.disk_cpu_gib, "extra_config": {"use_odirect": True}}
-        extra = {"LMCACHE_LOG_LEVEL": "DEBUG"}
+        extra["LMCACHE_LOG_LEVEL"] = "DEBUG"
     run = gpu_manifests.localize(rendered, layout, connector=connector, model_config=cfg,
                                  lmcache_overrides=overrides, extra_env=extra)
     res: dict[str, Any] = {"kind": kind, "tp": rendered.tp, "changes": run.changes, "argv": run.engine_argv,
@@ -518,7 +527,13 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
         if run.exporter_argv:
             xenv = {**os.environ, **run.exporter_env}
             exporter = spawn(run.exporter_argv, xenv, xlog)
-            wait_http(layout.exporter_port, "/metrics", time.monotonic() + 60, exporter, "exporter")
+            try:  # an exporter that fails is a finding; the engine's figures are still measured
+                wait_http(layout.exporter_port, "/metrics", time.monotonic() + 60, exporter, "exporter")
+            except RuntimeError as exc:
+                res["exporter_error"] = str(exc)
+                log(f"{tag}: EXPORTER ERROR {exc}")
+                stop(exporter, grace=5)
+                exporter = None
         eng = Engine(layout.port, served_model, proc, elog)
         res["memory_healthy"] = {"meminfo": meminfo(), "cgroup": cgroup_stat(cg), **rss_bytes(tree_pids(proc.pid))}
         eng.complete(prompt(1, 512))  # warm-up, not measured
@@ -532,7 +547,8 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
                 phases.setdefault("gpu", []).append(eng.complete(p))
                 eng.reset_prefix_cache()
                 phases.setdefault("after_reset", []).append(eng.complete(p))
-                log(f"{tag}: rep {r}: " + ", ".join(f"{k} {v[-1]['ttft_s']:.3f}s" for k, v in phases.items()))
+                log(f"{tag}: rep {r}: " + ", ".join(f"{k} {v[-1]['ttft_s']:.3f}s (LMCache retrieved {v[-1]['lmcache_retrieved_tokens']}, "
+                                                    f"load skipped {v[-1]['lmcache_load_skipped_lines']}x)" for k, v in phases.items()))
         else:
             per_prompt = n * kv_bpt
             cpu_total = float((run.lmcache or {}).get("max_local_cpu_size", 5.0)) * 2**30 * rendered.tp
@@ -591,6 +607,7 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
                                           lmcache_config=run.lmcache if connector else None, tp=rendered.tp,
                                           connector=connector, served=True)
             res["checks"] = [c.to_dict() for c in checks]
+            res["per_worker"] = per_worker(after.lmcache)  # after LMCache's stats logger has flushed
             res["disagreements"] = [c.to_dict() for c in gpu_counters.disagreements(checks)]
             (Path(args.out) / "pages").mkdir(exist_ok=True)
             for name, text in (("exporter", xtext), ("vllm", after.vllm), ("lmcache", after.lmcache)):
@@ -733,6 +750,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-estimate-s", type=float, default=150)
     ap.add_argument("--quiet-s", type=float, default=2.0, help="disk dir quiet after this long unchanged")
     ap.add_argument("--stats-wait-s", type=float, default=0.3, help="wait after a response before reading counters")
+    ap.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment for every engine (recorded as a change)")
+    ap.add_argument("--tag-suffix", default="", help="appended to run names (e.g. -v1runner)")
     ap.add_argument("--no-probe", action="store_true")
     ap.add_argument("--probe-only", action="store_true", help="host facts and bandwidths only, no engine")
     ap.add_argument("--no-smoke", action="store_true")
@@ -760,11 +780,11 @@ def main(argv: list[str] | None = None) -> int:
                 or gpu_manifests.vllm_argv(rendered.vllm)[0][2])
             for kind in args.runs.split(","):
                 if args.budget_s and time.monotonic() - T0 + args.run_estimate_s > args.budget_s:
-                    log(f"{kind}-tp{rendered.tp}: skipped, not enough of --budget-s left")
-                    out.setdefault("skipped", []).append(f"{kind}-tp{rendered.tp}")
+                    log(f"{kind}-tp{rendered.tp}{args.tag_suffix}: skipped, not enough of --budget-s left")
+                    out.setdefault("skipped", []).append(f"{kind}-tp{rendered.tp}{args.tag_suffix}")
                     continue
                 run_engine(kind, rendered, cfg, args, out)
-                if "start_s" not in out["runs"][f"{kind}-tp{rendered.tp}"]:
+                if "start_s" not in out["runs"][f"{kind}-tp{rendered.tp}{args.tag_suffix}"]:
                     log("engine did not start: skipping the remaining runs")
                     return 1
     finally:

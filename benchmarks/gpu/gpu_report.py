@@ -49,8 +49,8 @@ def sources(rows: list[dict[str, Any]] | None) -> str:
     return ", ".join(parts) or "none"
 
 
-def ttft_table(runs: dict[str, Any], tp: int) -> list[str]:
-    con, base, disk = (runs.get(f"{k}-tp{tp}", {}).get("phases", {}) for k in ("connector", "baseline", "disk"))
+def ttft_table(runs: dict[str, Any], group: str) -> list[str]:
+    con, base, disk = (runs.get(f"{k}-{group}", {}).get("phases", {}) for k in ("connector", "baseline", "disk"))
     lines = ["| phase | with the rendered LMCache config | tokens by source | same engine, no connector | tokens by source | no connector / with |",
              "|---|---|---|---|---|---|"]
     for key, label in PHASES:
@@ -112,6 +112,8 @@ def memory_table(runs: dict[str, Any]) -> list[str]:
 
 
 def memory_verdict(run: dict[str, Any]) -> str:
+    if run.get("kind") != "connector":
+        return "not the rendered tiers (no verdict): " + ("no connector" if run.get("kind") == "baseline" else "smaller CPU tier")
     limit = run.get("memory_limit")
     m = run.get("memory", {})
     need = m.get("max_cg_anon_shmem_kernel") or m.get("peak_used_rise")
@@ -147,9 +149,9 @@ def checks_table(run: dict[str, Any]) -> list[str]:
     return lines
 
 
-def plan_rows(plans: dict[str, Any], runs: dict[str, Any], tp: int) -> list[str]:
+def plan_rows(plans: dict[str, Any], runs: dict[str, Any], group: str) -> list[str]:
     """The plan's reload/recompute for the prompt vs the measured medians."""
-    con, base, disk = (runs.get(f"{k}-tp{tp}", {}).get("phases", {}) for k in ("connector", "baseline", "disk"))
+    con, base, disk = (runs.get(f"{k}-{group}", {}).get("phases", {}) for k in ("connector", "baseline", "disk"))
     measured = {"cpu": med(con.get("after_reset")), "disk": med(disk.get("disk")), "recompute": med(base.get("cold"))}
     lines = ["| | plan, this host's bandwidths | plan, built-in defaults | measured TTFT (median) |", "|---|---|---|---|"]
     for tier in ("cpu", "disk"):
@@ -182,7 +184,7 @@ def plan_argv(run: dict[str, Any], prompt_tokens: int, host: dict[str, Any] | No
     return out
 
 
-def report(results: list[dict[str, Any]], plans: dict[int, dict[str, Any]]) -> str:
+def report(results: list[dict[str, Any]], plans: dict[str, dict[str, Any]]) -> str:
     runs: dict[str, Any] = {}
     host: dict[str, Any] = {}
     prompt = None
@@ -191,20 +193,26 @@ def report(results: list[dict[str, Any]], plans: dict[int, dict[str, Any]]) -> s
         host = host or r.get("host", {})
         prompt = prompt or r.get("args", {}).get("prompt_tokens")
     out = []
+    versions = next((json.loads(i["output"].split("engine versions", 1)[1]) for r in runs.values()
+                     for i in r.get("init", []) if "engine versions" in i.get("output", "")), {})
+    for k in ("vllm", "lmcache", "torch"):
+        if versions.get(k):
+            host[f"{k}_version"] = versions[k]
     if host:
         out += [f"Host: {host.get('gpus')} x {host.get('name')}, {host.get('cpus')} cores, torch {host.get('torch_version') or host.get('torch')}, "
                 f"vLLM {host.get('vllm_version')}, LMCache {host.get('lmcache_version')}; pinned host->GPU "
                 f"{(host.get('h2d_pinned_Bps') or 0) / 1e9:.1f} GB/s, disk O_DIRECT read {(host.get('disk_read_odirect_Bps') or 0) / 1e9:.2f} GB/s.", ""]
-    for tp in sorted({int(t.rsplit("tp", 1)[1]) for t in runs}):
-        out += [f"### TP {tp}: time to first token, {prompt:,}-token prompt of random ids, max_tokens 1 (medians)", ""]
-        out += ttft_table(runs, tp) + [""]
-        if plans.get(tp):
-            out += [f"`kvoffload plan` for the same prompt (TP {tp}) vs measured:", ""] + plan_rows(plans[tp], runs, tp) + [""]
-        disk = runs.get(f"disk-tp{tp}")
+    for group in sorted({t.split("-", 1)[1] for t in runs}):  # tp1, tp2, tp1-v1runner ...
+        tp = int(group[2:].split("-", 1)[0])
+        out += [f"### {group}: time to first token, {prompt:,}-token prompt of random ids, max_tokens 1 (medians)", ""]
+        out += ttft_table(runs, group) + [""]
+        if plans.get(group):
+            out += [f"`kvoffload plan` for the same prompt ({group}) vs measured:", ""] + plan_rows(plans[group], runs, group) + [""]
+        disk = runs.get(f"disk-{group}")
         if disk and disk.get("disk_proof"):
-            out += [f"Disk tier, TP {tp}: {disk_verdict(disk)}.", ""] + disk_proof(disk) + [""]
-        if tp > 1 and runs.get(f"connector-tp{tp}"):
-            out += [f"Per-rank split (connector run, TP {tp}):", ""] + per_rank(runs[f"connector-tp{tp}"]) + [""]
+            out += [f"Disk tier, {group}: {disk_verdict(disk)}.", ""] + disk_proof(disk) + [""]
+        if tp > 1 and runs.get(f"connector-{group}"):
+            out += [f"Per-rank split (connector run, {group}):", ""] + per_rank(runs[f"connector-{group}"]) + [""]
     out += ["### Host memory while the engine ran", ""] + memory_table(runs) + [""]
     out += [f"- {tag}: {memory_verdict(r)}" for tag, r in runs.items()] + [""]
     for tag, r in runs.items():
@@ -219,13 +227,13 @@ def report(results: list[dict[str, Any]], plans: dict[int, dict[str, Any]]) -> s
 
 def main(argv: list[str]) -> int:
     results = [json.load(open(p)) for p in argv]
-    plans: dict[int, dict[str, Any]] = {}
+    plans: dict[str, dict[str, Any]] = {}
     host = next((r["host"] for r in results if r.get("host")), None)
     prompt = next((r["args"]["prompt_tokens"] for r in results), 32768)
     for r in results:
         for tag, run in r.get("runs", {}).items():
             if tag.startswith("connector-") and run.get("lmcache"):
-                tp = run["tp"]
+                tp = tag.split("-", 1)[1]
                 plans[tp] = {}
                 for key, h in (("host", host), ("defaults", None)):
                     p = subprocess.run([sys.executable, "-m", "kvoffload.cli", "plan", *plan_argv(run, prompt, h)],

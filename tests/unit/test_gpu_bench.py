@@ -271,10 +271,10 @@ RESULTS = {
     "args": {"prompt_tokens": 32768},
     "host": {"gpus": 1, "name": "NVIDIA H200", "cpus": 16, "h2d_pinned_Bps": 5.0e10, "disk_read_odirect_Bps": 1.0e9},
     "runs": {
-        "connector-tp1": {"tp": 1, "memory_limit": 10 * 2**30, "memory": {"max_cg_anon_shmem_kernel": 8 * 2**30},
+        "connector-tp1": {"kind": "connector", "tp": 1, "memory_limit": 10 * 2**30, "memory": {"max_cg_anon_shmem_kernel": 8 * 2**30},
                           "phases": {"cold": [{"ttft_s": 1.3, "local_compute": 32768}, {"ttft_s": 1.2, "local_compute": 32768}, {"ttft_s": 1.25, "local_compute": 32768}],
                                      "after_reset": [{"ttft_s": 0.05, "external_kv_transfer": 32767, "local_compute": 1}] * 3}},
-        "baseline-tp1": {"tp": 1, "memory_limit": 10 * 2**30, "memory": {"peak_used_rise": 12 * 2**30},
+        "baseline-tp1": {"kind": "baseline", "tp": 1, "memory_limit": 10 * 2**30, "memory": {"peak_used_rise": 12 * 2**30},
                          "phases": {"cold": [{"ttft_s": 1.1, "local_compute": 32768}] * 3,
                                     "after_reset": [{"ttft_s": 1.0, "local_compute": 32768}] * 3}},
         "disk-tp1": {"tp": 1, "phases": {"disk": [{"ttft_s": 2.5, "external_kv_transfer": 32767}]},
@@ -290,7 +290,10 @@ def test_report_medians_ratios_and_verdicts():
     assert "| after POST /reset_prefix_cache | 0.050 s (n=3) | local compute 1, external kv transfer 32,767 | 1.000 s (n=3) | local compute 32,768 | 20.0x |" in md
     assert "1 of 1 disk-phase requests proven to read from disk" in md
     assert "80% of the computed limit 10.0 GiB: fits" in gpu_report.memory_verdict(RESULTS["runs"]["connector-tp1"])
-    assert "too small" in gpu_report.memory_verdict(RESULTS["runs"]["baseline-tp1"])
+    assert "no verdict" in gpu_report.memory_verdict(RESULTS["runs"]["baseline-tp1"])
+    over = {**RESULTS["runs"]["connector-tp1"], "memory": {"max_cg_anon_shmem_kernel": 11 * 2**30}}
+    assert "too small" in gpu_report.memory_verdict(over)
+    assert "far too large" in gpu_report.memory_verdict({**over, "memory": {"max_cg_anon_shmem_kernel": 2**30}})
     unproven = {**RESULTS["runs"]["disk-tp1"]["disk_proof"][0], "proc_read_bytes": 0}
     assert not gpu_report.proven(unproven)
 
@@ -304,7 +307,7 @@ def test_plan_argv_and_plan_rows_use_the_same_prompt_and_host():
     assert argv[argv.index("--cpu-read-gbps") + 1] == "50.000" and argv[argv.index("--context") + 1] == "32768"
     out = subprocess.run([sys.executable, "-m", "kvoffload.cli", "plan", *argv], capture_output=True, text=True, check=True)
     plan = json.loads(out.stdout)
-    rows = "\n".join(gpu_report.plan_rows({"host": plan}, RESULTS["runs"], 1))
+    rows = "\n".join(gpu_report.plan_rows({"host": plan}, RESULTS["runs"], "tp1"))
     cpu = next(r for r in plan["reload"] if r["tier"] == "cpu")
     assert f"| reload from cpu | {cpu['reloadSeconds']:.3f} s | - | 0.050 s |" in rows
 
