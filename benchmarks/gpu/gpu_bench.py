@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import glob
-import gzip
 import http.client
 import json
 import math
@@ -37,7 +36,6 @@ import re
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tarfile
@@ -646,7 +644,8 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
 def probe(args: argparse.Namespace, out: dict[str, Any]) -> None:
     """Pinned host->GPU copy and O_DIRECT disk read on this host (the plan's two bandwidths)."""
     res: dict[str, Any] = {}
-    code = ("import torch,time,json;n=4<<30;h=torch.empty(n,dtype=torch.uint8).pin_memory();d=torch.empty(n,dtype=torch.uint8,device='cuda');"
+    code = ("import torch,time,json;n=4<<30;h=torch.empty(n,dtype=torch.uint8).pin_memory();"
+            "d=torch.empty(n,dtype=torch.uint8,device='cuda');"
             "d.copy_(h);torch.cuda.synchronize();t=time.perf_counter();[d.copy_(h,non_blocking=True) for _ in range(3)];"
             "torch.cuda.synchronize();print(json.dumps({'h2d_pinned_Bps':3*n/(time.perf_counter()-t),"
             "'gpus':torch.cuda.device_count(),'name':torch.cuda.get_device_name(0),'torch':torch.__version__}))")
@@ -657,7 +656,8 @@ def probe(args: argparse.Namespace, out: dict[str, Any]) -> None:
         res["h2d_error"] = str(exc)
     f = f"{args.disk_root}/kvbench-probe.bin"
     try:
-        subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=16M", "count=128", "oflag=direct"], capture_output=True, timeout=120, check=True)
+        subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=16M", "count=128", "oflag=direct"],
+                       capture_output=True, timeout=120, check=True)
         t = time.perf_counter()
         subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=16M", "iflag=direct"], capture_output=True, timeout=120, check=True)
         res["disk_read_odirect_Bps"] = (128 << 24) / (time.perf_counter() - t)

@@ -51,7 +51,8 @@ def sources(rows: list[dict[str, Any]] | None) -> str:
 
 def ttft_table(runs: dict[str, Any], group: str) -> list[str]:
     con, base, disk = (runs.get(f"{k}-{group}", {}).get("phases", {}) for k in ("connector", "baseline", "disk"))
-    lines = ["| phase | with the rendered LMCache config | tokens by source | same engine, no connector | tokens by source | no connector / with |",
+    lines = ["| phase | with the rendered LMCache config | tokens by source | same engine, no connector | tokens by source "
+             "| no connector / with |",
              "|---|---|---|---|---|---|"]
     for key, label in PHASES:
         a, b = con.get(key), base.get(key)
@@ -78,7 +79,8 @@ def disk_proof(run: dict[str, Any]) -> list[str]:
         thr = ", ".join(f"{r['gbps']:.2f} GB/s" for r in lg.get("retrieved", [])) or "-"
         blk = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in p.get("block_read_bytes", {}).items()) or "0"
         lines.append(f"| {i} | {row['ttft_s']:.3f} s | {row.get('external_kv_transfer', 0):,.0f} | {p['prompt_kv_bytes'] / 1e9:.2f} GB | "
-                     f"{lg['disk_read_lines']} / {lg['disk_read_bytes'] / 1e9:.2f} GB | {p['proc_read_bytes'] / 1e9:.2f} GB | {blk} | {thr} |")
+                     f"{lg['disk_read_lines']} / {lg['disk_read_bytes'] / 1e9:.2f} GB | {p['proc_read_bytes'] / 1e9:.2f} GB | "
+                     f"{blk} | {thr} |")
     return lines
 
 
@@ -199,9 +201,11 @@ def report(results: list[dict[str, Any]], plans: dict[str, dict[str, Any]]) -> s
         if versions.get(k):
             host[f"{k}_version"] = versions[k]
     if host:
-        out += [f"Host: {host.get('gpus')} x {host.get('name')}, {host.get('cpus')} cores, torch {host.get('torch_version') or host.get('torch')}, "
+        torch = host.get("torch_version") or host.get("torch")
+        out += [f"Host: {host.get('gpus')} x {host.get('name')}, {host.get('cpus')} cores, torch {torch}, "
                 f"vLLM {host.get('vllm_version')}, LMCache {host.get('lmcache_version')}; pinned host->GPU "
-                f"{(host.get('h2d_pinned_Bps') or 0) / 1e9:.1f} GB/s, disk O_DIRECT read {(host.get('disk_read_odirect_Bps') or 0) / 1e9:.2f} GB/s.", ""]
+                f"{(host.get('h2d_pinned_Bps') or 0) / 1e9:.1f} GB/s, "
+                f"disk O_DIRECT read {(host.get('disk_read_odirect_Bps') or 0) / 1e9:.2f} GB/s.", ""]
     for group in sorted({t.split("-", 1)[1] for t in runs}):  # tp1, tp2, tp1-v1runner ...
         tp = int(group[2:].split("-", 1)[0])
         out += [f"### {group}: time to first token, {prompt:,}-token prompt of random ids, max_tokens 1 (medians)", ""]

@@ -179,7 +179,7 @@ def exporter_page(vllm_text: str, *, external_hits: float | None = None) -> str:
     hits = v.sum("vllm:external_prefix_cache_hits_total") if external_hits is None else external_hits
     lines = [f'kvoffload_tier_capacity_bytes{{tier="gpu"}} {tokens * 65536}',
              f'kvoffload_tier_capacity_bytes{{tier="cpu"}} {2 * 2**30}',
-             f'kvoffload_tier_used_bytes{{tier="gpu"}} 0.0',
+             'kvoffload_tier_used_bytes{tier="gpu"} 0.0',
              f'kvoffload_tier_used_bytes{{tier="cpu"}} {lm.sum("lmcache:local_cache_usage")}',
              f'kvoffload_tier_used_bytes{{tier="disk"}} {lm.sum("lmcache:local_storage_usage")}',
              f'kvoffload_tier_hit_tokens_total{{tier="gpu"}} {v.sum("vllm:prefix_cache_hits_total")}',
@@ -231,10 +231,13 @@ def test_counters_that_move_between_reads_agree_within_the_two_reads():
                                       "kvoffload_tier_hit_tokens_total{tier=\"gpu\"} 80000.0")
     args = dict(kv_bytes_per_token=65536, lmcache_config={"max_local_cpu_size": 2.0}, tp=1, connector=True, served=True)
     a, b = gpu_counters.EngineRead(text, lmcache_part(text)), gpu_counters.EngineRead(later, lmcache_part(later))
-    gpu = next(c for c in gpu_counters.compare(exp, a, b, **args) if c.metric == "kvoffload_tier_hit_tokens_total" and c.labels == "tier=gpu")
+    def gpu_hits(page: str) -> gpu_counters.Check:
+        return next(c for c in gpu_counters.compare(page, a, b, **args)
+                    if c.metric == "kvoffload_tier_hit_tokens_total" and c.labels == "tier=gpu")
+    gpu = gpu_hits(exp)
     assert gpu.ok and (gpu.engine_lo, gpu.engine_hi) == (63968.0, 96000.0)
     outside = exp.replace("kvoffload_tier_hit_tokens_total{tier=\"gpu\"} 80000.0", "kvoffload_tier_hit_tokens_total{tier=\"gpu\"} 99999.0")
-    gpu = next(c for c in gpu_counters.compare(outside, a, b, **args) if c.metric == "kvoffload_tier_hit_tokens_total" and c.labels == "tier=gpu")
+    gpu = gpu_hits(outside)
     assert gpu.ok is False
 
 
@@ -272,7 +275,7 @@ RESULTS = {
     "host": {"gpus": 1, "name": "NVIDIA H200", "cpus": 16, "h2d_pinned_Bps": 5.0e10, "disk_read_odirect_Bps": 1.0e9},
     "runs": {
         "connector-tp1": {"kind": "connector", "tp": 1, "memory_limit": 10 * 2**30, "memory": {"max_cg_anon_shmem_kernel": 8 * 2**30},
-                          "phases": {"cold": [{"ttft_s": 1.3, "local_compute": 32768}, {"ttft_s": 1.2, "local_compute": 32768}, {"ttft_s": 1.25, "local_compute": 32768}],
+                          "phases": {"cold": [{"ttft_s": t, "local_compute": 32768} for t in (1.3, 1.2, 1.25)],
                                      "after_reset": [{"ttft_s": 0.05, "external_kv_transfer": 32767, "local_compute": 1}] * 3}},
         "baseline-tp1": {"kind": "baseline", "tp": 1, "memory_limit": 10 * 2**30, "memory": {"peak_used_rise": 12 * 2**30},
                          "phases": {"cold": [{"ttft_s": 1.1, "local_compute": 32768}] * 3,
@@ -287,7 +290,8 @@ RESULTS = {
 def test_report_medians_ratios_and_verdicts():
     md = gpu_report.report([RESULTS], {})
     assert "| cold (first time) | 1.250 s (n=3) |" in md
-    assert "| after POST /reset_prefix_cache | 0.050 s (n=3) | local compute 1, external kv transfer 32,767 | 1.000 s (n=3) | local compute 32,768 | 20.0x |" in md
+    assert ("| after POST /reset_prefix_cache | 0.050 s (n=3) | local compute 1, external kv transfer 32,767 | "
+            "1.000 s (n=3) | local compute 32,768 | 20.0x |") in md
     assert "1 of 1 disk-phase requests proven to read from disk" in md
     assert "80% of the computed limit 10.0 GiB: fits" in gpu_report.memory_verdict(RESULTS["runs"]["connector-tp1"])
     assert "no verdict" in gpu_report.memory_verdict(RESULTS["runs"]["baseline-tp1"])
