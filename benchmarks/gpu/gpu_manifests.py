@@ -1,0 +1,394 @@
+"""From `kvoffload render` output to local processes on a GPU host. Pure (no I/O but YAML text).
+
+`parse_rendered` reads the rendered stream (ConfigMap + StatefulSet) into the vLLM container's exact
+command, arguments and environment, the exporter sidecar's, the volumes and the memory limit.
+`localize` turns that into argv/env/files for processes on this host, changing only what must
+change outside a cluster, and lists every change (`LocalRun.changes`) so the report can show them:
+
+- model: a local directory holding a config.json (written from the operator's catalog) with
+  `--load-format dummy` (random weights of the right shapes) and `--skip-tokenizer-init`
+  (prompts are token ids): no download;
+- `--host 0.0.0.0` -> 127.0.0.1, `--port` -> a free local port, `$(POD_IP)` -> 127.0.0.1, downward-API
+  env (POD_NAME, POD_NAMESPACE) -> the StatefulSet's first pod's values;
+- every mounted volume -> a host directory (ConfigMap files written there, emptyDir fresh, the
+  disk-tier hostPath -> the chosen disk directory), paths in args/env/LMCache config rewritten;
+- `/dev/shm` (memory-backed emptyDir) is the host's /dev/shm;
+- `vllm`/`kvoffload` console scripts -> `python -m` of the same entry points;
+- VLLM_SERVER_DEV_MODE=1 (for POST /reset_prefix_cache) and the caller's extra env;
+- the baseline ("no connector") drops `--kv-transfer-config` and nothing else.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+_UNITS = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+CONNECTOR_FLAG = "--kv-transfer-config"
+VLLM_ENTRY = ["-m", "vllm.entrypoints.cli.main"]
+KVOFFLOAD_ENTRY = ["-m", "kvoffload.cli"]
+
+
+class ManifestError(ValueError):
+    pass
+
+
+def quantity(value: Any) -> int:
+    """Kubernetes memory quantity (55194Mi, 2Gi, 128974848) -> bytes."""
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([KMGT]i?|k)?", str(value).strip())
+    if not m:
+        raise ManifestError(f"not a memory quantity: {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+@dataclass(frozen=True)
+class Mount:
+    volume: str
+    path: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class Container:
+    name: str
+    command: tuple[str, ...]
+    args: tuple[str, ...]
+    env: dict[str, str]  # literal values
+    env_fields: dict[str, str]  # name -> downward-API fieldPath
+    mounts: tuple[Mount, ...]
+    memory_limit: int | None
+
+
+@dataclass(frozen=True)
+class Rendered:
+    name: str
+    namespace: str
+    vllm: Container
+    exporter: Container | None
+    volumes: dict[str, dict[str, Any]]  # name -> pod volume source
+    config_maps: dict[str, dict[str, str]]  # ConfigMap name -> data
+    tp: int
+    init: tuple[Container, ...] = ()
+
+    def lmcache_config(self) -> dict[str, Any] | None:
+        """The LMCache YAML the vLLM container would read (LMCACHE_CONFIG_FILE), parsed."""
+        path = self.vllm.env.get("LMCACHE_CONFIG_FILE")
+        if not path:
+            return None
+        for m in self.vllm.mounts:
+            if path.startswith(m.path.rstrip("/") + "/"):
+                source = self.volumes.get(m.volume, {})
+                data = self.config_maps.get((source.get("configMap") or {}).get("name", ""), {})
+                text = data.get(path[len(m.path.rstrip("/")) + 1:])
+                if text is not None:
+                    return yaml.safe_load(text) or {}
+        raise ManifestError(f"LMCACHE_CONFIG_FILE {path} is not in a mounted ConfigMap")
+
+
+def _container(c: dict[str, Any]) -> Container:
+    env, fields = {}, {}
+    for e in c.get("env") or []:
+        if "value" in e:
+            env[e["name"]] = str(e["value"])
+        elif "fieldRef" in (e.get("valueFrom") or {}):
+            fields[e["name"]] = e["valueFrom"]["fieldRef"]["fieldPath"]
+        else:
+            raise ManifestError(f"container {c['name']}: env {e['name']} has a source this benchmark cannot resolve")
+    limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")
+    return Container(name=c["name"], command=tuple(c.get("command") or ()), args=tuple(str(a) for a in c.get("args") or ()),
+                     env=env, env_fields=fields,
+                     mounts=tuple(Mount(m["name"], m["mountPath"], bool(m.get("readOnly"))) for m in c.get("volumeMounts") or ()),
+                     memory_limit=None if limit is None else quantity(limit))
+
+
+def flag(args: tuple[str, ...] | list[str], name: str) -> str | None:
+    """Value of `--name value` or `--name=value` in an argument list."""
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def parse_rendered(text: str) -> Rendered:
+    """The rendered YAML stream -> Rendered. Exactly one StatefulSet with a `vllm` container."""
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    if any(d.get("kind") == "KVOffloadServe" for d in docs):
+        raise ManifestError("this is a KVOffloadServe file; render it first (`kvoffload render -f FILE`)")
+    sets = [d for d in docs if d.get("kind") == "StatefulSet"]
+    if len(sets) != 1:
+        raise ManifestError(f"expected one StatefulSet in the rendered stream, found {len(sets)}")
+    sts = sets[0]
+    pod = sts["spec"]["template"]["spec"]
+    containers = {c["name"]: _container(c) for c in pod["containers"]}
+    if "vllm" not in containers:
+        raise ManifestError(f"no container named vllm (found {', '.join(containers)})")
+    vllm = containers["vllm"]
+    tp = int(flag(vllm_argv(vllm)[0], "--tensor-parallel-size") or 1)
+    return Rendered(name=sts["metadata"]["name"], namespace=sts["metadata"].get("namespace", "default"),
+                    vllm=vllm, exporter=containers.get("exporter"),
+                    volumes={v["name"]: {k: x for k, x in v.items() if k != "name"} for v in pod.get("volumes") or []},
+                    config_maps={d["metadata"]["name"]: dict(d.get("data") or {}) for d in docs if d.get("kind") == "ConfigMap"},
+                    tp=tp, init=tuple(_container(c) for c in pod.get("initContainers") or ()))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where things go on this host."""
+    root: str  # work directory: volumes/<name>/ for every non-disk volume
+    model_dir: str
+    disk_dir: str  # the disk tier (the hostPath volume's per-pod sub-directory)
+    port: int  # vLLM
+    exporter_port: int
+    python: str = "python3"
+
+
+@dataclass
+class LocalRun:
+    engine_argv: list[str]
+    engine_env: dict[str, str]  # to add to the inherited environment
+    exporter_argv: list[str] | None
+    exporter_env: dict[str, str]
+    files: dict[str, str]  # host path -> content
+    fresh_dirs: list[str]  # emptied before the run
+    init_argvs: list[list[str]]  # init containers run as local processes, in order, before vLLM
+    lmcache: dict[str, Any] | None  # the LMCache config as written
+    lmcache_path: str | None
+    multiproc_dir: str | None
+    changes: list[str] = field(default_factory=list)
+
+
+def _volume_dirs(r: Rendered, layout: Layout) -> dict[str, str]:
+    out = {}
+    for name, source in r.volumes.items():
+        if "hostPath" in source:
+            out[name] = layout.disk_dir
+        elif (source.get("emptyDir") or {}).get("medium") == "Memory":
+            out[name] = "/dev/shm"
+        else:
+            out[name] = f"{layout.root}/volumes/{name}"
+    return out
+
+
+def _mapper(mounts: tuple[Mount, ...], dirs: dict[str, str]):
+    by_len = sorted(mounts, key=lambda m: len(m.path), reverse=True)
+
+    def host(path: str) -> str:
+        for m in by_len:
+            base = m.path.rstrip("/")
+            if path == base or path.startswith(base + "/"):
+                return dirs[m.volume] + path[len(base):]
+        return path
+    return host
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), value)
+
+
+def _field_values(r: Rendered) -> dict[str, str]:
+    return {"metadata.name": f"{r.name}-0", "metadata.namespace": r.namespace, "status.podIP": "127.0.0.1",
+            "spec.nodeName": "localhost"}
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def vllm_argv(c: Container) -> tuple[list[str], str | None]:
+    """`vllm serve ARGS` the container finally runs, and its shell prelude if any. A rendered
+    command may be `/bin/sh -c 'PRELUDE; exec "$0" "$@"' vllm serve` + args (the prelude empties
+    the multiprocess dir at every container start): then $0 $@ is the vLLM argv."""
+    cmd = list(c.command)
+    if cmd[:2] in (["/bin/sh", "-c"], ["sh", "-c"]) and len(cmd) >= 4 and 'exec "$0" "$@"' in cmd[2]:
+        return cmd[3:] + list(c.args), cmd[2]
+    return cmd + list(c.args), None
+
+
+def localize(r: Rendered, layout: Layout, *, connector: bool = True, model_config: dict[str, Any] | None = None,
+             lmcache_overrides: dict[str, Any] | None = None, extra_env: dict[str, str] | None = None) -> LocalRun:
+    dirs = _volume_dirs(r, layout)
+    fields = _field_values(r)
+    changes: list[str] = []
+    v = r.vllm
+    full, prelude = vllm_argv(v)
+    if full[:2] != ["vllm", "serve"]:
+        raise ManifestError(f"vllm container runs {full[:2]}, expected ['vllm', 'serve'] (optionally after a sh -c prelude)")
+    if prelude is not None:
+        changes.append(f"shell prelude not run ({prelude!r}); the benchmark empties every emptyDir volume before each run")
+    host = _mapper(v.mounts, dirs)
+
+    # Environment: literal values (paths mapped), downward-API fields resolved.
+    env = {k: host(val) if val.startswith("/") else val for k, val in v.env.items()}
+    env.update({k: fields[p] for k, p in v.env_fields.items() if p in fields})
+    for k, val in v.env.items():
+        if env[k] != val:
+            changes.append(f"env {k}: {val} -> {env[k]}")
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    changes.append("env VLLM_SERVER_DEV_MODE=1 (POST /reset_prefix_cache)")
+    for k, val in (extra_env or {}).items():
+        env[k] = val
+        changes.append(f"env {k}={val}")
+
+    # Arguments: model -> local dir, host/port local, dummy weights, no tokenizer; baseline drops the connector.
+    args = full[2:]
+    if not args or args[0].startswith("-"):
+        raise ManifestError("vllm serve has no model argument")
+    model = args[0]
+    args[0] = layout.model_dir
+    changes.append(f"model {model} -> {layout.model_dir} (config.json only) + --load-format dummy --skip-tokenizer-init")
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--host":
+            out += [a, "127.0.0.1"]
+            changes.append(f"--host {args[i + 1]} -> 127.0.0.1")
+            i += 2
+        elif a == "--port":
+            out += [a, str(layout.port)]
+            changes.append(f"--port {args[i + 1]} -> {layout.port}")
+            i += 2
+        elif a == CONNECTOR_FLAG and not connector:
+            changes.append(f"baseline: dropped {CONNECTOR_FLAG} {args[i + 1]}")
+            i += 2
+        else:
+            out.append(host(_expand(a, env)) if a.startswith("/") else _expand(a, env))
+            i += 1
+    if "--host" not in out:
+        out += ["--host", "127.0.0.1"]
+    if "--port" not in out:
+        out += ["--port", str(layout.port)]
+    out += ["--load-format", "dummy", "--skip-tokenizer-init"]
+    engine_argv = [layout.python, *VLLM_ENTRY, "serve", *out]
+    changes.append("vllm -> python -m vllm.entrypoints.cli.main")
+
+    files: dict[str, str] = {}
+    fresh = sorted({d for d in dirs.values() if d != "/dev/shm"})
+    # ConfigMap volumes: their files, written where the mount maps.
+    for name, source in r.volumes.items():
+        cm = (source.get("configMap") or {}).get("name")
+        if cm is not None:
+            for key, text in r.config_maps.get(cm, {}).items():
+                files[f"{dirs[name]}/{key}"] = text
+
+    lmcache = r.lmcache_config()
+    lmcache_path = env.get("LMCACHE_CONFIG_FILE")
+    if lmcache is not None and lmcache_path:
+        local_disk = lmcache.get("local_disk")
+        if local_disk:
+            raw = str(local_disk)
+            path = raw[len("file://"):] if raw.startswith("file://") else raw
+            mapped = host(path.rstrip("/") or "/")
+            lmcache["local_disk"] = ("file://" if raw.startswith("file://") else "") + mapped.rstrip("/") + "/"
+            changes.append(f"LMCache local_disk {raw} -> {lmcache['local_disk']}")
+        if lmcache_overrides:
+            lmcache = _deep_merge(lmcache, lmcache_overrides)
+            changes.append(f"LMCache config overrides {json.dumps(lmcache_overrides, sort_keys=True)}")
+        files[lmcache_path] = yaml.safe_dump(lmcache, sort_keys=True)
+    if model_config is not None:
+        files[f"{layout.model_dir}/config.json"] = json.dumps(model_config, indent=2, sort_keys=True) + "\n"
+
+    # Init containers: Python ones run locally (paths mapped); shell ones that empty volumes are what
+    # the benchmark does itself before each run (fresh_dirs).
+    init_argvs: list[list[str]] = []
+    for c in r.init:
+        if c.command[:1] in (("python3",), ("python",)):
+            ih = _mapper(c.mounts, dirs)
+            init_argvs.append([layout.python, *[ih(a) if a.startswith("/") else a for a in [*c.command[1:], *c.args]]])
+            changes.append(f"init container {c.name}: run as {layout.python} with mapped paths")
+        else:
+            changes.append(f"init container {c.name} not run ({' '.join(c.command)[:60]}...): "
+                           "the benchmark empties every volume before the run")
+
+    exporter_argv, exporter_env = None, {}
+    if r.exporter is not None:
+        e = r.exporter
+        if e.command[:1] != ("kvoffload",):
+            raise ManifestError(f"exporter command is {list(e.command)}, expected ['kvoffload']")
+        ehost = _mapper(e.mounts, dirs)
+        eenv = dict(e.env)
+        eenv.update({k: fields[p] for k, p in e.env_fields.items() if p in fields})
+        eargs: list[str] = []
+        i = 0
+        while i < len(e.args):
+            a = e.args[i]
+            if a == "--listen":
+                eargs += [a, f"127.0.0.1:{layout.exporter_port}"]
+                changes.append(f"exporter --listen {e.args[i + 1]} -> 127.0.0.1:{layout.exporter_port}")
+                i += 2
+            elif a == "--vllm-metrics-url":
+                url = re.sub(r"//[^/]+/", f"//127.0.0.1:{layout.port}/", e.args[i + 1], count=1)
+                eargs += [a, url]
+                if url != e.args[i + 1]:
+                    changes.append(f"exporter --vllm-metrics-url {e.args[i + 1]} -> {url}")
+                i += 2
+            else:
+                x = _expand(a, eenv)
+                eargs.append(ehost(x) if x.startswith("/") else x)
+                i += 1
+        exporter_argv = [layout.python, *KVOFFLOAD_ENTRY, *e.command[1:], *eargs]
+        exporter_env = {k: val for k, val in eenv.items()}
+
+    return LocalRun(engine_argv=engine_argv, engine_env=env, exporter_argv=exporter_argv, exporter_env=exporter_env,
+                    files=files, fresh_dirs=fresh, init_argvs=init_argvs, lmcache=lmcache, lmcache_path=lmcache_path,
+                    multiproc_dir=env.get("PROMETHEUS_MULTIPROC_DIR"), changes=changes)
+
+
+# Hugging Face config.json fields the catalog does not carry (it holds what KV sizing needs). Each
+# entry's parameter count, recomputed by `params_of`, must equal the catalog's: a cross-check.
+HF_EXTRA: dict[str, dict[str, Any]] = {
+    "meta-llama/Llama-3.1-8B-Instruct": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "vocab_size": 128256, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]},
+    "Qwen/Qwen2.5-7B-Instruct": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+        "intermediate_size": 18944, "vocab_size": 152064, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
+        "use_sliding_window": False, "bos_token_id": 151643, "eos_token_id": 151645},
+}
+
+
+def params_of(cfg: dict[str, Any]) -> int:
+    """Parameter count of a Llama/Qwen2-style decoder from its config.json."""
+    h, i, v, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // heads
+    qkv_bias = cfg["model_type"] == "qwen2"
+    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h + ((heads + 2 * kv) * hd if qkv_bias else 0)
+    per_layer = attn + 3 * h * i + 2 * h
+    return v * h * (1 if cfg.get("tie_word_embeddings") else 2) + L * per_layer + h
+
+
+def model_config(hf_id: str, layers: int, attention_heads: int, kv_heads: int, head_dim: int,
+                 max_context: int | None, params: int) -> dict[str, Any]:
+    """config.json for `--load-format dummy`: the catalog's KV-shaping facts + HF_EXTRA; checked."""
+    extra = next((x for k, x in HF_EXTRA.items() if k.lower() == hf_id.lower()), None)
+    if extra is None:
+        raise ManifestError(f"no config.json fields for {hf_id}; pass --config-json (known: {', '.join(HF_EXTRA)})")
+    cfg = {**extra, "num_hidden_layers": layers, "num_attention_heads": attention_heads,
+           "num_key_value_heads": kv_heads, "head_dim": head_dim,
+           "max_position_embeddings": max_context or 32768}
+    if params_of(cfg) != params:
+        raise ManifestError(f"{hf_id}: config gives {params_of(cfg)} parameters, the catalog {params}")
+    return cfg
+
+
+def kv_bytes_per_token(cfg: dict[str, Any], kv_cache_dtype: str) -> int:
+    """Per replica: 2 x layers x KV heads x head_dim x bytes (fp8 1, else the model dtype's 2)."""
+    per = 1 if kv_cache_dtype.startswith("fp8") else 2
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * per
