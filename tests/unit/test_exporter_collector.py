@@ -374,3 +374,46 @@ def test_orphaned_bytes(tmp_path: Path) -> None:
         m = scrape(registry)
         assert value(m, "kvoffload_disk_orphaned_bytes") == 400
         assert value(m, "kvoffload_tier_evictions_total", tier="disk") == 3
+
+
+# --- the engine's versions, from the file the serving image's init container wrote -------------------
+
+def test_engine_info_from_the_versions_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from kvoffload.controller.probe import Reading, parse_page
+
+    path = tmp_path / "versions.json"
+    with FakeVllm(WITH_LMCACHE) as vllm:
+        registry, _ = make(ExporterConfig(vllm_metrics_url=vllm.url, engine_versions_file=str(path)))
+        m = scrape(registry)  # the init container has not written it (cannot happen in a pod; counted)
+        assert value(m, "kvoffload_source_up", source="engine") == 0
+        assert value(m, "kvoffload_scrape_errors_total", source="engine") == 1
+        assert not [k for k in m if k[0] == "kvoffload_engine_info"]
+
+        path.write_text('{"vllm": "0.26.0", "lmcache": "0.5.3", "torch": "2.11.0+cu130"}')
+        text = generate_latest(registry).decode()
+        m = scrape(registry)
+        assert value(m, "kvoffload_engine_info", vllm="0.26.0", lmcache="0.5.3", torch="2.11.0+cu130") == 1
+        assert value(m, "kvoffload_source_up", source="engine") == 1
+        # What the operator's probe makes of the same page.
+        assert parse_page(text) == Reading(1.0, {"vllm": "0.26.0", "lmcache": "0.5.3", "torch": "2.11.0+cu130"})
+
+        path.write_text('{"vllm": "0.27.1", "lmcache": null}')
+        m = scrape(registry)
+        assert value(m, "kvoffload_engine_info", vllm="0.27.1", lmcache="none", torch="none") == 1
+
+        path.write_text("garbage")
+        m = scrape(registry)
+    assert value(m, "kvoffload_source_up", source="engine") == 0
+    assert value(m, "kvoffload_scrape_errors_total", source="engine") == 2
+    assert any("source engine failing" in r.getMessage() and "not JSON" in r.getMessage() for r in caplog.records)
+
+
+def test_no_versions_file_flag_no_engine_source() -> None:
+    from kvoffload.controller.probe import Reading, parse_page
+
+    with FakeVllm(WITHOUT_CONNECTOR) as vllm:
+        registry, _ = make(ExporterConfig(vllm_metrics_url=vllm.url))
+        text = generate_latest(registry).decode()
+    assert "kvoffload_engine_info" not in text and 'source="engine"' not in text
+    assert parse_page(text) == Reading(0.0, None)
+    assert parse_page("# nothing\n") == "kvoffload_offload_active missing from the exporter's /metrics"

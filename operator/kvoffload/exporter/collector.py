@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..engine import versions as engine_versions
 from .capacity import TierBudget
 from .disk_tier import DiskScan, DiskTierMonitor
 from .lmcache_metrics import LmcacheSnapshot, parse_lmcache, read_multiproc_dir
@@ -39,6 +40,7 @@ class ExporterConfig:
     multiproc_dir: str | None = None
     scrape_timeout: float = 2.0
     kv_bytes_per_token: int = 0  # per replica; 0: unknown, no gpu capacity
+    engine_versions_file: str | None = None
     budget: TierBudget = TierBudget()
 
 
@@ -51,6 +53,8 @@ class TierCollector(Collector):
         self.health = {name: SourceHealth(name) for name in ("vllm", "lmcache")}
         if disk is not None:
             self.health["disk"] = disk.health
+        if config.engine_versions_file is not None:
+            self.health["engine"] = SourceHealth("engine")
         # Concurrent scrapes (an HA Prometheus pair) look at the sources in parallel, each bounded
         # by the scrape timeout; they share nothing but the sources' health (locked).
 
@@ -66,7 +70,9 @@ class TierCollector(Collector):
         disk = self.disk.latest if self.disk is not None else None
         if vllm is not None and vllm.process_start is not None and self.disk is not None:
             self.disk.cutoff = vllm.process_start  # files older than vLLM were left by an earlier pod
-        return _families(self.config, vllm, lmc, disk, offload_active(vllm, lmc), self.health)
+        engine = self._look_engine()
+        families = _families(self.config, vllm, lmc, disk, offload_active(vllm, lmc), self.health)
+        return families + ([engine_info(engine)] if engine is not None else [])
 
     def _look_vllm(self) -> VllmSnapshot | None:
         try:
@@ -91,6 +97,34 @@ class TierCollector(Collector):
             return None
         self.health["lmcache"].ok()
         return snap
+
+
+    def _look_engine(self) -> engine_versions.EngineVersions | None:
+        # A few bytes, read at every scrape: no state to keep, and a rewritten file is seen at once.
+        path = self.config.engine_versions_file
+        if path is None:
+            return None
+        try:
+            with open(path, encoding="utf-8") as f:
+                found = engine_versions.parse(f.read(4096))
+        except OSError as exc:
+            self.health["engine"].fail(f"cannot read {path}: {exc.strerror or type(exc).__name__}")
+            return None
+        except ValueError as exc:
+            self.health["engine"].fail(f"{path}: {exc}")
+            return None
+        self.health["engine"].ok()
+        return found
+
+
+def engine_info(found: engine_versions.EngineVersions) -> Metric:
+    info = GaugeMetricFamily(
+        "kvoffload_engine_info",
+        "1, labelled with the vLLM, LMCache and torch versions the serving image really holds "
+        "(importlib.metadata, read by the pod's init container; \"none\": not installed).",
+        labels=list(engine_versions.PACKAGES))
+    info.add_metric([found.labels()[name] for name in engine_versions.PACKAGES], 1)
+    return info
 
 
 def offload_active(vllm: VllmSnapshot | None, lmc: LmcacheSnapshot | None) -> bool:
