@@ -44,8 +44,14 @@ def test_chart_crd_equals_plain_crd_once_helm_renders_it():
     assert chart_crd == yaml.safe_load((ROOT / generate.CRD_FILE).read_text()) == crd.crd()
 
 
-def test_parser_reads_exactly_the_fields_the_schema_declares():
-    read = parse(FULL_SPEC, Settings()).read_paths | parse(EPHEMERAL_SPEC, Settings()).read_paths
+def test_parser_reads_exactly_the_fields_the_schema_declares(monkeypatch):
+    from kvoffload.api import spec as spec_mod
+
+    read: set[str] = set()
+    get = spec_mod._Reader.get
+    monkeypatch.setattr(spec_mod._Reader, "get", lambda self, path, *default: read.add(path) or get(self, path, *default))
+    parse(FULL_SPEC, Settings())
+    parse(EPHEMERAL_SPEC, Settings())
     assert read >= crd.leaf_paths(), sorted(crd.leaf_paths() - read)
     parent_paths = {p.rsplit(".", 1)[0] for p in crd.leaf_paths()} | {""}
     extra = {p for p in read - crd.leaf_paths() if p not in parent_paths}
@@ -91,3 +97,12 @@ def test_scale_subresource_and_printer_columns():
     assert version["subresources"]["status"] == {}
     names = [c["name"] for c in version["additionalPrinterColumns"]]
     assert names[0] == "Ready" and "Memory" in names and names[-1] == "Age"
+
+
+def test_planning_errors_name_real_crd_fields() -> None:
+    """spec.PLAN_FIELDS turns the planner's input names into CRD paths: each must exist in the schema."""
+    from kvoffload.api.spec import PLAN_FIELDS
+
+    for key, path in PLAN_FIELDS.items():
+        assert path.startswith("spec."), key
+        assert crd.schema_at(path.removeprefix("spec.")), f"{key} -> {path} is not in the CRD"

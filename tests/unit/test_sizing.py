@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from kvoffload.planning.catalog import ModelArch, lookup
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.quantity import GiB, MiB
-from kvoffload.planning.sizing import Bandwidths, MemoryDefaults, PlanInput, plan, validate_tp
+from kvoffload.api.spec import PLAN_FIELDS
+from kvoffload.planning.sizing import Bandwidths, MemoryDefaults, PlanInput, check, plan, validate_tp
 
 L31_8B = lookup("meta-llama/Llama-3.1-8B-Instruct")
 L31_70B = lookup("meta-llama/Llama-3.1-70B-Instruct")
@@ -46,7 +47,7 @@ def test_llama3_8b_32k_request_is_4gib() -> None:
 def test_tp_beyond_kv_heads_replicates_heads() -> None:
     # 32 heads % 16 == 0 and 16 % 8 KV heads == 0: vLLM accepts it and puts one (replicated) head per GPU.
     validate_tp(L31_8B, 16)
-    b = plan(PlanInput(L31_8B, 32768, tp=16, cpu_tier=16 * GiB))
+    b = plan(PlanInput(L31_8B, 32768, tp=16, cpu_size=16 * GiB))
     assert b.kv_bytes_per_token_per_gpu == 2 * 32 * 1 * 128 * 2 == 16384
     assert b.kv_bytes_per_token == 16384 * 16 == 2 * 131072
     assert b.kv_bytes_per_sequence == 32768 * 262144
@@ -78,16 +79,16 @@ def test_gpu_tier_70b_tp8_tokens_are_per_gpu_not_times_tp() -> None:
 def test_24gib_gpu_llama_8b_bf16_weights_do_not_fit() -> None:
     with pytest.raises(ConfigError) as exc:
         plan(PlanInput(L31_8B, 65536, gpu_memory=24 * GiB, gpu_memory_utilization=0.5))
-    assert exc.value.field == "spec.resources.gpuMemory"
+    assert exc.value.key == "gpu_memory" and exc.value.named(PLAN_FIELDS).field == "spec.resources.gpuMemory"
     # 8.03e9 × 2 B = 14.96 GiB of weights against 24 GiB × 0.5 = 12 GiB
     assert "14.96 GiB" in exc.value.message and "12 GiB" in exc.value.message
-    assert "spec.engine.tensorParallelSize" in exc.value.message
+    assert "spec.engine.tensorParallelSize" in exc.value.named(PLAN_FIELDS).message
 
 
 def test_24gib_gpu_llama_8b_max_model_len_too_long() -> None:
     with pytest.raises(ConfigError) as exc:  # 21.6 − 14.96 − 2 = 4.64 GiB left, 65536 tokens need 8 GiB
         plan(PlanInput(L31_8B, 65536, gpu_memory=24 * GiB))
-    assert exc.value.field == "spec.engine.maxModelLen"
+    assert exc.value.key == "max_model_len" and exc.value.named(PLAN_FIELDS).field == "spec.engine.maxModelLen"
     assert "at most 38031" in exc.value.message
 
 
@@ -101,8 +102,8 @@ def test_24gib_gpu_llama_8b_fp8_fits() -> None:
 def test_concurrency_beyond_gpu_sequences_warns() -> None:
     b = plan(PlanInput(L31_8B, 131072, concurrency=8))  # 55 GiB / 16 GiB = 3 sequences
     assert b.tier("gpu").sequences == 3
-    assert any("spec.engine.maxNumSeqs is 8" in w for w in b.warnings)
-    assert not any("maxNumSeqs" in w for w in plan(PlanInput(L31_8B, 131072, concurrency=3)).warnings)
+    assert any("spec.engine.maxNumSeqs is 8" in w for w in b.named(PLAN_FIELDS).warnings)
+    assert not any("maxNumSeqs" in w for w in plan(PlanInput(L31_8B, 131072, concurrency=3)).named(PLAN_FIELDS).warnings)
 
 
 # ---- sliding windows ----------------------------------------------------------------------------------
@@ -122,7 +123,7 @@ def test_gemma2_window_rule_without_offload() -> None:
 def test_gemma2_with_offload_sizes_windowed_layers_full_length() -> None:
     # vLLM turns the hybrid KV cache manager off when a KV connector is set.
     g = lookup("google/gemma-2-9b-it")
-    b = plan(PlanInput(g, 8192, cpu_tier=32 * GiB))
+    b = plan(PlanInput(g, 8192, cpu_size=32 * GiB))
     assert b.kv_bytes_per_sequence == 344064 * 8192
     assert b.tier("gpu").tokens == (usable(80, 0.9) - 9_241_705_984 * 2 - 2 * GiB) // 344064
     assert b.tier("cpu").tokens == 32 * GiB // (256 * 344064) * 256
@@ -145,21 +146,21 @@ def test_max_context_warning() -> None:
 # ---- offload tiers, memory, reload ----------------------------------------------------------------------
 
 def test_offload_tiers_whole_chunks() -> None:
-    b = plan(PlanInput(L31_8B, 32768, cpu_tier=40 * GiB, disk_tier=500 * GiB))
+    b = plan(PlanInput(L31_8B, 32768, cpu_size=40 * GiB, disk_size=500 * GiB))
     assert (b.tier("cpu").tokens, b.tier("cpu").sequences) == (327680, 10)
     assert (b.tier("disk").tokens, b.tier("disk").sequences) == (4_096_000, 125)
-    odd = plan(PlanInput(L31_8B, 32768, cpu_tier=40 * GiB + 100 * MiB))  # 100 MiB = 3.1 chunks of 32 MiB
+    odd = plan(PlanInput(L31_8B, 32768, cpu_size=40 * GiB + 100 * MiB))  # 100 MiB = 3.1 chunks of 32 MiB
     assert odd.tier("cpu").tokens == 327680 + 3 * 256
 
 
 def test_tiny_tier_warns() -> None:
-    b = plan(PlanInput(L31_8B, 4096, cpu_tier=16 * MiB))
+    b = plan(PlanInput(L31_8B, 4096, cpu_size=16 * MiB))
     assert b.tier("cpu").tokens == 0
     assert any("can hold nothing" in w for w in b.warnings)
 
 
 def test_memory_terms_tp1() -> None:
-    b = plan(PlanInput(L31_8B, 32768, cpu_tier=40 * GiB, disk_tier=500 * GiB))
+    b = plan(PlanInput(L31_8B, 32768, cpu_size=40 * GiB, disk_size=500 * GiB))
     terms = {t.name: t.bytes for t in b.memory_terms}
     assert terms == {"engine_baseline": 4 * GiB, "worker_overhead": 2 * GiB, "cpu_tier": 40 * GiB,
                      "staging": GiB, "shm": 2 * GiB, "headroom": -(-49 * GiB // 10)}
@@ -168,7 +169,7 @@ def test_memory_terms_tp1() -> None:
 
 
 def test_memory_terms_tp8_scale_per_rank() -> None:
-    b = plan(PlanInput(L31_70B, 32768, tp=8, cpu_tier=160 * GiB))
+    b = plan(PlanInput(L31_70B, 32768, tp=8, cpu_size=160 * GiB))
     terms = {t.name: t.bytes for t in b.memory_terms}
     assert (terms["worker_overhead"], terms["staging"], terms["shm"]) == (16 * GiB, 8 * GiB, 9 * GiB)
     assert b.tier("cpu").bytes_per_worker == 20 * GiB
@@ -186,13 +187,13 @@ def test_memory_without_offload_has_no_staging_and_min_headroom() -> None:
 
 def test_memory_overrides() -> None:
     mem = MemoryDefaults(engine_baseline=GiB, per_worker_overhead=0, staging_per_worker=0, shm=0,
-                         headroom_fraction=0, headroom_min=0)
-    b = plan(PlanInput(L31_8B, 4096, cpu_tier=3 * GiB, memory=mem))
+                         headroom_percent=0, headroom_min=0)
+    b = plan(PlanInput(L31_8B, 4096, cpu_size=3 * GiB, memory=mem))
     assert b.memory_limit == 4 * GiB and b.shm == 0
 
 
 def test_measured_disk_is_slower_than_recompute_for_llama_8b_32k() -> None:
-    b = plan(PlanInput(L31_8B, 32768, cpu_tier=40 * GiB, disk_tier=500 * GiB))
+    b = plan(PlanInput(L31_8B, 32768, cpu_size=40 * GiB, disk_size=500 * GiB))
     cpu, disk = b.reload
     assert (cpu.tier, disk.tier) == ("cpu", "disk")
     assert cpu.bytes == disk.bytes == 4 * GiB
@@ -203,19 +204,19 @@ def test_measured_disk_is_slower_than_recompute_for_llama_8b_32k() -> None:
 
 
 def test_fast_disk_is_not_flagged() -> None:
-    b = plan(PlanInput(L31_8B, 32768, cpu_tier=GiB, disk_tier=10 * GiB, bandwidths=Bandwidths(disk_read=7e9)))
+    b = plan(PlanInput(L31_8B, 32768, cpu_size=GiB, disk_size=10 * GiB, bandwidths=Bandwidths(disk_read=7e9)))
     assert not b.reload[1].slower_than_recompute
 
 
 def test_prefill_rate_scales_with_params_and_tp() -> None:
-    b = plan(PlanInput(L31_70B, 32768, tp=8, cpu_tier=8 * GiB))
+    b = plan(PlanInput(L31_70B, 32768, tp=8, cpu_size=8 * GiB))
     assert b.reload[0].recompute_s == pytest.approx(1.3815 * 70_553_706_496 / 8_030_261_248 / 8, rel=1e-4)
-    own = plan(PlanInput(L31_8B, 1000, cpu_tier=GiB, bandwidths=Bandwidths(prefill_tokens_per_s=1000)))
+    own = plan(PlanInput(L31_8B, 1000, cpu_size=GiB, bandwidths=Bandwidths(prefill_tokens_per_s=1000)))
     assert own.reload[0].recompute_s == 1.0
 
 
 def test_to_dict_is_json_with_camel_case() -> None:
-    d = plan(PlanInput(L31_8B, 32768, cpu_tier=40 * GiB, disk_tier=500 * GiB)).to_dict()
+    d = plan(PlanInput(L31_8B, 32768, cpu_size=40 * GiB, disk_size=500 * GiB)).to_dict()
     assert json.loads(json.dumps(d)) == d
     assert d["kvBytesPerToken"] == 131072
     assert d["tiers"][1] == {"name": "cpu", "bytes": 40 * GiB, "bytesPerWorker": 40 * GiB, "tokens": 327680, "sequences": 10}
@@ -229,14 +230,14 @@ def test_to_dict_is_json_with_camel_case() -> None:
 # ---- refusals -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("hf_id, tp", [
-    ("meta-llama/Llama-3.1-8B", 3), ("meta-llama/Llama-3.1-8B", 64), ("meta-llama/Llama-3.1-8B", 0),
+    ("meta-llama/Llama-3.1-8B", 3), ("meta-llama/Llama-3.1-8B", 64),
     ("Qwen/Qwen2.5-7B", 8),  # 28 heads % 8 != 0
     ("Qwen/Qwen2.5-7B", 7),  # 28 % 7 == 0, but 7 neither divides nor is a multiple of 4 KV heads
 ])
 def test_validate_tp_refuses_what_vllm_refuses(hf_id: str, tp: int) -> None:
     with pytest.raises(ConfigError) as exc:
         validate_tp(lookup(hf_id), tp)
-    assert exc.value.field == "spec.engine.tensorParallelSize"
+    assert exc.value.key == "tp"
 
 
 @pytest.mark.parametrize("hf_id, tp", [("Qwen/Qwen2.5-7B", 4), ("meta-llama/Llama-2-70b-hf", 16),
@@ -245,35 +246,40 @@ def test_validate_tp_accepts(hf_id: str, tp: int) -> None:
     validate_tp(lookup(hf_id), tp)
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"max_model_len": 0}, "spec.engine.maxModelLen"),
-    ({"concurrency": 0}, "spec.engine.maxNumSeqs"),
-    ({"gpu_memory_utilization": 0}, "spec.engine.gpuMemoryUtilization"),
-    ({"gpu_memory_utilization": 1.5}, "spec.engine.gpuMemoryUtilization"),
-    ({"kv_dtype": "int4"}, "spec.model.kvDtype"),
-    ({"weight_dtype": "fp32"}, "spec.engine.dtype"),
-    ({"cpu_tier": -1}, "spec.offload.cpu.size"),
-    ({"disk_tier": -1}, "spec.offload.disk.size"),
-    ({"disk_tier": GiB}, "spec.offload.cpu.size"),  # a disk tier needs a CPU tier
-    ({"gpu_memory": 0}, "spec.resources.gpuMemory"),
-    ({"gpus": 2}, "spec.resources.gpus"),
-    ({"chunk_size": 0}, "spec.offload.chunkSize"),
-    ({"tp": 5}, "spec.engine.tensorParallelSize"),
-    ({"memory": MemoryDefaults(engine_baseline=-1)}, "spec.resources.engineBaseline"),
-    ({"memory": MemoryDefaults(headroom_fraction=-0.1)}, "spec.resources.headroomFraction"),
-    ({"bandwidths": Bandwidths(disk_read=0)}, "spec.offload.disk.readBandwidth"),
+@pytest.mark.parametrize("change, key", [
+    ({"max_model_len": 0}, "max_model_len"),
+    ({"concurrency": 0}, "concurrency"),
+    ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"kv_dtype": "int4"}, "kv_dtype"),
+    ({"weight_dtype": "fp32"}, "weight_dtype"),
+    ({"cpu_size": -1}, "cpu_size"),
+    ({"disk_size": -1}, "disk_size"),
+    ({"disk_size": GiB}, "cpu_size"),  # a disk tier needs a CPU tier
+    ({"gpu_memory": 0}, "gpu_memory"),
+    ({"gpus": 2}, "gpus"),
+    ({"chunk_size": 0}, "chunk_size"),
+    ({"tp": 0}, "tp"),
+    ({"tp": 5}, "tp"),
+    ({"memory": MemoryDefaults(engine_baseline=-1)}, "engine_baseline"),
+    ({"memory": MemoryDefaults(headroom_percent=-1)}, "headroom_percent"),
+    ({"memory": MemoryDefaults(headroom_percent=101)}, "headroom_percent"),
+    ({"bandwidths": Bandwidths(disk_read=0)}, "disk_read"),
 ])
-def test_bad_input_names_the_field(change: dict, field: str) -> None:
+def test_bad_input_names_the_input(change: dict, key: str) -> None:
+    inp = dataclasses.replace(PlanInput(L31_8B, 4096), **change)
     with pytest.raises(ConfigError) as exc:
-        plan(dataclasses.replace(PlanInput(L31_8B, 4096), **change))
-    assert exc.value.field == field
+        check(inp)
+        plan(inp)
+    assert exc.value.key == key
 
 
 def test_mla_is_refused() -> None:
     mla = ModelArch("deepseek-ai/DeepSeek-V3", 61, 128, 128, 192, 671_000_000_000, attention="mla")
     with pytest.raises(ConfigError) as exc:
         plan(PlanInput(mla, 4096, tp=8))
-    assert exc.value.field == "spec.model.name" and "MLA" in exc.value.message
+    assert exc.value.key == "model" and "MLA" in exc.value.message
+    assert exc.value.named(PLAN_FIELDS).field == "spec.model.name"
 
 
 # ---- properties --------------------------------------------------------------------------------------
@@ -289,7 +295,7 @@ def inputs(draw: st.DrawFn) -> PlanInput:
     tp = draw(st.sampled_from([1, 2, 4]))
     cpu = draw(st.integers(0, 256 * GiB))
     return PlanInput(model, draw(st.integers(1, 32768)), concurrency=draw(st.integers(1, 256)), gpu_memory=H200, tp=tp,
-                     cpu_tier=cpu, disk_tier=draw(st.integers(0, 4096 * GiB)) if cpu else 0,
+                     cpu_size=cpu, disk_size=draw(st.integers(0, 4096 * GiB)) if cpu else 0,
                      chunk_size=draw(st.sampled_from([16, 256, 512])))
 
 
@@ -307,7 +313,7 @@ def test_never_negative_and_consistent(inp: PlanInput) -> None:
             assert t.tokens % inp.chunk_size == 0 and t.sequences == t.tokens // inp.max_model_len
             assert t.tokens * b.kv_bytes_per_token <= t.bytes
     assert b.tier("gpu").sequences >= 1  # else plan refuses, as vLLM does
-    assert b.memory_request == b.memory_limit >= inp.cpu_tier + b.shm
+    assert b.memory_request == b.memory_limit >= inp.cpu_size + b.shm
     assert b.memory_limit % MiB == 0 and b.memory_limit >= sum(t.bytes for t in b.memory_terms)
     assert all(t.bytes >= 0 for t in b.memory_terms)
 
@@ -335,5 +341,5 @@ def test_concurrency_changes_only_warnings(inp: PlanInput, more: int) -> None:
 @settings(max_examples=30, deadline=None)
 @given(inputs(), st.integers(1, 64 * GiB))
 def test_memory_monotone_in_cpu_tier(inp: PlanInput, extra: int) -> None:
-    base = dataclasses.replace(inp, cpu_tier=max(inp.cpu_tier, 1))
-    assert plan(base).memory_limit <= plan(dataclasses.replace(base, cpu_tier=base.cpu_tier + extra)).memory_limit
+    base = dataclasses.replace(inp, cpu_size=max(inp.cpu_size, 1))
+    assert plan(base).memory_limit <= plan(dataclasses.replace(base, cpu_size=base.cpu_size + extra)).memory_limit

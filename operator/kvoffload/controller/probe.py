@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..exporter.vllm_metrics import SourceError, fetch_text
+from ..api.fetch import SourceError, fetch_text
 
 
 @dataclass(frozen=True)

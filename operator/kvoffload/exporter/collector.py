@@ -15,11 +15,12 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from ..engine import versions as engine_versions
-from .capacity import TierBudget
+from .capacity import TierCapacity
 from .disk_tier import DiskScan, DiskTierMonitor
 from .lmcache_metrics import LmcacheSnapshot, parse_lmcache, read_multiproc_dir
-from .sources import SourceError, SourceHealth
-from .vllm_metrics import VllmSnapshot, fetch_text, parse_vllm
+from ..api.fetch import SourceError, fetch_text
+from .sources import SourceHealth
+from .vllm_metrics import VllmSnapshot, parse_vllm
 
 OFFLOAD_ACTIVE_HELP = (
     "1 if KV offloading through LMCache is proven at work, else 0. Rule: vLLM's /metrics was read "
@@ -41,7 +42,7 @@ class ExporterConfig:
     scrape_timeout: float = 2.0
     kv_bytes_per_token: int = 0  # per replica; 0: unknown, no gpu capacity
     engine_versions_file: str | None = None
-    budget: TierBudget = TierBudget()
+    capacity: TierCapacity = TierCapacity()
 
 
 class TierCollector(Collector):
@@ -189,10 +190,10 @@ def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSna
         for source, origin in PROMPT_ORIGINS.items():
             if source in vllm.prompt_tokens:
                 origins.add_metric([origin], vllm.prompt_tokens[source])
-    if config.budget.cpu_bytes is not None:
-        capacity.add_metric(["cpu"], config.budget.cpu_bytes)
-    if config.budget.disk_bytes is not None:
-        capacity.add_metric(["disk"], config.budget.disk_bytes)
+    if config.capacity.cpu_bytes is not None:
+        capacity.add_metric(["cpu"], config.capacity.cpu_bytes)
+    if config.capacity.disk_bytes is not None:
+        capacity.add_metric(["disk"], config.capacity.disk_bytes)
     if lmc is not None:
         used.add_metric(["cpu"], lmc.cpu_used_bytes)
         used.add_metric(["disk"], lmc.disk_used_bytes)
