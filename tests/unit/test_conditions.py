@@ -4,6 +4,7 @@ from datetime import datetime, timezone
 
 import pytest
 
+from kvoffload.api import crd
 from kvoffload.controller import conditions, pipeline
 from kvoffload.controller.probe import Reading
 from kvoffload.api.errors import ConfigError
@@ -192,7 +193,7 @@ def test_status_versions_show_what_runs_and_what_was_rendered_for():
     assert versions["image"] == desired(**PINNED).spec.engine.image
     first, second = versions["running"]
     assert first == {"vllm": "0.26.0", "lmcache": "0.5.3", "torch": "2.11.0+cu130", "podCount": 12,
-                     "pods": sorted(f"svc-{i}" for i in range(12))[:conditions.MAX_POD_NAMES]}
+                     "pods": sorted(f"svc-{i}" for i in range(12))[:crd.MAX_VERSION_PODS]}
     assert second == {"vllm": "0.27.1", "lmcache": "0.5.4", "torch": "2.13.0", "podCount": 1, "pods": ["svc-12"]}
     assert engine(None, **PINNED)[1]["running"] == []
 

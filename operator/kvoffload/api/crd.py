@@ -37,6 +37,7 @@ DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])
 # Child and pod names derive from metadata.name, and Service names must be DNS-1035 labels.
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 MAX_NAME = 52
+MAX_VERSION_PODS = 10  # pod names listed per running version set in status.versions.running
 # A fully-qualified extended resource (nvidia.com/gpu): never cpu, memory or another built-in resource.
 EXTENDED_RESOURCE = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?[.])*[a-z0-9]([-a-z0-9]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
@@ -314,8 +315,9 @@ def status_schema() -> Schema:
                              "lmcache": _s("LMCache version ('none': not installed)."),
                              "torch": _s("torch version ('none': not installed)."),
                              "podCount": _i("Pods that run it.", format="int32"),
-                             "pods": {"type": "array", "maxItems": 10, "x-kubernetes-list-type": "atomic",
-                                      "description": "The first 10 of those pods, by name.", "items": {"type": "string"}}})}}),
+                             "pods": {"type": "array", "maxItems": MAX_VERSION_PODS, "x-kubernetes-list-type": "atomic",
+                                      "description": f"The first {MAX_VERSION_PODS} of those pods, by name.",
+                                      "items": {"type": "string"}}})}}),
          "summary": _o("Short figures for kubectl get.", {
              "gpuTokens": _i("Tokens the GPU tier holds.", format="int64"),
              "cpuTokens": _i("Tokens the CPU tier holds.", format="int64"),

@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..rendering import render
+from ..api import crd
 from ..api.errors import ConfigError
 from ..engine import versions as engine_versions
 from .pipeline import Desired
@@ -18,7 +19,6 @@ from .probe import Probes, Reading
 from ..api.quantity import format_bytes
 
 TYPES = ("Ready", "ConfigValid", "Scheduled", "OffloadActive", "EngineVerified", "DiskTierReady")
-MAX_POD_NAMES = 10  # pod names listed per running pair in status.versions
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def running_versions(probes: Probes | None) -> list[dict[str, Any]]:
         if isinstance(v, Reading) and v.engine:
             key = tuple(v.engine.get(name, "") for name in engine_versions.PACKAGES)
             groups.setdefault(key, []).append(pod)  # type: ignore[arg-type]
-    return [{**dict(zip(engine_versions.PACKAGES, key)), "podCount": len(pods), "pods": pods[:MAX_POD_NAMES]}
+    return [{**dict(zip(engine_versions.PACKAGES, key)), "podCount": len(pods), "pods": pods[:crd.MAX_VERSION_PODS]}
             for key, pods in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
 
 
