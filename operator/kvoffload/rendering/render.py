@@ -18,9 +18,9 @@ from ..api import crd
 from ..api.errors import ConfigError
 from ..api.quantity import format_bytes, gib
 from ..api.settings import Settings
-from ..planning.sizing import Budget
 from ..api.spec import Spec
 from ..engine import versions as engine_versions
+from ..planning.sizing import Budget
 
 HTTP_PORT = 8000
 CONFIG_DIR = "/etc/lmcache"
