@@ -26,6 +26,7 @@ from kvtest.exporter import ExporterProcess, FakeVllm
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 VLLM_TEXT = (FIXTURES / "vllm-0.33.0-metrics-sample" / "exposition.txt").read_text()
 MULTIPROC = FIXTURES / "lmcache-0.5.6-metrics-sample" / "multiproc"
+WITH_LMCACHE = (FIXTURES / "vllm-0.26.0-lmcache-0.5.3-h200" / "vllm-metrics-with-lmcache.txt").read_text()
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -142,14 +143,14 @@ def test_exporter_process_end_to_end(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     disk.mkdir()
     (disk / "chunk.pt").write_bytes(b"k" * 4096)
-    with FakeVllm(VLLM_TEXT) as vllm, ExporterProcess([
+    with FakeVllm(WITH_LMCACHE) as vllm, ExporterProcess([
             "--vllm-metrics-url", vllm.url, "--multiproc-dir", str(mp), "--disk-dir", str(disk),
             "--disk-rescan-interval", "0.2"]) as exporter:
         assert get(exporter.port, "/healthz") == (200, "ok\n")
         status, body = get(exporter.port, "/metrics")
         assert status == 200
         assert 'kvoffload_offload_active 1.0' in body
-        assert 'kvoffload_tier_hit_tokens_total{tier="external"} 8192.0' in body
+        assert 'kvoffload_tier_hit_tokens_total{tier="external"} 64028.0' in body
         assert "process_resident_memory_bytes" in body
         exporter.proc.send_signal(signal.SIGTERM)
         assert exporter.proc.wait(10) == 0
@@ -181,3 +182,23 @@ def test_exporter_process_refuses_a_busy_port() -> None:
                               capture_output=True, text=True, timeout=30)
     assert done.returncode == 2
     assert "--listen" in done.stderr
+
+
+def test_the_rendered_sidecar_arguments_are_flags_the_exporter_accepts() -> None:
+    """The flag names are a contract between the operator's render and this parser."""
+    import yaml
+
+    from kvoffload.api.settings import Settings
+    from kvoffload.controller import pipeline
+    from kvoffload.engine.versions import VERSIONS_FILE
+
+    doc = yaml.safe_load((FIXTURES.parents[1] / "examples" / "workstation-llama31-8b.yaml").read_text())
+    children = pipeline.desired("svc", "ns", "u", doc["spec"], Settings()).children
+    pod = next(c for c in children if c["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    exporter = next(c for c in pod["containers"] if c["name"] == "exporter")
+    assert exporter["args"][0] == "exporter"
+    args = parse([a.replace("$(POD_IP)", "127.0.0.1") for a in exporter["args"][1:]])
+    assert args.engine_versions_file == VERSIONS_FILE
+    assert args.multiproc_dir == "/var/run/kvoffload/prometheus"
+    mounts = {m["mountPath"] for m in exporter["volumeMounts"]}
+    assert VERSIONS_FILE.rsplit("/", 1)[0] in mounts

@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-bytes-per-token", type=int, default=0, metavar="N",
                    help="KV bytes per token for one replica (all TP ranks); gives the gpu tier's "
                         "capacity from vllm:cache_config_info. 0: unknown")
+    p.add_argument("--engine-versions-file", metavar="PATH",
+                   help="JSON the serving image's init container wrote ({vllm, lmcache, torch}); "
+                        "served as kvoffload_engine_info")
     p.add_argument("--scrape-timeout", type=float, default=2.0, metavar="SECONDS",
                    help="longest wait for vLLM during one scrape (default %(default)s)")
     p.add_argument("--disk-rescan-interval", type=float, default=30.0, metavar="SECONDS",
@@ -69,6 +72,7 @@ def build(args: argparse.Namespace) -> tuple[CollectorRegistry, TierCollector, t
         multiproc_dir=args.multiproc_dir,
         scrape_timeout=args.scrape_timeout,
         kv_bytes_per_token=args.kv_bytes_per_token,
+        engine_versions_file=args.engine_versions_file,
         capacity=load_capacity(args.lmcache_config, args.tensor_parallel_size),
     )
     disk = None

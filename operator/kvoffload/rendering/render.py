@@ -19,6 +19,7 @@ from ..api.errors import ConfigError
 from ..api.quantity import format_bytes, gib
 from ..api.settings import Settings
 from ..api.spec import Spec
+from ..engine import versions as engine_versions
 from ..planning.sizing import Budget
 
 HTTP_PORT = 8000
@@ -27,6 +28,13 @@ CONFIG_FILE = f"{CONFIG_DIR}/lmcache.yaml"
 DISK_DIR = "/kvcache"
 MULTIPROC_DIR = "/var/run/kvoffload/prometheus"
 MODELS_DIR = "/models"
+# The vLLM container's command: empty the multiprocess dir at EVERY start of the container (it is an
+# emptyDir that outlives a crashed vLLM, and prometheus_client would add a dead process's files to
+# the new one's), then exec vLLM. sh -c SCRIPT vllm serve ARGS... runs with $0=vllm, $@=serve ARGS,
+# so the args stay exactly vLLM's and the vLLM argv is `vllm_argv(container)`: command[3:] + args.
+# A failed emptying is reported and does not keep vLLM from starting.
+VLLM_PRELUDE = 'find "$PROMETHEUS_MULTIPROC_DIR" -mindepth 1 -delete; exec "$0" "$@"'
+VLLM_COMMAND = ["/bin/sh", "-c", VLLM_PRELUDE, "vllm", "serve"]
 KV_TRANSFER_CONFIG = json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, separators=(",", ":"))
 OWNER_LABEL = "kvoffload.io/serve"
 CONFIG_HASH_ANNOTATION = "kvoffload.io/config-hash"
@@ -154,7 +162,7 @@ def _vllm_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings
     return {
         "name": "vllm",
         "image": spec.engine.image,
-        "command": ["vllm", "serve"],
+        "command": list(VLLM_COMMAND),
         "args": _vllm_args(spec),
         "env": _vllm_env(spec, settings),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
@@ -169,6 +177,13 @@ def _vllm_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings
         "livenessProbe": _probe("/health", "http", 10, 6),
         "securityContext": _restricted(),
     }
+
+
+def vllm_argv(container: dict[str, Any]) -> list[str]:
+    """The argv the vLLM container finally execs (`vllm serve MODEL ...`), without the prelude."""
+    if container["command"][:3] != VLLM_COMMAND[:3]:
+        raise ValueError(f"container {container.get('name')!r} was not rendered with VLLM_COMMAND")
+    return container["command"][3:] + container["args"]
 
 
 def _disk_mount(owner: Owner, spec: Spec, *, read_only: bool) -> dict[str, Any]:
@@ -197,6 +212,19 @@ def _disk_init_container(owner: Owner, spec: Spec) -> dict[str, Any]:
     }
 
 
+def _versions_init_container(spec: Spec) -> dict[str, Any]:
+    # The serving image itself says which vLLM / LMCache / torch it holds; the exporter serves that
+    # as kvoffload_engine_info and the operator compares it with the pair it rendered for.
+    return {
+        "name": "report-engine-versions",
+        "image": spec.engine.image,
+        "command": ["python3", "-c", engine_versions.REPORT_SCRIPT, engine_versions.VERSIONS_FILE],
+        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+        "volumeMounts": [{"name": "engine-info", "mountPath": engine_versions.ENGINE_DIR}],
+        "securityContext": _restricted(readOnlyRootFilesystem=True),
+    }
+
+
 def _exporter_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> dict[str, Any]:
     args = ["exporter",
             "--listen", f"$(POD_IP):{spec.metrics_port}",  # the pod IP only, not every interface
@@ -204,9 +232,11 @@ def _exporter_container(owner: Owner, spec: Spec, budget: Budget, settings: Sett
             "--multiproc-dir", MULTIPROC_DIR,
             "--lmcache-config", CONFIG_FILE,
             "--tensor-parallel-size", str(spec.engine.tensor_parallel_size),
-            "--kv-bytes-per-token", str(budget.kv_bytes_per_token)]
+            "--kv-bytes-per-token", str(budget.kv_bytes_per_token),
+            "--engine-versions-file", engine_versions.VERSIONS_FILE]
     mounts = [{"name": "lmcache-config", "mountPath": CONFIG_DIR, "readOnly": True},
-              {"name": "prometheus-multiproc", "mountPath": MULTIPROC_DIR, "readOnly": True}]
+              {"name": "prometheus-multiproc", "mountPath": MULTIPROC_DIR, "readOnly": True},
+              {"name": "engine-info", "mountPath": engine_versions.ENGINE_DIR, "readOnly": True}]
     if spec.offload.disk:
         args += ["--disk-dir", DISK_DIR]
         mounts.append(_disk_mount(owner, spec, read_only=True))
@@ -231,6 +261,8 @@ def _volumes(owner: Owner, spec: Spec, budget: Budget) -> list[dict[str, Any]]:
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(budget.shm)}},
         {"name": "prometheus-multiproc", "emptyDir": {"sizeLimit": "256Mi"}},
     ]
+    if spec.metrics_enabled:
+        volumes.append({"name": "engine-info", "emptyDir": {"sizeLimit": "1Mi"}})
     disk = spec.offload.disk
     if disk and disk.path:
         volumes.append({"name": "kv-disk", "hostPath": {"path": disk.path, "type": "DirectoryOrCreate"}})
@@ -257,8 +289,10 @@ def statefulset(owner: Owner, spec: Spec, budget: Budget, settings: Settings, co
         "containers": containers,
         "volumes": _volumes(owner, spec, budget),
     }
-    if spec.offload.disk:
-        pod["initContainers"] = [_disk_init_container(owner, spec)]
+    init = ([_disk_init_container(owner, spec)] if spec.offload.disk else []) + (
+        [_versions_init_container(spec)] if spec.metrics_enabled else [])
+    if init:
+        pod["initContainers"] = init
     node_selector = {**spec.scheduling.node_selector, **(spec.offload.disk.node_selector if spec.offload.disk else {})}
     if node_selector:
         pod["nodeSelector"] = dict(sorted(node_selector.items()))
