@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.catalog import CATALOG, ModelArch, known_models, lookup, resolve_model
-from kvoffload.errors import ConfigError
+from kvoffload.planning.catalog import CATALOG, ModelArch, known_models, lookup, resolve_model
+from kvoffload.api.errors import ConfigError
 
 REQUIRED_IDS = [
     "meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-7b-chat-hf", "meta-llama/Llama-2-13b-hf",

@@ -1,10 +1,11 @@
-"""One source of truth: crds/, the chart's CRD and the Python parser agree with kvoffload.crd."""
+"""One source of truth: crds/, the chart's CRD and the Python parser agree with kvoffload.api.crd."""
 
 import yaml
 
-from kvoffload import crd, generate
-from kvoffload.settings import Settings
-from kvoffload.spec import parse
+from kvoffload.api import crd
+from kvoffload.cli import generate
+from kvoffload.api.settings import Settings
+from kvoffload.api.spec import parse
 
 from .helpers import ROOT
 

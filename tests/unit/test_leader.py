@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from kvoffload import handlers, leader
-from kvoffload.kube import ApiError
-from kvoffload.settings import Settings
+from kvoffload.controller import handlers, leader
+from kvoffload.controller.kube import ApiError
+from kvoffload.api.settings import Settings
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 CFG = leader.LeaseConfig(namespace="ops", name="kvoffload-operator", identity="me")

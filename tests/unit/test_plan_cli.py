@@ -7,8 +7,8 @@ import json
 import pytest
 import yaml
 
-from kvoffload import cli
-from kvoffload.quantity import GiB, MiB
+from kvoffload.cli import main as cli
+from kvoffload.api.quantity import GiB, MiB
 
 LLAMA = ["--model", "meta-llama/Llama-3.1-8B-Instruct"]
 
@@ -16,7 +16,7 @@ LLAMA = ["--model", "meta-llama/Llama-3.1-8B-Instruct"]
 @pytest.fixture(autouse=True)
 def only_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     # cli.main imports every sub-command; these tests exercise `plan` alone.
-    monkeypatch.setattr(cli, "SUBCOMMANDS", {"plan": "kvoffload.plan_cli"})
+    monkeypatch.setattr(cli, "SUBCOMMANDS", {"plan": "kvoffload.cli.plan"})
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.catalog import ModelArch, lookup
-from kvoffload.errors import ConfigError
-from kvoffload.quantity import GiB, MiB
-from kvoffload.sizing import Bandwidths, MemoryDefaults, PlanInput, plan, validate_tp
+from kvoffload.planning.catalog import ModelArch, lookup
+from kvoffload.api.errors import ConfigError
+from kvoffload.api.quantity import GiB, MiB
+from kvoffload.planning.sizing import Bandwidths, MemoryDefaults, PlanInput, plan, validate_tp
 
 L31_8B = lookup("meta-llama/Llama-3.1-8B-Instruct")
 L31_70B = lookup("meta-llama/Llama-3.1-70B-Instruct")

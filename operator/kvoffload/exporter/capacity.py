@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError
+from ..api.errors import ConfigError
 
 GiB = 1024**3
 _FIELD = "--lmcache-config"

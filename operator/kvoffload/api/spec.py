@@ -16,7 +16,8 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from . import crd, images
+from . import crd
+from ..engine import images
 from .errors import ConfigError
 from .quantity import to_bytes
 from .settings import Settings

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .catalog import ModelArch
-from .errors import ConfigError
-from .quantity import GiB, MiB, human
+from ..api.errors import ConfigError
+from ..api.quantity import GiB, MiB, human
 
 # h200-tier-physics.json: pinned host→GPU copy, disk read, and the 32K prefill of an 8B Llama.
 H2D_PINNED_BPS = 54.847573715916525e9

@@ -14,12 +14,12 @@ from typing import Any
 
 import yaml
 
-from . import crd
-from .errors import ConfigError
-from .quantity import format_bytes, gib
-from .settings import Settings
-from .sizing import Budget
-from .spec import Spec
+from ..api import crd
+from ..api.errors import ConfigError
+from ..api.quantity import format_bytes, gib
+from ..api.settings import Settings
+from ..planning.sizing import Budget
+from ..api.spec import Spec
 
 HTTP_PORT = 8000
 CONFIG_DIR = "/etc/lmcache"

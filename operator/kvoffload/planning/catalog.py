@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from .errors import ConfigError
+from ..api.errors import ConfigError
 
 ARCH = "spec.model.architecture"
 

@@ -15,10 +15,12 @@ import random
 
 import kopf
 
-from . import crd, leader, render
+from . import leader
+from ..api import crd
+from ..rendering import render
 from .kube import Kube, load_api_client
 from .reconcile import reconcile
-from .settings import Settings, load
+from ..api.settings import Settings, load
 
 log = logging.getLogger("kvoffload.operator")
 

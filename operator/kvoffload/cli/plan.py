@@ -9,10 +9,10 @@ from typing import Any, Callable, TypeVar
 
 import yaml
 
-from .catalog import ModelArch, resolve_model
-from .errors import ConfigError
-from .quantity import format_bytes, human, to_bytes
-from .sizing import Bandwidths, Budget, MemoryDefaults, PlanInput, plan, prefill_tokens_per_s
+from ..planning.catalog import ModelArch, resolve_model
+from ..api.errors import ConfigError
+from ..api.quantity import format_bytes, human, to_bytes
+from ..planning.sizing import Bandwidths, Budget, MemoryDefaults, PlanInput, plan, prefill_tokens_per_s
 
 DEFAULT_CONTEXT = 32768  # when the model's max_position_embeddings is not known
 

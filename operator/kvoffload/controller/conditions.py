@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from . import render
-from .errors import ConfigError
+from ..rendering import render
+from ..api.errors import ConfigError
 from .pipeline import Desired
-from .quantity import format_bytes
+from ..api.quantity import format_bytes
 
 TYPES = ("Ready", "ConfigValid", "Scheduled", "OffloadActive", "DiskTierReady")
 
