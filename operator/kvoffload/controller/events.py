@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -76,20 +77,22 @@ def transitions(previous: list[dict[str, Any]] | None, current: list[dict[str, A
 
 
 class TokenBucket:
-    """`rate` tokens a second, at most `burst` saved up; `take` never blocks."""
+    """`rate` tokens a second, at most `burst` saved up; `take` never blocks (reconciles run in threads)."""
 
     def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.rate, self.burst, self.clock = rate, burst, clock
         self.tokens, self.stamp = float(burst), clock()
+        self.lock = threading.Lock()
 
     def take(self) -> bool:
-        now = self.clock()
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        if self.tokens >= 1:
-            self.tokens -= 1
-            return True
-        return False
+        with self.lock:
+            now = self.clock()
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+            if self.tokens >= 1:
+                self.tokens -= 1
+                return True
+            return False
 
 
 def event_body(owner: dict[str, Any], event: Event, now: datetime) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import random
 
 import kopf
 
-from . import leader
+from . import events, leader
 from ..api import crd
 from ..rendering import render
 from .kube import Kube, load_api_client
@@ -30,6 +30,8 @@ class Queue:
 
     def __init__(self, kube: Kube, settings: Settings) -> None:
         self.kube, self.settings = kube, settings
+        # One token bucket for the whole operator: Events never flood the API server.
+        self.recorder = events.Recorder(lambda ns, body: kube.request("POST", f"/api/v1/namespaces/{ns}/events", body))
         self.running: dict[tuple[str, str], bool] = {}  # key -> dirty
         self.tasks: set[asyncio.Task[None]] = set()
         self.leading = True  # standalone; with leader election only while this replica holds the Lease
@@ -52,7 +54,7 @@ class Queue:
             while True:
                 self.running[key] = False
                 try:
-                    outcome = await asyncio.to_thread(reconcile, self.kube, key[0], key[1], self.settings)
+                    outcome = await asyncio.to_thread(reconcile, self.kube, key[0], key[1], self.settings, None, self.recorder)
                     log.debug("reconciled %s/%s: %s", *key, outcome)
                     delay = 0.5
                 except Exception as exc:  # API down, timeouts: level-based, so just try again later
@@ -90,7 +92,7 @@ async def configure(settings: kopf.OperatorSettings, **_: object) -> None:
     # No cluster-wide CRD/namespace scanning: the chart's least-privilege RBAC (a Role per watched
     # namespace) grants neither, and the operator knows its one resource and its namespaces.
     settings.scanning.disabled = True
-    settings.posting.enabled = False  # conditions carry the story; no event per reconcile
+    settings.posting.enabled = False  # no kopf event per handler run; ours are per transition (events.py)
     settings.execution.max_workers = 8
     QUEUE.tasks.add(asyncio.get_running_loop().create_task(_resync_forever(SETTINGS.resync_seconds)))
     lease = leader.config_from_env()
