@@ -65,11 +65,15 @@ func main() {
 		if err != nil {
 			fail(err)
 		}
-		obj := map[string]any{}
-		if err := yaml.Unmarshal(data, &obj); err != nil {
+		js, err := yaml.YAMLToJSON(data)
+		if err != nil {
 			fail(err)
 		}
-		_ = enc.Encode(compute(&unstructured.Unstructured{Object: obj}))
+		u := &unstructured.Unstructured{} // as the API client decodes: integers stay int64
+		if err := u.UnmarshalJSON(js); err != nil {
+			fail(err)
+		}
+		_ = enc.Encode(compute(u))
 		return
 	}
 
