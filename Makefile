@@ -8,7 +8,7 @@ CLUSTER := $(BIN)/python tests/cluster/cluster.py
 KUBECONFIG ?= $(CURDIR)/.cluster/kubeconfig
 LMCACHE_VERSION := 0.5.6
 
-.PHONY: venv system-deps cluster-build cluster-up cluster-down cluster-status generate unit integration test demo demo-down bench clean
+.PHONY: venv system-deps cluster-build gitops-tools cluster-up cluster-down cluster-status generate unit integration test demo demo-down bench clean
 
 venv: $(VENV)/.done
 $(VENV)/.done: operator/pyproject.toml
@@ -28,6 +28,10 @@ system-deps:
 cluster-build:
 	tests/cluster/build.sh
 
+# Argo CD's Lua health runner (gopher-lua) and the kstatus checker (Helm v4's kstatus), cached.
+gitops-tools:
+	tests/gitops/build.sh
+
 cluster-up: venv cluster-build
 	$(CLUSTER) up
 
@@ -40,14 +44,14 @@ cluster-status: venv
 generate: venv
 	$(BIN)/python -m kvoffload.cli.generate
 
-unit: venv
+unit: venv gitops-tools
 	$(BIN)/python -m pytest tests/unit -q
 
-integration: venv system-deps cluster-build
+integration: venv system-deps cluster-build gitops-tools
 	KVO_REQUIRE_CLUSTER=1 $(BIN)/python -m pytest tests/integration -q
 
 # Unit tests, then everything on the real control plane (started from the cached build, stopped after).
-test: venv system-deps cluster-build
+test: venv system-deps cluster-build gitops-tools
 	$(BIN)/python -m kvoffload.cli.generate --check
 	KVO_REQUIRE_CLUSTER=1 $(BIN)/python -m pytest tests -q
 
