@@ -91,3 +91,12 @@ def test_scale_subresource_and_printer_columns():
     assert version["subresources"]["status"] == {}
     names = [c["name"] for c in version["additionalPrinterColumns"]]
     assert names[0] == "Ready" and "Memory" in names and names[-1] == "Age"
+
+
+def test_planning_errors_name_real_crd_fields() -> None:
+    """spec.PLAN_FIELDS turns the planner's input names into CRD paths: each must exist in the schema."""
+    from kvoffload.api.spec import PLAN_FIELDS
+
+    for key, path in PLAN_FIELDS.items():
+        assert path.startswith("spec."), key
+        assert crd.schema_at(path.removeprefix("spec.")), f"{key} -> {path} is not in the CRD"
