@@ -195,3 +195,11 @@ def test_first_status_says_working_on_it():
     nxt = conditions.status(body(4, st), desired(), None, conditions.Observed(None, []), T1)
     assert by_type(nxt)["DiskTierReady"]["lastTransitionTime"] == "2026-01-02T00:00:00Z"  # Unknown -> False
     assert by_type(nxt)["Reconciling"]["lastTransitionTime"] == "2026-01-01T00:00:00Z"  # True -> True
+
+
+def test_rollout_before_the_statefulset_controller_saw_the_template():
+    # Its counts still describe the old template: say so instead of "1/1 updated".
+    st = conditions.status(body(2), desired(), None, conditions.Observed(sts(gen=2, observed=1), [pod()]), T0)
+    c = by_type(st)
+    assert c["Ready"]["reason"] == "RollingOut" and "not yet picked up by the StatefulSet controller" in c["Ready"]["message"]
+    assert c["Reconciling"]["status"] == "True" and st["observedGeneration"] == 0

@@ -115,7 +115,11 @@ def _ready(replicas: int, obs: Observed, scheduled: Cond) -> Cond:
     if failing:
         return Cond("Ready", "False", "PodsFailing", f"{len(failing)} pod(s) failing; {failing[0][0]}: {failing[0][1]}")
     updated = st.get("updatedReplicas") or 0
-    if obs.statefulset and (updated < replicas or st.get("observedGeneration", 0) < obs.statefulset["metadata"].get("generation", 1)):
+    if obs.statefulset and st.get("observedGeneration", 0) < obs.statefulset["metadata"].get("generation", 1):
+        # Its replica counts are about the old template until the StatefulSet controller has seen the new one.
+        return Cond("Ready", "False", "RollingOut", f"new pod template applied, not yet picked up by the StatefulSet "
+                                                    f"controller; {ready}/{replicas} replicas ready")
+    if obs.statefulset and updated < replicas:
         return Cond("Ready", "False", "RollingOut", f"{updated}/{replicas} replicas updated, {ready} ready")
     return Cond("Ready", "False", "ReplicasNotReady", f"{ready}/{replicas} replicas ready")
 
