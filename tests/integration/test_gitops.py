@@ -38,6 +38,14 @@ VALID = {
 }
 BAD_PATH = "/etc/lmcache"  # the API server accepts it; the operator refuses it (outside the allowed roots)
 WAIT_CHART = ROOT / "tests/gitops/wait-chart"
+CRASH_LOOP = {  # a pod status as kubelet writes it for a container in a crash loop
+    "conditions": [{"type": t, "status": s} for t, s in (("PodScheduled", "True"), ("Initialized", "True"),
+                                                         ("ContainersReady", "False"), ("Ready", "False"))],
+    "containerStatuses": [{"name": "vllm", "ready": False, "restartCount": 5, "image": "lmcache/vllm-openai:v0.5.4",
+                           "imageID": "", "started": False, "lastState": {"terminated": {"exitCode": 1, "reason": "Error"}},
+                           "state": {"waiting": {"reason": "CrashLoopBackOff",
+                                                 "message": "back-off 2m40s restarting failed container=vllm"}}}],
+}
 
 
 def serve(name: str, **spec_patch) -> dict:
@@ -111,7 +119,8 @@ def captured(cluster, crd_installed):
     objects = {"ready": serve("ready"), "invalid": serve("invalid", offload__disk={"path": BAD_PATH, "size": "100Gi"}),
                "unschedulable": serve("unschedulable", offload__cpu={"size": "3Ti"}),  # nodes have at most 2 TiB
                "scaled-to-zero": serve("scaled-to-zero", replicas=0), "rolling-out": serve("rolling-out"),
-               "operator-behind": serve("operator-behind"), "just-created": serve("just-created")}
+               "operator-behind": serve("operator-behind"), "just-created": serve("just-created"),
+               "pods-failing": serve("pods-failing")}
     proc = None
     try:
         for obj in objects.values():  # the operator is not running yet: nothing writes a status
@@ -119,12 +128,18 @@ def captured(cluster, crd_installed):
         snap("just-created", "just-created")
 
         proc = OperatorProcess(cluster.env, [ns])
-        for name in ("ready", "scaled-to-zero", "rolling-out", "operator-behind", "just-created"):
+        for name in ("ready", "scaled-to-zero", "rolling-out", "operator-behind", "just-created", "pods-failing"):
             wait_for(cluster, ns, name, ready, "Ready")
         wait_for(cluster, ns, "invalid", lambda o: at_generation(o, "Stalled", "True"), "Stalled")
         wait_for(cluster, ns, "unschedulable", lambda o: at_generation(o, "Scheduled", "False", "Unschedulable"), "Unschedulable")
         for state in ("ready", "invalid", "unschedulable", "scaled-to-zero"):
             snap(state, state)
+
+        # Pods failing: kwok runs no container, so this test writes what kubelet would for a crash loop.
+        cluster.kubectl("patch", "pod", "pods-failing-0", "-n", ns, "--subresource=status", "--type=merge", "-p",
+                        json.dumps({"status": CRASH_LOOP}))
+        wait_for(cluster, ns, "pods-failing", lambda o: at_generation(o, "Ready", "False", "PodsFailing"), "PodsFailing")
+        snap("pods-failing", "pods-failing")
 
         # Rolling out: with kube-controller-manager stopped the StatefulSet controller cannot act on
         # the new template, so the operator reports the rollout pending for as long as we look.
@@ -159,7 +174,7 @@ def captured(cluster, crd_installed):
         cluster.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
 
 
-KSTATUS = {"ready": "Current", "invalid": "Failed", "unschedulable": "InProgress", "scaled-to-zero": "Current",
+KSTATUS = {"pods-failing": "InProgress", "ready": "Current", "invalid": "Failed", "unschedulable": "InProgress", "scaled-to-zero": "Current",
            "rolling-out": "InProgress", "operator-behind": "InProgress", "just-created": "InProgress",
            "being-deleted": "Terminating"}
 
