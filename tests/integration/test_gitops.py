@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gitops import tools as gt
-from operator_proc import ROOT, OperatorProcess
+from kvtest import ROOT, OperatorProcess
+from kvtest import gitops as gt
 
 pytestmark = pytest.mark.cluster
 
@@ -286,7 +286,7 @@ def test_one_event_per_transition_none_for_a_no_op(cluster, namespace, crd_insta
 # --- kubectl kvs ----------------------------------------------------------------------------------
 
 def kubectl_kvs(cluster, *args):
-    from cluster import kubectl_path  # tests/cluster/cluster.py
+    from kvtest.paths import kubectl_path
 
     env = {**cluster.env, "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}"}
     return subprocess.run([kubectl_path(), "kvs", *args], env=env, capture_output=True, text=True, timeout=120)

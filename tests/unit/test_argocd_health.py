@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from gitops import tools as gt
+from kvtest import gitops as gt
 from kvoffload.cli import generate
 
 

@@ -4,9 +4,9 @@ from datetime import datetime, timezone
 
 import pytest
 
-from kvoffload.controller import conditions, pipeline
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
+from kvoffload.controller import conditions, pipeline
 
 from .helpers import spec
 

@@ -1,5 +1,5 @@
-"""The GitOps test tools (built by tests/gitops/build.sh, cached under ~/.cache/kvoffload) and the
-captured-fixture helpers shared by the unit and integration tests."""
+"""GitOps test tools (tests/gitops/build.sh builds them, cached under ~/.cache/kvoffload): Argo CD's
+Lua health runner and the kstatus checker; and the captured-fixture helpers of the Argo CD table."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import yaml
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+from .paths import ROOT
+
+HERE = ROOT / "tests" / "gitops"
 HEALTH_LUA = ROOT / "charts/kvoffload-operator/argocd/health.lua"
 ARGO_DIR = HERE / "argocd/kvoffload.io/KVOffloadServe"  # Argo CD's resource_customizations/<group>/<kind> form
 TABLE = ARGO_DIR / "health_test.yaml"
