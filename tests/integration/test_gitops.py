@@ -174,7 +174,8 @@ def captured(cluster, crd_installed):
         cluster.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
 
 
-KSTATUS = {"pods-failing": "InProgress", "ready": "Current", "invalid": "Failed", "unschedulable": "InProgress", "scaled-to-zero": "Current",
+KSTATUS = {"pods-failing": "InProgress",
+           "ready": "Current", "invalid": "Failed", "unschedulable": "InProgress", "scaled-to-zero": "Current",
            "rolling-out": "InProgress", "operator-behind": "InProgress", "just-created": "InProgress",
            "being-deleted": "Terminating"}
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from kvtest import gitops as gt
 from kvoffload.cli import generate
+from kvtest import gitops as gt
 
 
 def run_table(script: Path) -> subprocess.CompletedProcess:

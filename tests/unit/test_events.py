@@ -3,8 +3,8 @@
 from datetime import datetime, timezone
 
 from kvoffload.api.errors import ConfigError
-from kvoffload.controller import conditions, events, pipeline
 from kvoffload.api.settings import Settings
+from kvoffload.controller import conditions, events, pipeline
 
 from .helpers import spec
 from .test_conditions import T0, T1, body, pod, ready_pod, sts
@@ -15,7 +15,8 @@ OWNER = {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe",
 
 def status(previous=None, generation=1, error=None, obs=None, **patch):
     desired = None if error else pipeline.desired("svc", "ns", "u", spec(**patch), Settings())
-    return conditions.status(body(generation, previous), desired, error, obs or conditions.Observed(sts(), [ready_pod()], {"svc-0": 1.0}), T0)
+    obs = obs or conditions.Observed(sts(), [ready_pod()], {"svc-0": 1.0})
+    return conditions.status(body(generation, previous), desired, error, obs, T0)
 
 
 def reasons(evs):

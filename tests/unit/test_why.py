@@ -5,9 +5,9 @@ from datetime import datetime, timezone
 import pytest
 
 from kvoffload.api.errors import ConfigError
+from kvoffload.api.settings import Settings
 from kvoffload.cli import kubectl, why
 from kvoffload.controller import conditions, pipeline
-from kvoffload.api.settings import Settings
 
 from .helpers import spec
 from .test_conditions import T0, body, pod, sts
