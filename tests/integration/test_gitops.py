@@ -318,3 +318,36 @@ def test_kubectl_kvs_why_explains_in_plain_words(cluster, namespace, operator):
     assert plan.returncode == 0 and "cpu" in plan.stdout
     rendered = kubectl_kvs(cluster, "render", "-f", str(ROOT / "examples/cpu-tier-qwen25-7b.yaml"))
     assert rendered.returncode == 0 and "kind: StatefulSet" in rendered.stdout
+
+
+# --- the first status ------------------------------------------------------------------------------
+
+def test_first_status_says_reconciling_before_anything_is_applied(cluster, namespace, operator):
+    """Every version of the object, from a watch: the operator's first write is Reconciling=True with
+    Ready=Unknown, and it lands before the first child exists."""
+    from kubernetes import client, watch
+
+    api = client.CustomObjectsApi(cluster.api_client())
+    versions: list[dict] = []
+    since = api.list_namespaced_custom_object("kvoffload.io", "v1alpha1", namespace, "kvoffloadserves")["metadata"]["resourceVersion"]
+    t0 = time.monotonic()
+    apply(cluster, namespace, serve("svc"))
+    stream = watch.Watch()  # from before the create: every version, none missed
+    for event in stream.stream(api.list_namespaced_custom_object, "kvoffload.io", "v1alpha1", namespace, "kvoffloadserves",
+                               resource_version=since, timeout_seconds=60):
+        obj = event["object"]
+        versions.append(obj)
+        if (obj.get("status") or {}).get("conditions") and len([v for v in versions if v.get("status", {}).get("conditions")]) == 1:
+            print(f"first status {time.monotonic() - t0:.2f}s after kubectl apply started")
+        if ready(obj):
+            stream.stop()
+    written = [v for v in versions if (v.get("status") or {}).get("conditions")]
+    assert versions[0]["status"] == {"observedGeneration": 0}  # as created: the CRD's default, no conditions
+    first = written[0]
+    assert cond(first, "Reconciling")["status"] == "True" and cond(first, "Ready")["status"] == "Unknown", first["status"]
+    assert first["status"]["observedGeneration"] == 0
+    # etcd revisions order all writes. The ConfigMap is the first child applied and is never changed
+    # after (the spec does not change here), so its resourceVersion is the revision that created it.
+    cm = json.loads(cluster.kubectl("get", "configmap", "svc-lmcache", "-n", namespace, "-o", "json").stdout)
+    assert int(first["metadata"]["resourceVersion"]) < int(cm["metadata"]["resourceVersion"])
+    assert ready(versions[-1])
