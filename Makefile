@@ -8,7 +8,7 @@ CLUSTER := $(BIN)/python -m kvtest
 KUBECONFIG ?= $(CURDIR)/.cluster/kubeconfig
 LMCACHE_VERSION := 0.5.6
 
-.PHONY: venv system-deps cluster-build cluster-up cluster-down cluster-status generate lint unit integration test demo demo-down bench clean
+.PHONY: venv system-deps cluster-build gitops-tools cluster-up cluster-down cluster-status generate lint unit integration test demo demo-down bench clean
 
 venv: $(VENV)/.done
 $(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
@@ -30,6 +30,10 @@ system-deps:
 cluster-build:
 	tests/cluster/build.sh
 
+# Argo CD's Lua health runner (gopher-lua) and the kstatus checker (Helm v4's kstatus), cached.
+gitops-tools:
+	tests/gitops/build.sh
+
 cluster-up: venv cluster-build
 	$(CLUSTER) up
 
@@ -46,14 +50,14 @@ generate: venv
 lint: venv
 	$(BIN)/ruff check --config operator/pyproject.toml operator tests benchmarks
 
-unit: venv
+unit: venv gitops-tools
 	$(BIN)/python -m pytest tests/unit -q
 
-integration: venv system-deps cluster-build
+integration: venv system-deps cluster-build gitops-tools
 	KVO_REQUIRE_CLUSTER=1 $(BIN)/python -m pytest tests/integration -q
 
 # Lint, the generated files, unit tests, then everything on the real control plane (started from the cached build, stopped after).
-test: venv lint system-deps cluster-build
+test: venv lint system-deps cluster-build gitops-tools
 	$(BIN)/python -m kvoffload.cli.generate --check
 	KVO_REQUIRE_CLUSTER=1 $(BIN)/python -m pytest tests -q
 

@@ -291,7 +291,7 @@ def spec_schema() -> Schema:
 def _condition() -> Schema:
     return _o(
         "A condition (Kubernetes API conventions).",
-        {"type": _s("Ready, ConfigValid, Scheduled, OffloadActive, EngineVerified or DiskTierReady."),
+        {"type": _s("Ready, ConfigValid, Scheduled, OffloadActive, EngineVerified, DiskTierReady, Reconciling or Stalled."),
          "status": _s("True, False or Unknown.", enum=["True", "False", "Unknown"]),
          "reason": _s("CamelCase reason."),
          "message": _s("Human-readable detail."),
@@ -302,10 +302,15 @@ def _condition() -> Schema:
 
 
 def status_schema() -> Schema:
+    # The default status makes a resource the operator has not seen yet read "generation not
+    # observed" (observedGeneration 0 < generation) to kstatus (Helm --wait, Flux) and Argo CD,
+    # instead of "no status: current". The API server applies it when it serves the object.
     return _o(
         "Observed state, written by the operator.",
-        {"observedGeneration": _i("Generation of the spec the operator last acted on.", format="int64"),
-         "conditions": {"type": "array", "description": "Ready, ConfigValid, Scheduled, OffloadActive, EngineVerified, DiskTierReady.",
+        {"observedGeneration": _i("Generation of the spec the operator last rolled out (0: none yet).", format="int64"),
+         "conditions": {"type": "array", "description": "Ready, ConfigValid, Scheduled, OffloadActive, EngineVerified, DiskTierReady; and "
+                                                        "Reconciling (True while converging) and Stalled (True while the spec "
+                                                        "cannot be acted on), which kstatus (Helm --wait, Flux) reads.",
                         "items": _condition(), "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
          "replicas": _i("Pods that exist.", format="int32"),
          "readyReplicas": _i("Pods that are Ready.", format="int32"),
@@ -335,6 +340,7 @@ def status_schema() -> Schema:
          "budget": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
                     "description": "The computed budget: KV bytes per token, tokens and sequences per tier, memory terms, "
                                    "/dev/shm, reload vs recompute."}},
+        default={"observedGeneration": 0},
     )
 
 

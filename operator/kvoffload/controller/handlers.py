@@ -26,7 +26,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: objec
     # No cluster-wide CRD/namespace scanning: the chart's least-privilege RBAC (a Role per watched
     # namespace) grants neither, and the operator knows its one resource and its namespaces.
     settings.scanning.disabled = True
-    settings.posting.enabled = False  # conditions carry the story; no event per reconcile
+    settings.posting.enabled = False  # no kopf event per handler run; ours are per transition (events.py)
     settings.execution.max_workers = 8
     memo.runtime = Runtime(Kube(load_api_client()), load())
     lease = leader.config_from_env()  # `run --leader-election`: act only while holding the Lease
