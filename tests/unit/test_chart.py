@@ -36,6 +36,7 @@ EXPECTED_RULES = {
     ("", "services"): {"list", "watch", "create", "patch", "delete"},
     ("apps", "statefulsets"): {"list", "watch", "create", "patch", "delete"},
     ("policy", "poddisruptionbudgets"): {"list", "watch", "create", "patch", "delete"},
+    ("networking.k8s.io", "networkpolicies"): {"list", "watch", "create", "patch", "delete"},
     ("", "pods"): {"list", "watch"},
     ("", "events"): {"create"},
 }
@@ -233,14 +234,16 @@ def test_more_than_one_replica_needs_leader_election(helm):
 def test_default_config_is_exactly_the_operators_defaults(helm):
     cfg = operator_config(helm.render())
     assert set(cfg) == camel_settings_keys()
-    assert settings.from_dict(cfg) == settings.Settings()
+    # The chart adds the release namespace (for the serving pods' NetworkPolicy); the rest are the defaults.
+    assert settings.from_dict(cfg) == dataclasses.replace(settings.Settings(), operator_namespace="kvo-system")
 
 
 def test_config_keys_in_values_and_schema_are_the_settings_keys():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     schema = json.loads((CHART / "values.schema.json").read_text())
-    assert set(values["operator"]["config"]) == camel_settings_keys()
-    assert set(schema["properties"]["operator"]["properties"]["config"]["properties"]) == camel_settings_keys()
+    # operatorNamespace is the release namespace, set by the chart itself, never a value.
+    assert set(values["operator"]["config"]) == camel_settings_keys() - {"operatorNamespace"}
+    assert set(schema["properties"]["operator"]["properties"]["config"]["properties"]) == camel_settings_keys() - {"operatorNamespace"}
 
 
 def test_custom_roots_scenario_reaches_the_operator(helm):
