@@ -100,9 +100,12 @@ def run(args: argparse.Namespace) -> int:
         if args.metrics_listen:
             _serve_metrics(args.metrics_listen, metrics)
         stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
-        loop(cfg, lambda: _live(args), metrics, args.interval, stop, lambda reports: _print(args, reports))
+        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            loop(cfg, lambda: _live(args), metrics, args.interval, stop, lambda reports: _print(args, reports))
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         return 0
     if args.metrics_listen:
         raise ConfigError("--metrics-listen", "needs --interval (a single run exits before anything scrapes it)")
