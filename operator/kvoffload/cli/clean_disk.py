@@ -68,9 +68,14 @@ def live_from_api(kubeconfig: str | None, in_cluster: bool) -> dict[tuple[str, s
         api = client.ApiClient()
     else:
         api = config.new_client_from_config(config_file=kubeconfig)
+    source = "--in-cluster" if in_cluster else "--kubeconfig"
     with api:
-        body = client.CustomObjectsApi(api).list_cluster_custom_object(crd.GROUP, crd.VERSION, crd.PLURAL)
-    return live_from_json(body, "--kubeconfig")
+        try:
+            body = client.CustomObjectsApi(api).list_cluster_custom_object(crd.GROUP, crd.VERSION, crd.PLURAL)
+        except client.ApiException as exc:
+            raise ConfigError(source, f"cannot list {crd.PLURAL}.{crd.GROUP} ({exc.status} {exc.reason}); "
+                                      "nothing was removed (the janitor needs get/list on them)") from None
+    return live_from_json(body, source)
 
 
 def _live(args: argparse.Namespace) -> dict[tuple[str, str], str]:
