@@ -113,8 +113,8 @@ def test_build_uses_the_lmcache_config(tmp_path: Path) -> None:
                                                       "--tensor-parallel-size", "2",
                                                       "--disk-dir", str(tmp_path)]))
     assert address == ("127.0.0.1", 9400)
-    assert collector.config.budget.cpu_bytes == 20 * GiB
-    assert collector.config.budget.disk_bytes == 60 * GiB
+    assert collector.config.capacity.cpu_bytes == 20 * GiB
+    assert collector.config.capacity.disk_bytes == 60 * GiB
     assert collector.disk is not None and set(collector.health) == {"vllm", "lmcache", "disk"}
 
 

@@ -135,4 +135,6 @@ def test_user_args_and_env_are_appended_not_overriding():
 
 def test_long_names_are_refused():
     with pytest.raises(ConfigError, match="metadata.name"):
-        pipeline.validate_name("x" * 53)
+        render.check_name("x" * 53)
+    with pytest.raises(ConfigError, match="metadata.name"):
+        pipeline.desired("x" * 53, "ns", "u", spec(), Settings())

@@ -94,7 +94,6 @@ def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: 
     desired: pipeline.Desired | None = None
     error: ConfigError | None = None
     try:
-        pipeline.validate_name(name)
         desired = pipeline.desired(name, namespace, meta["uid"], body.get("spec") or {}, settings)
     except ConfigError as exc:
         error = exc  # no child is created or changed while the spec is invalid

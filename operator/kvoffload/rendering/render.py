@@ -322,8 +322,7 @@ def check_name(name: str) -> None:
 
 
 def children(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> list[dict[str, Any]]:
-    """Every child, in apply order."""
-    check_name(owner.name)
+    """Every child, in apply order (owner.name passed check_name: pipeline.desired checks it first)."""
     cm = configmap(owner, spec, budget, settings)
     policy = network_policy(_meta(names(owner.name)["networkpolicy"], owner, settings), spec, settings,
                             selector_labels(owner), HTTP_PORT)
