@@ -121,3 +121,13 @@ def test_offload_active_needs_proof_from_every_exporter():
     assert gone["status"] == "Unknown" and "connection refused" in gone["message"]
     assert offload(None)["reason"] == "ProbesDisabled"
     assert offload({"svc-0": 1.0}, metrics={"enabled": False})["reason"] == "MetricsDisabled"
+
+
+def test_pods_not_created_point_at_the_statefulset_events():
+    from kvoffload.controller import conditions as c
+
+    cond = c._scheduled(2, [])
+    assert (cond.status, cond.reason) == ("Unknown", "PodsPending")
+    assert "2 pod(s) not created yet" in cond.message and "violates PodSecurity" in cond.message
+    created = {"metadata": {"name": "svc-0"}, "spec": {}, "status": {}}
+    assert "not created" not in c._scheduled(1, [created]).message
