@@ -365,6 +365,9 @@ def test_janitor_with_its_own_rbac_on_the_real_api_server(cluster, namespace, cr
 
         # A token without the ClusterRole cannot list: the janitor stops with an error, removes nothing.
         cluster.kubectl("delete", "clusterrolebinding", sa)
+        cluster.wait_until(lambda: cluster.kubectl("auth", "can-i", "list", "kvoffloadserves.kvoffload.io", "--all-namespaces",
+                                                   "--as", who, check=False).stdout.strip() == "no",
+                           timeout=30, message="the binding's removal seen by the authorizer")
         _pod_dir(root, namespace, "gone", 10)
         denied = _clean(kubeconfig, root, state, "--unknown-policy", "Delete")
         assert denied.returncode == 2 and "403" in denied.stderr and "nothing was removed" in denied.stderr, denied.stderr
