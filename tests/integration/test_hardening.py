@@ -62,10 +62,10 @@ def get_json(cluster, *args: str) -> dict:
     return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
 
 
-def example(name: str, namespace: str, **rename: str) -> dict:
-    doc = yaml.safe_load((EXAMPLES / name).read_text())
+def example(file: str, namespace: str, name: str | None = None) -> dict:
+    doc = yaml.safe_load((EXAMPLES / file).read_text())
     doc["metadata"]["namespace"] = namespace
-    doc["metadata"]["name"] = rename.get("name", doc["metadata"]["name"])
+    doc["metadata"]["name"] = name or doc["metadata"]["name"]
     return doc
 
 
@@ -280,6 +280,8 @@ def _janitor_docs(cluster, release: str, namespace: str, *extra: str) -> list[di
 def test_janitor_manifest_is_admitted_only_at_privileged(cluster, namespace):
     docs = _janitor_docs(cluster, "kvo", namespace)
     (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    (sa,) = [d for d in docs if d["kind"] == "ServiceAccount" and d["metadata"]["name"].endswith("-janitor")]
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(sa))  # admission looks the pod's ServiceAccount up
     pod = ds["spec"]["template"]["spec"]
     for level in LEVELS:
         enforce(cluster, namespace, level)
