@@ -28,8 +28,7 @@ import yaml
 from kvoffload.api import crd
 from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
-from operator_proc import ROOT, OperatorProcess
-from test_chart_rbac import token_kubeconfig
+from kvtest import ROOT, OperatorProcess
 
 pytestmark = pytest.mark.cluster
 
@@ -38,10 +37,19 @@ EXAMPLES = ROOT / "examples"
 LEVELS = ("restricted", "baseline", "privileged")
 
 
-@pytest.fixture(scope="module")
-def crd_installed(cluster):
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd.PLURAL}.{crd.GROUP}", "--timeout=60s")
+def token_kubeconfig(cluster, path: Path, token: str, namespace: str) -> Path:
+    """A kubeconfig that authenticates with `token` alone (a ServiceAccount's, from `kubectl create token`)."""
+    server = yaml.safe_load(Path(cluster.kubeconfig).read_text())["clusters"][0]["cluster"]
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "kvoffload", "cluster": {"server": server["server"],
+                                                       "certificate-authority-data": server["certificate-authority-data"]}}],
+        "users": [{"name": "janitor", "user": {"token": token}}],
+        "contexts": [{"name": "janitor", "context": {"cluster": "kvoffload", "user": "janitor", "namespace": namespace}}],
+        "current-context": "janitor",
+    }))
+    path.chmod(0o600)
+    return path
 
 
 def enforce(cluster, namespace: str, level: str) -> None:

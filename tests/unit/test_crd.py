@@ -3,9 +3,9 @@
 import yaml
 
 from kvoffload.api import crd
-from kvoffload.cli import generate
 from kvoffload.api.settings import Settings
 from kvoffload.api.spec import parse
+from kvoffload.cli import generate
 
 from .helpers import ROOT
 

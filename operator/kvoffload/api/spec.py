@@ -16,8 +16,8 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from . import crd
 from ..engine import images
+from . import crd
 from .errors import ConfigError
 from .quantity import to_bytes
 from .settings import Settings
@@ -364,7 +364,8 @@ def _resources(r: _Reader, settings: Settings) -> ResourcesSpec:
             raise ConfigError("operator setting headroomPercent", f"{headroom!r} must be an integer in [0, 100]")
     return ResourcesSpec(
         gpu_resource_name=_str(r, "resources.gpuResourceName"),
-        gpu_memory=_size(r, "resources.gpuMemory") or to_bytes(settings.default_gpu_memory, "operator setting defaultGpuMemory", allow_zero=False),
+        gpu_memory=_size(r, "resources.gpuMemory")
+        or to_bytes(settings.default_gpu_memory, "operator setting defaultGpuMemory", allow_zero=False),
         cpu=str(cpu),
         memory=_size(r, "resources.memory"),
         engine_baseline=term("resources.engineBaseline", settings.engine_baseline),
@@ -424,7 +425,8 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
         network_policy=_network_policy(r),
     )
     if parsed.resources.memory is not None and parsed.resources.memory < parsed.offload.cpu_size:
-        raise ConfigError("spec.resources.memory", "must hold at least the CPU tier (spec.offload.cpu.size): pinned memory is allocated in full")
+        raise ConfigError("spec.resources.memory",
+                          "must hold at least the CPU tier (spec.offload.cpu.size): pinned memory is allocated in full")
     if parsed.offload.disk and parsed.offload.disk.node_selector:
         for key, value in parsed.offload.disk.node_selector.items():
             if parsed.scheduling.node_selector.get(key, value) != value:

@@ -18,10 +18,10 @@ import threading
 from typing import Any
 
 from ..api import crd
-from ..node.disk_cleaner import POLICIES, RETAIN, Report, live_from_json
-from ..node.janitor import JanitorMetrics, SweepConfig, loop, sweep
 from ..api.errors import ConfigError
 from ..api.quantity import human
+from ..node.disk_cleaner import POLICIES, RETAIN, Report, live_from_json
+from ..node.janitor import JanitorMetrics, SweepConfig, loop, sweep
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

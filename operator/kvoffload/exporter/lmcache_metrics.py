@@ -14,7 +14,6 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from ..api.fetch import SourceError
 
-
 _USED = frozenset({
     "lmcache:num_requested_tokens_total",
     "lmcache:num_hit_tokens_total",

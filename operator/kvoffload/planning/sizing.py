@@ -327,7 +327,8 @@ def _memory(inp: PlanInput, offload: bool) -> tuple[tuple[MemoryTerm, ...], int,
     shm = mem.shm if mem.shm is not None else GiB + GiB * tp
     terms = [
         MemoryTerm("engine_baseline", mem.engine_baseline, "vLLM API server + engine core process"),
-        MemoryTerm("worker_overhead", mem.per_worker_overhead * tp, f"{tp} TP worker(s) × {human(mem.per_worker_overhead)}: torch/CUDA runtime"),
+        MemoryTerm("worker_overhead", mem.per_worker_overhead * tp,
+                   f"{tp} TP worker(s) × {human(mem.per_worker_overhead)}: torch/CUDA runtime"),
         MemoryTerm("cpu_tier", inp.cpu_size, f"LMCache CPU tier, pinned in full at start-up: {tp} rank(s) × {human(inp.cpu_size // tp)}"),
         MemoryTerm("staging", mem.staging_per_worker * tp if offload else 0,
                    f"pinned staging buffers, {tp} rank(s) × {human(mem.staging_per_worker)}" if offload else "no offload tier: none"),

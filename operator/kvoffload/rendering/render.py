@@ -18,8 +18,8 @@ from ..api import crd
 from ..api.errors import ConfigError
 from ..api.quantity import format_bytes, gib
 from ..api.settings import Settings
-from ..planning.sizing import Budget
 from ..api.spec import Spec
+from ..planning.sizing import Budget
 from . import pod_security
 from .network_policy import network_policy
 from .placement import topology_spread
