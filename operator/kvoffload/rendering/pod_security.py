@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..api.quantity import format_bytes
-from ..planning.sizing import Budget
 from ..api.spec import Spec
+from ..planning.sizing import Budget
 
 # The serving user. vLLM images define no user of their own (they run as root); any non-root UID
 # works once HOME and the caches are on volumes. 1000 is the first regular user on Debian/Ubuntu
