@@ -282,3 +282,11 @@ def test_rollout_before_the_statefulset_controller_saw_the_template():
     c = by_type(st)
     assert c["Ready"]["reason"] == "RollingOut" and "not yet picked up by the StatefulSet controller" in c["Ready"]["message"]
     assert c["Reconciling"]["status"] == "True" and st["observedGeneration"] == 0
+def test_pods_not_created_point_at_the_statefulset_events():
+    from kvoffload.controller import conditions as c
+
+    cond = c._scheduled(2, [])
+    assert (cond.status, cond.reason) == ("Unknown", "PodsPending")
+    assert "2 pod(s) not created yet" in cond.message and "violates PodSecurity" in cond.message
+    created = {"metadata": {"name": "svc-0"}, "spec": {}, "status": {}}
+    assert "not created" not in c._scheduled(1, [created]).message

@@ -104,7 +104,10 @@ def _scheduled(replicas: int, pods: list[dict[str, Any]]) -> Cond:
     if bound >= replicas:
         nodes = sorted({p["spec"]["nodeName"] for p in pods if p.get("spec", {}).get("nodeName")})
         return Cond("Scheduled", "True", "AllPodsScheduled", f"{bound}/{replicas} pods on nodes {', '.join(nodes)}")
-    return Cond("Scheduled", "Unknown", "PodsPending", f"{bound}/{replicas} pods bound to a node")
+    missing = replicas - len(pods)
+    hint = (f"; {missing} pod(s) not created yet: the StatefulSet's events say why (a hostPath disk tier in a namespace "
+            "at Pod Security baseline or restricted is refused: FailedCreate ... violates PodSecurity)") if missing > 0 else ""
+    return Cond("Scheduled", "Unknown", "PodsPending", f"{bound}/{replicas} pods bound to a node{hint}")
 
 
 def _ready(replicas: int, obs: Observed, scheduled: Cond) -> Cond:

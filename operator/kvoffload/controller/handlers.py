@@ -56,5 +56,5 @@ async def _child_event(labels: dict[str, str], namespace: str | None, memo: kopf
 # Handlers are async: they only kick the Runtime, on the event loop. Child events: pods drive
 # Scheduled/Ready; the rest catches drift (a child deleted or edited by hand).
 for _resource in (("v1", "pods"), ("apps", "v1", "statefulsets"), ("v1", "configmaps"), ("v1", "services"),
-                  ("policy", "v1", "poddisruptionbudgets")):
+                  ("policy", "v1", "poddisruptionbudgets"), ("networking.k8s.io", "v1", "networkpolicies")):
     kopf.on.event(*_resource, labels={render.OWNER_LABEL: kopf.PRESENT})(_child_event)
