@@ -6,18 +6,28 @@ BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 CLUSTER := $(BIN)/python tests/cluster/cluster.py
 KUBECONFIG ?= $(CURDIR)/.cluster/kubeconfig
-LMCACHE_VERSION := 0.5.6
+# The engine pair the fidelity tests run (the serving image's pins: images/serving/Dockerfile).
+VLLM_VERSION := 0.26.0
+LMCACHE_VERSION := 0.5.3
+ENGINE_VENV := $(HOME)/.cache/kvoffload/engine-vllm-$(VLLM_VERSION)-lmcache-$(LMCACHE_VERSION)
 
-.PHONY: venv system-deps cluster-build cluster-up cluster-down cluster-status generate unit integration test demo demo-down bench clean
+.PHONY: venv engine-venv engine-tables system-deps cluster-build cluster-up cluster-down cluster-status generate unit integration test demo demo-down bench clean
 
 venv: $(VENV)/.done
 $(VENV)/.done: operator/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e 'operator[test]'
-	# LMCache's own config loader, for fidelity tests only (no torch, no CUDA): not an operator dependency.
-	$(BIN)/pip install -q --no-deps lmcache==$(LMCACHE_VERSION)
 	touch $@
+
+# vLLM + LMCache of the serving image in their own cached venv (several GB, ~10 min the first time):
+# the fidelity tests run vLLM's real parser and create_engine_config() and LMCache's real loader there.
+engine-venv:
+	tests/engine/build-venv.sh $(VLLM_VERSION) $(LMCACHE_VERSION) >/dev/null
+
+# Regenerate the operator's vLLM flag table from vLLM's own parser (a test checks it is current).
+engine-tables: engine-venv
+	$(ENGINE_VENV)/bin/python tests/engine/engine_check.py table operator/kvoffload/engine/data/vllm-$(VLLM_VERSION)-flags.json
 
 # A real Prometheus for the exporter's scrape test (Debian package).
 system-deps:
@@ -47,9 +57,9 @@ integration: venv system-deps cluster-build
 	KVO_REQUIRE_CLUSTER=1 $(BIN)/python -m pytest tests/integration -q
 
 # Unit tests, then everything on the real control plane (started from the cached build, stopped after).
-test: venv system-deps cluster-build
+test: venv engine-venv system-deps cluster-build
 	$(BIN)/python -m kvoffload.generate --check
-	KVO_REQUIRE_CLUSTER=1 $(BIN)/python -m pytest tests -q
+	KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_ENGINE=1 $(BIN)/python -m pytest tests -q
 
 demo: venv cluster-build
 	tests/cluster/demo.sh
