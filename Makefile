@@ -48,7 +48,7 @@ cluster-status: venv
 	$(CLUSTER) status
 
 generate: venv
-	$(BIN)/python -m kvoffload.generate
+	$(BIN)/python -m kvoffload.cli.generate
 
 unit: venv
 	$(BIN)/python -m pytest tests/unit -q
@@ -58,7 +58,7 @@ integration: venv system-deps cluster-build
 
 # Unit tests, then everything on the real control plane (started from the cached build, stopped after).
 test: venv engine-venv system-deps cluster-build
-	$(BIN)/python -m kvoffload.generate --check
+	$(BIN)/python -m kvoffload.cli.generate --check
 	KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_ENGINE=1 $(BIN)/python -m pytest tests -q
 
 demo: venv cluster-build

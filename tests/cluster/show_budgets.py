@@ -3,7 +3,7 @@
 import json
 import sys
 
-from kvoffload.quantity import human
+from kvoffload.api.quantity import human
 
 
 def show(item: dict) -> None:

@@ -399,8 +399,8 @@ def test_scheduler_refuses_what_no_node_can_hold(cluster, ns, operator, case):
 
 def test_disk_cleaner_lists_live_serves_from_the_api(cluster, ns, operator_verdicts, tmp_path):
     """`kvoffload clean-disk --kubeconfig`: stored serves (valid or not) are live; only a deleted one's directories go."""
-    from kvoffload.cleaner_cli import live_from_api
-    from kvoffload.disk_cleaner import clean
+    from kvoffload.cli.clean_disk import live_from_api
+    from kvoffload.node.disk_cleaner import clean
 
     live = live_from_api(str(cluster.kubeconfig), in_cluster=False)
     stored = OPERATOR_CASES[0].name

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvoffload import crd, generate
+from kvoffload.api import crd
+from kvoffload.cli import generate
 
 pytestmark = pytest.mark.cluster
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvoffload import crd
+from kvoffload.api import crd
 
 pytestmark = pytest.mark.cluster
 

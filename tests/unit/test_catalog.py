@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.catalog import CATALOG, ModelArch, known_models, lookup, resolve_model
-from kvoffload.errors import ConfigError
+from kvoffload.planning.catalog import CATALOG, ModelArch, known_models, lookup, resolve_model
+from kvoffload.api.errors import ConfigError
+from kvoffload.api.spec import PLAN_FIELDS
 
 REQUIRED_IDS = [
     "meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-7b-chat-hf", "meta-llama/Llama-2-13b-hf",
@@ -110,9 +111,9 @@ def test_overrides_win_over_catalog() -> None:
 def test_unknown_model_without_architecture_is_refused() -> None:
     with pytest.raises(ConfigError) as exc:
         resolve_model("acme/unknown-13b")
-    assert exc.value.field == "spec.model.name"
+    assert exc.value.named(PLAN_FIELDS).field == "spec.model.name"
     assert "not in the built-in catalog" in exc.value.message
-    assert "spec.model.architecture" in exc.value.message and "meta-llama/Llama-3.1-8B-Instruct" in exc.value.message
+    assert "spec.model.architecture" in exc.value.named(PLAN_FIELDS).message and "meta-llama/Llama-3.1-8B-Instruct" in exc.value.message
 
 
 def test_unknown_model_with_full_architecture() -> None:
@@ -123,7 +124,7 @@ def test_unknown_model_with_full_architecture() -> None:
 def test_partial_architecture_names_the_missing_field() -> None:
     with pytest.raises(ConfigError) as exc:
         resolve_model("acme/x", layers=10, kv_heads=2)
-    assert exc.value.field == "spec.model.architecture.headDim"
+    assert exc.value.named(PLAN_FIELDS).field == "spec.model.architecture.headDim"
     assert "parameters" in exc.value.message
 
 
@@ -136,7 +137,7 @@ def test_partial_architecture_names_the_missing_field() -> None:
 def test_bad_overrides(kw: dict, field: str) -> None:
     with pytest.raises(ConfigError) as exc:
         resolve_model("meta-llama/Llama-3.1-8B", **kw)
-    assert exc.value.field == field
+    assert exc.value.named(PLAN_FIELDS).field == field
 
 
 def _config(tmp_path: Path, **cfg: object) -> str:
@@ -188,11 +189,11 @@ def test_config_json_unreadable(tmp_path: Path) -> None:
     for path in (str(bad), str(tmp_path / "missing.json")):
         with pytest.raises(ConfigError) as exc:
             resolve_model("x/y", config_json=path)
-        assert exc.value.field == "spec.model.architecture.configJson"
+        assert exc.value.key == "config_json"  # no CRD field: `kvoffload plan --config-json` only
 
 
 def test_config_json_without_params_names_parameters(tmp_path: Path) -> None:
     path = _config(tmp_path, num_hidden_layers=2, num_attention_heads=2, hidden_size=128)
     with pytest.raises(ConfigError) as exc:
         resolve_model("x/y", config_json=path)
-    assert exc.value.field == "spec.model.architecture.parameters"
+    assert exc.value.named(PLAN_FIELDS).field == "spec.model.architecture.parameters"

@@ -17,7 +17,9 @@ import pytest
 import yaml
 
 import cluster as kvcluster  # tests/cluster/cluster.py (conftest puts it on sys.path): where helm lives
-from kvoffload import crd, generate, images, settings
+from kvoffload.api import crd, settings
+from kvoffload.cli import generate
+from kvoffload.engine import images
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvoffload-operator"
@@ -26,7 +28,7 @@ STANDARD_LABELS = ("helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io
                    "app.kubernetes.io/version", "app.kubernetes.io/managed-by")
 # Free-form string maps: the only objects whose keys the schema cannot list.
 STRING_MAPS = {"labels", "annotations", "podAnnotations", "podLabels", "nodeSelector"}
-# What the operator calls (kvoffload/kube.py, reconcile.py, handlers.py), and nothing more.
+# What the operator calls (kvoffload/controller/: kube.py, reconcile.py, handlers.py), and nothing more.
 EXPECTED_RULES = {
     ("kvoffload.io", "kvoffloadserves"): {"get", "list", "watch"},
     ("kvoffload.io", "kvoffloadserves/status"): {"patch"},
@@ -274,7 +276,7 @@ def test_standard_labels_everywhere(helm, scenario):
     docs = helm.render("-f", values_file(scenario), "--api-versions", "monitoring.coreos.com/v1")
     for d in docs:
         if d["kind"] == "CustomResourceDefinition":
-            continue  # generated from kvoffload.crd, labelled there
+            continue  # generated from kvoffload.api.crd, labelled there
         labels = d["metadata"]["labels"]
         for key in STANDARD_LABELS:
             assert labels.get(key), f"{d['kind']}/{d['metadata']['name']} lacks {key}"
@@ -355,7 +357,7 @@ def test_operator_deployment(helm):
 
 def test_operator_cli_accepts_the_rendered_arguments(helm):
     """The Deployment's args parse with the real `kvoffload` CLI (no flag the operator lacks)."""
-    from kvoffload import cli
+    from kvoffload.cli import main as cli
 
     for scenario in ("default", "namespaced"):
         (c,) = one(helm.render("-f", values_file(scenario)), "Deployment")["spec"]["template"]["spec"]["containers"]
@@ -444,7 +446,7 @@ def test_rbac_can_be_left_to_the_admin(helm):
 # --------------------------------------------------------------------------- CRDs
 def test_chart_crd_is_the_generated_one():
     path = CHART / "templates" / "crds" / f"{crd.PLURAL}.yaml"
-    assert path.read_text() == generate.chart(), "stale: run `python -m kvoffload.generate`"
+    assert path.read_text() == generate.chart(), "stale: run `python -m kvoffload.cli.generate`"
 
 
 def test_crds_enabled_and_kept_by_default(helm):
@@ -488,7 +490,7 @@ def test_pod_monitor_selects_serving_pods(helm):
 
 
 def test_pod_monitor_port_names_match_the_operators_pods():
-    from kvoffload import render
+    from kvoffload.rendering import render
 
     source = Path(render.__file__).read_text()
     assert '"name": "metrics"' in source and '"name": "http"' in source
@@ -503,7 +505,7 @@ def test_service_monitor_drops_headless_services(helm):
     (ep,) = sm["spec"]["endpoints"]
     assert ep["port"] == "metrics"
     assert {"sourceLabels": ["__meta_kubernetes_service_name"], "regex": ".+-pods", "action": "drop"} in ep["relabelings"]
-    from kvoffload import render
+    from kvoffload.rendering import render
     assert render.names("x")["headless"] == "x-pods", "the headless Service name changed: fix the relabeling"
 
 

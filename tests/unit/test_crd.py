@@ -1,10 +1,11 @@
-"""One source of truth: crds/, the chart's CRD and the Python parser agree with kvoffload.crd."""
+"""One source of truth: crds/, the chart's CRD and the Python parser agree with kvoffload.api.crd."""
 
 import yaml
 
-from kvoffload import crd, generate
-from kvoffload.settings import Settings
-from kvoffload.spec import parse
+from kvoffload.api import crd
+from kvoffload.cli import generate
+from kvoffload.api.settings import Settings
+from kvoffload.api.spec import parse
 
 from .helpers import ROOT
 
@@ -90,3 +91,12 @@ def test_scale_subresource_and_printer_columns():
     assert version["subresources"]["status"] == {}
     names = [c["name"] for c in version["additionalPrinterColumns"]]
     assert names[0] == "Ready" and "Memory" in names and names[-1] == "Age"
+
+
+def test_planning_errors_name_real_crd_fields() -> None:
+    """spec.PLAN_FIELDS turns the planner's input names into CRD paths: each must exist in the schema."""
+    from kvoffload.api.spec import PLAN_FIELDS
+
+    for key, path in PLAN_FIELDS.items():
+        assert path.startswith("spec."), key
+        assert crd.schema_at(path.removeprefix("spec.")), f"{key} -> {path} is not in the CRD"

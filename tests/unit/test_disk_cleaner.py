@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload import cleaner_cli, disk_cleaner
-from kvoffload.disk_cleaner import DELETE, RETAIN, clean, decide, live_from_json, load_state, next_state
-from kvoffload.errors import ConfigError
+from kvoffload.cli import clean_disk
+from kvoffload.node import disk_cleaner
+from kvoffload.node.disk_cleaner import DELETE, RETAIN, clean, decide, live_from_json, load_state, next_state
+from kvoffload.api.errors import ConfigError
 
 LIVE = {("ns-a", "live-svc"): DELETE}
 REMEMBERED = {("ns-a", "gone"): DELETE, ("ns-d", "retained"): RETAIN,
@@ -237,7 +238,7 @@ def test_real_permission_errors_without_dac_override(tmp_path):
     for pod in ("old-0", "old-1"):
         write(root / "ns" / "old" / pod / "chunk", 10)
         (root / "ns" / "old" / pod).chmod(0o555)
-    code = ("import json, sys; from kvoffload.disk_cleaner import clean; "
+    code = ("import json, sys; from kvoffload.node.disk_cleaner import clean; "
             "r = clean(sys.argv[1], {}, unknown_policy='Delete', min_age=0); print(json.dumps(r.to_dict()))")
     try:
         res = subprocess.run(["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--inh-caps", "-all",
@@ -309,7 +310,7 @@ def test_state_remembers_live_policies_and_forgets_what_is_gone():
 
 def cli(*argv: str) -> tuple[int, str]:
     parser = argparse.ArgumentParser(prog="kvoffload")
-    cleaner_cli.register(parser.add_subparsers(dest="command", required=True))
+    clean_disk.register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["clean-disk", *argv])
     return args.func(args), args
 

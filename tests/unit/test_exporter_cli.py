@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvoffload.errors import ConfigError
+from kvoffload.api.errors import ConfigError
 from kvoffload.exporter import cli as exporter_cli
 from kvoffload.exporter.capacity import GiB
 from kvoffload.exporter.collector import ExporterConfig, TierCollector
@@ -51,14 +51,14 @@ def _closed_port() -> int:
 
 
 def test_the_kvoffload_cli_dispatches_to_this_module() -> None:
-    from kvoffload import cli
+    from kvoffload.cli import main as cli
 
     assert cli.SUBCOMMANDS["exporter"] == "kvoffload.exporter.cli"
     assert callable(importlib.import_module(cli.SUBCOMMANDS["exporter"]).register)
 
 
 def test_kvoffload_exporter_through_the_full_cli() -> None:
-    from kvoffload import cli
+    from kvoffload.cli import main as cli
 
     try:
         parser = cli.build_parser()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.errors import ConfigError
+from kvoffload.api.errors import ConfigError
 from kvoffload.exporter.capacity import GiB, TierBudget, budget_from_config, load_budget
 from kvoffload.exporter.lmcache_metrics import parse_lmcache, read_multiproc_dir
 from kvoffload.exporter.sources import SourceError

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvoffload import images, settings
+from kvoffload.engine import images
+from kvoffload.api import settings
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATOR = ROOT / "images" / "operator" / "Dockerfile"

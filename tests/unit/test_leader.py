@@ -1,4 +1,4 @@
-"""Leader election: the pure decision, the Lease bodies, one election round against a fake API, the Queue gate."""
+"""Leader election: the pure decision, the Lease bodies, one election round against a fake API, the Runtime gate."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from kvoffload import handlers, leader
-from kvoffload.kube import ApiError
-from kvoffload.settings import Settings
+from kvoffload.controller import leader, runtime
+from kvoffload.controller.kube import ApiError
+from kvoffload.api.settings import Settings
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 CFG = leader.LeaseConfig(namespace="ops", name="kvoffload-operator", identity="me")
@@ -184,12 +184,15 @@ def test_leader_steps_down_when_it_cannot_renew(monkeypatch):
     assert changes == [True, False]
 
 
-def test_queue_ignores_kicks_while_following(monkeypatch):
+def test_queue_ignores_kicks_while_following():
     seen: list[tuple[str, str]] = []
-    monkeypatch.setattr(handlers, "reconcile", lambda kube, ns, name, settings: seen.append((ns, name)) or "unchanged")
+
+    def reconcile(kube, ns, name, settings):
+        seen.append((ns, name))
+        return "unchanged"
 
     async def scenario() -> None:
-        q = handlers.Queue(kube=None, settings=Settings())  # type: ignore[arg-type]
+        q = runtime.Runtime(kube=None, settings=Settings(), reconcile=reconcile)  # type: ignore[arg-type]
         q.leading = False
         q.kick("ns", "a")
         assert not q.tasks and not q.running
@@ -199,3 +202,22 @@ def test_queue_ignores_kicks_while_following(monkeypatch):
 
     asyncio.run(scenario())
     assert seen == [("ns", "b")]
+
+
+def test_new_leader_catches_up_on_what_it_saw_while_following():
+    seen: list[tuple[str, str]] = []
+
+    async def scenario() -> None:
+        rt = runtime.Runtime(kube=None, settings=Settings(),  # type: ignore[arg-type]
+                             reconcile=lambda kube, ns, name, settings: seen.append((ns, name)) or "unchanged")
+        rt.leading = False
+        rt.seen("ns", "b")
+        rt.seen("ns", "a")
+        rt.seen("ns", "gone")
+        rt.gone("ns", "gone")
+        assert not rt.tasks
+        rt._on_leadership(True)
+        await asyncio.gather(*rt.tasks)
+
+    asyncio.run(scenario())
+    assert seen == [("ns", "a"), ("ns", "b")]

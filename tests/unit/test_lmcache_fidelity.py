@@ -6,8 +6,9 @@ import logging
 import pytest
 import yaml
 
-from kvoffload import pipeline, render
-from kvoffload.settings import Settings
+from kvoffload.controller import pipeline
+from kvoffload.rendering import render
+from kvoffload.api.settings import Settings
 
 from .helpers import EXAMPLES, spec
 

@@ -7,8 +7,8 @@ import json
 import pytest
 import yaml
 
-from kvoffload import cli
-from kvoffload.quantity import GiB, MiB
+from kvoffload.cli import main as cli
+from kvoffload.api.quantity import GiB, MiB
 
 LLAMA = ["--model", "meta-llama/Llama-3.1-8B-Instruct"]
 
@@ -16,7 +16,7 @@ LLAMA = ["--model", "meta-llama/Llama-3.1-8B-Instruct"]
 @pytest.fixture(autouse=True)
 def only_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     # cli.main imports every sub-command; these tests exercise `plan` alone.
-    monkeypatch.setattr(cli, "SUBCOMMANDS", {"plan": "kvoffload.plan_cli"})
+    monkeypatch.setattr(cli, "SUBCOMMANDS", {"plan": "kvoffload.cli.plan"})
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -86,7 +86,7 @@ def test_architecture_overrides_for_unknown_model(capsys: pytest.CaptureFixture[
 def test_overrides_for_memory_and_bandwidth(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run(capsys, *LLAMA, "--context", "32768", "--cpu-tier", "8Gi", "--disk-tier", "100Gi",
                      "--engine-baseline", "6Gi", "--shm", "4Gi", "--staging-per-worker", "512Mi",
-                     "--headroom-fraction", "0", "--headroom-min", "0", "--disk-read-gbps", "7", "-o", "json")
+                     "--headroom-percent", "0", "--headroom-min", "0", "--disk-read-gbps", "7", "-o", "json")
     doc = json.loads(out)
     terms = {t["name"]: t["bytes"] for t in doc["memory"]["terms"]}
     assert rc == 0 and (terms["engine_baseline"], terms["shm"], terms["staging"]) == (6 * GiB, 4 * GiB, 512 * MiB)
@@ -144,3 +144,18 @@ def test_config_json_option(capsys: pytest.CaptureFixture[str], tmp_path) -> Non
     path.write_text(json.dumps({"num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512}))
     rc, _, err = run(capsys, "--model", "deepseek-ai/DeepSeek-V3", "--config-json", str(path), "--tp", "8")
     assert rc == 2 and err.startswith("error: --model:") and "MLA" in err
+
+
+def test_every_planning_input_has_an_option() -> None:
+    """Planning errors name inputs by key; the CLI names each by an option it really has."""
+    import argparse
+
+    from kvoffload.api.spec import PLAN_FIELDS
+    from kvoffload.cli import plan as plan_cli
+
+    parser = argparse.ArgumentParser()
+    plan_cli.register(parser.add_subparsers())
+    options = {o for a in parser._subparsers._group_actions[0].choices["plan"]._actions for o in a.option_strings}
+    assert set(PLAN_FIELDS) <= set(plan_cli.OPTION_FOR_INPUT)
+    for key, names in plan_cli.OPTION_FOR_INPUT.items():
+        assert set(names.split("/")) <= options, key

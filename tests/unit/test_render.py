@@ -5,11 +5,12 @@ import os
 import pytest
 import yaml
 
-from kvoffload import pipeline, render
-from kvoffload.errors import ConfigError
-from kvoffload.quantity import to_bytes
-from kvoffload.render_cli import dump_all
-from kvoffload.settings import Settings
+from kvoffload.controller import pipeline
+from kvoffload.rendering import render
+from kvoffload.api.errors import ConfigError
+from kvoffload.api.quantity import to_bytes
+from kvoffload.cli.render import dump_all
+from kvoffload.api.settings import Settings
 
 from .helpers import EXAMPLES, ROOT, spec
 

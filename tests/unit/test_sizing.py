@@ -9,10 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.catalog import ModelArch, lookup
-from kvoffload.errors import ConfigError
-from kvoffload.quantity import GiB, MiB
-from kvoffload.sizing import Bandwidths, MemoryDefaults, PlanInput, plan, validate_tp
+from kvoffload.planning.catalog import ModelArch, lookup
+from kvoffload.api.errors import ConfigError
+from kvoffload.api.quantity import GiB, MiB
+from kvoffload.api.spec import PLAN_FIELDS
+from kvoffload.planning.sizing import Bandwidths, MemoryDefaults, PlanInput, check, plan, validate_tp
 
 L31_8B = lookup("meta-llama/Llama-3.1-8B-Instruct")
 L31_70B = lookup("meta-llama/Llama-3.1-70B-Instruct")
@@ -78,16 +79,16 @@ def test_gpu_tier_70b_tp8_tokens_are_per_gpu_not_times_tp() -> None:
 def test_24gib_gpu_llama_8b_bf16_weights_do_not_fit() -> None:
     with pytest.raises(ConfigError) as exc:
         plan(PlanInput(L31_8B, 65536, gpu_memory=24 * GiB, gpu_memory_utilization=0.5))
-    assert exc.value.field == "spec.resources.gpuMemory"
+    assert exc.value.key == "gpu_memory" and exc.value.named(PLAN_FIELDS).field == "spec.resources.gpuMemory"
     # 8.03e9 × 2 B = 14.96 GiB of weights against 24 GiB × 0.5 = 12 GiB
     assert "14.96 GiB" in exc.value.message and "12 GiB" in exc.value.message
-    assert "spec.engine.tensorParallelSize" in exc.value.message
+    assert "spec.engine.tensorParallelSize" in exc.value.named(PLAN_FIELDS).message
 
 
 def test_24gib_gpu_llama_8b_max_model_len_too_long() -> None:
     with pytest.raises(ConfigError) as exc:  # 21.6 − 14.96 − 2 = 4.64 GiB left, 65536 tokens need 8 GiB
         plan(PlanInput(L31_8B, 65536, gpu_memory=24 * GiB))
-    assert exc.value.field == "spec.engine.maxModelLen"
+    assert exc.value.key == "max_model_len" and exc.value.named(PLAN_FIELDS).field == "spec.engine.maxModelLen"
     assert "at most 38031" in exc.value.message
 
 
@@ -101,8 +102,8 @@ def test_24gib_gpu_llama_8b_fp8_fits() -> None:
 def test_concurrency_beyond_gpu_sequences_warns() -> None:
     b = plan(PlanInput(L31_8B, 131072, concurrency=8))  # 55 GiB / 16 GiB = 3 sequences
     assert b.tier("gpu").sequences == 3
-    assert any("spec.engine.maxNumSeqs is 8" in w for w in b.warnings)
-    assert not any("maxNumSeqs" in w for w in plan(PlanInput(L31_8B, 131072, concurrency=3)).warnings)
+    assert any("spec.engine.maxNumSeqs is 8" in w for w in b.named(PLAN_FIELDS).warnings)
+    assert not any("maxNumSeqs" in w for w in plan(PlanInput(L31_8B, 131072, concurrency=3)).named(PLAN_FIELDS).warnings)
 
 
 # ---- sliding windows ----------------------------------------------------------------------------------
@@ -186,7 +187,7 @@ def test_memory_without_offload_has_no_staging_and_min_headroom() -> None:
 
 def test_memory_overrides() -> None:
     mem = MemoryDefaults(engine_baseline=GiB, per_worker_overhead=0, staging_per_worker=0, shm=0,
-                         headroom_fraction=0, headroom_min=0)
+                         headroom_percent=0, headroom_min=0)
     b = plan(PlanInput(L31_8B, 4096, cpu_tier=3 * GiB, memory=mem))
     assert b.memory_limit == 4 * GiB and b.shm == 0
 
@@ -229,14 +230,14 @@ def test_to_dict_is_json_with_camel_case() -> None:
 # ---- refusals -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("hf_id, tp", [
-    ("meta-llama/Llama-3.1-8B", 3), ("meta-llama/Llama-3.1-8B", 64), ("meta-llama/Llama-3.1-8B", 0),
+    ("meta-llama/Llama-3.1-8B", 3), ("meta-llama/Llama-3.1-8B", 64),
     ("Qwen/Qwen2.5-7B", 8),  # 28 heads % 8 != 0
     ("Qwen/Qwen2.5-7B", 7),  # 28 % 7 == 0, but 7 neither divides nor is a multiple of 4 KV heads
 ])
 def test_validate_tp_refuses_what_vllm_refuses(hf_id: str, tp: int) -> None:
     with pytest.raises(ConfigError) as exc:
         validate_tp(lookup(hf_id), tp)
-    assert exc.value.field == "spec.engine.tensorParallelSize"
+    assert exc.value.key == "tp"
 
 
 @pytest.mark.parametrize("hf_id, tp", [("Qwen/Qwen2.5-7B", 4), ("meta-llama/Llama-2-70b-hf", 16),
@@ -245,35 +246,40 @@ def test_validate_tp_accepts(hf_id: str, tp: int) -> None:
     validate_tp(lookup(hf_id), tp)
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"max_model_len": 0}, "spec.engine.maxModelLen"),
-    ({"concurrency": 0}, "spec.engine.maxNumSeqs"),
-    ({"gpu_memory_utilization": 0}, "spec.engine.gpuMemoryUtilization"),
-    ({"gpu_memory_utilization": 1.5}, "spec.engine.gpuMemoryUtilization"),
-    ({"kv_dtype": "int4"}, "spec.model.kvDtype"),
-    ({"weight_dtype": "fp32"}, "spec.engine.dtype"),
-    ({"cpu_tier": -1}, "spec.offload.cpu.size"),
-    ({"disk_tier": -1}, "spec.offload.disk.size"),
-    ({"disk_tier": GiB}, "spec.offload.cpu.size"),  # a disk tier needs a CPU tier
-    ({"gpu_memory": 0}, "spec.resources.gpuMemory"),
-    ({"gpus": 2}, "spec.resources.gpus"),
-    ({"chunk_size": 0}, "spec.offload.chunkSize"),
-    ({"tp": 5}, "spec.engine.tensorParallelSize"),
-    ({"memory": MemoryDefaults(engine_baseline=-1)}, "spec.resources.engineBaseline"),
-    ({"memory": MemoryDefaults(headroom_fraction=-0.1)}, "spec.resources.headroomFraction"),
-    ({"bandwidths": Bandwidths(disk_read=0)}, "spec.offload.disk.readBandwidth"),
+@pytest.mark.parametrize("change, key", [
+    ({"max_model_len": 0}, "max_model_len"),
+    ({"concurrency": 0}, "concurrency"),
+    ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"kv_dtype": "int4"}, "kv_dtype"),
+    ({"weight_dtype": "fp32"}, "weight_dtype"),
+    ({"cpu_tier": -1}, "cpu_tier"),
+    ({"disk_tier": -1}, "disk_tier"),
+    ({"disk_tier": GiB}, "cpu_tier"),  # a disk tier needs a CPU tier
+    ({"gpu_memory": 0}, "gpu_memory"),
+    ({"gpus": 2}, "gpus"),
+    ({"chunk_size": 0}, "chunk_size"),
+    ({"tp": 0}, "tp"),
+    ({"tp": 5}, "tp"),
+    ({"memory": MemoryDefaults(engine_baseline=-1)}, "engine_baseline"),
+    ({"memory": MemoryDefaults(headroom_percent=-1)}, "headroom_percent"),
+    ({"memory": MemoryDefaults(headroom_percent=101)}, "headroom_percent"),
+    ({"bandwidths": Bandwidths(disk_read=0)}, "disk_read"),
 ])
-def test_bad_input_names_the_field(change: dict, field: str) -> None:
+def test_bad_input_names_the_input(change: dict, key: str) -> None:
+    inp = dataclasses.replace(PlanInput(L31_8B, 4096), **change)
     with pytest.raises(ConfigError) as exc:
-        plan(dataclasses.replace(PlanInput(L31_8B, 4096), **change))
-    assert exc.value.field == field
+        check(inp)
+        plan(inp)
+    assert exc.value.key == key
 
 
 def test_mla_is_refused() -> None:
     mla = ModelArch("deepseek-ai/DeepSeek-V3", 61, 128, 128, 192, 671_000_000_000, attention="mla")
     with pytest.raises(ConfigError) as exc:
         plan(PlanInput(mla, 4096, tp=8))
-    assert exc.value.field == "spec.model.name" and "MLA" in exc.value.message
+    assert exc.value.key == "model" and "MLA" in exc.value.message
+    assert exc.value.named(PLAN_FIELDS).field == "spec.model.name"
 
 
 # ---- properties --------------------------------------------------------------------------------------

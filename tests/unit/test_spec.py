@@ -2,10 +2,10 @@
 
 import pytest
 
-from kvoffload import crd
-from kvoffload.errors import ConfigError
-from kvoffload.settings import Settings
-from kvoffload.spec import check_disk_path, parse
+from kvoffload.api import crd
+from kvoffload.api.errors import ConfigError
+from kvoffload.api.settings import Settings
+from kvoffload.api.spec import check_disk_path, parse
 
 from .helpers import spec
 

@@ -67,7 +67,7 @@ Operator image (also the exporter sidecar's unless operator.config.exporterImage
 {{- end }}
 
 {{/*
-The operator settings file (kvoffload/settings.py keys). exporterImage defaults to the operator image.
+The operator settings file (kvoffload/api/settings.py keys). exporterImage defaults to the operator image.
 */}}
 {{- define "kvoffload-operator.config" -}}
 {{- $cfg := deepCopy .Values.operator.config }}
@@ -93,7 +93,7 @@ any: true
 {{- end }}
 
 {{/*
-RBAC rules: exactly what the operator calls (kvoffload/kube.py, reconcile.py, handlers.py). No
+RBAC rules: exactly what the operator calls (kvoffload/controller/: kube.py, reconcile.py, handlers.py). No
 wildcards, no Secrets (a Hugging Face token is referenced by name in the pod spec, never read).
 */}}
 {{- define "kvoffload-operator.rules" -}}

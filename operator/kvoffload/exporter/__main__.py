@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import ConfigError
+from ..api.errors import ConfigError
 from .cli import DESCRIPTION, add_arguments, run
 
 

@@ -1,4 +1,8 @@
-"""Tier capacities from the LMCache YAML the operator rendered (sizes are GiB PER TP WORKER)."""
+"""Tier capacities from the LMCache YAML the operator rendered (sizes are GiB PER TP WORKER).
+
+The sidecar reads LMCache's own config rather than a figure in its arguments: these keys are what
+LMCache enforces, so the capacity reported is the one in force (the rendered figure is the Budget's
+per-worker bytes, rounded to 6 decimals of GiB; × tp gives the tier back to within that rounding)."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError
+from ..api.errors import ConfigError
 
 GiB = 1024**3
 _FIELD = "--lmcache-config"

@@ -11,7 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 
-from ..errors import ConfigError
+from ..api.errors import ConfigError
 from .capacity import load_budget
 from .collector import ExporterConfig, TierCollector
 from .disk_tier import DiskTierMonitor

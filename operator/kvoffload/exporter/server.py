@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from ..errors import ConfigError
+from ..api.errors import ConfigError
 
 log = logging.getLogger("kvoffload.exporter")
 

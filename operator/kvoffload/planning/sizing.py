@@ -28,17 +28,23 @@ Conventions
   that rank's own host link in parallel (bytes / tp / cpu_read); the disk tier is one node-local
   device shared by all ranks (bytes / disk_read); recompute = tokens / prefill rate. Measured
   figures: /work/shared/reference/h200-tier-physics.json.
+- Vocabulary: errors are InputErrors keyed by PlanInput's own names (`tp`, `cpu_tier`), and
+  messages and warnings name other inputs as `{key}`. The operator maps keys to CRD paths
+  (spec.PLAN_FIELDS), `kvoffload plan` to its options (OPTION_FOR_INPUT).
+- After planning, Budget is the one source of every size: render, status and conditions read it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..api.errors import InputError, name_inputs
+from ..api.quantity import GiB, MiB, human
 from .catalog import ModelArch
-from .errors import ConfigError
-from .quantity import GiB, MiB, human
 
 # h200-tier-physics.json: pinned host→GPU copy, disk read, and the 32K prefill of an 8B Llama.
 H2D_PINNED_BPS = 54.847573715916525e9
@@ -50,15 +56,6 @@ MEASURED_PARAMS = 8_030_261_248  # the Llama-3.1-8B shape that was measured
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
 KV_DTYPES = ("auto", *DTYPE_BYTES)
 
-F_TP = "spec.engine.tensorParallelSize"
-F_GPU_MEMORY = "spec.resources.gpuMemory"
-F_MAX_MODEL_LEN = "spec.engine.maxModelLen"
-F_UTIL = "spec.engine.gpuMemoryUtilization"
-F_SEQS = "spec.engine.maxNumSeqs"
-F_CPU = "spec.offload.cpu.size"
-F_DISK = "spec.offload.disk.size"
-
-
 @dataclass(frozen=True)
 class MemoryDefaults:
     """Every pod-memory term, overridable."""
@@ -66,7 +63,7 @@ class MemoryDefaults:
     per_worker_overhead: int = 2 * GiB  # each TP worker process: torch/CUDA runtime
     staging_per_worker: int = 1 * GiB  # pinned staging buffers for GPU<->CPU<->disk copies
     shm: int | None = None  # /dev/shm; None = 1Gi + 1Gi per TP rank
-    headroom_fraction: float = 0.10  # of the sum above, at least headroom_min
+    headroom_percent: int = 10  # of the sum above, at least headroom_min
     headroom_min: int = 1 * GiB
 
 
@@ -137,6 +134,10 @@ class Budget:
     reload: tuple[ReloadEstimate, ...]  # per offload tier that is on
     warnings: tuple[str, ...]
 
+    def named(self, names: Mapping[str, str]) -> Budget:
+        """This budget with its warnings in the caller's vocabulary (see InputError.named)."""
+        return dataclasses.replace(self, warnings=tuple(name_inputs(w, names) for w in self.warnings))
+
     def tier(self, name: str) -> TierBudget:
         for t in self.tiers:
             if t.name == name:
@@ -162,66 +163,67 @@ class Budget:
 
 
 def validate_tp(model: ModelArch, tp: int) -> None:
-    """Refuse what vLLM refuses: heads must split evenly, KV heads split or replicate evenly."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ConfigError(F_TP, f"must be an integer >= 1, got {tp!r}")
+    """Refuse what vLLM refuses: heads must split evenly, KV heads split or replicate evenly (tp >= 1)."""
     if model.attention_heads % tp:
-        raise ConfigError(F_TP, f"{tp} does not divide {model.hf_id}'s {model.attention_heads} attention heads")
+        raise InputError("tp", f"{tp} does not divide {model.hf_id}'s {model.attention_heads} attention heads")
     if model.kv_heads % tp and tp % model.kv_heads:
-        raise ConfigError(F_TP, f"{tp} neither divides nor is a multiple of {model.hf_id}'s {model.kv_heads} KV heads")
+        raise InputError("tp", f"{tp} neither divides nor is a multiple of {model.hf_id}'s {model.kv_heads} KV heads")
 
 
-def _int(value: Any, minimum: int, name: str) -> None:
+def _int(value: Any, minimum: int, key: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(name, f"must be an integer >= {minimum}, got {value!r}")
+        raise InputError(key, f"must be an integer >= {minimum}, got {value!r}")
 
 
-def _number(value: Any, name: str, *, allow_zero: bool = False) -> None:
+def _number(value: Any, key: str, *, allow_zero: bool = False) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(name, f"must be a number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+        raise InputError(key, f"must be a number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 
-def _validate(inp: PlanInput) -> None:
-    m = inp.model
-    if m.attention == "mla":
-        raise ConfigError("spec.model.name", f"{m.hf_id} uses multi-head latent attention (MLA); this sizing "
-                          "model covers standard and grouped-query attention only and will not guess")
-    validate_tp(m, inp.tp)
-    if inp.gpus is not None and inp.gpus != inp.tp:
-        raise ConfigError("spec.resources.gpus", f"{inp.gpus} GPUs with {F_TP} {inp.tp}: pipeline "
-                          "parallelism is not modelled; use as many GPUs as the tensor-parallel size")
-    _int(inp.max_model_len, 1, F_MAX_MODEL_LEN)
-    _int(inp.concurrency, 1, F_SEQS)
-    _int(inp.chunk_size, 1, "spec.offload.chunkSize")
+def check(inp: PlanInput) -> None:
+    """The bounds of every input, for callers that no schema checked (`kvoffload plan`, tests).
+    The operator skips it: spec.parse already holds the CRD's bounds, which are tighter."""
+    _int(inp.tp, 1, "tp")
+    _int(inp.max_model_len, 1, "max_model_len")
+    _int(inp.concurrency, 1, "concurrency")
+    _int(inp.chunk_size, 1, "chunk_size")
     if not (isinstance(inp.gpu_memory_utilization, (int, float)) and 0 < inp.gpu_memory_utilization <= 1):
-        raise ConfigError(F_UTIL, f"must be in (0, 1], got {inp.gpu_memory_utilization!r}")
+        raise InputError("gpu_memory_utilization", f"must be in (0, 1], got {inp.gpu_memory_utilization!r}")
     if inp.weight_dtype not in DTYPE_BYTES:
-        raise ConfigError("spec.engine.dtype", f"{inp.weight_dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+        raise InputError("weight_dtype", f"{inp.weight_dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
     if inp.kv_dtype not in KV_DTYPES:
-        raise ConfigError("spec.model.kvDtype", f"{inp.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
-    _int(inp.gpu_memory, 1, F_GPU_MEMORY)
-    _int(inp.cpu_tier, 0, F_CPU)
-    _int(inp.disk_tier, 0, F_DISK)
-    if inp.disk_tier and not inp.cpu_tier:
-        raise ConfigError(F_CPU, "the disk tier needs a CPU tier (LMCache reads disk hits back through it); "
-                          f"set {F_CPU} > 0 or {F_DISK} to 0")
-    _int(inp.activation_reserve, 0, "spec.engine.activationReserve")
-    mem, mf = inp.memory, "spec.resources."
-    for name in ("engine_baseline", "per_worker_overhead", "staging_per_worker", "headroom_min"):
-        _int(getattr(mem, name), 0, mf + _camel(name))
+        raise InputError("kv_dtype", f"{inp.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    _int(inp.gpu_memory, 1, "gpu_memory")
+    _int(inp.cpu_tier, 0, "cpu_tier")
+    _int(inp.disk_tier, 0, "disk_tier")
+    _int(inp.activation_reserve, 0, "activation_reserve")
+    mem = inp.memory
+    for key in ("engine_baseline", "per_worker_overhead", "staging_per_worker", "headroom_min"):
+        _int(getattr(mem, key), 0, key)
     if mem.shm is not None:
-        _int(mem.shm, 0, mf + "shm")
-    _number(mem.headroom_fraction, mf + "headroomFraction", allow_zero=True)
-    _number(inp.bandwidths.cpu_read, "spec.offload.cpu.readBandwidth")
-    _number(inp.bandwidths.disk_read, "spec.offload.disk.readBandwidth")
+        _int(mem.shm, 0, "shm")
+    if isinstance(mem.headroom_percent, bool) or not isinstance(mem.headroom_percent, int) or not 0 <= mem.headroom_percent <= 100:
+        raise InputError("headroom_percent", f"must be an integer in [0, 100], got {mem.headroom_percent!r}")
+    _number(inp.bandwidths.cpu_read, "cpu_read")
+    _number(inp.bandwidths.disk_read, "disk_read")
     if inp.bandwidths.prefill_tokens_per_s is not None:
-        _number(inp.bandwidths.prefill_tokens_per_s, "spec.engine.prefillTokensPerSecond")
+        _number(inp.bandwidths.prefill_tokens_per_s, "prefill_tokens_per_s")
 
 
-def _camel(snake: str) -> str:
-    head, *rest = snake.split("_")
-    return head + "".join(w.title() for w in rest)
+def _refuse(inp: PlanInput) -> None:
+    """What no schema can see: rules of the model, of vLLM and of LMCache."""
+    m = inp.model
+    validate_tp(m, inp.tp)
+    if m.attention == "mla":
+        raise InputError("model", f"{m.hf_id} uses multi-head latent attention (MLA); this sizing "
+                         "model covers standard and grouped-query attention only and will not guess")
+    if inp.gpus is not None and inp.gpus != inp.tp:
+        raise InputError("gpus", f"{inp.gpus} GPUs with {{tp}} {inp.tp}: pipeline "
+                         "parallelism is not modelled; use as many GPUs as the tensor-parallel size")
+    if inp.disk_tier and not inp.cpu_tier:
+        raise InputError("cpu_tier", "the disk tier needs a CPU tier (LMCache reads disk hits back through it); "
+                         "set {cpu_tier} > 0 or {disk_tier} to 0")
 
 
 def prefill_tokens_per_s(inp: PlanInput) -> float:
@@ -239,22 +241,22 @@ def _gpu_tier(inp: PlanInput, per_gpu_bpt: int, windowed: bool) -> tuple[TierBud
     weights_per_gpu = -(-weights // inp.tp)
     budget = usable - weights_per_gpu - inp.activation_reserve
     if budget <= 0:
-        raise ConfigError(F_GPU_MEMORY, (
+        raise InputError("gpu_memory", (
             f"{m.hf_id} weights ({human(weights)} {inp.weight_dtype}) need {human(weights_per_gpu)} per GPU "
-            f"at {F_TP}={inp.tp}; {human(inp.gpu_memory)} × {F_UTIL} {inp.gpu_memory_utilization} = "
+            f"at {{tp}}={inp.tp}; {human(inp.gpu_memory)} × {{gpu_memory_utilization}} {inp.gpu_memory_utilization} = "
             f"{human(usable)}, minus the {human(inp.activation_reserve)} activation reserve, leaves no room for KV: "
-            f"raise {F_GPU_MEMORY}, {F_UTIL} or {F_TP}"))
+            f"raise {{gpu_memory}}, {{gpu_memory_utilization}} or {{tp}}"))
     per_layer = per_gpu_bpt // m.layers
     seq_layers_tokens = m.layers * L
     if windowed:
         seq_layers_tokens = m.full_layers * L + m.sliding_window_layers * min(L, m.sliding_window or L)
     seq = per_layer * seq_layers_tokens
     if budget < seq:
-        raise ConfigError(F_MAX_MODEL_LEN, (
+        raise InputError("max_model_len", (
             f"one {L}-token request needs {human(seq)} of KV per GPU, but only {human(budget)} per GPU is left "
-            f"after weights and the activation reserve (vLLM refuses to start): lower {F_MAX_MODEL_LEN}"
-            f"{'' if windowed else f' to at most {budget // per_gpu_bpt}'}, or raise {F_GPU_MEMORY}, "
-            f"{F_UTIL} or {F_TP}"))
+            f"after weights and the activation reserve (vLLM refuses to start): lower {{max_model_len}}"
+            f"{'' if windowed else f' to at most {budget // per_gpu_bpt}'}, or raise {{gpu_memory}}, "
+            f"{{gpu_memory_utilization}} or {{tp}}"))
     tier = TierBudget("gpu", budget * inp.tp, budget, budget * L // seq, budget // seq)
     return tier, seq
 
@@ -278,15 +280,17 @@ def _memory(inp: PlanInput, offload: bool) -> tuple[tuple[MemoryTerm, ...], int,
         MemoryTerm("shm", shm, "memory-backed /dev/shm for NCCL and worker IPC, charged to the pod"),
     ]
     subtotal = sum(t.bytes for t in terms)
-    headroom = max(mem.headroom_min, math.ceil(subtotal * mem.headroom_fraction))
-    terms.append(MemoryTerm("headroom", headroom, f"{mem.headroom_fraction:g} of the terms above, at least {human(mem.headroom_min)}"))
+    headroom = max(mem.headroom_min, math.ceil(subtotal * (mem.headroom_percent / 100)))
+    terms.append(MemoryTerm("headroom", headroom, f"{mem.headroom_percent / 100:g} of the terms above, at least {human(mem.headroom_min)}"))
     total = -(-(subtotal + headroom) // MiB) * MiB
     return tuple(terms), total, shm
 
 
 def plan(inp: PlanInput) -> Budget:
-    """Validate `inp` (ConfigError names the CRD field) and size every tier and the pod."""
-    _validate(inp)
+    """Size every tier and the pod for `inp`, whose bounds hold (`check`, or the CRD's in spec.parse).
+
+    Refusals are InputErrors keyed by PlanInput's names; warnings name inputs as `{key}` (Budget.named)."""
+    _refuse(inp)
     m, tp, L = inp.model, inp.tp, inp.max_model_len
     kv_bytes = DTYPE_BYTES[inp.weight_dtype if inp.kv_dtype == "auto" else inp.kv_dtype]
     heads_per_gpu = max(1, m.kv_heads // tp)
@@ -299,10 +303,10 @@ def plan(inp: PlanInput) -> Budget:
 
     warnings: list[str] = []
     if m.max_context and L > m.max_context:
-        warnings.append(f"{F_MAX_MODEL_LEN} {L} exceeds {m.hf_id}'s max_position_embeddings {m.max_context}: vLLM refuses "
+        warnings.append(f"{{max_model_len}} {L} exceeds {m.hf_id}'s max_position_embeddings {m.max_context}: vLLM refuses "
                         "it unless the model's rope scaling is overridden or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set")
     if tp > m.kv_heads:
-        warnings.append(f"{F_TP} {tp} > {m.kv_heads} KV heads: each KV head is replicated on {tp // m.kv_heads} "
+        warnings.append(f"{{tp}} {tp} > {m.kv_heads} KV heads: each KV head is replicated on {tp // m.kv_heads} "
                         f"GPUs, so every tier stores {per_gpu_bpt * tp} B/token instead of {per_gpu_bpt * m.kv_heads}")
     if m.sliding_window and m.sliding_window_layers:
         warnings.append(
@@ -311,7 +315,7 @@ def plan(inp: PlanInput) -> Budget:
                 "vLLM turns its hybrid KV cache manager off when a KV connector is set, so those layers take full-length "
                 "GPU memory; LMCache tiers are sized as storing every layer of every token"))
     if gpu.sequences < inp.concurrency:
-        warnings.append(f"the GPU tier holds {gpu.sequences} full-length ({L}-token) sequences but {F_SEQS} is "
+        warnings.append(f"the GPU tier holds {gpu.sequences} full-length ({L}-token) sequences but {{concurrency}} is "
                         f"{inp.concurrency}: vLLM preempts or queues requests when that many long ones run at once")
     for t in tiers[1:]:
         if t.bytes and not t.tokens:

@@ -9,10 +9,12 @@ import logging
 from datetime import datetime
 from typing import Any
 
-from . import conditions, crd, pipeline, probe, render
-from .errors import ConfigError
+from . import conditions, pipeline, probe
+from ..api import crd
+from ..rendering import render
+from ..api.errors import ConfigError
 from .kube import ApiError, Kube, collection
-from .settings import Settings
+from ..api.settings import Settings
 
 log = logging.getLogger("kvoffload.reconcile")
 

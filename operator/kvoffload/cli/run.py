@@ -31,14 +31,14 @@ def run(args: argparse.Namespace) -> int:
         os.environ["KVOFFLOAD_CONFIG"] = args.operator_config
     namespaces = [] if args.all_namespaces else args.namespace
     if args.leader_election:
-        from . import leader
+        from ..controller import leader
 
         lease_ns = args.leader_election_namespace or leader.default_namespace(namespaces)
         os.environ[leader.ENV] = f"{lease_ns}/{args.lease_name or leader.DEFAULT_LEASE_NAME}"
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if logging.getLogger().level > logging.DEBUG:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one "handler succeeded" line per pod event
-    from . import handlers  # noqa: F401  registers the handlers
+    from ..controller import handlers  # noqa: F401  registers the handlers
 
     asyncio.run(kopf.operator(
         clusterwide=not namespaces,

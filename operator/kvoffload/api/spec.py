@@ -16,7 +16,8 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from . import crd, images
+from . import crd
+from ..engine import images
 from .errors import ConfigError
 from .quantity import to_bytes
 from .settings import Settings
@@ -28,6 +29,34 @@ MAX_BYTES = int(parse_quantity(crd.MAX_QUANTITY))
 
 
 _node = crd.schema_at
+
+# The planner's input names (planning.sizing.PlanInput, planning.catalog) -> the CRD field that sets
+# each, so that planning errors and warnings name the field. Inputs the operator never sets (gpus,
+# activation_reserve, headroom_min, bandwidths, config_json) have no field and keep their own name.
+PLAN_FIELDS = {
+    "model": "spec.model.name",
+    "architecture": "spec.model.architecture",
+    "layers": "spec.model.architecture.layers",
+    "attention_heads": "spec.model.architecture.attentionHeads",
+    "kv_heads": "spec.model.architecture.kvHeads",
+    "head_dim": "spec.model.architecture.headDim",
+    "params": "spec.model.architecture.parameters",
+    "kv_dtype": "spec.model.kvDtype",
+    "max_model_len": "spec.engine.maxModelLen",
+    "concurrency": "spec.engine.maxNumSeqs",
+    "tp": "spec.engine.tensorParallelSize",
+    "gpu_memory_utilization": "spec.engine.gpuMemoryUtilization",
+    "weight_dtype": "spec.engine.dtype",
+    "gpu_memory": "spec.resources.gpuMemory",
+    "engine_baseline": "spec.resources.engineBaseline",
+    "per_worker_overhead": "spec.resources.perWorkerOverhead",
+    "staging_per_worker": "spec.resources.stagingPerWorker",
+    "shm": "spec.resources.shm",
+    "headroom_percent": "spec.resources.headroomPercent",
+    "cpu_tier": "spec.offload.cpu.size",
+    "disk_tier": "spec.offload.disk.size",
+    "chunk_size": "spec.offload.chunkSize",
+}
 
 
 def _matches(pattern: str, value: str) -> bool:
@@ -320,10 +349,15 @@ def _resources(r: _Reader, settings: Settings) -> ResourcesSpec:
 
     cpu = r.get("resources.cpu")
     quantity_bytes(cpu, "spec.resources.cpu", allow_zero=False)  # validates the quantity
-    headroom = _int(r, "resources.headroomPercent", 0, 100) if r.has("resources.headroomPercent") else settings.headroom_percent
+    if r.has("resources.headroomPercent"):
+        headroom = _int(r, "resources.headroomPercent", 0, 100)
+    else:
+        headroom = settings.headroom_percent
+        if isinstance(headroom, bool) or not isinstance(headroom, int) or not 0 <= headroom <= 100:
+            raise ConfigError("operator setting headroomPercent", f"{headroom!r} must be an integer in [0, 100]")
     return ResourcesSpec(
         gpu_resource_name=_str(r, "resources.gpuResourceName"),
-        gpu_memory=_size(r, "resources.gpuMemory") or to_bytes(settings.default_gpu_memory, "operator setting defaultGpuMemory"),
+        gpu_memory=_size(r, "resources.gpuMemory") or to_bytes(settings.default_gpu_memory, "operator setting defaultGpuMemory", allow_zero=False),
         cpu=str(cpu),
         memory=_size(r, "resources.memory"),
         engine_baseline=term("resources.engineBaseline", settings.engine_baseline),

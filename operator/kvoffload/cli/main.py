@@ -6,15 +6,15 @@ import argparse
 import importlib
 import sys
 
-from .errors import ConfigError
+from ..api.errors import ConfigError
 
 # sub-command -> module exposing `register(subparsers)`; the parser it adds sets `func`.
 SUBCOMMANDS = {
-    "plan": "kvoffload.plan_cli",
-    "render": "kvoffload.render_cli",
-    "run": "kvoffload.run_cli",
+    "plan": "kvoffload.cli.plan",
+    "render": "kvoffload.cli.render",
+    "run": "kvoffload.cli.run",
     "exporter": "kvoffload.exporter.cli",
-    "clean-disk": "kvoffload.cleaner_cli",
+    "clean-disk": "kvoffload.cli.clean_disk",
 }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from ..api.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ import sys
 
 import yaml
 
-from . import crd, pipeline, settings as settings_mod
-from .errors import ConfigError
+from ..api import crd, settings as settings_mod
+from ..controller import pipeline
+from ..api.errors import ConfigError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

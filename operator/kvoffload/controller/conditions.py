@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from . import render
-from .errors import ConfigError
+from ..rendering import render
+from ..api.errors import ConfigError
 from .pipeline import Desired
-from .quantity import format_bytes
+from ..api.quantity import format_bytes
 
 TYPES = ("Ready", "ConfigValid", "Scheduled", "OffloadActive", "DiskTierReady")
 
@@ -104,13 +104,14 @@ def _disk(desired: Desired, pods: list[dict[str, Any]]) -> Cond:
     replicas = desired.spec.replicas
     if replicas and len(initialized) >= replicas:
         return Cond("DiskTierReady", "True", "DirectoriesPrepared",
-                    f"{format_bytes(disk.size)} per replica on {where}; {len(initialized)}/{replicas} pod directories {cleanup}")
+                    f"{format_bytes(desired.budget.tier('disk').bytes)} per replica on {where}; {len(initialized)}/{replicas} pod directories {cleanup}")
     return Cond("DiskTierReady", "False", "Preparing", f"{len(initialized)}/{replicas} pod directories prepared on {where}")
 
 
 def _offload(desired: Desired, ready: Cond, probes: dict[str, float | str] | None) -> Cond:
-    tiers = f"CPU {format_bytes(desired.spec.offload.cpu_size)}" + (
-        f", disk {format_bytes(desired.spec.offload.disk.size)}" if desired.spec.offload.disk else "")
+    b = desired.budget
+    tiers = f"CPU {format_bytes(b.tier('cpu').bytes)}" + (
+        f", disk {format_bytes(b.tier('disk').bytes)}" if desired.spec.offload.disk else "")
     configured = f"LMCacheConnectorV1 configured ({tiers})"
     if not desired.spec.metrics_enabled:
         return Cond("OffloadActive", "Unknown", "MetricsDisabled", f"{configured}; enable spec.metrics for proof")

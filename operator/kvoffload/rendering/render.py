@@ -14,12 +14,12 @@ from typing import Any
 
 import yaml
 
-from . import crd
-from .errors import ConfigError
-from .quantity import format_bytes, gib
-from .settings import Settings
-from .sizing import Budget
-from .spec import Spec
+from ..api import crd
+from ..api.errors import ConfigError
+from ..api.quantity import format_bytes, gib
+from ..api.settings import Settings
+from ..planning.sizing import Budget
+from ..api.spec import Spec
 
 HTTP_PORT = 8000
 CONFIG_DIR = "/etc/lmcache"
@@ -65,19 +65,23 @@ def _meta(name: str, owner: Owner, settings: Settings, **extra: Any) -> dict[str
     return meta
 
 
-def lmcache_config(spec: Spec) -> dict[str, Any]:
+def lmcache_gib(budget: Budget, tier: str) -> float:
+    """A tier's per-worker share (Budget) in LMCache's unit: GiB as a float, to 6 decimals."""
+    return round(gib(budget.tier(tier).bytes_per_worker), 6)
+
+
+def lmcache_config(spec: Spec, budget: Budget) -> dict[str, Any]:
     """LMCache 0.5.6 in-process config: keys and units exactly as `LMCacheEngineConfig` reads them
     (sizes are GiB floats per worker, i.e. per tensor-parallel rank)."""
-    tp = spec.engine.tensor_parallel_size
     config: dict[str, Any] = {
         "chunk_size": spec.offload.chunk_size,
         "local_cpu": True,  # the disk tier needs it; the CPU tier is the point of this product
-        "max_local_cpu_size": round(gib(spec.offload.cpu_size) / tp, 6),
+        "max_local_cpu_size": lmcache_gib(budget, "cpu"),
         "cache_policy": spec.offload.eviction_policy,
     }
     if spec.offload.disk:
         config["local_disk"] = f"file://{DISK_DIR}/"
-        config["max_local_disk_size"] = round(gib(spec.offload.disk.size) / tp, 6)
+        config["max_local_disk_size"] = lmcache_gib(budget, "disk")
     return config
 
 
@@ -85,9 +89,9 @@ def _hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def configmap(owner: Owner, spec: Spec, settings: Settings) -> dict[str, Any]:
+def configmap(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> dict[str, Any]:
     text = "# Rendered by kvoffload; LMCache 0.5.6 keys. Edit the KVOffloadServe, not this.\n" + yaml.safe_dump(
-        lmcache_config(spec), sort_keys=True)
+        lmcache_config(spec, budget), sort_keys=True)
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(names(owner.name)["configmap"], owner, settings),
             "data": {"lmcache.yaml": text}}
 
@@ -234,7 +238,7 @@ def _volumes(owner: Owner, spec: Spec, budget: Budget) -> list[dict[str, Any]]:
         volumes.append({"name": "kv-disk", "ephemeral": {"volumeClaimTemplate": {
             "metadata": {"labels": selector_labels(owner)},
             "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": disk.storage_class,
-                     "resources": {"requests": {"storage": format_bytes(disk.size)}}}}}})
+                     "resources": {"requests": {"storage": format_bytes(budget.tier("disk").bytes)}}}}}})
     if spec.model.cache_claim:
         claim = {"claimName": spec.model.cache_claim, **({"readOnly": True} if spec.model.cache_read_only else {})}
         volumes.append({"name": "model-cache", "persistentVolumeClaim": claim})
@@ -317,6 +321,6 @@ def check_name(name: str) -> None:
 def children(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> list[dict[str, Any]]:
     """Every child, in apply order."""
     check_name(owner.name)
-    cm = configmap(owner, spec, settings)
+    cm = configmap(owner, spec, budget, settings)
     return [cm, *services(owner, spec, settings), statefulset(owner, spec, budget, settings, _hash(cm["data"])),
             pdb(owner, settings)]

@@ -16,10 +16,10 @@ import sys
 import tempfile
 from typing import Any
 
-from . import crd
-from .disk_cleaner import POLICIES, RETAIN, clean, live_from_json, load_state, next_state
-from .errors import ConfigError
-from .quantity import human
+from ..api import crd
+from ..node.disk_cleaner import POLICIES, RETAIN, clean, live_from_json, load_state, next_state
+from ..api.errors import ConfigError
+from ..api.quantity import human
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -14,9 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from .errors import ConfigError
+from ..api.errors import InputError
 
-ARCH = "spec.model.architecture"
 
 
 @dataclass(frozen=True)
@@ -118,13 +117,12 @@ def known_models() -> list[str]:
 
 def _read_config(path: str, hf_id: str) -> dict[str, Any]:
     """Architecture fields of a local HF config.json (never fetched over the network)."""
-    field = f"{ARCH}.configJson"
     try:
         cfg = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
-        raise ConfigError(field, f"cannot read {path!r} as an HF config.json: {exc}") from None
+        raise InputError("config_json", f"cannot read {path!r} as an HF config.json: {exc}") from None
     if not isinstance(cfg, dict):
-        raise ConfigError(field, f"{path!r} is not a JSON object")
+        raise InputError("config_json", f"{path!r} is not a JSON object")
     cfg = cfg.get("text_config") or cfg  # multimodal configs nest the language model
     out: dict[str, Any] = {"hf_id": hf_id, "source": path}
     if cfg.get("kv_lora_rank"):  # DeepSeek-style multi-head latent attention
@@ -157,9 +155,9 @@ def _read_config(path: str, hf_id: str) -> dict[str, Any]:
     return out
 
 
-def _positive(value: Any, name: str) -> int:
+def _positive(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{ARCH}.{name}", f"must be a positive integer, got {value!r}")
+        raise InputError(key, f"must be a positive integer, got {value!r}")
     return value
 
 
@@ -168,7 +166,7 @@ def resolve_model(model_id: str, *, layers: int | None = None, kv_heads: int | N
                   params: int | None = None, config_json: str | None = None) -> ModelArch:
     """Catalog entry, then a local config.json, then explicit overrides (each wins over the last)."""
     if not model_id or not model_id.strip():
-        raise ConfigError("spec.model.name", "must name a model (a Hugging Face id such as meta-llama/Llama-3.1-8B-Instruct)")
+        raise InputError("model", "must name a model (a Hugging Face id such as meta-llama/Llama-3.1-8B-Instruct)")
     base = lookup(model_id)
     fields: dict[str, Any] = {} if base is None else asdict(base)
     if config_json:
@@ -182,18 +180,18 @@ def resolve_model(model_id: str, *, layers: int | None = None, kv_heads: int | N
     if fields.get("attention") == "mla":  # kept so that sizing can refuse it by name; 0 = not known
         return ModelArch(**{"layers": 0, "attention_heads": 0, "kv_heads": 0, "head_dim": 0, "params": 0, **fields})
     required = {"layers": "layers", "kv_heads": "kvHeads", "head_dim": "headDim", "params": "parameters"}
-    missing = [crd for key, crd in required.items() if fields.get(key) is None]
+    missing = [key for key in required if fields.get(key) is None]
     if missing:
         if base is None and not config_json and len(missing) == len(required):
-            raise ConfigError("spec.model.name", f"{model_id!r} is not in the built-in catalog; set {ARCH} "
+            raise InputError("model", f"{model_id!r} is not in the built-in catalog; set {{architecture}} "
                               f"(layers, kvHeads, headDim, parameters) or a config.json; known: {', '.join(known_models())}")
-        raise ConfigError(f"{ARCH}.{missing[0]}", f"{model_id!r} needs {', '.join(missing)} "
+        raise InputError(missing[0], f"{model_id!r} needs {', '.join(required[k] for k in missing)} "
                           "(the catalog and config.json do not give them)")
-    for key, crd in (*required.items(), ("attention_heads", "attentionHeads")):
-        _positive(fields[key], crd)
+    for key in (*required, "attention_heads"):
+        _positive(fields[key], key)
     arch = ModelArch(**fields)
     if arch.kv_heads > arch.attention_heads or arch.attention_heads % arch.kv_heads:
-        raise ConfigError(f"{ARCH}.kvHeads", f"{arch.kv_heads} KV heads must divide the {arch.attention_heads} attention heads")
+        raise InputError("kv_heads", f"{arch.kv_heads} KV heads must divide the {arch.attention_heads} attention heads")
     if arch.sliding_window_layers > arch.layers:
-        raise ConfigError(f"{ARCH}.layers", f"{arch.layers} layers, but {arch.sliding_window_layers} are windowed")
+        raise InputError("layers", f"{arch.layers} layers, but {arch.sliding_window_layers} are windowed")
     return arch

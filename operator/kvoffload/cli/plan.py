@@ -9,52 +9,45 @@ from typing import Any, Callable, TypeVar
 
 import yaml
 
-from .catalog import ModelArch, resolve_model
-from .errors import ConfigError
-from .quantity import format_bytes, human, to_bytes
-from .sizing import Bandwidths, Budget, MemoryDefaults, PlanInput, plan, prefill_tokens_per_s
+from ..planning.catalog import ModelArch, resolve_model
+from ..api.errors import InputError
+from ..api.quantity import format_bytes, human, to_bytes
+from ..planning.sizing import Bandwidths, Budget, MemoryDefaults, PlanInput, check, plan, prefill_tokens_per_s
 
 DEFAULT_CONTEXT = 32768  # when the model's max_position_embeddings is not known
 
-# The core names CRD fields; the CLI user should see the option that sets each one.
-OPTION_FOR_FIELD = {
-    "spec.model.name": "--model",
-    "spec.model.architecture.layers": "--layers",
-    "spec.model.architecture.kvHeads": "--kv-heads",
-    "spec.model.architecture.attentionHeads": "--attention-heads",
-    "spec.model.architecture.headDim": "--head-dim",
-    "spec.model.architecture.parameters": "--params",
-    "spec.model.architecture.configJson": "--config-json",
-    "spec.model.architecture": "--layers/--kv-heads/--head-dim/--params",
-    "spec.model.kvDtype": "--kv-dtype",
-    "spec.engine.maxModelLen": "--context",
-    "spec.engine.maxNumSeqs": "--concurrency",
-    "spec.engine.tensorParallelSize": "--tp",
-    "spec.engine.gpuMemoryUtilization": "--gpu-memory-utilization",
-    "spec.engine.dtype": "--dtype",
-    "spec.engine.activationReserve": "--activation-reserve",
-    "spec.engine.prefillTokensPerSecond": "--prefill-tokens-per-s",
-    "spec.resources.gpuMemory": "--gpu-memory",
-    "spec.resources.gpus": "--gpus",
-    "spec.resources.engineBaseline": "--engine-baseline",
-    "spec.resources.perWorkerOverhead": "--worker-overhead",
-    "spec.resources.stagingPerWorker": "--staging-per-worker",
-    "spec.resources.shm": "--shm",
-    "spec.resources.headroomFraction": "--headroom-fraction",
-    "spec.resources.headroomMin": "--headroom-min",
-    "spec.offload.cpu.size": "--cpu-tier",
-    "spec.offload.disk.size": "--disk-tier",
-    "spec.offload.cpu.readBandwidth": "--cpu-read-gbps",
-    "spec.offload.disk.readBandwidth": "--disk-read-gbps",
-    "spec.offload.chunkSize": "--chunk-size",
+# The planner's input names (sizing.PlanInput, catalog) -> the option that sets each.
+OPTION_FOR_INPUT = {
+    "model": "--model",
+    "architecture": "--layers/--kv-heads/--head-dim/--params",
+    "layers": "--layers",
+    "kv_heads": "--kv-heads",
+    "attention_heads": "--attention-heads",
+    "head_dim": "--head-dim",
+    "params": "--params",
+    "config_json": "--config-json",
+    "kv_dtype": "--kv-dtype",
+    "max_model_len": "--context",
+    "concurrency": "--concurrency",
+    "tp": "--tp",
+    "gpus": "--gpus",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "weight_dtype": "--dtype",
+    "activation_reserve": "--activation-reserve",
+    "prefill_tokens_per_s": "--prefill-tokens-per-s",
+    "gpu_memory": "--gpu-memory",
+    "engine_baseline": "--engine-baseline",
+    "per_worker_overhead": "--worker-overhead",
+    "staging_per_worker": "--staging-per-worker",
+    "shm": "--shm",
+    "headroom_percent": "--headroom-percent",
+    "headroom_min": "--headroom-min",
+    "cpu_tier": "--cpu-tier",
+    "disk_tier": "--disk-tier",
+    "cpu_read": "--cpu-read-gbps",
+    "disk_read": "--disk-read-gbps",
+    "chunk_size": "--chunk-size",
 }
-_BY_LENGTH = sorted(OPTION_FOR_FIELD, key=len, reverse=True)  # longest first: no prefix clobbering
-
-
-def to_options(text: str) -> str:
-    for path in _BY_LENGTH:
-        text = text.replace(path, OPTION_FOR_FIELD[path])
-    return text
 
 
 T = TypeVar("T")
@@ -105,7 +98,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     mem.add_argument("--worker-overhead", help="per TP worker process (default 2Gi)")
     mem.add_argument("--staging-per-worker", help="pinned staging buffers per TP worker (default 1Gi)")
     mem.add_argument("--shm", help="/dev/shm size (default 1Gi + 1Gi per TP rank)")
-    mem.add_argument("--headroom-fraction", type=number, help="headroom as a fraction of the terms (default 0.1)")
+    mem.add_argument("--headroom-percent", type=integer, help="headroom in percent of the terms (default 10)")
     mem.add_argument("--headroom-min", help="least headroom (default 1Gi)")
     bw = p.add_argument_group("reload vs recompute (defaults: measured on one H200 host)")
     bw.add_argument("--cpu-read-gbps", type=number, help="pinned host->GPU copy, GB/s per GPU")
@@ -128,7 +121,7 @@ def build_input(args: argparse.Namespace) -> PlanInput:
         per_worker_overhead=opt(args.worker_overhead, "--worker-overhead", d.per_worker_overhead),
         staging_per_worker=opt(args.staging_per_worker, "--staging-per-worker", d.staging_per_worker),
         shm=opt(args.shm, "--shm", d.shm),
-        headroom_fraction=d.headroom_fraction if args.headroom_fraction is None else args.headroom_fraction,
+        headroom_percent=d.headroom_percent if args.headroom_percent is None else args.headroom_percent,
         headroom_min=opt(args.headroom_min, "--headroom-min", d.headroom_min))
     b = Bandwidths()
     bandwidths = Bandwidths(
@@ -153,14 +146,14 @@ def build_input(args: argparse.Namespace) -> PlanInput:
 def run(args: argparse.Namespace) -> int:
     try:
         inp = build_input(args)
-        budget = plan(inp)
-    except ConfigError as exc:
-        raise ConfigError(to_options(exc.field), to_options(exc.message)) from None
+        check(inp)
+        budget = plan(inp).named(OPTION_FOR_INPUT)
+    except InputError as exc:
+        raise exc.named(OPTION_FOR_INPUT) from None
     if args.output == "table":
         print(render_table(inp, budget))
         return 0
     doc = {"inputs": inputs_dict(inp), **budget.to_dict()}
-    doc["warnings"] = [to_options(w) for w in doc["warnings"]]
     print(json.dumps(doc, indent=2) if args.output == "json" else yaml.safe_dump(doc, sort_keys=False), end="\n")
     return 0
 
@@ -205,6 +198,6 @@ def render_table(inp: PlanInput, b: Budget) -> str:
         lines += [f"  {r.tier:<6}{human(r.bytes):>12}  reload {r.reload_s:8.3f} s  recompute {r.recompute_s:8.3f} s  "
                   f"{'SLOWER than recompute' if r.slower_than_recompute else 'ok'}" for r in b.reload]
     if b.warnings:
-        lines += ["", "warnings:"] + [f"  - {to_options(w)}" for w in b.warnings]
+        lines += ["", "warnings:"] + [f"  - {w}" for w in b.warnings]
     return "\n".join(lines)
 

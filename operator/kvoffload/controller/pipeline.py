@@ -6,11 +6,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from . import catalog, render, sizing
-from .errors import ConfigError
-from .quantity import format_bytes
-from .settings import Settings
-from .spec import Spec, parse
+from ..planning import catalog, sizing
+from ..rendering import render
+from ..api.errors import ConfigError, InputError
+from ..api.quantity import format_bytes
+from ..api.settings import Settings
+from ..api.spec import PLAN_FIELDS, Spec, parse
 
 _WEIGHT_DTYPE = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16"}
 _ARCH_KW = {"layers": "layers", "attentionHeads": "attention_heads", "kvHeads": "kv_heads", "headDim": "head_dim",
@@ -25,25 +26,29 @@ class Desired:
 
 
 def plan_for(spec: Spec) -> sizing.Budget:
-    model = catalog.resolve_model(spec.model.name, **{_ARCH_KW[k]: v for k, v in spec.model.architecture.items()})
-    sizing.validate_tp(model, spec.engine.tensor_parallel_size)
+    """Spec -> Budget. spec.parse held every bound, so only the planner's own rules can refuse;
+    its errors and warnings come back naming CRD fields."""
     r = spec.resources
-    budget = sizing.plan(sizing.PlanInput(
-        model=model,
-        max_model_len=spec.engine.max_model_len,
-        concurrency=spec.engine.max_num_seqs,
-        gpu_memory=r.gpu_memory,
-        tp=spec.engine.tensor_parallel_size,
-        gpu_memory_utilization=spec.engine.gpu_memory_utilization,
-        weight_dtype=_WEIGHT_DTYPE[spec.engine.dtype],
-        kv_dtype=spec.model.kv_dtype,
-        cpu_tier=spec.offload.cpu_size,
-        disk_tier=spec.offload.disk.size if spec.offload.disk else 0,
-        chunk_size=spec.offload.chunk_size,
-        memory=sizing.MemoryDefaults(engine_baseline=r.engine_baseline, per_worker_overhead=r.per_worker_overhead,
-                                     staging_per_worker=r.staging_per_worker, shm=r.shm,
-                                     headroom_fraction=r.headroom_percent / 100),
-    ))
+    try:
+        model = catalog.resolve_model(spec.model.name, **{_ARCH_KW[k]: v for k, v in spec.model.architecture.items()})
+        budget = sizing.plan(sizing.PlanInput(
+            model=model,
+            max_model_len=spec.engine.max_model_len,
+            concurrency=spec.engine.max_num_seqs,
+            gpu_memory=r.gpu_memory,
+            tp=spec.engine.tensor_parallel_size,
+            gpu_memory_utilization=spec.engine.gpu_memory_utilization,
+            weight_dtype=_WEIGHT_DTYPE[spec.engine.dtype],
+            kv_dtype=spec.model.kv_dtype,
+            cpu_tier=spec.offload.cpu_size,
+            disk_tier=spec.offload.disk.size if spec.offload.disk else 0,
+            chunk_size=spec.offload.chunk_size,
+            memory=sizing.MemoryDefaults(engine_baseline=r.engine_baseline, per_worker_overhead=r.per_worker_overhead,
+                                         staging_per_worker=r.staging_per_worker, shm=r.shm,
+                                         headroom_percent=r.headroom_percent),
+        )).named(PLAN_FIELDS)
+    except InputError as exc:
+        raise exc.named(PLAN_FIELDS) from None
     if r.memory is not None:
         # An explicit figure replaces the sum; the terms stay visible so users see what they overrode.
         if r.memory < budget.memory_request:

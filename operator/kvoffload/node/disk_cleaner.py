@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from . import crd
-from .errors import ConfigError
+from ..api import crd
+from ..api.errors import ConfigError
 
 DELETE, RETAIN = "Delete", "Retain"
 POLICIES = (DELETE, RETAIN)

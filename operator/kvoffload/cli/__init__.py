@@ -1,0 +1,1 @@
+"""The `kvoffload` command line (top layer): one module per sub-command, `main` dispatches."""

@@ -1,0 +1,1 @@
+"""Node tooling: the disk-tier cleaner that runs on the nodes. Imports only api/."""
