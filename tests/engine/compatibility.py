@@ -85,8 +85,8 @@ def torch_of(venv: Path) -> str:
 
 def lmcache_tree(lmcache: str, venvs: dict[tuple[str, str], Path]) -> Path | None:
     """Where LMCache `lmcache`'s files lie: an engine venv that holds it, or its wheel extracted (if downloaded)."""
-    for (_, l), venv in venvs.items():
-        if l == lmcache:
+    for (_, held), venv in venvs.items():
+        if held == lmcache:
             return engine_venv.site_packages(venv)
     pattern = f"lmcache-{lmcache}-cp{PY.replace('.', '')}-*.whl"
     if not list(WHEELS.glob(pattern)):  # fetched once with pip's ordinary client (~16 MB), then cached
@@ -205,9 +205,12 @@ an unpinned vLLM, so the operator knows only its LMCache: a KVOffloadServe using
 `spec.engine.vllmVersion`, and extra vLLM arguments are checked only for a vLLM whose flag table the
 operator carries ({tables}).
 
-| Image | vLLM | LMCache | torch pins (wheel metadata) | LMCache extension loads on vLLM's torch (CPU) | vLLM parser + create_engine_config() accept the rendered flags | LMCache loader reads the rendered config | Ran on a GPU |
+{columns}
 |---|---|---|---|---|---|---|---|
 """
+COLUMNS = ("Image", "vLLM", "LMCache", "torch pins (wheel metadata)", "LMCache extension loads on vLLM's torch (CPU)",
+           "vLLM parser + create_engine_config() accept the rendered flags", "LMCache loader reads the rendered config",
+           "Ran on a GPU")
 
 
 def render() -> str:
@@ -215,7 +218,8 @@ def render() -> str:
 
     pair = images.KNOWN_IMAGES[images.DEFAULT_IMAGE]
     text = HEADER.format(default=images.DEFAULT_IMAGE, vllm=pair.vllm, lmcache=pair.lmcache,
-                         tables=", ".join(f"vLLM {v}" for v in flags.supported_versions()))
+                         tables=", ".join(f"vLLM {v}" for v in flags.supported_versions()),
+                         columns="| " + " | ".join(COLUMNS) + " |")
     table = rows()
     default = table[0]
     # The prose above claims these for the default pair: refuse to publish it when a check says otherwise.

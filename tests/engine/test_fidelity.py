@@ -14,18 +14,17 @@ import copy
 import math
 import sys
 import time
-from pathlib import Path
 
+import engine_venv
 import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 
-import engine_venv
 from kvoffload.api.errors import ConfigError
+from kvoffload.api.quantity import GiB
 from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
 from kvoffload.planning import catalog
-from kvoffload.api.quantity import GiB
 
 sys.path.insert(0, str(engine_venv.ROOT / "tests"))
 from unit.test_fuzz import valid_specs  # noqa: E402  (the fuzz tests' generator of well-formed specs)

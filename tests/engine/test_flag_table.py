@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import engine_venv
+
 from kvoffload.engine import flags
 
 

@@ -15,9 +15,9 @@ import subprocess
 import sys
 from importlib.metadata import Distribution
 
+import engine_venv
 import pytest
 
-import engine_venv
 from kvoffload.engine import images
 
 sys.path.insert(0, str(engine_venv.ROOT / "tests"))

@@ -224,7 +224,8 @@ CASES = [
     Case("op lmcache image has no vllm pin", {"spec.engine.image": "lmcache/vllm-openai:v0.5.4"}, OPERATOR,
          "spec.engine.vllmVersion", "unpinned"),
     Case("op extraArgs for a vllm without a flag table", {"spec.engine.image": "lmcache/vllm-openai:v0.5.4",
-                                                          "spec.engine.vllmVersion": "0.29.0", "spec.engine.extraArgs": ["--enforce-eager"]},
+                                                          "spec.engine.vllmVersion": "0.29.0",
+                                                          "spec.engine.extraArgs": ["--enforce-eager"]},
          OPERATOR, "spec.engine.extraArgs", "vLLM 0.29.0 has no flag table"),
     # ---- checked against vLLM 0.26.0's own flag table (the default image's vLLM)
     Case("op flag removed disable-log-requests", {"spec.engine.extraArgs": ["--disable-log-requests"]}, OPERATOR,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvoffload.api import crd
+from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
-from kvoffload.api.errors import ConfigError
 from kvoffload.engine import flags, images
 
 from .helpers import spec

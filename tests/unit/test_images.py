@@ -144,8 +144,8 @@ def test_serving_build_fails_when_the_cuda_extension_does_not_load():
     runs = df.all("RUN")
     install = next(i for i, r in enumerate(runs) if "lmcache==" in r)
     ext = df.args["LMCACHE_EXTENSION"]
-    checks = [r for r in runs[install + 1:]
-              if f"spec_from_file_location('lmcache.{ext}', f'{{d}}/{ext}'" in r and "module_from_spec(s)" in r and "sysconfig, torch;" in r]
+    loads = f"spec_from_file_location('lmcache.{ext}', f'{{d}}/{ext}'"
+    checks = [r for r in runs[install + 1:] if loads in r and "module_from_spec(s)" in r and "sysconfig, torch;" in r]
     assert checks, f"no RUN step loads lmcache.{ext}'s shared object after installing LMCache"
     assert not any(re.search(r"import lmcache\.\w+", r) for r in runs), "importing lmcache.<ext> passes through LMCache's shim"
     (shell,) = df.all("SHELL")
