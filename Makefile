@@ -25,7 +25,7 @@ $(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
 # vLLM + LMCache of the serving image in their own cached venv (several GB, ~10 min the first time):
 # the fidelity tests run vLLM's real parser and create_engine_config() and LMCache's real loader there.
 engine-venv:
-	tests/engine/build-venv.sh $(VLLM_VERSION) $(LMCACHE_VERSION) >/dev/null
+	PY=$(PY) tests/engine/build-venv.sh $(VLLM_VERSION) $(LMCACHE_VERSION) >/dev/null
 
 # Regenerate the operator's vLLM flag table from vLLM's own parser (a test checks it is current).
 engine-tables: engine-venv

@@ -33,7 +33,8 @@ from kvoffload.engine import images  # noqa: E402
 DOC = engine_venv.ROOT / "docs" / "compatibility.md"
 META = engine_venv.CACHE / "wheel-metadata"
 WHEELS = engine_venv.CACHE / "wheels"
-PY = "3.11"  # the engine venvs' Python (the image's is 3.12: the same wheels' torch pins)
+PY = engine_venv.site_packages(engine_venv.venv_path()).parent.name.removeprefix("python") \
+    if engine_venv.venv_path().is_dir() else "3.11"  # the engine venv's Python: LMCache wheels are per Python
 
 # Pairs users run or ask about, besides the images the operator knows.
 CANDIDATES = [("0.26.0", "0.5.4"), ("0.29.0", "0.5.4"), ("0.29.0", "0.5.6"), ("0.33.0", "0.5.6")]
