@@ -88,7 +88,7 @@ def test_create_runs_on_gpu_nodes_and_reports_the_budget(cluster, namespace, ope
     assert cond(obj, "ConfigValid")["status"] == "True" and cond(obj, "Scheduled")["status"] == "True"
     assert cond(obj, "DiskTierReady")["status"] == "True"
     assert st["summary"]["cpuTokens"] > 0 and st["summary"]["diskTokens"] > st["summary"]["cpuTokens"]
-    assert st["versions"] == {"image": "lmcache/vllm-openai:v0.5.4", "vllm": "0.27.1", "lmcache": "0.5.4"}
+    assert st["versions"] == {"image": "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", "vllm": "0.26.0", "lmcache": "0.5.3"}
     assert st["endpoint"] == f"http://svc.{namespace}.svc:8000/v1"
     vllm = kids[("StatefulSet", "svc")]["spec"]["template"]["spec"]["containers"][0]
     assert vllm["resources"]["limits"]["memory"] == st["summary"]["memory"]
@@ -139,7 +139,7 @@ def test_drift_is_repaired(cluster, namespace, operator):
                        message="ConfigMap re-created")
     cluster.wait_until(
         lambda: get(cluster, namespace, "statefulset", "svc")["spec"]["template"]["spec"]["containers"][0]["image"]
-        == "lmcache/vllm-openai:v0.5.4", timeout=60, message="image restored")
+        == "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", timeout=60, message="image restored")
 
 
 @pytest.mark.parametrize("patch, needle", [
