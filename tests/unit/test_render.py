@@ -175,7 +175,7 @@ def _start_vllm_container(container, fake_bin, multiproc, record):
 def test_vllm_prelude_empties_the_multiproc_dir_at_every_start(path, tmp_path):
     doc = yaml.safe_load(path.read_text())
     s = doc["spec"]
-    s.setdefault("engine", {})["extraArgs"] = ["--override-generation-config", '{"temperature": 0.5}', "--x=a b"]
+    s.setdefault("engine", {})["extraArgs"] = ["--override-generation-config", '{"temperature": 0.5}', "--chat-template=a b"]
     children = pipeline.desired(doc["metadata"]["name"], "ns", "", s, Settings()).children
     container = pod_of(children)["containers"][0]
     assert container["command"][:3] == ["/bin/sh", "-c", render.VLLM_PRELUDE]
