@@ -226,11 +226,15 @@ def test_steady_state_writes_nothing(cluster, namespace, operator):
 
 def test_offload_active_comes_from_the_pods_exporter(cluster, namespace, operator, tmp_path):
     """The proof path end to end: kwok pod IPs are loopback, so a real exporter bound to the pod's IP
-    (serving LMCache 0.5.6's own multiprocess metric files) answers the operator's probe."""
+    answers the operator's probe. It reads the real /metrics page of vLLM 0.26.0 + LMCache 0.5.3 (served
+    on 127.0.0.1) and LMCache 0.5.6's own multiprocess metric files."""
     import shutil
     import subprocess
     import sys
 
+    from kvoffload.exporter.testkit import FakeVllm
+
+    fixtures = ROOT / "tests/fixtures"
     apply(cluster, namespace, SMALL)
     obj = wait_ready(cluster, namespace, "svc")
     assert cond(obj, "OffloadActive")["status"] == "Unknown"  # nothing listens on the pod IP yet
@@ -238,20 +242,24 @@ def test_offload_active_comes_from_the_pods_exporter(cluster, namespace, operato
     ip = pod["status"]["podIP"]
     assert ip.startswith("127.")  # the network rule: kwok pod IPs are loopback
     multiproc = tmp_path / "multiproc"
-    shutil.copytree(ROOT / "tests/fixtures/lmcache-0.5.6-metrics-sample/multiproc", multiproc)
+    shutil.copytree(fixtures / "lmcache-0.5.6-metrics-sample/multiproc", multiproc)
     config = tmp_path / "lmcache.yaml"
     config.write_text(get(cluster, namespace, "configmap", "svc-lmcache")["data"]["lmcache.yaml"])
-    exporter = subprocess.Popen([sys.executable, "-m", "kvoffload.cli", "exporter", "--listen", f"{ip}:9400",
-                                 "--vllm-metrics-url", "http://127.0.0.1:9/metrics", "--multiproc-dir", str(multiproc),
-                                 "--lmcache-config", str(config), "--tensor-parallel-size", "1"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        # The operator re-probes at its next reconcile (resyncSeconds: 20 in tests).
-        found = wait_cond(cluster, namespace, "svc", "OffloadActive", "True", timeout=60)
-        assert "1/1 pods" in cond(found, "OffloadActive")["message"]
-    finally:
-        exporter.terminate()
-        exporter.wait(10)
+    with FakeVllm((fixtures / "vllm-0.26.0-lmcache-0.5.3-h200/vllm-metrics-without-connector.txt").read_text()) as vllm:
+        exporter = subprocess.Popen([sys.executable, "-m", "kvoffload.cli", "exporter", "--listen", f"{ip}:9400",
+                                     "--vllm-metrics-url", vllm.url, "--multiproc-dir", str(multiproc),
+                                     "--lmcache-config", str(config), "--tensor-parallel-size", "1"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            # vLLM never asked a KV connector: LMCache's files alone prove nothing. The operator
+            # re-probes at its next reconcile (resyncSeconds: 20 in tests).
+            wait_cond(cluster, namespace, "svc", "OffloadActive", "False", timeout=60)
+            vllm.body = (fixtures / "vllm-0.26.0-lmcache-0.5.3-h200/vllm-metrics-with-lmcache.txt").read_text()
+            found = wait_cond(cluster, namespace, "svc", "OffloadActive", "True", timeout=60)
+            assert "1/1 pods" in cond(found, "OffloadActive")["message"]
+        finally:
+            exporter.terminate()
+            exporter.wait(10)
     found = wait_cond(cluster, namespace, "svc", "OffloadActive", "Unknown", timeout=60, reason="ExporterUnreachable")
 
 

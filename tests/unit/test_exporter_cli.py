@@ -26,6 +26,7 @@ from kvoffload.exporter.testkit import ExporterProcess, FakeVllm
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 VLLM_TEXT = (FIXTURES / "vllm-0.33.0-metrics-sample" / "exposition.txt").read_text()
 MULTIPROC = FIXTURES / "lmcache-0.5.6-metrics-sample" / "multiproc"
+WITH_LMCACHE = (FIXTURES / "vllm-0.26.0-lmcache-0.5.3-h200" / "vllm-metrics-with-lmcache.txt").read_text()
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -142,14 +143,14 @@ def test_exporter_process_end_to_end(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     disk.mkdir()
     (disk / "chunk.pt").write_bytes(b"k" * 4096)
-    with FakeVllm(VLLM_TEXT) as vllm, ExporterProcess([
+    with FakeVllm(WITH_LMCACHE) as vllm, ExporterProcess([
             "--vllm-metrics-url", vllm.url, "--multiproc-dir", str(mp), "--disk-dir", str(disk),
             "--disk-rescan-interval", "0.2"]) as exporter:
         assert get(exporter.port, "/healthz") == (200, "ok\n")
         status, body = get(exporter.port, "/metrics")
         assert status == 200
         assert 'kvoffload_offload_active 1.0' in body
-        assert 'kvoffload_tier_hit_tokens_total{tier="external"} 8192.0' in body
+        assert 'kvoffload_tier_hit_tokens_total{tier="external"} 64028.0' in body
         assert "process_resident_memory_bytes" in body
         exporter.proc.send_signal(signal.SIGTERM)
         assert exporter.proc.wait(10) == 0

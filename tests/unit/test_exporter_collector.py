@@ -1,5 +1,6 @@
-"""What /metrics says: exact tier figures from the real samples, metric hygiene, the
-offload-active rule, and every failure mode (keep serving, count, log once, bounded time)."""
+"""What /metrics says: exact figures from the real vLLM 0.26.0 + LMCache 0.5.3 pages (H200) and
+samples, metric hygiene, the offload-active rule, and every failure mode (keep serving, count, log
+once, bounded time)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvoffload.exporter import collector as collector_mod
 from kvoffload.exporter.capacity import GiB, budget_from_config
 from kvoffload.exporter.collector import ExporterConfig, TierCollector
 from kvoffload.exporter.disk_tier import DiskTierMonitor
@@ -25,6 +25,9 @@ from kvoffload.exporter.testkit import FakeVllm, write_lmcache_metrics
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 VLLM_TEXT = (FIXTURES / "vllm-0.33.0-metrics-sample" / "exposition.txt").read_text()
+H200 = FIXTURES / "vllm-0.26.0-lmcache-0.5.3-h200"
+WITH_LMCACHE = (H200 / "vllm-metrics-with-lmcache.txt").read_text()
+WITHOUT_CONNECTOR = (H200 / "vllm-metrics-without-connector.txt").read_text()
 LMCACHE_SAMPLE = FIXTURES / "lmcache-0.5.6-metrics-sample"
 MULTIPROC = str(LMCACHE_SAMPLE / "multiproc")
 CACHE_CONFIG_INFO = (
@@ -34,10 +37,6 @@ CACHE_CONFIG_INFO = (
 BUDGET = budget_from_config({"max_local_cpu_size": 40, "local_disk": "file:///mnt/nvme/p/",
                              "max_local_disk_size": 100}, 2)
 KV_BYTES_PER_TOKEN = 131072  # Llama-3-8B
-
-
-def without_external_queries(text: str) -> str:
-    return re.sub(r"^(vllm:external_prefix_cache_\w+_total\{[^}]*\}) \S+$", r"\1 0.0", text, flags=re.M)
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -55,9 +54,8 @@ def value(samples: Samples, name: str, **labels: str) -> float | None:
     return samples.get((name, tuple(sorted(labels.items()))))
 
 
-def make(config: ExporterConfig, disk: DiskTierMonitor | None = None,
-         clock=time.monotonic) -> tuple[CollectorRegistry, TierCollector]:  # type: ignore[no-untyped-def]
-    collector = TierCollector(config, disk, clock=clock)
+def make(config: ExporterConfig, disk: DiskTierMonitor | None = None) -> tuple[CollectorRegistry, TierCollector]:
+    collector = TierCollector(config, disk)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     return registry, collector
@@ -69,31 +67,92 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
+def test_figures_from_the_real_h200_page_with_lmcache() -> None:
+    """vLLM 0.26.0 + LMCache 0.5.3 after 2 x (cold, GPU hit, reset + reload) of 32,000 tokens: the
+    64,028 tokens vLLM loaded from LMCache are the external hits (LMCache's own num_hit_tokens on
+    the same page is 0). No --multiproc-dir: LMCache's figures come from vLLM's shared page."""
+    with FakeVllm(WITH_LMCACHE) as vllm:
+        m = scrape(make(ExporterConfig(vllm_metrics_url=vllm.url, kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+                                       budget=budget_from_config({"max_local_cpu_size": 2}, 1)))[0])
+
+    assert value(m, "kvoffload_tier_hit_tokens_total", tier="external") == 64028
+    assert value(m, "kvoffload_tier_requested_tokens_total", tier="external") == 128544
+    assert value(m, "kvoffload_tier_hit_tokens_total", tier="gpu") == 63968
+    assert value(m, "kvoffload_tier_requested_tokens_total", tier="gpu") == 192512
+    assert value(m, "kvoffload_prompt_tokens_total", origin="gpu") == 63968
+    assert value(m, "kvoffload_prompt_tokens_total", origin="external") == 64028
+    assert value(m, "kvoffload_prompt_tokens_total", origin="compute") == 64516
+    assert value(m, "kvoffload_tier_stored_tokens_total", tier="external") == 64512
+    gpu_capacity = 119475 * 16 * KV_BYTES_PER_TOKEN  # num_gpu_blocks x block_size from cache_config_info
+    assert value(m, "kvoffload_tier_capacity_bytes", tier="gpu") == gpu_capacity
+    assert value(m, "kvoffload_tier_used_bytes", tier="gpu") == 0  # idle when the page was taken
+    assert value(m, "kvoffload_tier_capacity_bytes", tier="cpu") == 2 * GiB
+    assert value(m, "kvoffload_tier_used_bytes", tier="cpu") == 2 * GiB  # full: 124 evictions
+    assert value(m, "kvoffload_tier_used_bytes", tier="disk") == 4227858432
+    assert value(m, "kvoffload_tier_evictions_total", tier="cpu") == 124
+    assert value(m, "kvoffload_offload_active") == 1
+    for source in ("vllm", "lmcache"):
+        assert value(m, "kvoffload_source_up", source=source) == 1
+        assert value(m, "kvoffload_scrape_errors_total", source=source) == 0
+
+
+def test_figures_from_the_real_h200_page_without_connector() -> None:
+    with FakeVllm(WITHOUT_CONNECTOR) as vllm:
+        m = scrape(make(ExporterConfig(vllm_metrics_url=vllm.url))[0])
+    assert value(m, "kvoffload_tier_hit_tokens_total", tier="external") == 0
+    assert value(m, "kvoffload_tier_requested_tokens_total", tier="external") == 0
+    assert value(m, "kvoffload_tier_hit_tokens_total", tier="gpu") == 63968
+    assert value(m, "kvoffload_prompt_tokens_total", origin="external") == 0
+    assert value(m, "kvoffload_prompt_tokens_total", origin="compute") == 128544
+    assert value(m, "kvoffload_tier_stored_tokens_total", tier="external") is None  # no LMCache: unknown
+    assert value(m, "kvoffload_offload_active") == 0
+    assert value(m, "kvoffload_source_up", source="vllm") == 1
+    assert value(m, "kvoffload_source_up", source="lmcache") == 0
+
+
+def test_page_before_kv_cache_usage_is_published_is_not_an_error() -> None:
+    """Right after start vLLM serves /metrics without vllm:kv_cache_usage_perc: gpu used bytes is
+    absent (not yet), everything else is read, no scrape error is counted."""
+    early = "".join(ln for ln in WITH_LMCACHE.splitlines(keepends=True)
+                    if not ln.startswith("vllm:kv_cache_usage_perc"))
+    with FakeVllm(early) as vllm:
+        registry, _ = make(ExporterConfig(vllm_metrics_url=vllm.url, kv_bytes_per_token=KV_BYTES_PER_TOKEN))
+        m = scrape(registry)
+        assert value(m, "kvoffload_tier_used_bytes", tier="gpu") is None
+        assert value(m, "kvoffload_tier_capacity_bytes", tier="gpu") == 119475 * 16 * KV_BYTES_PER_TOKEN
+        assert value(m, "kvoffload_tier_hit_tokens_total", tier="external") == 64028
+        assert value(m, "kvoffload_source_up", source="vllm") == 1
+        assert value(m, "kvoffload_scrape_errors_total", source="vllm") == 0
+        vllm.body = WITH_LMCACHE  # published a moment later
+        m = scrape(registry)
+    assert value(m, "kvoffload_tier_used_bytes", tier="gpu") == 0
+    assert value(m, "kvoffload_scrape_errors_total", source="vllm") == 0
+
+
 def test_tier_figures_from_the_real_samples(tmp_path: Path) -> None:
+    """The pod's wiring: hits from vLLM's page, tier bytes / evictions / stored tokens from LMCache's
+    multiprocess files (LMCache 0.5.6's own, which win over the lmcache:* lines on vLLM's page)."""
     disk_dir = tmp_path / "disk"
     disk_dir.mkdir()
     for i in range(4):
         (disk_dir / f"chunk{i}.pt").write_bytes(b"k" * 2500)
     disk = DiskTierMonitor(str(disk_dir), interval=3600, health=SourceHealth("disk"))
     disk.rescan_now()
-    with FakeVllm(VLLM_TEXT + CACHE_CONFIG_INFO) as vllm:
+    with FakeVllm(WITH_LMCACHE) as vllm:
         registry, _ = make(ExporterConfig(vllm_metrics_url=vllm.url, multiproc_dir=MULTIPROC,
                                           kv_bytes_per_token=KV_BYTES_PER_TOKEN, budget=BUDGET), disk)
         m = scrape(registry)
 
-    gpu_capacity = 1000 * 16 * KV_BYTES_PER_TOKEN
-    assert value(m, "kvoffload_tier_capacity_bytes", tier="gpu") == gpu_capacity
-    assert value(m, "kvoffload_tier_used_bytes", tier="gpu") == pytest.approx(0.42 * gpu_capacity)
     assert value(m, "kvoffload_tier_capacity_bytes", tier="cpu") == 80 * GiB  # 40 GiB x TP 2
     assert value(m, "kvoffload_tier_capacity_bytes", tier="disk") == 200 * GiB
     assert value(m, "kvoffload_tier_used_bytes", tier="cpu") == 21474836480
     assert value(m, "kvoffload_tier_used_bytes", tier="disk") == 64424509440
-    assert value(m, "kvoffload_tier_hit_tokens_total", tier="gpu") == 4096
-    assert value(m, "kvoffload_tier_requested_tokens_total", tier="gpu") == 12288
-    assert value(m, "kvoffload_tier_hit_tokens_total", tier="external") == 8192
-    assert value(m, "kvoffload_tier_requested_tokens_total", tier="external") == 12288
+    assert value(m, "kvoffload_tier_stored_tokens_total", tier="external") == 16384
     assert value(m, "kvoffload_tier_evictions_total", tier="cpu") == 5
     assert value(m, "kvoffload_tier_evictions_total", tier="disk") == 0
+    # LMCache 0.5.6's files say 8,192 hit of 12,288 requested; the figures are vLLM's.
+    assert value(m, "kvoffload_tier_hit_tokens_total", tier="external") == 64028
+    assert value(m, "kvoffload_tier_requested_tokens_total", tier="external") == 128544
     assert value(m, "kvoffload_disk_bytes") == 10000
     assert value(m, "kvoffload_disk_files") == 4
     assert value(m, "kvoffload_disk_free_bytes") > 0
@@ -119,6 +178,7 @@ def test_metric_hygiene() -> None:
             assert all(s.name.endswith("_total") for s in fam.samples), fam.name
         for s in fam.samples:
             assert s.labels.get("tier", "gpu") in {"gpu", "cpu", "disk", "external"}
+            assert s.labels.get("origin", "gpu") in {"gpu", "external", "compute"}
             assert not re.search(r"_(kib|mib|gib|kb|mb|gb|ms|percent)$", s.name)
 
 
@@ -138,46 +198,40 @@ def test_lmcache_from_vllm_page_without_multiproc_dir() -> None:
     assert value(m, "kvoffload_source_up", source="lmcache") == 1
 
 
-def test_external_hits_fall_back_to_vllm_when_lmcache_is_absent(tmp_path: Path) -> None:
-    with FakeVllm(VLLM_TEXT) as vllm:
+def test_lmcache_hit_counters_are_not_read(tmp_path: Path) -> None:
+    """LMCache's num_hit_tokens / num_requested_tokens stay 0 under vLLM; whatever they say, the
+    external hits are vLLM's."""
+    write_lmcache_metrics(str(tmp_path), counters={"lmcache:num_hit_tokens": 999, "lmcache:num_requested_tokens": 999})
+    with FakeVllm(WITHOUT_CONNECTOR) as vllm:
         m = scrape(make(ExporterConfig(vllm_metrics_url=vllm.url, multiproc_dir=str(tmp_path)))[0])
-    assert value(m, "kvoffload_tier_hit_tokens_total", tier="external") == 8192
-    assert value(m, "kvoffload_tier_requested_tokens_total", tier="external") == 8192
-    assert value(m, "kvoffload_tier_used_bytes", tier="cpu") is None
-    assert value(m, "kvoffload_offload_active") == 0  # vLLM queried a connector, but no LMCache
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+    assert value(m, "kvoffload_tier_hit_tokens_total", tier="external") == 0
+    assert value(m, "kvoffload_tier_requested_tokens_total", tier="external") == 0
+    assert value(m, "kvoffload_offload_active") == 0  # LMCache loaded, vLLM never consulted a connector
 
 
 def test_offload_active_rule(tmp_path: Path) -> None:
     mp = tmp_path / "mp"
     mp.mkdir()
-    clock = FakeClock()
-    with FakeVllm(without_external_queries(VLLM_TEXT)) as vllm:
-        registry, _ = make(ExporterConfig(vllm_metrics_url=vllm.url, multiproc_dir=str(mp)), clock=clock)
+    before_first_request = WITH_LMCACHE.replace("vllm:external_prefix_cache_queries_total{", "x{")
+    with FakeVllm(WITHOUT_CONNECTOR) as vllm:
+        registry, _ = make(ExporterConfig(vllm_metrics_url=vllm.url, multiproc_dir=str(mp)))
         active = lambda: value(scrape(registry), "kvoffload_offload_active")  # noqa: E731
 
-        assert active() == 0  # no LMCache metrics at all: the most common silent failure
-        write_lmcache_metrics(str(mp), counters={"lmcache:num_stored_tokens": 0,
-                                                 "lmcache:num_requested_tokens": 0})
-        assert active() == 0  # LMCache loaded but never asked: vLLM is not using it
+        assert active() == 0  # no connector, no LMCache metrics: the most common silent failure
         write_lmcache_metrics(str(mp), counters={"lmcache:num_stored_tokens": 256})
-        clock.now += 15
-        assert active() == 1  # stored tokens rose since the previous look
-        clock.now += collector_mod.ACTIVITY_WINDOW_S - 20
-        assert active() == 1  # still within the window
-        clock.now += 30
-        assert active() == 0  # quiet for longer than the window, and vLLM shows no external queries
-        vllm.body = VLLM_TEXT  # vLLM has sent 8,192 tokens of external queries
+        assert active() == 0  # LMCache loaded and even storing, but vLLM never asked a connector
+        vllm.body = before_first_request
+        assert active() == 0  # no external queries counted yet: not proven
+        vllm.body = WITH_LMCACHE  # vLLM asked its connector for 128,544 tokens
         assert active() == 1
+        assert active() == 1  # monotone: no window to fall out of while vLLM runs
         shutil.rmtree(mp)
-        assert active() == 0  # LMCache metrics gone
+        assert active() == 0  # LMCache metrics gone: the connector answering is not LMCache
+        mp.mkdir()
+        write_lmcache_metrics(str(mp), counters={"lmcache:num_stored_tokens": 0})
+        assert active() == 1
+        vllm.status = 503
+        assert active() == 0  # vLLM unreadable: nothing proven
 
 
 def test_offload_active_help_states_the_rule() -> None:
@@ -185,7 +239,8 @@ def test_offload_active_help_states_the_rule() -> None:
         registry, _ = make(ExporterConfig(vllm_metrics_url=vllm.url))
         text = generate_latest(registry).decode()
     help_line = next(ln for ln in text.splitlines() if ln.startswith("# HELP kvoffload_offload_active"))
-    for words in ("LMCache metrics are present", "external prefix-cache queries", "rose within the last 300 s"):
+    for words in ("vllm:external_prefix_cache_queries_total > 0", "LMCache's metrics are present",
+                  "0 before the first request"):
         assert words in help_line
 
 
@@ -212,7 +267,7 @@ def test_vllm_down_keeps_serving_counts_and_logs_once(tmp_path: Path, caplog: py
     assert value(m, "kvoffload_source_up", source="vllm") == 1
     assert value(m, "kvoffload_scrape_errors_total", source="vllm") == 2
     messages = [r.getMessage() for r in caplog.records]
-    assert sum("source vllm failing: no vllm:kv_cache_usage_perc" in msg for msg in messages) == 1
+    assert sum("source vllm failing: no vllm:* figures" in msg for msg in messages) == 1
     assert sum("source vllm recovered" in msg for msg in messages) == 1
 
 

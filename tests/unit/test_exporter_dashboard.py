@@ -1,6 +1,7 @@
 """The Grafana dashboard loads, is templated on its data source, and every PromQL expression names
-only metrics that really exist: the exporter's (as it serves them), vLLM 0.33.0's (per the sample)
-or LMCache 0.5.6's (per lmcache-0.5.6-metrics.txt, copied beside the LMCache sample)."""
+only metrics that really exist: the exporter's (as it serves them), vLLM's (on the real vLLM 0.26.0
+page and in the 0.33.0 sample) or LMCache 0.5.6's (per lmcache-0.5.6-metrics.txt, copied beside the
+LMCache sample). Its hit panels read the exporter's figures, which come from vLLM's counters."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "charts" / "kvoffload-operator" / "dashboards" / "kvoffload-tiers.json"
 FIXTURES = ROOT / "tests" / "fixtures"
 VLLM_TEXT = (FIXTURES / "vllm-0.33.0-metrics-sample" / "exposition.txt").read_text()
+VLLM_026_TEXT = (FIXTURES / "vllm-0.26.0-lmcache-0.5.3-h200" / "vllm-metrics-with-lmcache.txt").read_text()
 LMCACHE_NAMES = FIXTURES / "lmcache-0.5.6-metrics-sample" / "lmcache-0.5.6-metrics.txt"
 CACHE_CONFIG_INFO = ('# TYPE vllm:cache_config_info gauge\n'
                      'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n')
@@ -115,12 +117,22 @@ def test_dashboard_has_the_panels_the_issue_asks_for() -> None:
     for name in ("kvoffload_tier_capacity_bytes", "kvoffload_tier_used_bytes",
                  "kvoffload_tier_hit_tokens_total", "kvoffload_tier_requested_tokens_total",
                  "kvoffload_tier_evictions_total", "kvoffload_disk_free_bytes",
-                 "kvoffload_offload_active", "vllm:kv_cache_usage_perc"):
+                 "kvoffload_offload_active", "kvoffload_prompt_tokens_total", "vllm:kv_cache_usage_perc"):
         assert name in exprs, name
 
 
+def test_hit_panels_follow_from_vllms_counters_through_the_exporter() -> None:
+    """A hit or rate panel reads kvoffload_tier_hit/requested or kvoffload_prompt_tokens (their
+    HELP names the vLLM counter behind each), never LMCache's hit counters, which stay 0 under vLLM."""
+    for p in panels(load()):
+        exprs = " ".join(t["expr"] for t in p.get("targets", []))
+        assert "lmcache:num_hit_tokens" not in exprs and "lmcache:num_requested_tokens" not in exprs
+        if "hit" in p["title"].lower() or "prompt tokens" in p["title"].lower():
+            assert "kvoffload_tier_hit_tokens_total" in exprs or "kvoffload_prompt_tokens_total" in exprs, p["title"]
+
+
 def test_every_promql_names_only_real_metrics(exporter_names: set[str]) -> None:
-    vllm_names = sample_names(VLLM_TEXT)
+    vllm_names = sample_names(VLLM_TEXT) & sample_names(VLLM_026_TEXT)
     assert "vllm:gpu_cache_usage_perc" not in vllm_names  # gone in 0.33: the check has teeth
     assert not is_lmcache_name("lmcache:local_disk_usage")
     dash = load()
@@ -135,7 +147,7 @@ def test_every_promql_names_only_real_metrics(exporter_names: set[str]) -> None:
             if name.startswith("kvoffload_"):
                 assert name in exporter_names, f"{name} is not served by the exporter"
             elif name.startswith("vllm:"):
-                assert name in vllm_names, f"{name} is not in vLLM 0.33.0's /metrics"
+                assert name in vllm_names, f"{name} is not in both vLLM 0.26.0's and 0.33.0's /metrics"
             elif name.startswith("lmcache:"):
                 assert is_lmcache_name(name), f"{name} is not an LMCache 0.5.6 metric"
             else:

@@ -1,5 +1,6 @@
 """The exporter's inputs: vLLM's /metrics page, LMCache's multiprocess files, the LMCache YAML.
-Figures come from the real vLLM 0.33.0 / LMCache 0.5.6 samples in tests/fixtures."""
+Figures come from the real pages of vLLM 0.26.0 + LMCache 0.5.3 on an H200 and the vLLM 0.33.0 /
+LMCache 0.5.6 samples in tests/fixtures (each folder's README says how it was made)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from kvoffload.exporter.vllm_metrics import fetch_text, parse_vllm
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 VLLM_TEXT = (FIXTURES / "vllm-0.33.0-metrics-sample" / "exposition.txt").read_text()
+H200 = FIXTURES / "vllm-0.26.0-lmcache-0.5.3-h200"
+WITH_LMCACHE = (H200 / "vllm-metrics-with-lmcache.txt").read_text()
+WITHOUT_CONNECTOR = (H200 / "vllm-metrics-without-connector.txt").read_text()
 LMCACHE_SAMPLE = FIXTURES / "lmcache-0.5.6-metrics-sample"
 CACHE_CONFIG_INFO = (
     "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
@@ -35,10 +39,42 @@ def test_parse_real_vllm_sample() -> None:
     assert snap.kv_usage == {"0": 0.42}
     assert (snap.prefix_queries, snap.prefix_hits) == (12288.0, 4096.0)
     assert (snap.external_queries, snap.external_hits) == (8192.0, 8192.0)
-    assert snap.external_prompt_tokens == 0.0
+    assert snap.prompt_tokens == {"local_compute": 0.0, "local_cache_hit": 0.0, "external_kv_transfer": 0.0}
     assert snap.process_start == 1.79601672347e9
     assert snap.gpu_tokens == {}  # the sample was made without vllm:cache_config_info
     assert snap.lmcache_families == []
+
+
+def test_parse_real_h200_page_with_lmcache() -> None:
+    snap = parse_vllm(WITH_LMCACHE)
+    assert snap.kv_usage == {"0": 0.0}
+    assert snap.gpu_tokens == {"0": 119475 * 16}  # num_gpu_blocks x block_size
+    assert (snap.prefix_queries, snap.prefix_hits) == (192512, 63968)
+    assert (snap.external_queries, snap.external_hits) == (128544, 64028)
+    assert snap.prompt_tokens == {"local_compute": 64516, "local_cache_hit": 63968, "external_kv_transfer": 64028}
+    assert sum(snap.prompt_tokens.values()) == 192512  # == vllm:prompt_tokens_total on the page
+    assert snap.external_queries == snap.prefix_queries - snap.prefix_hits  # what the GPU missed
+    lmc = parse_lmcache(snap.lmcache_families)  # vLLM and LMCache share PROMETHEUS_MULTIPROC_DIR
+    assert (lmc.workers, lmc.stored_tokens, lmc.cpu_evicted_chunks) == (1, 64512, 124)
+    assert (lmc.cpu_used_bytes, lmc.disk_used_bytes) == (2 * GiB, 4227858432)
+
+
+def test_parse_real_h200_page_without_connector() -> None:
+    snap = parse_vllm(WITHOUT_CONNECTOR)
+    assert (snap.prefix_queries, snap.prefix_hits) == (192512, 63968)
+    assert (snap.external_queries, snap.external_hits) == (0, 0)  # no connector: never consulted
+    assert snap.prompt_tokens == {"local_compute": 128544, "local_cache_hit": 63968, "external_kv_transfer": 0}
+    assert snap.lmcache_families == []
+
+
+def test_page_before_kv_cache_usage_is_published_is_not_yet_not_an_error() -> None:
+    """vLLM answers /health, and /metrics, before it publishes vllm:kv_cache_usage_perc."""
+    early = "".join(ln for ln in WITH_LMCACHE.splitlines(keepends=True)
+                    if not ln.startswith("vllm:kv_cache_usage_perc"))
+    assert early != WITH_LMCACHE
+    snap = parse_vllm(early)
+    assert snap.kv_usage == {}
+    assert snap.external_hits == 64028  # everything else is read
 
 
 def test_cache_config_info_gives_gpu_tokens() -> None:
@@ -50,15 +86,16 @@ def test_cache_config_info_gives_gpu_tokens() -> None:
 def test_lmcache_families_on_vllm_page_when_the_dir_is_shared() -> None:
     text = VLLM_TEXT + (LMCACHE_SAMPLE / "exposition.txt").read_text()
     lmc = parse_lmcache(parse_vllm(text).lmcache_families)
-    assert (lmc.requested_tokens, lmc.hit_tokens, lmc.stored_tokens) == (12288, 8192, 16384)
+    assert lmc.stored_tokens == 16384
     assert (lmc.cpu_used_bytes, lmc.disk_used_bytes) == (20 * GiB, 60 * GiB)
 
 
 @pytest.mark.parametrize("text, reason", [
     ('vllm:kv_cache_usage_perc{engine="0" 0.4\n', "unparsable"),
     ("vllm:kv_cache_usage_perc{engine=\"0\"} not-a-number\n", "unparsable"),
-    ("<html><body>502 Bad Gateway</body></html>", "no vllm:kv_cache_usage_perc"),
-    ("", "no vllm:kv_cache_usage_perc"),
+    ("<html><body>502 Bad Gateway</body></html>", "no vllm:"),
+    ("", "no vllm:"),
+    ('lmcache:local_cache_usage{worker_id="0"} 1.0\n', "no vllm:"),
 ])
 def test_garbled_vllm_page(text: str, reason: str) -> None:
     with pytest.raises(SourceError, match=reason):
@@ -95,8 +132,6 @@ def test_fetch_never_waits_beyond_the_timeout() -> None:
 def test_read_real_lmcache_multiproc_files() -> None:
     lmc = parse_lmcache(read_multiproc_dir(str(LMCACHE_SAMPLE / "multiproc")))
     assert lmc.workers == 1
-    assert lmc.requested_tokens == 12288
-    assert lmc.hit_tokens == 8192
     assert lmc.stored_tokens == 16384
     assert lmc.cpu_used_bytes == 21474836480  # 20 GiB
     assert lmc.disk_used_bytes == 64424509440  # 60 GiB
@@ -105,7 +140,7 @@ def test_read_real_lmcache_multiproc_files() -> None:
 
 def test_env_var_is_not_what_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))  # empty
-    assert parse_lmcache(read_multiproc_dir(str(LMCACHE_SAMPLE / "multiproc"))).hit_tokens == 8192
+    assert parse_lmcache(read_multiproc_dir(str(LMCACHE_SAMPLE / "multiproc"))).stored_tokens == 16384
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(LMCACHE_SAMPLE / "multiproc"))
     with pytest.raises(SourceError, match="no .db files"):
         read_multiproc_dir(str(tmp_path))
@@ -131,14 +166,13 @@ def test_no_lmcache_metrics_among_other_families(tmp_path: Path) -> None:
 def test_tp_workers_tokens_max_bytes_sum(tmp_path: Path) -> None:
     for worker, tokens in (("0", 1000), ("1", 1200)):
         write_lmcache_metrics(str(tmp_path), worker_id=worker,
-                              counters={"lmcache:num_requested_tokens": tokens,
-                                        "lmcache:num_hit_tokens": tokens / 2,
+                              counters={"lmcache:num_stored_tokens": tokens,
                                         "lmcache:local_cpu_evict_keys_count": 3},
                               gauges={"lmcache:local_cache_usage": 1 * GiB,
                                       "lmcache:local_storage_usage": 2 * GiB})
     lmc = parse_lmcache(read_multiproc_dir(str(tmp_path)))
     assert lmc.workers == 2
-    assert (lmc.requested_tokens, lmc.hit_tokens) == (1200, 600)
+    assert lmc.stored_tokens == 1200  # every worker stores the same tokens (a shard of the heads each)
     assert (lmc.cpu_used_bytes, lmc.disk_used_bytes, lmc.cpu_evicted_chunks) == (2 * GiB, 4 * GiB, 6)
 
 

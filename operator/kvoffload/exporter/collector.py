@@ -1,11 +1,14 @@
 """One look at vLLM, LMCache and the disk tier per scrape, exported as `kvoffload_*` families with
-a `tier` label (gpu|cpu|disk, and `external` for hits LMCache does not split between cpu and disk)."""
+a `tier` label (gpu|cpu|disk, and `external` for LMCache's CPU+disk tiers seen through vLLM's KV
+connector, which vLLM does not split).
+
+Where each figure comes from: hits, lookups and prompt-token origins from vLLM's own counters
+(what the engine really served); tier bytes, CPU evictions and stored tokens from LMCache (only it
+knows them); disk files from the directory itself."""
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,17 +20,17 @@ from .lmcache_metrics import LmcacheSnapshot, parse_lmcache, read_multiproc_dir
 from .sources import SourceError, SourceHealth
 from .vllm_metrics import VllmSnapshot, fetch_text, parse_vllm
 
-# LMCache counters that rose within this many seconds count as "moving" for kvoffload_offload_active.
-ACTIVITY_WINDOW_S = 300.0
-
 OFFLOAD_ACTIVE_HELP = (
-    "1 if KV offloading through LMCache really works, else 0. Rule: LMCache metrics are present "
-    "(lmcache:* in the multiprocess dir, or on vLLM's page without --multiproc-dir) AND either "
-    "vLLM reports external prefix-cache queries or external_kv_transfer prompt tokens > 0, or "
-    "LMCache's num_requested_tokens/num_stored_tokens rose within the last "
-    f"{ACTIVITY_WINDOW_S:g} s (from 0 at exporter start). 0 while vLLM serves traffic means "
-    "offloading is not wired."
+    "1 if KV offloading through LMCache is proven at work, else 0. Rule: vLLM's /metrics was read "
+    "AND vllm:external_prefix_cache_queries_total > 0 (vLLM's scheduler has asked its KV connector "
+    "for prompt tokens since vLLM started; vLLM counts these only when a KV connector is configured) "
+    "AND LMCache's metrics are present (lmcache:* in the multiprocess dir, or on vLLM's page without "
+    "--multiproc-dir: the connector is LMCache and its engine started). 0 before the first request "
+    "(not yet proven); 0 while vLLM serves traffic means offloading is not wired."
 )
+
+# vllm:prompt_tokens_by_source{source=...} -> the `origin` label of kvoffload_prompt_tokens_total.
+PROMPT_ORIGINS = {"local_cache_hit": "gpu", "external_kv_transfer": "external", "local_compute": "compute"}
 
 
 @dataclass(frozen=True)
@@ -42,19 +45,14 @@ class ExporterConfig:
 class TierCollector(Collector):
     """prometheus_client custom collector; each collect() is one bounded look at every source."""
 
-    def __init__(self, config: ExporterConfig, disk: DiskTierMonitor | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: ExporterConfig, disk: DiskTierMonitor | None = None) -> None:
         self.config = config
         self.disk = disk
         self.health = {name: SourceHealth(name) for name in ("vllm", "lmcache")}
         if disk is not None:
             self.health["disk"] = disk.health
-        self._clock = clock
         # Concurrent scrapes (an HA Prometheus pair) look at the sources in parallel, each bounded
-        # by the scrape timeout; only the offload-activity state is shared.
-        self._activity_lock = threading.Lock()
-        self._lmcache_progress = 0.0
-        self._last_move: float | None = None
+        # by the scrape timeout; they share nothing but the sources' health (locked).
 
     def describe(self) -> list[Metric]:
         return []  # keeps registration from running a (network) look
@@ -68,7 +66,7 @@ class TierCollector(Collector):
         disk = self.disk.latest if self.disk is not None else None
         if vllm is not None and vllm.process_start is not None and self.disk is not None:
             self.disk.cutoff = vllm.process_start  # files older than vLLM were left by an earlier pod
-        return _families(self.config, vllm, lmc, disk, self._offload_active(vllm, lmc), self.health)
+        return _families(self.config, vllm, lmc, disk, offload_active(vllm, lmc), self.health)
 
     def _look_vllm(self) -> VllmSnapshot | None:
         try:
@@ -94,19 +92,11 @@ class TierCollector(Collector):
         self.health["lmcache"].ok()
         return snap
 
-    def _offload_active(self, vllm: VllmSnapshot | None, lmc: LmcacheSnapshot | None) -> bool:
-        if lmc is None:
-            return False
-        progress = lmc.requested_tokens + lmc.stored_tokens
-        with self._activity_lock:
-            now = self._clock()
-            if progress != self._lmcache_progress and progress > 0:  # rose, or LMCache restarted and moved
-                self._last_move = now
-            self._lmcache_progress = progress
-            moving = self._last_move is not None and now - self._last_move <= ACTIVITY_WINDOW_S
-        consulted = vllm is not None and ((vllm.external_queries or 0) > 0
-                                          or (vllm.external_prompt_tokens or 0) > 0)
-        return moving or consulted
+
+def offload_active(vllm: VllmSnapshot | None, lmc: LmcacheSnapshot | None) -> bool:
+    """The rule in OFFLOAD_ACTIVE_HELP: vLLM has consulted its KV connector, and that connector is
+    LMCache. Monotone while vLLM runs (its counters only rise), so the verdict does not flicker."""
+    return vllm is not None and lmc is not None and (vllm.external_queries or 0) > 0
 
 
 def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSnapshot | None,
@@ -119,35 +109,52 @@ def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSna
         "max_local_disk_size GiB x --tensor-parallel-size.", labels=["tier"])
     used = GaugeMetricFamily(
         "kvoffload_tier_used_bytes",
-        "Bytes the KV-cache tier holds. gpu: vllm:kv_cache_usage_perc x gpu capacity; cpu: "
-        "sum of lmcache:local_cache_usage; disk: sum of lmcache:local_storage_usage (what LMCache "
-        "accounts for; see kvoffload_disk_bytes for what is on disk).", labels=["tier"])
+        "Bytes the KV-cache tier holds. gpu: vllm:kv_cache_usage_perc x gpu capacity (absent until "
+        "vLLM publishes it, just after start); cpu: sum of lmcache:local_cache_usage; disk: sum of "
+        "lmcache:local_storage_usage (what LMCache accounts for; see kvoffload_disk_bytes for what is "
+        "on disk).", labels=["tier"])
     hits = CounterMetricFamily(
         "kvoffload_tier_hit_tokens",
-        "Prompt tokens found in the tier. gpu: vllm:prefix_cache_hits; external (LMCache cpu+disk, "
-        "which LMCache 0.5.6 does not split): lmcache:num_hit_tokens (max over TP workers), or "
-        "vllm:external_prefix_cache_hits when LMCache metrics are absent.", labels=["tier"])
+        "Prompt tokens found in the tier, as vLLM counts them. gpu: vllm:prefix_cache_hits; "
+        "external (LMCache's cpu+disk tiers through the KV connector; vLLM does not split them): "
+        "vllm:external_prefix_cache_hits.", labels=["tier"])
     requested = CounterMetricFamily(
         "kvoffload_tier_requested_tokens",
-        "Prompt tokens looked up in the tier; hit ratio = hit_tokens / requested_tokens. gpu: "
-        "vllm:prefix_cache_queries; external: lmcache:num_requested_tokens (max over TP workers), "
-        "or vllm:external_prefix_cache_queries when LMCache metrics are absent.", labels=["tier"])
+        "Prompt tokens looked up in the tier, as vLLM counts them; hit ratio = hit_tokens / "
+        "requested_tokens. gpu: vllm:prefix_cache_queries; external: "
+        "vllm:external_prefix_cache_queries (the tokens the GPU prefix cache missed).", labels=["tier"])
+    origins = CounterMetricFamily(
+        "kvoffload_prompt_tokens",
+        "Prompt tokens by where their KV came from, from vllm:prompt_tokens_by_source: gpu "
+        "(local_cache_hit: vLLM's GPU prefix cache), external (external_kv_transfer: loaded from "
+        "LMCache's cpu/disk tiers), compute (local_compute: prefilled). The three add up to "
+        "vllm:prompt_tokens.", labels=["origin"])
+    stored = CounterMetricFamily(
+        "kvoffload_tier_stored_tokens",
+        "Tokens LMCache stored into its tiers. external: lmcache:num_stored_tokens (max over TP "
+        "workers).", labels=["tier"])
     evictions = CounterMetricFamily(
         "kvoffload_tier_evictions",
         "Chunks evicted from the tier. cpu: lmcache:local_cpu_evict_keys_count summed over TP "
         "workers; disk: chunk files that disappeared from the disk-tier directory between rescans "
-        "(LMCache 0.5.6 exports no disk eviction metric). vLLM exports no GPU eviction count.",
+        "(LMCache exports no disk eviction metric). vLLM exports no GPU eviction count.",
         labels=["tier"])
 
     if vllm is not None:
         gpu_tokens = sum(vllm.gpu_tokens.values())
         if gpu_tokens and config.kv_bytes_per_token:
             capacity.add_metric(["gpu"], gpu_tokens * config.kv_bytes_per_token)
-            used.add_metric(["gpu"], config.kv_bytes_per_token * sum(
-                vllm.kv_usage.get(engine, 0.0) * tokens for engine, tokens in vllm.gpu_tokens.items()))
-        if vllm.prefix_hits is not None and vllm.prefix_queries is not None:
-            hits.add_metric(["gpu"], vllm.prefix_hits)
-            requested.add_metric(["gpu"], vllm.prefix_queries)
+            if vllm.kv_usage:
+                used.add_metric(["gpu"], config.kv_bytes_per_token * sum(
+                    vllm.kv_usage.get(engine, 0.0) * tokens for engine, tokens in vllm.gpu_tokens.items()))
+        for tier, tier_hits, tier_queries in (("gpu", vllm.prefix_hits, vllm.prefix_queries),
+                                              ("external", vllm.external_hits, vllm.external_queries)):
+            if tier_hits is not None and tier_queries is not None:
+                hits.add_metric([tier], tier_hits)
+                requested.add_metric([tier], tier_queries)
+        for source, origin in PROMPT_ORIGINS.items():
+            if source in vllm.prompt_tokens:
+                origins.add_metric([origin], vllm.prompt_tokens[source])
     if config.budget.cpu_bytes is not None:
         capacity.add_metric(["cpu"], config.budget.cpu_bytes)
     if config.budget.disk_bytes is not None:
@@ -155,14 +162,10 @@ def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSna
     if lmc is not None:
         used.add_metric(["cpu"], lmc.cpu_used_bytes)
         used.add_metric(["disk"], lmc.disk_used_bytes)
-        hits.add_metric(["external"], lmc.hit_tokens)
-        requested.add_metric(["external"], lmc.requested_tokens)
+        stored.add_metric(["external"], lmc.stored_tokens)
         evictions.add_metric(["cpu"], lmc.cpu_evicted_chunks)
-    elif vllm is not None and vllm.external_hits is not None and vllm.external_queries is not None:
-        hits.add_metric(["external"], vllm.external_hits)
-        requested.add_metric(["external"], vllm.external_queries)
 
-    families: list[Metric] = [capacity, used, hits, requested, evictions]
+    families: list[Metric] = [capacity, used, hits, requested, origins, stored, evictions]
     if disk is not None:
         evictions.add_metric(["disk"], disk.removed_files)
         if lmc is not None:

@@ -1,5 +1,9 @@
 """Read LMCache's metrics: the prometheus_client multiprocess files LMCache writes (or the
-`lmcache:*` families vLLM re-exports when both share PROMETHEUS_MULTIPROC_DIR)."""
+`lmcache:*` families vLLM re-exports when both share PROMETHEUS_MULTIPROC_DIR).
+
+Only what LMCache alone knows is taken from here: tier bytes, CPU evictions, stored tokens. Hits
+come from vLLM: under vLLM, LMCache's lmcache:num_hit_tokens / num_requested_tokens stay 0 (seen
+on vLLM 0.26.0 + LMCache 0.5.3 while LMCache served 64,028 tokens), so they are not read."""
 
 from __future__ import annotations
 
@@ -16,8 +20,6 @@ from .sources import SourceError
 
 
 _USED = frozenset({
-    "lmcache:num_requested_tokens_total",
-    "lmcache:num_hit_tokens_total",
     "lmcache:num_stored_tokens_total",
     "lmcache:local_cache_usage",
     "lmcache:local_storage_usage",
@@ -32,9 +34,7 @@ class LmcacheSnapshot:
     worker and are summed."""
 
     workers: int
-    requested_tokens: float  # lmcache:num_requested_tokens (tokens asked of LMCache on retrieve)
-    hit_tokens: float  # lmcache:num_hit_tokens (of those, found in the CPU or disk tier)
-    stored_tokens: float  # lmcache:num_stored_tokens
+    stored_tokens: float  # lmcache:num_stored_tokens (tokens written into the CPU/disk tiers)
     cpu_used_bytes: float  # lmcache:local_cache_usage
     disk_used_bytes: float  # lmcache:local_storage_usage
     cpu_evicted_chunks: float  # lmcache:local_cpu_evict_keys_count (keys = chunks)
@@ -79,8 +79,6 @@ def parse_lmcache(families: Iterable[Metric]) -> LmcacheSnapshot:
 
     return LmcacheSnapshot(
         workers=len({w for by_worker in per_worker.values() for w in by_worker}),
-        requested_tokens=most("lmcache:num_requested_tokens_total"),
-        hit_tokens=most("lmcache:num_hit_tokens_total"),
         stored_tokens=most("lmcache:num_stored_tokens_total"),
         cpu_used_bytes=total("lmcache:local_cache_usage"),
         disk_used_bytes=total("lmcache:local_storage_usage"),

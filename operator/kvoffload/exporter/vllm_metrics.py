@@ -29,15 +29,16 @@ _MAX_BODY = 32 * 1024 * 1024  # a /metrics page larger than this is not vLLM's
 
 @dataclass(frozen=True)
 class VllmSnapshot:
-    """The figures the exporter takes from one vLLM /metrics page (counters summed over engines)."""
+    """The figures the exporter takes from one vLLM /metrics page (counters summed over engines).
+    None: the page does not hold that figure (yet)."""
 
-    kv_usage: dict[str, float]  # engine -> fraction of GPU KV blocks in use (0..1)
+    kv_usage: dict[str, float]  # engine -> fraction of GPU KV blocks in use (0..1); {} just after start
     gpu_tokens: dict[str, int]  # engine -> num_gpu_blocks x block_size (from vllm:cache_config_info)
-    prefix_queries: float | None = None
+    prefix_queries: float | None = None  # vllm:prefix_cache_queries (GPU prefix cache)
     prefix_hits: float | None = None
-    external_queries: float | None = None
+    external_queries: float | None = None  # vllm:external_prefix_cache_queries (asked of the KV connector)
     external_hits: float | None = None
-    external_prompt_tokens: float | None = None  # prompt_tokens_by_source{source="external_kv_transfer"}
+    prompt_tokens: dict[str, float] = field(default_factory=dict)  # vllm:prompt_tokens_by_source, by source
     process_start: float | None = None
     lmcache_families: list[Metric] = field(default_factory=list)
 
@@ -84,8 +85,9 @@ def _cap(conn: http.client.HTTPConnection, deadline: float, timeout: float) -> N
 
 
 def parse_vllm(text: str) -> VllmSnapshot:
-    """Figures from a vLLM /metrics page. Raises SourceError if the page is garbled or is not
-    vLLM's (vllm:kv_cache_usage_perc is always present in vLLM 0.33)."""
+    """Figures from a vLLM /metrics page. Raises SourceError if the page is garbled or holds no
+    `vllm:` figure at all (not vLLM's page). vLLM answers /health, and serves this page, before it
+    publishes vllm:kv_cache_usage_perc: without it the page is "not yet", not an error (kv_usage {})."""
     lines = [ln for ln in text.splitlines()
              if (ln[7:] if ln.startswith(("# HELP ", "# TYPE ")) else ln).startswith(_WANTED)]
     try:
@@ -94,12 +96,15 @@ def parse_vllm(text: str) -> VllmSnapshot:
         raise SourceError(f"unparsable vLLM metrics: {type(exc).__name__}") from None
 
     sums: dict[str, float] = defaultdict(float)
+    by_source: dict[str, float] = defaultdict(float)
     kv_usage: dict[str, float] = {}
     gpu_tokens: dict[str, int] = {}
     process_start = None
+    seen_vllm = False
     for fam in families:
         for s in fam.samples:
             engine = s.labels.get("engine", "0")
+            seen_vllm = seen_vllm or s.name.startswith("vllm:")
             if s.name == "vllm:kv_cache_usage_perc":
                 kv_usage[engine] = s.value
             elif s.name == "vllm:cache_config_info":
@@ -107,13 +112,13 @@ def parse_vllm(text: str) -> VllmSnapshot:
                 if blocks.isdigit() and block_size.isdigit():
                     gpu_tokens[engine] = int(blocks) * int(block_size)
             elif s.name == "vllm:prompt_tokens_by_source_total":
-                sums[f"{s.name}/{s.labels.get('source')}"] += s.value
+                by_source[s.labels.get("source", "")] += s.value
             elif s.name == "process_start_time_seconds":
                 process_start = s.value
             elif s.name.startswith("vllm:") and s.name.endswith("_total"):
                 sums[s.name] += s.value
-    if not kv_usage:
-        raise SourceError("no vllm:kv_cache_usage_perc in the response (not a vLLM 0.33 /metrics page?)")
+    if not seen_vllm:
+        raise SourceError("no vllm:* figures in the response (not vLLM's /metrics page?)")
     return VllmSnapshot(
         kv_usage=kv_usage,
         gpu_tokens=gpu_tokens,
@@ -121,7 +126,7 @@ def parse_vllm(text: str) -> VllmSnapshot:
         prefix_hits=sums.get("vllm:prefix_cache_hits_total"),
         external_queries=sums.get("vllm:external_prefix_cache_queries_total"),
         external_hits=sums.get("vllm:external_prefix_cache_hits_total"),
-        external_prompt_tokens=sums.get("vllm:prompt_tokens_by_source_total/external_kv_transfer"),
+        prompt_tokens=dict(by_source),
         process_start=process_start,
         lmcache_families=[f for f in families if f.name.startswith("lmcache:")],
     )
