@@ -56,6 +56,8 @@ PLAN_FIELDS = {
     "cpu_tier": "spec.offload.cpu.size",
     "disk_tier": "spec.offload.disk.size",
     "chunk_size": "spec.offload.chunkSize",
+    "backend": "spec.offload.backend",
+    "server_baseline": "spec.resources.serverBaseline",
 }
 
 
@@ -121,6 +123,7 @@ class DiskSpec:
 
 @dataclass(frozen=True)
 class OffloadSpec:
+    backend: str  # one of crd.BACKENDS
     chunk_size: int
     cpu_size: int
     eviction_policy: str
@@ -136,6 +139,7 @@ class ResourcesSpec:
     engine_baseline: int
     per_worker_overhead: int
     staging_per_worker: int
+    server_baseline: int
     shm: int | None
     headroom_percent: int
 
@@ -338,8 +342,16 @@ def _offload(r: _Reader, settings: Settings) -> OffloadSpec:
             reclaim_policy=_enum(r, "offload.disk.reclaimPolicy"),
             node_selector=node_selector,
         )
-    return OffloadSpec(chunk_size=_int(r, "offload.chunkSize", 16, 8192), cpu_size=cpu,
-                       eviction_policy=_enum(r, "offload.cpu.evictionPolicy"), disk=disk)
+    backend, policy = _enum(r, "offload.backend"), _enum(r, "offload.cpu.evictionPolicy")
+    if backend == "vllm-native" and disk is not None:
+        raise ConfigError("spec.offload.disk", "is not supported with spec.offload.backend vllm-native (vLLM's native "
+                                               "offloading has a CPU tier only); remove spec.offload.disk or use backend "
+                                               "lmcache or lmcache-server")
+    if backend != "lmcache" and policy != "LRU":
+        raise ConfigError("spec.offload.cpu.evictionPolicy", f"{policy} is not offered by spec.offload.backend {backend}; "
+                                                             "allowed values: LRU (LFU, FIFO and MRU need backend lmcache)")
+    return OffloadSpec(backend=backend, chunk_size=_int(r, "offload.chunkSize", 16, 8192), cpu_size=cpu,
+                       eviction_policy=policy, disk=disk)
 
 
 def _resources(r: _Reader, settings: Settings) -> ResourcesSpec:
@@ -363,6 +375,7 @@ def _resources(r: _Reader, settings: Settings) -> ResourcesSpec:
         engine_baseline=term("resources.engineBaseline", settings.engine_baseline),
         per_worker_overhead=term("resources.perWorkerOverhead", settings.per_worker_overhead),
         staging_per_worker=term("resources.stagingPerWorker", settings.staging_per_worker),
+        server_baseline=term("resources.serverBaseline", settings.server_baseline),
         shm=_size(r, "resources.shm"),
         headroom_percent=headroom,
     )
@@ -393,6 +406,7 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
         metrics_enabled=_bool(r, "metrics.enabled"),
         metrics_port=_int(r, "metrics.port", 1024, 65535),
     )
+    images.check_backend(parsed.offload.backend, images.EnginePair(parsed.engine.vllm_version, parsed.engine.lmcache_version))
     if parsed.resources.memory is not None and parsed.resources.memory < parsed.offload.cpu_size:
         raise ConfigError("spec.resources.memory", "must hold at least the CPU tier (spec.offload.cpu.size): pinned memory is allocated in full")
     if parsed.offload.disk and parsed.offload.disk.node_selector:

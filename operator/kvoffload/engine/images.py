@@ -50,3 +50,26 @@ def resolve(image: str, vllm: str | None, lmcache: str | None) -> EnginePair:
     if _version(lmcache, "spec.engine.lmcacheVersion") < MIN_LMCACHE:
         raise ConfigError("spec.engine.lmcacheVersion", f"LMCache {lmcache} is too old; need >= {'.'.join(map(str, MIN_LMCACHE))}")
     return EnginePair(vllm=vllm, lmcache=lmcache)
+
+
+# What each spec.offload.backend needs from the pair, checked in the installed sources of the default
+# pair (vLLM 0.26.0 + LMCache 0.5.3, tests/engine/build-venv.sh): vLLM 0.26.0 registers
+# LMCacheMPConnector and OffloadingConnector in its KVConnectorFactory and has
+# --kv-offloading-backend native|lmcache; LMCache 0.5.3 ships `lmcache server` (the multiprocess
+# server: ZMQ + HTTP) and the engine-driven shared-memory transfer. Older pairs were not checked,
+# so they are refused rather than guessed at.
+BACKEND_MIN: dict[str, tuple[tuple[int, ...] | None, tuple[int, ...] | None]] = {
+    "lmcache": (MIN_VLLM, MIN_LMCACHE),
+    "lmcache-server": ((0, 26, 0), (0, 5, 3)),
+    "vllm-native": ((0, 26, 0), None),  # no LMCache involved
+}
+
+
+def check_backend(backend: str, pair: EnginePair) -> None:
+    """Refuse a backend the image's pair does not have, naming both versions."""
+    min_vllm, min_lmcache = BACKEND_MIN[backend]
+    v, lmc = _version(pair.vllm, "spec.engine.vllmVersion"), _version(pair.lmcache, "spec.engine.lmcacheVersion")
+    need = " and ".join(f"{name} >= {'.'.join(map(str, low))}" for name, low in (("vLLM", min_vllm), ("LMCache", min_lmcache)) if low)
+    if (min_vllm and v < min_vllm) or (min_lmcache and lmc < min_lmcache):
+        raise ConfigError("spec.offload.backend", f"{backend} needs {need}; the image holds vLLM {pair.vllm} and "
+                                                  f"LMCache {pair.lmcache} (spec.engine.image / vllmVersion / lmcacheVersion)")
