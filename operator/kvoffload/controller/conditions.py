@@ -108,11 +108,22 @@ def _disk(desired: Desired, pods: list[dict[str, Any]]) -> Cond:
     return Cond("DiskTierReady", "False", "Preparing", f"{len(initialized)}/{replicas} pod directories prepared on {where}")
 
 
+# spec.offload.backend -> (what is configured, reason when proven, reason when idle, what proves it)
+_BACKEND = {
+    "lmcache": ("LMCacheConnectorV1", "LMCacheActive", "NoLMCacheActivity", "LMCache metrics present and moving"),
+    "lmcache-server": ("LMCacheMPConnector to the pod's LMCache server", "LMCacheServerConnected", "NoOffloadActivity",
+                       "vLLM registered with the LMCache server and consulting it"),
+    "vllm-native": ("vLLM native OffloadingConnector", "NativeOffloadActive", "NoOffloadActivity",
+                    "vLLM's native offload counters present and its connector consulted"),
+}
+
+
 def _offload(desired: Desired, ready: Cond, probes: dict[str, float | str] | None) -> Cond:
     b = desired.budget
+    connector, active_reason, idle_reason, proof = _BACKEND[desired.spec.offload.backend]
     tiers = f"CPU {format_bytes(b.tier('cpu').bytes)}" + (
         f", disk {format_bytes(b.tier('disk').bytes)}" if desired.spec.offload.disk else "")
-    configured = f"LMCacheConnectorV1 configured ({tiers})"
+    configured = f"{connector} configured ({tiers})"
     if not desired.spec.metrics_enabled:
         return Cond("OffloadActive", "Unknown", "MetricsDisabled", f"{configured}; enable spec.metrics for proof")
     if ready.status != "True":
@@ -126,12 +137,12 @@ def _offload(desired: Desired, ready: Cond, probes: dict[str, float | str] | Non
         detail = f"; {failed[0][0]}: {failed[0][1]}" if failed else ""
         return Cond("OffloadActive", "Unknown", "ExporterUnreachable", f"{configured}; no exporter answered{detail}")
     if idle:
-        return Cond("OffloadActive", "False", "NoLMCacheActivity",
-                    f"{len(idle)}/{len(probes)} pods show no LMCache activity ({', '.join(idle[:3])}): normal before the first "
+        return Cond("OffloadActive", "False", idle_reason,
+                    f"{len(idle)}/{len(probes)} pods show no offload activity ({', '.join(idle[:3])}): normal before the first "
                     "requests; while vLLM serves traffic it means offloading is not wired (see troubleshooting)")
     active = len(probes) - len(failed)
-    return Cond("OffloadActive", "True", "LMCacheActive",
-                f"{configured}; LMCache metrics present and moving on {active}/{len(probes)} pods" +
+    return Cond("OffloadActive", "True", active_reason,
+                f"{configured}; {proof} on {active}/{len(probes)} pods" +
                 (f" ({len(failed)} exporters unreachable)" if failed else ""))
 
 
@@ -188,5 +199,7 @@ def status(body: dict[str, Any], desired: Desired | None, error: ConfigError | N
                        "lmcache": desired.spec.engine.lmcache_version}
     out["summary"] = {"gpuTokens": b.tier("gpu").tokens, "cpuTokens": b.tier("cpu").tokens,
                       "diskTokens": b.tier("disk").tokens, "memory": format_bytes(b.memory_limit)}
+    if b.server_memory:
+        out["summary"]["serverMemory"] = format_bytes(b.server_memory)
     out["budget"] = b.to_dict()
     return out

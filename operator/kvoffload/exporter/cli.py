@@ -12,7 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from ..api.errors import ConfigError
-from .capacity import load_budget
+from .capacity import TierBudget, load_budget
 from .collector import ExporterConfig, TierCollector
 from .disk_tier import DiskTierMonitor
 from .server import parse_listen, start_server
@@ -47,6 +47,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-bytes-per-token", type=int, default=0, metavar="N",
                    help="KV bytes per token for one replica (all TP ranks); gives the gpu tier's "
                         "capacity from vllm:cache_config_info. 0: unknown")
+    p.add_argument("--backend", choices=("lmcache", "lmcache-server", "vllm-native"), default="lmcache",
+                   help="who holds the offload tiers (spec.offload.backend): which sources are read and what "
+                        "proves offloading (default %(default)s)")
+    p.add_argument("--lmcache-server-url", metavar="URL",
+                   help="the LMCache server's /status (backend lmcache-server)")
+    p.add_argument("--cpu-capacity-bytes", type=int, metavar="N",
+                   help="CPU tier of the whole pod, for backends without an LMCache YAML")
+    p.add_argument("--disk-capacity-bytes", type=int, metavar="N",
+                   help="disk tier of the whole pod, for backends without an LMCache YAML")
     p.add_argument("--scrape-timeout", type=float, default=2.0, metavar="SECONDS",
                    help="longest wait for vLLM during one scrape (default %(default)s)")
     p.add_argument("--disk-rescan-interval", type=float, default=30.0, metavar="SECONDS",
@@ -64,12 +73,23 @@ def build(args: argparse.Namespace) -> tuple[CollectorRegistry, TierCollector, t
         raise ConfigError("--scrape-timeout", "must be > 0 seconds")
     if not args.disk_rescan_interval > 0:
         raise ConfigError("--disk-rescan-interval", "must be > 0 seconds")
+    if args.backend == "lmcache-server" and not args.lmcache_server_url:
+        raise ConfigError("--lmcache-server-url", "is required with --backend lmcache-server")
+    for name in ("cpu_capacity_bytes", "disk_capacity_bytes"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            raise ConfigError("--" + name.replace("_", "-"), "must be >= 0")
+    budget = load_budget(args.lmcache_config, args.tensor_parallel_size)
+    if args.cpu_capacity_bytes or args.disk_capacity_bytes:
+        budget = TierBudget(cpu_bytes=args.cpu_capacity_bytes or budget.cpu_bytes,
+                            disk_bytes=args.disk_capacity_bytes or budget.disk_bytes)
     config = ExporterConfig(
         vllm_metrics_url=args.vllm_metrics_url,
         multiproc_dir=args.multiproc_dir,
         scrape_timeout=args.scrape_timeout,
         kv_bytes_per_token=args.kv_bytes_per_token,
-        budget=load_budget(args.lmcache_config, args.tensor_parallel_size),
+        budget=budget,
+        backend=args.backend,
+        server_status_url=args.lmcache_server_url,
     )
     disk = None
     if args.disk_dir:
