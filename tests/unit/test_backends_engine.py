@@ -5,7 +5,9 @@ LMCache 0.5.3, the engine venv of tests/engine/build-venv.sh):
 - every rendered `lmcache server` command line through LMCache's own server parser and the config
   converters its `server` command runs;
 - the rendered server command line started for real (CPU host, loopback ports): its /status shows
-  the L1 the Budget asked for and the L2 adapter, read by the exporter's own reader.
+  the L1 the Budget asked for and the L2 adapter, read by the exporter's own reader; then LMCache's
+  own worker adapter registers with it using the extra config rendered for vLLM (what vLLM's
+  LMCacheMPConnector worker does), and the exporter counts the engine and reports offload active.
 Skipped without the engine venv, unless KVO_REQUIRE_ENGINE=1 (make test) makes that a failure."""
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ import pytest
 from kvoffload.api.quantity import gib
 from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvoffload.exporter.collector import ExporterConfig, TierCollector
 from kvoffload.exporter.lmcache_server import fetch_status
+from kvoffload.exporter.testkit import FakeVllm
 from kvoffload.exporter.sources import SourceError
 
 from .helpers import ROOT, spec
@@ -130,6 +137,20 @@ def test_native_command_line_through_vllms_parser(engine, case_id):
     assert p["tensor_parallel_size"] == d.spec.engine.tensor_parallel_size
 
 
+VLLM_PAGE = (ROOT / "tests" / "fixtures" / "vllm-0.26.0-lmcache-0.5.3-h200" / "vllm-metrics-with-lmcache.txt").read_text()
+
+
+def arg_of(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def scrape(collector: TierCollector) -> dict[str, float]:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return {s.name: s.value for fam in text_string_to_metric_families(generate_latest(registry).decode())
+            for s in fam.samples if not s.labels}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -163,6 +184,27 @@ def test_rendered_server_starts_and_reports_the_budgeted_tiers(tmp_path):
         (adapter,) = status["storage_manager"]["l2_adapters"]
         assert "fs_native" in json.dumps(adapter).lower() or "native" in json.dumps(adapter).lower(), adapter
         (tmp_path / "status.json").write_text(json.dumps(status, indent=1))
+
+        # vLLM's side, as its LMCacheMPConnector worker does it (LMCache's own adapter, the rendered
+        # extra config): once it registers, the exporter counts the engine and proves offloading.
+        kv = json.loads(arg_of(containers(d)["vllm"]["args"], "--kv-transfer-config"))
+        kv["kv_connector_extra_config"]["lmcache.mp.port"] = zmq_port
+        worker = subprocess.Popen([str(VENV / "bin" / "python"), str(ROOT / "tests" / "engine" / "mp_worker_register.py"),
+                                   json.dumps(kv), d.spec.model.name], env={**os.environ, **QUIET},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 240
+            while fetch_status(url, 2.0).engines == 0:
+                assert worker.poll() is None, worker.stdout.read()[-3000:]
+                assert time.monotonic() < deadline, "no engine registered in 240 s"
+                time.sleep(1)
+            with FakeVllm(VLLM_PAGE) as vllm:
+                got = scrape(TierCollector(ExporterConfig(vllm_metrics_url=vllm.url, backend="lmcache-server",
+                                                          server_status_url=url)))
+            assert got["kvoffload_lmcache_server_engines"] == 1 and got["kvoffload_offload_active"] == 1
+        finally:
+            worker.kill()
+            worker.wait()
     finally:
         proc.terminate()
         try:
