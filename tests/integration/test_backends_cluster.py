@@ -97,7 +97,8 @@ def test_switching_backend_is_a_rolling_change(cluster, namespace, operator):  #
     apply(cluster, namespace, to_native)
     native = wait_ready(cluster, namespace, "svc", generation=3, timeout=240)
     spec = pod_spec(cluster, namespace, "svc")
-    assert "initContainers" not in spec and [c["name"] for c in spec["containers"]] == ["vllm", "exporter"]
+    assert [c["name"] for c in spec["initContainers"]] == ["report-engine-versions"]  # no disk step, no server
+    assert [c["name"] for c in spec["containers"]] == ["vllm", "exporter"]
     args = spec["containers"][0]["args"]
     assert args[args.index("--kv-offloading-backend") + 1] == "native"
     assert cond(native, "DiskTierReady")["reason"] == "NotConfigured"

@@ -90,10 +90,13 @@ def stack(tmp_path: Path) -> Iterator[tuple[PromAPI, FakeVllm]]:
     config = tmp_path / "lmcache.yaml"
     config.write_text("chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 40\n"
                       f"local_disk: file://{disk}/\nmax_local_disk_size: 100\n")
+    versions = tmp_path / "versions.json"
+    versions.write_text('{"vllm": "0.26.0", "lmcache": "0.5.3", "torch": "2.11.0+cu130"}')
     with FakeVllm(VLLM_TEXT + CACHE_CONFIG_INFO) as vllm, ExporterProcess([
             "--vllm-metrics-url", vllm.url, "--multiproc-dir", str(mp), "--disk-dir", str(disk),
             "--lmcache-config", str(config), "--tensor-parallel-size", "2",
-            "--kv-bytes-per-token", str(KV_BYTES_PER_TOKEN), "--disk-rescan-interval", "1"]) as exporter:
+            "--kv-bytes-per-token", str(KV_BYTES_PER_TOKEN), "--disk-rescan-interval", "1",
+            "--engine-versions-file", str(versions)]) as exporter:
         prom_port = free_port()
         vllm_target = vllm.url.split("//", 1)[1].split("/", 1)[0]
         (tmp_path / "prometheus.yml").write_text(json.dumps({  # JSON is YAML
@@ -155,8 +158,9 @@ def test_prometheus_sees_the_tier_figures(stack: tuple[PromAPI, FakeVllm]) -> No
     assert api.scalar("kvoffload_disk_orphaned_bytes") == 0
     assert api.scalar("kvoffload_disk_free_bytes") > 0
     assert api.scalar("kvoffload_offload_active") == 1
-    assert api.by("kvoffload_source_up", "source") == {"vllm": 1, "lmcache": 1, "disk": 1}
-    assert api.by("kvoffload_scrape_errors_total", "source") == {"vllm": 0, "lmcache": 0, "disk": 0}
+    assert api.by("kvoffload_source_up", "source") == {"vllm": 1, "lmcache": 1, "disk": 1, "engine": 1}
+    assert api.by("kvoffload_scrape_errors_total", "source") == {"vllm": 0, "lmcache": 0, "disk": 0, "engine": 0}
+    assert api.by("kvoffload_engine_info", "vllm") == {"0.26.0": 1}
     assert api.scalar('max by (pod) (vllm:kv_cache_usage_perc{namespace=~".*", pod=~".*"})') == 0.42
 
 
@@ -188,3 +192,5 @@ def test_dashboard_queries_evaluate_and_hit_ratio_follows_traffic(stack: tuple[P
     fill = {r["metric"]["tier"]: float(r["value"][1]) for r in results["Tier fill/A"]}
     assert fill == pytest.approx({"gpu": 0.42, "cpu": 20 / 80, "disk": 60 / 200})
     assert float(results["Offload active/A"][0]["value"][1]) == 1
+    (info,) = results["Engine versions per pod/A"]
+    assert info["metric"] == {"pod": "serve-0", "vllm": "0.26.0", "lmcache": "0.5.3", "torch": "2.11.0+cu130"}

@@ -10,6 +10,7 @@ import time
 import pytest
 import yaml
 
+from kvoffload.engine.images import resolve
 from operator_proc import ROOT, OperatorProcess
 
 pytestmark = pytest.mark.cluster
@@ -94,9 +95,13 @@ def test_create_runs_on_gpu_nodes_and_reports_the_budget(cluster, namespace, ope
     assert cond(obj, "ConfigValid")["status"] == "True" and cond(obj, "Scheduled")["status"] == "True"
     assert cond(obj, "DiskTierReady")["status"] == "True"
     assert st["summary"]["cpuTokens"] > 0 and st["summary"]["diskTokens"] > st["summary"]["cpuTokens"]
-    assert st["versions"] == {"image": "lmcache/vllm-openai:v0.5.4", "vllm": "0.27.1", "lmcache": "0.5.4"}
-    assert st["endpoint"] == f"http://svc.{namespace}.svc:8000/v1"
     vllm = kids[("StatefulSet", "svc")]["spec"]["template"]["spec"]["containers"][0]
+    pair = resolve(vllm["image"], None, None)  # the operator's table for the default image
+    # Rendered for the table's pair; nothing reported what runs (no exporter listens on kwok pods).
+    assert st["versions"] == {"image": vllm["image"], "renderedFor": {"vllm": pair.vllm, "lmcache": pair.lmcache},
+                              "running": []}
+    assert cond(obj, "EngineVerified")["reason"] == "VersionsNotReported"
+    assert st["endpoint"] == f"http://svc.{namespace}.svc:8000/v1"
     assert vllm["resources"]["limits"]["memory"] == st["summary"]["memory"]
     table = cluster.kubectl("get", "kvs", "-n", namespace).stdout
     assert "GPU-TOKENS" in table and "True" in table and st["summary"]["memory"] in table
@@ -224,10 +229,11 @@ def test_steady_state_writes_nothing(cluster, namespace, operator):
     assert operator.output().count("apply ") == log_before
 
 
-def test_offload_active_comes_from_the_pods_exporter(cluster, namespace, operator, tmp_path):
+def test_offload_active_and_engine_versions_come_from_the_pods_exporter(cluster, namespace, operator, tmp_path):
     """The proof path end to end: kwok pod IPs are loopback, so a real exporter bound to the pod's IP
     answers the operator's probe. It reads the real /metrics page of vLLM 0.26.0 + LMCache 0.5.3 (served
-    on 127.0.0.1) and LMCache 0.5.6's own multiprocess metric files."""
+    on 127.0.0.1), LMCache 0.5.6's own multiprocess metric files, and a versions file like the one the
+    serving image's init container writes."""
     import shutil
     import subprocess
     import sys
@@ -238,29 +244,48 @@ def test_offload_active_comes_from_the_pods_exporter(cluster, namespace, operato
     apply(cluster, namespace, SMALL)
     obj = wait_ready(cluster, namespace, "svc")
     assert cond(obj, "OffloadActive")["status"] == "Unknown"  # nothing listens on the pod IP yet
+    rendered = obj["status"]["versions"]["renderedFor"]
     pod = get(cluster, namespace, "pods")["items"][0]
-    ip = pod["status"]["podIP"]
+    ip, pod_name = pod["status"]["podIP"], pod["metadata"]["name"]
     assert ip.startswith("127.")  # the network rule: kwok pod IPs are loopback
     multiproc = tmp_path / "multiproc"
     shutil.copytree(fixtures / "lmcache-0.5.6-metrics-sample/multiproc", multiproc)
     config = tmp_path / "lmcache.yaml"
     config.write_text(get(cluster, namespace, "configmap", "svc-lmcache")["data"]["lmcache.yaml"])
+    versions = tmp_path / "versions.json"
+    versions.write_text(json.dumps({**rendered, "torch": "2.11.0+cu130"}))
     with FakeVllm((fixtures / "vllm-0.26.0-lmcache-0.5.3-h200/vllm-metrics-without-connector.txt").read_text()) as vllm:
         exporter = subprocess.Popen([sys.executable, "-m", "kvoffload.cli", "exporter", "--listen", f"{ip}:9400",
                                      "--vllm-metrics-url", vllm.url, "--multiproc-dir", str(multiproc),
-                                     "--lmcache-config", str(config), "--tensor-parallel-size", "1"],
+                                     "--lmcache-config", str(config), "--tensor-parallel-size", "1",
+                                     "--engine-versions-file", str(versions)],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             # vLLM never asked a KV connector: LMCache's files alone prove nothing. The operator
             # re-probes at its next reconcile (resyncSeconds: 20 in tests).
-            wait_cond(cluster, namespace, "svc", "OffloadActive", "False", timeout=60)
+            found = wait_cond(cluster, namespace, "svc", "OffloadActive", "False", timeout=60)
+            assert cond(found, "EngineVerified")["reason"] == "EngineVersionsMatch"
+            assert found["status"]["versions"]["running"] == [
+                {**rendered, "torch": "2.11.0+cu130", "podCount": 1, "pods": [pod_name]}]
             vllm.body = (fixtures / "vllm-0.26.0-lmcache-0.5.3-h200/vllm-metrics-with-lmcache.txt").read_text()
             found = wait_cond(cluster, namespace, "svc", "OffloadActive", "True", timeout=60)
             assert "1/1 pods" in cond(found, "OffloadActive")["message"]
+
+            # The image holds another pair than the one rendered for.
+            other = ({"vllm": "0.26.0", "lmcache": "0.5.3"} if rendered != {"vllm": "0.26.0", "lmcache": "0.5.3"}
+                     else {"vllm": "0.27.1", "lmcache": "0.5.4"})
+            versions.write_text(json.dumps({**other, "torch": "2.13.0"}))
+            found = wait_cond(cluster, namespace, "svc", "EngineVerified", "False", timeout=60, reason="EngineVersionMismatch")
+            assert cond(found, "EngineVerified")["message"].startswith(
+                f"rendered for vLLM {rendered['vllm']} + LMCache {rendered['lmcache']}, "
+                f"pod {pod_name} runs vLLM {other['vllm']} + LMCache {other['lmcache']}")
+            assert found["status"]["versions"]["renderedFor"] == rendered
+            assert found["status"]["versions"]["running"] == [{**other, "torch": "2.13.0", "podCount": 1, "pods": [pod_name]}]
         finally:
             exporter.terminate()
             exporter.wait(10)
     found = wait_cond(cluster, namespace, "svc", "OffloadActive", "Unknown", timeout=60, reason="ExporterUnreachable")
+    assert cond(found, "EngineVerified")["reason"] == "VersionsNotReported"
 
 
 def test_pass_through_fields_the_api_server_refuses_are_config_errors(cluster, namespace, operator):

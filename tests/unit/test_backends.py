@@ -13,6 +13,7 @@ from kvoffload.api.quantity import GiB, gib, to_bytes
 from kvoffload.api.settings import Settings
 from kvoffload.api.spec import parse
 from kvoffload.controller import conditions, pipeline
+from kvoffload.controller.probe import Reading
 from kvoffload.rendering import render
 
 from .helpers import spec
@@ -89,7 +90,8 @@ def test_server_pod():
     c = containers(d)
     server, vllm = c["lmcache-server"], c["vllm"]
     assert server["restartPolicy"] == "Always"  # a native sidecar: outlives vLLM container restarts
-    assert [i["name"] for i in pod(d)["initContainers"]] == ["prepare-disk-tier", "lmcache-server"]  # empty dir first
+    # The disk directory is emptied and the versions reported before the server starts.
+    assert [i["name"] for i in pod(d)["initContainers"]] == ["prepare-disk-tier", "report-engine-versions", "lmcache-server"]
     assert "nvidia.com/gpu" not in server["resources"]["limits"]  # engine-driven: the server needs no GPU
     assert to_bytes(server["resources"]["limits"]["memory"], "x") == d.budget.server_memory
     assert to_bytes(vllm["resources"]["limits"]["memory"], "x") == d.budget.memory_limit
@@ -120,7 +122,7 @@ def test_native_pod():
     assert arg(args, "--kv-offloading-backend") == "native"
     assert float(arg(args, "--kv-offloading-size")) == pytest.approx(40.0)  # GiB over all TP ranks
     assert "--kv-transfer-config" not in args
-    assert set(c) == {"vllm", "exporter"}
+    assert set(c) == {"vllm", "exporter", "report-engine-versions"}
     assert not any(v["name"] in ("lmcache-config", "kv-disk") for v in pod(d)["volumes"])
     assert "ConfigMap" not in {k["kind"] for k in d.children}
     assert to_bytes(c["vllm"]["resources"]["limits"]["memory"], "x") == d.budget.memory_limit
@@ -141,7 +143,7 @@ def test_offload_condition_names_the_backend(backend, reason):
     p = {"metadata": {"name": "svc-0"}, "spec": {"nodeName": "n"},
          "status": {"conditions": [{"type": "Ready", "status": "True"}, {"type": "Initialized", "status": "True"}]}}
     body = {"metadata": {"name": "svc", "namespace": "team-a", "generation": 1}}
-    for probes, want in (({"svc-0": 1.0}, reason), ({"svc-0": 0.0}, None)):
+    for probes, want in (({"svc-0": Reading(1.0)}, reason), ({"svc-0": Reading(0.0)}, None)):
         st = conditions.status(body, d, None, conditions.Observed(sts, [p], probes))
         c = next(c for c in st["conditions"] if c["type"] == "OffloadActive")
         assert (c["reason"] == want) if want else c["status"] == "False"

@@ -2,7 +2,11 @@
 
 from datetime import datetime, timezone
 
+import pytest
+
+from kvoffload.api import crd
 from kvoffload.controller import conditions, pipeline
+from kvoffload.controller.probe import Reading
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
 
@@ -101,8 +105,8 @@ def test_status_is_stable_for_the_same_inputs():
     assert a == b  # so a no-op reconcile writes nothing
 
 
-def ready_pod():
-    p = pod()
+def ready_pod(name="svc-0"):
+    p = pod(name)
     p["status"]["conditions"].append({"type": "Ready", "status": "True"})
     return p
 
@@ -112,12 +116,88 @@ def offload(probes, **patch):
     return by_type(conditions.status(body(), desired(**patch), None, obs, T0))["OffloadActive"]
 
 
+ON, OFF = Reading(1.0), Reading(0.0)
+
+
 def test_offload_active_needs_proof_from_every_exporter():
-    assert offload({"svc-0": 1.0})["status"] == "True"
-    assert offload({"svc-0": 1.0, "svc-1": "refused"})["reason"] == "LMCacheActive"
-    idle = offload({"svc-0": 0.0, "svc-1": 1.0})
+    assert offload({"svc-0": ON})["status"] == "True"
+    idle = offload({"svc-0": OFF})
     assert idle["status"] == "False" and idle["reason"] == "NoLMCacheActivity" and "svc-0" in idle["message"]
+    assert "vllm:external_prefix_cache_queries_total" in idle["message"]
     gone = offload({"svc-0": "http://127.16.0.2:9400/metrics: connection refused"})
     assert gone["status"] == "Unknown" and "connection refused" in gone["message"]
     assert offload(None)["reason"] == "ProbesDisabled"
-    assert offload({"svc-0": 1.0}, metrics={"enabled": False})["reason"] == "MetricsDisabled"
+    assert offload({"svc-0": ON}, metrics={"enabled": False})["reason"] == "MetricsDisabled"
+
+
+def test_offload_active_counts_only_ready_pods():
+    obs = conditions.Observed(sts(replicas=2, ready=2, updated=2), [ready_pod(), ready_pod("svc-1")],
+                              {"svc-0": ON, "svc-1": "refused"})
+    c = by_type(conditions.status(body(), desired(replicas=2), None, obs, T0))["OffloadActive"]
+    assert c["reason"] == "LMCacheActive" and "1/2 pods" in c["message"] and "1 exporters unreachable" in c["message"]
+    # A running, not-ready pod's exporter answers too (for its versions), but proves no offload.
+    obs = conditions.Observed(sts(), [ready_pod(), pod("svc-9")], {"svc-0": ON, "svc-9": OFF})
+    assert by_type(conditions.status(body(), desired(), None, obs, T0))["OffloadActive"]["status"] == "True"
+
+
+# --- EngineVerified: the pair the pods really run vs the pair rendered for --------------------------
+
+def running(vllm, lmcache, torch="2.11.0+cu130", active=1.0):
+    return Reading(active, {"vllm": vllm, "lmcache": lmcache, "torch": torch})
+
+
+def engine(probes, **patch):
+    st = conditions.status(body(), desired(**patch), None, conditions.Observed(sts(), [ready_pod()], probes), T0)
+    return by_type(st)["EngineVerified"], st["versions"]
+
+
+PINNED = {"engine__vllmVersion": "0.26.0", "engine__lmcacheVersion": "0.5.3"}
+
+
+@pytest.mark.parametrize("probes, patch, status, reason, words", [
+    ({"svc-0": running("0.26.0", "0.5.3")}, PINNED, "True", "EngineVersionsMatch",
+     "1/1 pods run vLLM 0.26.0 + LMCache 0.5.3"),
+    ({"svc-0": running("0.26.0+cu130", "0.5.3")}, PINNED, "True", "EngineVersionsMatch", "1/1 pods"),
+    ({"svc-0": running("0.27.1", "0.5.4")}, PINNED, "False", "EngineVersionMismatch",
+     "rendered for vLLM 0.26.0 + LMCache 0.5.3, pod svc-0 runs vLLM 0.27.1 + LMCache 0.5.4"),
+    ({"svc-0": running("0.26.0", "none")}, PINNED, "False", "EngineVersionMismatch", "pod svc-0 runs vLLM 0.26.0 + LMCache none"),
+    ({"svc-0": running("0.26.0", "0.5.3"), "svc-1": running("0.26.0", "0.5.4"), "svc-2": running("0.29.0", "0.5.3")},
+     PINNED, "False", "EngineVersionMismatch", "pod svc-1 runs vLLM 0.26.0 + LMCache 0.5.4 (1 more pods differ)"),
+    ({"svc-0": Reading(1.0)}, PINNED, "Unknown", "VersionsNotReported", "no pod's exporter reported its versions yet"),
+    ({"svc-0": "http://127.16.0.2:9400/metrics: connection refused"}, PINNED, "Unknown", "VersionsNotReported",
+     "svc-0: http://127.16.0.2:9400/metrics: connection refused"),
+    ({}, PINNED, "Unknown", "VersionsNotReported", "rendered for vLLM 0.26.0 + LMCache 0.5.3"),
+    (None, PINNED, "Unknown", "ProbesDisabled", "kvoffload_engine_info"),
+    ({"svc-0": running("0.27.1", "0.5.4")}, {**PINNED, "metrics": {"enabled": False}}, "Unknown", "MetricsDisabled",
+     "rendered for vLLM 0.26.0 + LMCache 0.5.3"),
+])
+def test_engine_verified(probes, patch, status, reason, words):
+    c, _ = engine(probes, **patch)
+    assert (c["status"], c["reason"]) == (status, reason), c["message"]
+    assert words in c["message"]
+
+
+def test_engine_verified_does_not_wait_for_ready():
+    """A pod whose vLLM cannot start (not Ready) still reports its versions: the mismatch shows."""
+    obs = conditions.Observed(sts(ready=0), [pod()], {"svc-0": running("0.27.1", "0.5.4", active=0.0)})
+    c = by_type(conditions.status(body(), desired(**PINNED), None, obs, T0))
+    assert c["Ready"]["status"] == "False" and c["EngineVerified"]["reason"] == "EngineVersionMismatch"
+
+
+def test_status_versions_show_what_runs_and_what_was_rendered_for():
+    probes = {f"svc-{i}": running("0.26.0", "0.5.3") for i in range(12)}
+    probes["svc-12"] = running("0.27.1", "0.5.4", torch="2.13.0")
+    probes["svc-13"] = "refused"
+    _, versions = engine(probes, **PINNED)
+    assert versions["renderedFor"] == {"vllm": "0.26.0", "lmcache": "0.5.3"}
+    assert versions["image"] == desired(**PINNED).spec.engine.image
+    first, second = versions["running"]
+    assert first == {"vllm": "0.26.0", "lmcache": "0.5.3", "torch": "2.11.0+cu130", "podCount": 12,
+                     "pods": sorted(f"svc-{i}" for i in range(12))[:crd.MAX_VERSION_PODS]}
+    assert second == {"vllm": "0.27.1", "lmcache": "0.5.4", "torch": "2.13.0", "podCount": 1, "pods": ["svc-12"]}
+    assert engine(None, **PINNED)[1]["running"] == []
+
+
+def test_invalid_spec_leaves_engine_verified_unknown():
+    st = conditions.status(body(), None, ConfigError("spec.engine.image", "bad"), conditions.Observed(None, []), T0)
+    assert by_type(st)["EngineVerified"]["status"] == "Unknown"

@@ -10,10 +10,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvoffload.exporter.capacity import TierBudget
+from kvoffload.exporter.capacity import TierCapacity
 from kvoffload.exporter.collector import ExporterConfig, TierCollector, native_active, server_active
 from kvoffload.exporter.lmcache_server import parse_status
-from kvoffload.exporter.sources import SourceError
+from kvoffload.api.fetch import SourceError
 from kvoffload.exporter.testkit import FakeVllm
 from kvoffload.exporter.vllm_metrics import parse_vllm
 
@@ -68,7 +68,7 @@ def test_native_active_needs_vllms_own_offload_counters():
 def test_server_backend_scrape(tmp_path):
     with FakeVllm(VLLM) as vllm, FakeVllm(json.dumps(CONNECTED)) as server:
         got = samples(TierCollector(ExporterConfig(vllm_metrics_url=vllm.url, backend="lmcache-server",
-                                                   server_status_url=server.url, budget=TierBudget(disk_bytes=10 << 30))))
+                                                   server_status_url=server.url, capacity=TierCapacity(disk_bytes=10 << 30))))
     assert got[("kvoffload_tier_capacity_bytes", (("tier", "cpu"),))] == 268435456  # the L1 in force
     assert got[("kvoffload_tier_used_bytes", (("tier", "cpu"),))] == 4 << 20
     assert got[("kvoffload_tier_capacity_bytes", (("tier", "disk"),))] == 10 << 30
@@ -89,7 +89,7 @@ def test_server_backend_when_the_server_is_down():
 def test_native_backend_scrape():
     with FakeVllm(NATIVE) as vllm:
         got = samples(TierCollector(ExporterConfig(vllm_metrics_url=vllm.url, backend="vllm-native",
-                                                   budget=TierBudget(cpu_bytes=40 << 30))))
+                                                   capacity=TierCapacity(cpu_bytes=40 << 30))))
     assert got[("kvoffload_tier_capacity_bytes", (("tier", "cpu"),))] == 40 << 30
     assert got[("kvoffload_offload_transfer_bytes_total", (("direction", "store"),))] == 8388608
     assert got[("kvoffload_offload_transfer_bytes_total", (("direction", "load"),))] == 4194304

@@ -114,8 +114,8 @@ def test_build_uses_the_lmcache_config(tmp_path: Path) -> None:
                                                       "--tensor-parallel-size", "2",
                                                       "--disk-dir", str(tmp_path)]))
     assert address == ("127.0.0.1", 9400)
-    assert collector.config.budget.cpu_bytes == 20 * GiB
-    assert collector.config.budget.disk_bytes == 60 * GiB
+    assert collector.config.capacity.cpu_bytes == 20 * GiB
+    assert collector.config.capacity.disk_bytes == 60 * GiB
     assert collector.disk is not None and set(collector.health) == {"vllm", "lmcache", "disk"}
 
 
@@ -182,3 +182,23 @@ def test_exporter_process_refuses_a_busy_port() -> None:
                               capture_output=True, text=True, timeout=30)
     assert done.returncode == 2
     assert "--listen" in done.stderr
+
+
+def test_the_rendered_sidecar_arguments_are_flags_the_exporter_accepts() -> None:
+    """The flag names are a contract between the operator's render and this parser."""
+    import yaml
+
+    from kvoffload.api.settings import Settings
+    from kvoffload.controller import pipeline
+    from kvoffload.engine.versions import VERSIONS_FILE
+
+    doc = yaml.safe_load((FIXTURES.parents[1] / "examples" / "workstation-llama31-8b.yaml").read_text())
+    children = pipeline.desired("svc", "ns", "u", doc["spec"], Settings()).children
+    pod = next(c for c in children if c["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    exporter = next(c for c in pod["containers"] if c["name"] == "exporter")
+    assert exporter["args"][0] == "exporter"
+    args = parse([a.replace("$(POD_IP)", "127.0.0.1") for a in exporter["args"][1:]])
+    assert args.engine_versions_file == VERSIONS_FILE
+    assert args.multiproc_dir == "/var/run/kvoffload/prometheus"
+    mounts = {m["mountPath"] for m in exporter["volumeMounts"]}
+    assert VERSIONS_FILE.rsplit("/", 1)[0] in mounts

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvoffload.exporter.capacity import GiB, budget_from_config
+from kvoffload.exporter.capacity import GiB, capacity_from_config
 from kvoffload.exporter.collector import ExporterConfig, TierCollector
 from kvoffload.exporter.disk_tier import DiskTierMonitor
 from kvoffload.exporter.sources import SourceHealth
@@ -34,7 +34,7 @@ CACHE_CONFIG_INFO = (
     "# TYPE vllm:cache_config_info gauge\n"
     'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n'
 )
-BUDGET = budget_from_config({"max_local_cpu_size": 40, "local_disk": "file:///mnt/nvme/p/",
+CAPACITY = capacity_from_config({"max_local_cpu_size": 40, "local_disk": "file:///mnt/nvme/p/",
                              "max_local_disk_size": 100}, 2)
 KV_BYTES_PER_TOKEN = 131072  # Llama-3-8B
 
@@ -73,7 +73,7 @@ def test_figures_from_the_real_h200_page_with_lmcache() -> None:
     the same page is 0). No --multiproc-dir: LMCache's figures come from vLLM's shared page."""
     with FakeVllm(WITH_LMCACHE) as vllm:
         m = scrape(make(ExporterConfig(vllm_metrics_url=vllm.url, kv_bytes_per_token=KV_BYTES_PER_TOKEN,
-                                       budget=budget_from_config({"max_local_cpu_size": 2}, 1)))[0])
+                                       capacity=capacity_from_config({"max_local_cpu_size": 2}, 1)))[0])
 
     assert value(m, "kvoffload_tier_hit_tokens_total", tier="external") == 64028
     assert value(m, "kvoffload_tier_requested_tokens_total", tier="external") == 128544
@@ -140,7 +140,7 @@ def test_tier_figures_from_the_real_samples(tmp_path: Path) -> None:
     disk.rescan_now()
     with FakeVllm(WITH_LMCACHE) as vllm:
         registry, _ = make(ExporterConfig(vllm_metrics_url=vllm.url, multiproc_dir=MULTIPROC,
-                                          kv_bytes_per_token=KV_BYTES_PER_TOKEN, budget=BUDGET), disk)
+                                          kv_bytes_per_token=KV_BYTES_PER_TOKEN, capacity=CAPACITY), disk)
         m = scrape(registry)
 
     assert value(m, "kvoffload_tier_capacity_bytes", tier="cpu") == 80 * GiB  # 40 GiB x TP 2
@@ -166,7 +166,7 @@ def test_tier_figures_from_the_real_samples(tmp_path: Path) -> None:
 def test_metric_hygiene() -> None:
     with FakeVllm(VLLM_TEXT + CACHE_CONFIG_INFO) as vllm:
         registry, _ = make(ExporterConfig(vllm_metrics_url=vllm.url, multiproc_dir=MULTIPROC,
-                                          kv_bytes_per_token=1, budget=BUDGET))
+                                          kv_bytes_per_token=1, capacity=CAPACITY))
         text = generate_latest(registry).decode()
     families = list(text_string_to_metric_families(text))
     assert len(families) >= 8
@@ -248,7 +248,7 @@ def test_vllm_down_keeps_serving_counts_and_logs_once(tmp_path: Path, caplog: py
     caplog.set_level(logging.INFO, logger="kvoffload.exporter")
     port = _closed_port()
     registry, _ = make(ExporterConfig(vllm_metrics_url=f"http://127.0.0.1:{port}/metrics",
-                                      multiproc_dir=MULTIPROC, budget=BUDGET))
+                                      multiproc_dir=MULTIPROC, capacity=CAPACITY))
     for _ in range(3):
         m = scrape(registry)
     assert value(m, "kvoffload_source_up", source="vllm") == 0
@@ -374,3 +374,46 @@ def test_orphaned_bytes(tmp_path: Path) -> None:
         m = scrape(registry)
         assert value(m, "kvoffload_disk_orphaned_bytes") == 400
         assert value(m, "kvoffload_tier_evictions_total", tier="disk") == 3
+
+
+# --- the engine's versions, from the file the serving image's init container wrote -------------------
+
+def test_engine_info_from_the_versions_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from kvoffload.controller.probe import Reading, parse_page
+
+    path = tmp_path / "versions.json"
+    with FakeVllm(WITH_LMCACHE) as vllm:
+        registry, _ = make(ExporterConfig(vllm_metrics_url=vllm.url, engine_versions_file=str(path)))
+        m = scrape(registry)  # the init container has not written it (cannot happen in a pod; counted)
+        assert value(m, "kvoffload_source_up", source="engine") == 0
+        assert value(m, "kvoffload_scrape_errors_total", source="engine") == 1
+        assert not [k for k in m if k[0] == "kvoffload_engine_info"]
+
+        path.write_text('{"vllm": "0.26.0", "lmcache": "0.5.3", "torch": "2.11.0+cu130"}')
+        text = generate_latest(registry).decode()
+        m = scrape(registry)
+        assert value(m, "kvoffload_engine_info", vllm="0.26.0", lmcache="0.5.3", torch="2.11.0+cu130") == 1
+        assert value(m, "kvoffload_source_up", source="engine") == 1
+        # What the operator's probe makes of the same page.
+        assert parse_page(text) == Reading(1.0, {"vllm": "0.26.0", "lmcache": "0.5.3", "torch": "2.11.0+cu130"})
+
+        path.write_text('{"vllm": "0.27.1", "lmcache": null}')
+        m = scrape(registry)
+        assert value(m, "kvoffload_engine_info", vllm="0.27.1", lmcache="none", torch="none") == 1
+
+        path.write_text("garbage")
+        m = scrape(registry)
+    assert value(m, "kvoffload_source_up", source="engine") == 0
+    assert value(m, "kvoffload_scrape_errors_total", source="engine") == 2
+    assert any("source engine failing" in r.getMessage() and "not JSON" in r.getMessage() for r in caplog.records)
+
+
+def test_no_versions_file_flag_no_engine_source() -> None:
+    from kvoffload.controller.probe import Reading, parse_page
+
+    with FakeVllm(WITHOUT_CONNECTOR) as vllm:
+        registry, _ = make(ExporterConfig(vllm_metrics_url=vllm.url))
+        text = generate_latest(registry).decode()
+    assert "kvoffload_engine_info" not in text and 'source="engine"' not in text
+    assert parse_page(text) == Reading(0.0, None)
+    assert parse_page("# nothing\n") == "kvoffload_offload_active missing from the exporter's /metrics"

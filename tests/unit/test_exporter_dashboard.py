@@ -65,13 +65,15 @@ def exporter_names(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     tmp = tmp_path_factory.mktemp("dash")
     (tmp / "disk").mkdir()
     (tmp / "lmcache.yaml").write_text("max_local_cpu_size: 4\nlocal_disk: /d\nmax_local_disk_size: 8\n")
+    (tmp / "versions.json").write_text('{"vllm": "0.26.0", "lmcache": "0.5.3", "torch": "2.11.0+cu130"}')
     with FakeVllm(VLLM_TEXT + CACHE_CONFIG_INFO) as vllm:
         parser = argparse.ArgumentParser()
         exporter_cli.add_arguments(parser)
         registry, collector, _ = exporter_cli.build(parser.parse_args([
             "--vllm-metrics-url", vllm.url, "--disk-dir", str(tmp / "disk"),
             "--multiproc-dir", str(FIXTURES / "lmcache-0.5.6-metrics-sample" / "multiproc"),
-            "--lmcache-config", str(tmp / "lmcache.yaml"), "--kv-bytes-per-token", "131072"]))
+            "--lmcache-config", str(tmp / "lmcache.yaml"), "--kv-bytes-per-token", "131072",
+            "--engine-versions-file", str(tmp / "versions.json")]))
         assert collector.disk is not None
         collector.disk.rescan_now()
         names = sample_names(generate_latest(registry).decode())
@@ -128,8 +130,8 @@ def test_dashboard_has_the_panels_the_issue_asks_for() -> None:
     for name in ("kvoffload_tier_capacity_bytes", "kvoffload_tier_used_bytes",
                  "kvoffload_tier_hit_tokens_total", "kvoffload_tier_requested_tokens_total",
                  "kvoffload_tier_evictions_total", "kvoffload_disk_free_bytes",
-                 "kvoffload_offload_active", "kvoffload_prompt_tokens_total", "vllm:kv_cache_usage_perc",
-                 "kvoffload_lmcache_server_engines", "kvoffload_offload_transfer_bytes_total"):
+                 "kvoffload_offload_active", "kvoffload_prompt_tokens_total", "kvoffload_engine_info",
+                 "vllm:kv_cache_usage_perc", "kvoffload_lmcache_server_engines", "kvoffload_offload_transfer_bytes_total"):
         assert name in exprs, name
 
 

@@ -1,6 +1,9 @@
 """render: golden files for the examples, and invariants every rendering must keep."""
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -11,6 +14,8 @@ from kvoffload.api.errors import ConfigError
 from kvoffload.api.quantity import to_bytes
 from kvoffload.cli.render import dump_all
 from kvoffload.api.settings import Settings
+
+from kvoffload.engine import versions as engine_versions
 
 from .helpers import EXAMPLES, ROOT, spec
 
@@ -76,7 +81,8 @@ def test_pod_invariants(tp, disk):
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
         assert c["securityContext"]["privileged"] is False
     assert exporter["securityContext"]["runAsNonRoot"] and exporter["securityContext"]["readOnlyRootFilesystem"]
-    assert ("initContainers" in pod) == disk
+    inits = [c["name"] for c in pod["initContainers"]]
+    assert inits == (["prepare-disk-tier"] if disk else []) + ["report-engine-versions"]
     if disk:
         host = next(v for v in pod["volumes"] if v["name"] == "kv-disk")["hostPath"]
         assert host["path"] == "/mnt/nvme/lmcache"
@@ -86,6 +92,10 @@ def test_pod_invariants(tp, disk):
         assert "find" in pod["initContainers"][0]["command"][-1]
     else:
         assert "nodeSelector" not in pod
+    versions = pod["initContainers"][-1]
+    assert versions["image"] == vllm["image"]  # the serving image reports what it holds
+    assert versions["securityContext"]["readOnlyRootFilesystem"]
+    assert exporter["args"][exporter["args"].index("--engine-versions-file") + 1] == engine_versions.VERSIONS_FILE
 
 
 def test_children_are_owned_and_labelled():
@@ -123,6 +133,8 @@ def test_ephemeral_volume_instead_of_hostpath():
 def test_metrics_off_drops_the_sidecar_and_port():
     children = pipeline.desired("svc", "ns", "u", spec(metrics={"enabled": False}), Settings()).children
     assert [c["name"] for c in pod_of(children)["containers"]] == ["vllm"]
+    assert [c["name"] for c in pod_of(children)["initContainers"]] == ["prepare-disk-tier"]  # no versions reader
+    assert "engine-info" not in [v["name"] for v in pod_of(children)["volumes"]]
     assert [p["name"] for p in kinds(children)[("Service", "svc")]["spec"]["ports"]] == ["http"]
 
 
@@ -135,4 +147,86 @@ def test_user_args_and_env_are_appended_not_overriding():
 
 def test_long_names_are_refused():
     with pytest.raises(ConfigError, match="metadata.name"):
-        pipeline.validate_name("x" * 53)
+        render.check_name("x" * 53)
+    with pytest.raises(ConfigError, match="metadata.name"):
+        pipeline.desired("x" * 53, "ns", "u", spec(), Settings())
+
+
+# --- the vLLM container's prelude: the multiprocess dir is emptied at every start -------------------
+
+FAKE_VLLM = """#!{python}
+import json, os, sys
+d = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+with open(os.environ["RECORD"], "w") as f:
+    json.dump({{"argv": sys.argv[1:], "left": sorted(os.listdir(d)), "pid": os.getpid()}}, f)
+open(os.path.join(d, "counter_%d.db" % os.getpid()), "w").write("written by this run")
+sys.exit(7)
+"""
+
+
+def _start_vllm_container(container, fake_bin, multiproc, record):
+    """Run the rendered command + args as the kubelet would, with a fake `vllm` first on PATH."""
+    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "PROMETHEUS_MULTIPROC_DIR": str(multiproc), "RECORD": str(record)}
+    proc = subprocess.Popen([*container["command"], *container["args"]], env=env)
+    assert proc.wait(30) == 7  # vLLM's exit status, unchanged: the shell exec'd it
+    return proc.pid, json.loads(record.read_text())
+
+
+@pytest.mark.parametrize("path", [p for p in EXAMPLES if "field" not in p.name], ids=lambda p: p.name)
+def test_vllm_prelude_empties_the_multiproc_dir_at_every_start(path, tmp_path):
+    doc = yaml.safe_load(path.read_text())
+    s = doc["spec"]
+    s.setdefault("engine", {})["extraArgs"] = ["--override-generation-config", '{"temperature": 0.5}', "--x=a b"]
+    children = pipeline.desired(doc["metadata"]["name"], "ns", "", s, Settings()).children
+    container = pod_of(children)["containers"][0]
+    assert container["command"][:3] == ["/bin/sh", "-c", render.VLLM_PRELUDE]
+    argv = render.vllm_argv(container)
+    assert argv[:3] == ["vllm", "serve", s["model"]["name"]] and argv[-3:] == s["engine"]["extraArgs"]
+
+    fake_bin, multiproc = tmp_path / "bin", tmp_path / "multiproc"
+    fake_bin.mkdir()
+    (fake_bin / "vllm").write_text(FAKE_VLLM.format(python=sys.executable))
+    (fake_bin / "vllm").chmod(0o755)
+    multiproc.mkdir()
+    # What a crashed vLLM leaves: its files, a hidden file, a directory with files.
+    for name in ("counter_41.db", "gauge_livemostrecent_41.db", ".hidden"):
+        (multiproc / name).write_text("stale")
+    (multiproc / "sub").mkdir()
+    (multiproc / "sub" / "histogram_41.db").write_text("stale")
+
+    pid, seen = _start_vllm_container(container, fake_bin, multiproc, tmp_path / "record.json")
+    assert seen["left"] == []  # emptied before vLLM started
+    assert seen["argv"] == argv[1:]  # exactly the rendered arguments, quotes and spaces included
+    assert seen["pid"] == pid  # exec: vLLM is the container's main process and gets its signals
+    assert multiproc.is_dir()  # the mount point itself stays
+
+    # The container restarts (the pod does not): this run's file is gone too.
+    assert os.listdir(multiproc) == [f"counter_{pid}.db"]
+    _, seen = _start_vllm_container(container, fake_bin, multiproc, tmp_path / "record.json")
+    assert seen["left"] == []
+
+
+# --- the versions init container --------------------------------------------------------------
+
+def test_versions_script_reports_what_the_environment_holds(tmp_path):
+    """REPORT_SCRIPT, run as the init container runs it, in this venv: LMCache 0.5.6 is installed
+    (its config loader, --no-deps), vLLM and torch are not."""
+    from importlib import metadata
+
+    def installed(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    init = pod_of(pipeline.desired("svc", "ns", "u", spec(), Settings()).children)["initContainers"][-1]
+    out = tmp_path / "versions.json"
+    command = [sys.executable if c == "python3" else c for c in init["command"][:-1]] + [str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
+    doc = json.loads(out.read_text())
+    assert doc == {name: installed(name) for name in engine_versions.PACKAGES}
+    assert doc["lmcache"] == "0.5.6"
+    assert "kvoffload: engine versions" in done.stdout
+    found = engine_versions.parse(out.read_text())
+    assert found.lmcache == "0.5.6" and found.vllm == (doc["vllm"] or engine_versions.NOT_INSTALLED)
+    assert not (tmp_path / "versions.json.tmp").exists()

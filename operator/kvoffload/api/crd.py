@@ -39,6 +39,7 @@ DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])
 # Child and pod names derive from metadata.name, and Service names must be DNS-1035 labels.
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 MAX_NAME = 52
+MAX_VERSION_PODS = 10  # pod names listed per running version set in status.versions.running
 # A fully-qualified extended resource (nvidia.com/gpu): never cpu, memory or another built-in resource.
 EXTENDED_RESOURCE = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?[.])*[a-z0-9]([-a-z0-9]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
@@ -298,7 +299,7 @@ def spec_schema() -> Schema:
 def _condition() -> Schema:
     return _o(
         "A condition (Kubernetes API conventions).",
-        {"type": _s("Ready, ConfigValid, Scheduled, OffloadActive or DiskTierReady."),
+        {"type": _s("Ready, ConfigValid, Scheduled, OffloadActive, EngineVerified or DiskTierReady."),
          "status": _s("True, False or Unknown.", enum=["True", "False", "Unknown"]),
          "reason": _s("CamelCase reason."),
          "message": _s("Human-readable detail."),
@@ -312,13 +313,28 @@ def status_schema() -> Schema:
     return _o(
         "Observed state, written by the operator.",
         {"observedGeneration": _i("Generation of the spec the operator last acted on.", format="int64"),
-         "conditions": {"type": "array", "description": "Ready, ConfigValid, Scheduled, OffloadActive, DiskTierReady.",
+         "conditions": {"type": "array", "description": "Ready, ConfigValid, Scheduled, OffloadActive, EngineVerified, DiskTierReady.",
                         "items": _condition(), "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
          "replicas": _i("Pods that exist.", format="int32"),
          "readyReplicas": _i("Pods that are Ready.", format="int32"),
          "selector": _s("Label selector of the pods (for the scale subresource and HPA)."),
          "endpoint": _s("In-cluster URL of the OpenAI-compatible API."),
-         "versions": _o("What is running.", {"image": _s("Serving image."), "vllm": _s("vLLM version."), "lmcache": _s("LMCache version.")}),
+         "versions": _o("The engine: the pair the operator rendered for, and what the pods really run.", {
+             "image": _s("Serving image."),
+             "renderedFor": _o("The vLLM / LMCache pair the pods were rendered for (spec.engine versions, else the "
+                               "operator's image table).", {"vllm": _s("vLLM version."), "lmcache": _s("LMCache version.")}),
+             "running": {"type": "array", "x-kubernetes-list-type": "atomic",
+                         "description": "What the pods' exporters report (kvoffload_engine_info, read from the serving image "
+                                        "by its init container): one entry per distinct version set. Empty until an "
+                                        "exporter answers.",
+                         "items": _o("One version set and the pods that run it.", {
+                             "vllm": _s("vLLM version ('none': not installed)."),
+                             "lmcache": _s("LMCache version ('none': not installed)."),
+                             "torch": _s("torch version ('none': not installed)."),
+                             "podCount": _i("Pods that run it.", format="int32"),
+                             "pods": {"type": "array", "maxItems": MAX_VERSION_PODS, "x-kubernetes-list-type": "atomic",
+                                      "description": f"The first {MAX_VERSION_PODS} of those pods, by name.",
+                                      "items": {"type": "string"}}})}}),
          "summary": _o("Short figures for kubectl get.", {
              "gpuTokens": _i("Tokens the GPU tier holds.", format="int64"),
              "cpuTokens": _i("Tokens the CPU tier holds.", format="int64"),

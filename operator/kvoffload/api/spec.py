@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import posixpath
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
@@ -53,8 +53,8 @@ PLAN_FIELDS = {
     "staging_per_worker": "spec.resources.stagingPerWorker",
     "shm": "spec.resources.shm",
     "headroom_percent": "spec.resources.headroomPercent",
-    "cpu_tier": "spec.offload.cpu.size",
-    "disk_tier": "spec.offload.disk.size",
+    "cpu_size": "spec.offload.cpu.size",
+    "disk_size": "spec.offload.disk.size",
     "chunk_size": "spec.offload.chunkSize",
     "backend": "spec.offload.backend",
     "server_baseline": "spec.resources.serverBaseline",
@@ -67,15 +67,12 @@ def _matches(pattern: str, value: str) -> bool:
 
 
 class _Reader:
-    """Reads dotted spec paths, falling back to the CRD's defaults; remembers what was read
-    so a test can prove the parser and the schema cover the same fields."""
+    """Reads dotted spec paths, falling back to the CRD's defaults."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
-        self.read: set[str] = set()
 
     def get(self, path: str, default: Any = _MISSING) -> Any:
-        self.read.add(path)
         node: Any = self.spec
         for part in path.split("."):
             if not isinstance(node, dict) or part not in node or node[part] is None:
@@ -162,7 +159,6 @@ class Spec:
     scheduling: SchedulingSpec
     metrics_enabled: bool
     metrics_port: int
-    read_paths: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
 
 def _int(r: _Reader, path: str, lo: int, hi: int) -> int:
@@ -414,4 +410,4 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
         for key, value in parsed.offload.disk.node_selector.items():
             if parsed.scheduling.node_selector.get(key, value) != value:
                 raise ConfigError("spec.scheduling.nodeSelector", f"{key} disagrees with spec.offload.disk.nodeSelector")
-    return Spec(**{**parsed.__dict__, "read_paths": frozenset(r.read)})
+    return parsed

@@ -32,7 +32,6 @@ def render_file(args: argparse.Namespace) -> int:
         meta = doc.get("metadata") or {}
         name, namespace = meta.get("name", ""), meta.get("namespace", args.namespace)
         try:
-            pipeline.validate_name(name)
             # Offline there is no uid, so children carry no ownerReferences; the operator adds them.
             out += pipeline.desired(name, namespace, "", doc.get("spec") or {}, settings).children
         except ConfigError as exc:

@@ -11,11 +11,14 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..rendering import render
+from ..api import crd
 from ..api.errors import ConfigError
+from ..engine import versions as engine_versions
 from .pipeline import Desired
+from .probe import Probes, Reading
 from ..api.quantity import format_bytes
 
-TYPES = ("Ready", "ConfigValid", "Scheduled", "OffloadActive", "DiskTierReady")
+TYPES = ("Ready", "ConfigValid", "Scheduled", "OffloadActive", "EngineVerified", "DiskTierReady")
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ class Observed:
     """What the reconciler read after applying: the StatefulSet and its pods (None/[] if absent)."""
     statefulset: dict[str, Any] | None
     pods: list[dict[str, Any]]
-    probes: dict[str, float | str] | None = None  # pod -> exporter's kvoffload_offload_active, or an error
+    probes: Probes | None = None  # running pod -> its exporter's answer, or an error; None: not probed
 
 
 def now_iso(clock: datetime | None = None) -> str:
@@ -108,19 +111,26 @@ def _disk(desired: Desired, pods: list[dict[str, Any]]) -> Cond:
     return Cond("DiskTierReady", "False", "Preparing", f"{len(initialized)}/{replicas} pod directories prepared on {where}")
 
 
-# spec.offload.backend -> (what is configured, reason when proven, reason when idle, what proves it)
+# spec.offload.backend -> (what is configured, reason when proven, reason when idle, what proves it, what is missing when idle)
 _BACKEND = {
-    "lmcache": ("LMCacheConnectorV1", "LMCacheActive", "NoLMCacheActivity", "LMCache metrics present and moving"),
+    "lmcache": ("LMCacheConnectorV1", "LMCacheActive", "NoLMCacheActivity",
+                "vLLM asks LMCache for prompt tokens and LMCache's metrics are present",
+                "vLLM has not asked LMCache for prompt tokens yet (vllm:external_prefix_cache_queries_total is 0) or "
+                "LMCache's metrics are absent"),
     "lmcache-server": ("LMCacheMPConnector to the pod's LMCache server", "LMCacheServerConnected", "NoOffloadActivity",
-                       "vLLM registered with the LMCache server and consulting it"),
+                       "vLLM registered with the LMCache server and asks it for prompt tokens",
+                       "vLLM has not asked the LMCache server for prompt tokens yet, or no vLLM worker registered with it "
+                       "(kvoffload_lmcache_server_engines is 0)"),
     "vllm-native": ("vLLM native OffloadingConnector", "NativeOffloadActive", "NoOffloadActivity",
-                    "vLLM's native offload counters present and its connector consulted"),
+                    "vLLM asks its native offloading for prompt tokens and its vllm:kv_offload_* counters are present",
+                    "vLLM has not asked its native offloading for prompt tokens yet (vllm:external_prefix_cache_queries_total "
+                    "is 0) or its vllm:kv_offload_* counters are absent"),
 }
 
 
-def _offload(desired: Desired, ready: Cond, probes: dict[str, float | str] | None) -> Cond:
+def _offload(desired: Desired, ready: Cond, pods: list[dict[str, Any]], probes: Probes | None) -> Cond:
     b = desired.budget
-    connector, active_reason, idle_reason, proof = _BACKEND[desired.spec.offload.backend]
+    connector, active_reason, idle_reason, proof, missing = _BACKEND[desired.spec.offload.backend]
     tiers = f"CPU {format_bytes(b.tier('cpu').bytes)}" + (
         f", disk {format_bytes(b.tier('disk').bytes)}" if desired.spec.offload.disk else "")
     configured = f"{connector} configured ({tiers})"
@@ -131,19 +141,65 @@ def _offload(desired: Desired, ready: Cond, probes: dict[str, float | str] | Non
     if probes is None:
         return Cond("OffloadActive", "Unknown", "ProbesDisabled",
                     f"{configured}; the operator does not probe exporters (probeExporters: false): read kvoffload_offload_active")
+    ready_pods = {p["metadata"]["name"] for p in pods if (_pod_condition(p, "Ready") or {}).get("status") == "True"}
+    probes = {pod: v for pod, v in probes.items() if pod in ready_pods}
     failed = sorted((pod, v) for pod, v in probes.items() if isinstance(v, str))
-    idle = sorted(pod for pod, v in probes.items() if not isinstance(v, str) and v < 1)
+    idle = sorted(pod for pod, v in probes.items() if isinstance(v, Reading) and v.active < 1)
     if not probes or len(failed) == len(probes):
         detail = f"; {failed[0][0]}: {failed[0][1]}" if failed else ""
         return Cond("OffloadActive", "Unknown", "ExporterUnreachable", f"{configured}; no exporter answered{detail}")
     if idle:
         return Cond("OffloadActive", "False", idle_reason,
-                    f"{len(idle)}/{len(probes)} pods show no offload activity ({', '.join(idle[:3])}): normal before the first "
-                    "requests; while vLLM serves traffic it means offloading is not wired (see troubleshooting)")
+                    f"{len(idle)}/{len(probes)} pods show no offload activity ({', '.join(idle[:3])}): {missing}; normal "
+                    "before the first requests, while vLLM serves traffic it means offloading is not wired (see troubleshooting)")
     active = len(probes) - len(failed)
     return Cond("OffloadActive", "True", active_reason,
                 f"{configured}; {proof} on {active}/{len(probes)} pods" +
                 (f" ({len(failed)} exporters unreachable)" if failed else ""))
+
+
+def _pair(vllm: str, lmcache: str) -> str:
+    return f"vLLM {vllm} + LMCache {lmcache}" if lmcache else f"vLLM {vllm} (no LMCache)"
+
+
+def _engine(desired: Desired, probes: Probes | None) -> Cond:
+    """Do the pods run the vLLM / LMCache pair the operator rendered for? From each pod's exporter
+    (kvoffload_engine_info, written by the serving image's init container)."""
+    e = desired.spec.engine
+    rendered = f"rendered for {_pair(e.vllm_version, e.lmcache_version)}"
+    if not desired.spec.metrics_enabled:
+        return Cond("EngineVerified", "Unknown", "MetricsDisabled", f"{rendered}; enable spec.metrics to see what the pods run")
+    if probes is None:
+        return Cond("EngineVerified", "Unknown", "ProbesDisabled",
+                    f"{rendered}; the operator does not probe exporters (probeExporters: false): read kvoffload_engine_info")
+    reported = {pod: v.engine for pod, v in sorted(probes.items()) if isinstance(v, Reading) and v.engine}
+    wrong = [(pod, found) for pod, found in reported.items()
+             if not (engine_versions.matches(e.vllm_version, found.get("vllm", engine_versions.NOT_INSTALLED))
+                     and (not e.lmcache_version  # vllm-native with a plain vLLM image: no LMCache to compare
+                          or engine_versions.matches(e.lmcache_version, found.get("lmcache", engine_versions.NOT_INSTALLED))))]
+    if wrong:
+        pod, found = wrong[0]
+        more = f" ({len(wrong) - 1} more pods differ)" if len(wrong) > 1 else ""
+        return Cond("EngineVerified", "False", "EngineVersionMismatch",
+                    f"{rendered}, pod {pod} runs {_pair(found.get('vllm', '?'), found.get('lmcache', '?'))}{more}; "
+                    "set spec.engine.vllmVersion/lmcacheVersion to what the image holds, or use an image with the rendered pair")
+    if not reported:
+        failed = sorted((pod, v) for pod, v in probes.items() if isinstance(v, str))
+        detail = f"; {failed[0][0]}: {failed[0][1]}" if failed else ""
+        return Cond("EngineVerified", "Unknown", "VersionsNotReported", f"{rendered}; no pod's exporter reported its versions yet{detail}")
+    return Cond("EngineVerified", "True", "EngineVersionsMatch",
+                f"{len(reported)}/{len(probes)} pods run {_pair(e.vllm_version, e.lmcache_version)}, the pair the operator rendered for")
+
+
+def running_versions(probes: Probes | None) -> list[dict[str, Any]]:
+    """status.versions.running: each distinct (vllm, lmcache, torch) the pods reported, with its pods."""
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for pod, v in sorted((probes or {}).items()):
+        if isinstance(v, Reading) and v.engine:
+            key = tuple(v.engine.get(name, "") for name in engine_versions.PACKAGES)
+            groups.setdefault(key, []).append(pod)  # type: ignore[arg-type]
+    return [{**dict(zip(engine_versions.PACKAGES, key)), "podCount": len(pods), "pods": pods[:crd.MAX_VERSION_PODS]}
+            for key, pods in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
 
 
 def evaluate(desired: Desired | None, error: ConfigError | None, obs: Observed) -> list[Cond]:
@@ -152,13 +208,15 @@ def evaluate(desired: Desired | None, error: ConfigError | None, obs: Observed) 
         return [Cond("Ready", "False", "ConfigInvalid", msg), Cond("ConfigValid", "False", "InvalidSpec", msg),
                 Cond("Scheduled", "Unknown", "ConfigInvalid", "no children created or changed while the spec is invalid"),
                 Cond("OffloadActive", "Unknown", "ConfigInvalid", msg),
+                Cond("EngineVerified", "Unknown", "ConfigInvalid", msg),
                 Cond("DiskTierReady", "Unknown", "ConfigInvalid", msg)]
     replicas = desired.spec.replicas
     scheduled = _scheduled(replicas, obs.pods)
     ready = _ready(replicas, obs, scheduled)
     warnings = "; ".join(desired.budget.warnings)
     valid = Cond("ConfigValid", "True", "Valid", "spec is valid" + (f"; warnings: {warnings}" if warnings else ""))
-    return [ready, valid, scheduled, _offload(desired, ready, obs.probes), _disk(desired, obs.pods)]
+    return [ready, valid, scheduled, _offload(desired, ready, obs.pods, obs.probes), _engine(desired, obs.probes),
+            _disk(desired, obs.pods)]
 
 
 def merge(previous: list[dict[str, Any]] | None, new: list[Cond], generation: int, clock: datetime | None = None) -> list[dict[str, Any]]:
@@ -195,8 +253,9 @@ def status(body: dict[str, Any], desired: Desired | None, error: ConfigError | N
     out["observedGeneration"] = generation if rolled else previous.get("observedGeneration", 0)
     b = desired.budget
     out["endpoint"] = render.endpoint(render.Owner(meta["name"], meta["namespace"]))
-    out["versions"] = {"image": desired.spec.engine.image, "vllm": desired.spec.engine.vllm_version,
-                       "lmcache": desired.spec.engine.lmcache_version}
+    out["versions"] = {"image": desired.spec.engine.image,
+                       "renderedFor": {"vllm": desired.spec.engine.vllm_version, "lmcache": desired.spec.engine.lmcache_version},
+                       "running": running_versions(obs.probes)}
     out["summary"] = {"gpuTokens": b.tier("gpu").tokens, "cpuTokens": b.tier("cpu").tokens,
                       "diskTokens": b.tier("disk").tokens, "memory": format_bytes(b.memory_limit)}
     if b.server_memory:

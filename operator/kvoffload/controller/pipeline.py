@@ -40,8 +40,8 @@ def plan_for(spec: Spec) -> sizing.Budget:
             gpu_memory_utilization=spec.engine.gpu_memory_utilization,
             weight_dtype=_WEIGHT_DTYPE[spec.engine.dtype],
             kv_dtype=spec.model.kv_dtype,
-            cpu_tier=spec.offload.cpu_size,
-            disk_tier=spec.offload.disk.size if spec.offload.disk else 0,
+            cpu_size=spec.offload.cpu_size,
+            disk_size=spec.offload.disk.size if spec.offload.disk else 0,
             chunk_size=spec.offload.chunk_size,
             backend=spec.offload.backend,
             memory=sizing.MemoryDefaults(engine_baseline=r.engine_baseline, per_worker_overhead=r.per_worker_overhead,
@@ -61,16 +61,11 @@ def plan_for(spec: Spec) -> sizing.Budget:
 
 def desired(name: str, namespace: str, uid: str, spec_dict: dict[str, Any], settings: Settings) -> Desired:
     """Everything the operator wants for one KVOffloadServe, or a ConfigError naming the field."""
+    render.check_name(name)
     spec = parse(spec_dict, settings)
     budget = plan_for(spec)
     owner = render.Owner(name=name, namespace=namespace, uid=uid)
     return Desired(spec=spec, budget=budget, children=render.children(owner, spec, budget, settings))
 
 
-def validate_name(name: str) -> None:
-    # Children are named <name>-lmcache / <name>-pods and pods <name>-<ordinal>: keep them within 63 characters.
-    if len(name) > 52:
-        raise ConfigError("metadata.name", f"{name!r} is {len(name)} characters; at most 52 so child and pod names fit in 63")
-
-
-__all__ = ["ConfigError", "Desired", "desired", "plan_for", "validate_name"]
+__all__ = ["ConfigError", "Desired", "desired", "plan_for"]

@@ -1,39 +1,61 @@
-"""Proof that offloading really works: ask each ready pod's exporter for kvoffload_offload_active.
+"""Proof from the pods: ask each running pod's exporter for kvoffload_offload_active and
+kvoffload_engine_info (the versions the serving image really holds).
 
-The I/O half of the OffloadActive condition; conditions.py turns the answers into the verdict.
+The I/O half of the OffloadActive and EngineVerified conditions; conditions.py turns the answers
+into the verdicts.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..exporter.vllm_metrics import SourceError, fetch_text
-
-# pod name -> 1.0 / 0.0 from the exporter, or an error string.
-Probes = dict[str, "float | str"]
+from ..api.fetch import SourceError, fetch_text
 
 
-def _ready(pod: dict[str, Any]) -> bool:
-    conds = pod.get("status", {}).get("conditions", []) or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds) and bool(pod.get("status", {}).get("podIP"))
+@dataclass(frozen=True)
+class Reading:
+    """What one pod's exporter answered."""
+    active: float  # kvoffload_offload_active
+    engine: dict[str, str] | None = None  # kvoffload_engine_info's labels (vllm, lmcache, torch); None: not served
 
 
-def _read(url: str, timeout: float) -> float | str:
-    try:
-        text = fetch_text(url, timeout)
-        for family in text_string_to_metric_families(text):
-            if family.name == "kvoffload_offload_active":
-                return float(family.samples[0].value)
+# pod name -> the exporter's answer, or an error string.
+Probes = dict[str, "Reading | str"]
+
+
+def _running(pod: dict[str, Any]) -> bool:
+    # Running, not only Ready: a pod whose vLLM cannot start (e.g. a wrong engine pair) still has an
+    # exporter that tells which versions the image holds.
+    st = pod.get("status", {}) or {}
+    return st.get("phase") == "Running" and bool(st.get("podIP")) and not pod["metadata"].get("deletionTimestamp")
+
+
+def parse_page(text: str) -> Reading | str:
+    """The two families the operator reads from an exporter's /metrics page."""
+    active, engine = None, None
+    for family in text_string_to_metric_families(text):
+        if family.name == "kvoffload_offload_active" and family.samples:
+            active = float(family.samples[0].value)
+        elif family.name == "kvoffload_engine_info" and family.samples:
+            engine = dict(family.samples[0].labels)
+    if active is None:
         return "kvoffload_offload_active missing from the exporter's /metrics"
+    return Reading(active, engine)
+
+
+def _read(url: str, timeout: float) -> Reading | str:
+    try:
+        return parse_page(fetch_text(url, timeout))
     except (SourceError, OSError, ValueError) as exc:
         return f"{url}: {exc}"
 
 
-def probe_offload(pods: list[dict[str, Any]], port: int, timeout: float = 1.0) -> Probes:
-    targets = {p["metadata"]["name"]: f"http://{p['status']['podIP']}:{port}/metrics" for p in pods if _ready(p)}
+def probe_exporters(pods: list[dict[str, Any]], port: int, timeout: float = 1.0) -> Probes:
+    targets = {p["metadata"]["name"]: f"http://{p['status']['podIP']}:{port}/metrics" for p in pods if _running(p)}
     if not targets:
         return {}
     with ThreadPoolExecutor(max_workers=min(8, len(targets))) as pool:

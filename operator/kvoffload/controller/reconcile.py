@@ -94,7 +94,6 @@ def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: 
     desired: pipeline.Desired | None = None
     error: ConfigError | None = None
     try:
-        pipeline.validate_name(name)
         desired = pipeline.desired(name, namespace, meta["uid"], body.get("spec") or {}, settings)
     except ConfigError as exc:
         error = exc  # no child is created or changed while the spec is invalid
@@ -108,7 +107,7 @@ def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: 
         if desired.spec.replicas:
             pods = kube.list(collection("v1", "Pod", namespace), f"{render.OWNER_LABEL}={name}")
         if settings.probe_exporters and desired.spec.metrics_enabled:
-            probes = probe.probe_offload(pods, desired.spec.metrics_port)
+            probes = probe.probe_exporters(pods, desired.spec.metrics_port)
     new_status = conditions.status(body, desired, error, conditions.Observed(sts, pods, probes), clock)
     if new_status == (body.get("status") or {}):
         return "unchanged"

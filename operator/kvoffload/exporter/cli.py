@@ -12,7 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from ..api.errors import ConfigError
-from .capacity import TierBudget, load_budget
+from .capacity import TierCapacity, load_capacity
 from .collector import ExporterConfig, TierCollector
 from .disk_tier import DiskTierMonitor
 from .server import parse_listen, start_server
@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU tier of the whole pod, for backends without an LMCache YAML")
     p.add_argument("--disk-capacity-bytes", type=int, metavar="N",
                    help="disk tier of the whole pod, for backends without an LMCache YAML")
+    p.add_argument("--engine-versions-file", metavar="PATH",
+                   help="JSON the serving image's init container wrote ({vllm, lmcache, torch}); "
+                        "served as kvoffload_engine_info")
     p.add_argument("--scrape-timeout", type=float, default=2.0, metavar="SECONDS",
                    help="longest wait for vLLM during one scrape (default %(default)s)")
     p.add_argument("--disk-rescan-interval", type=float, default=30.0, metavar="SECONDS",
@@ -78,16 +81,17 @@ def build(args: argparse.Namespace) -> tuple[CollectorRegistry, TierCollector, t
     for name in ("cpu_capacity_bytes", "disk_capacity_bytes"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise ConfigError("--" + name.replace("_", "-"), "must be >= 0")
-    budget = load_budget(args.lmcache_config, args.tensor_parallel_size)
+    capacity = load_capacity(args.lmcache_config, args.tensor_parallel_size)
     if args.cpu_capacity_bytes or args.disk_capacity_bytes:
-        budget = TierBudget(cpu_bytes=args.cpu_capacity_bytes or budget.cpu_bytes,
-                            disk_bytes=args.disk_capacity_bytes or budget.disk_bytes)
+        capacity = TierCapacity(cpu_bytes=args.cpu_capacity_bytes or capacity.cpu_bytes,
+                                disk_bytes=args.disk_capacity_bytes or capacity.disk_bytes)
     config = ExporterConfig(
         vllm_metrics_url=args.vllm_metrics_url,
         multiproc_dir=args.multiproc_dir,
         scrape_timeout=args.scrape_timeout,
         kv_bytes_per_token=args.kv_bytes_per_token,
-        budget=budget,
+        engine_versions_file=args.engine_versions_file,
+        capacity=capacity,
         backend=args.backend,
         server_status_url=args.lmcache_server_url,
     )

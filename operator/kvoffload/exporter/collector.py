@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .capacity import TierBudget
+from ..engine import versions as engine_versions
+from .capacity import TierCapacity
 from .disk_tier import DiskScan, DiskTierMonitor
 from .lmcache_metrics import LmcacheSnapshot, parse_lmcache, read_multiproc_dir
 from .lmcache_server import ServerSnapshot, fetch_status
-from .sources import SourceError, SourceHealth
-from .vllm_metrics import VllmSnapshot, fetch_text, parse_vllm
+from ..api.fetch import SourceError, fetch_text
+from .sources import SourceHealth
+from .vllm_metrics import VllmSnapshot, parse_vllm
 
 OFFLOAD_ACTIVE_HELP = (
     "1 if KV offloading through LMCache is proven at work, else 0. Rule: vLLM's /metrics was read "
@@ -50,7 +52,8 @@ class ExporterConfig:
     multiproc_dir: str | None = None
     scrape_timeout: float = 2.0
     kv_bytes_per_token: int = 0  # per replica; 0: unknown, no gpu capacity
-    budget: TierBudget = TierBudget()
+    engine_versions_file: str | None = None
+    capacity: TierCapacity = TierCapacity()
     backend: str = "lmcache"  # spec.offload.backend
     server_status_url: str | None = None  # the LMCache server's /status (backend lmcache-server)
 
@@ -64,6 +67,8 @@ class TierCollector(Collector):
         self.health = {name: SourceHealth(name) for name in (("vllm",) if config.backend == "vllm-native" else ("vllm", "lmcache"))}
         if disk is not None:
             self.health["disk"] = disk.health
+        if config.engine_versions_file is not None:
+            self.health["engine"] = SourceHealth("engine")
         # Concurrent scrapes (an HA Prometheus pair) look at the sources in parallel, each bounded
         # by the scrape timeout; they share nothing but the sources' health (locked).
 
@@ -84,7 +89,9 @@ class TierCollector(Collector):
         active = {"lmcache": lambda: offload_active(vllm, lmc),
                   "lmcache-server": lambda: server_active(vllm, server),
                   "vllm-native": lambda: native_active(vllm)}[backend]()
-        return _families(self.config, vllm, lmc, disk, active, self.health, server)
+        engine = self._look_engine()
+        families = _families(self.config, vllm, lmc, disk, active, self.health, server)
+        return families + ([engine_info(engine)] if engine is not None else [])
 
     def _look_server(self) -> ServerSnapshot | None:
         try:
@@ -120,6 +127,34 @@ class TierCollector(Collector):
             return None
         self.health["lmcache"].ok()
         return snap
+
+
+    def _look_engine(self) -> engine_versions.EngineVersions | None:
+        # A few bytes, read at every scrape: no state to keep, and a rewritten file is seen at once.
+        path = self.config.engine_versions_file
+        if path is None:
+            return None
+        try:
+            with open(path, encoding="utf-8") as f:
+                found = engine_versions.parse(f.read(4096))
+        except OSError as exc:
+            self.health["engine"].fail(f"cannot read {path}: {exc.strerror or type(exc).__name__}")
+            return None
+        except ValueError as exc:
+            self.health["engine"].fail(f"{path}: {exc}")
+            return None
+        self.health["engine"].ok()
+        return found
+
+
+def engine_info(found: engine_versions.EngineVersions) -> Metric:
+    info = GaugeMetricFamily(
+        "kvoffload_engine_info",
+        "1, labelled with the vLLM, LMCache and torch versions the serving image really holds "
+        "(importlib.metadata, read by the pod's init container; \"none\": not installed).",
+        labels=list(engine_versions.PACKAGES))
+    info.add_metric([found.labels()[name] for name in engine_versions.PACKAGES], 1)
+    return info
 
 
 def offload_active(vllm: VllmSnapshot | None, lmc: LmcacheSnapshot | None) -> bool:
@@ -200,10 +235,10 @@ def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSna
                 origins.add_metric([origin], vllm.prompt_tokens[source])
     if server is not None:
         capacity.add_metric(["cpu"], server.l1_total_bytes)  # the L1 in force
-    elif config.budget.cpu_bytes is not None:
-        capacity.add_metric(["cpu"], config.budget.cpu_bytes)
-    if config.budget.disk_bytes is not None:
-        capacity.add_metric(["disk"], config.budget.disk_bytes)
+    elif config.capacity.cpu_bytes is not None:
+        capacity.add_metric(["cpu"], config.capacity.cpu_bytes)
+    if config.capacity.disk_bytes is not None:
+        capacity.add_metric(["disk"], config.capacity.disk_bytes)
     if lmc is not None:
         used.add_metric(["cpu"], lmc.cpu_used_bytes)
         used.add_metric(["disk"], lmc.disk_used_bytes)

@@ -11,8 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .sources import SourceError
-from .vllm_metrics import fetch_text
+from ..api.fetch import SourceError, fetch_text
 
 
 @dataclass(frozen=True)

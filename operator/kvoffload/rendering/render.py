@@ -20,6 +20,7 @@ from ..api.quantity import format_bytes, gib
 from ..api.settings import Settings
 from ..planning.sizing import Budget
 from ..api.spec import Spec
+from ..engine import versions as engine_versions
 
 HTTP_PORT = 8000
 CONFIG_DIR = "/etc/lmcache"
@@ -27,6 +28,13 @@ CONFIG_FILE = f"{CONFIG_DIR}/lmcache.yaml"
 DISK_DIR = "/kvcache"
 MULTIPROC_DIR = "/var/run/kvoffload/prometheus"
 MODELS_DIR = "/models"
+# The vLLM container's command: empty the multiprocess dir at EVERY start of the container (it is an
+# emptyDir that outlives a crashed vLLM, and prometheus_client would add a dead process's files to
+# the new one's), then exec vLLM. sh -c SCRIPT vllm serve ARGS... runs with $0=vllm, $@=serve ARGS,
+# so the args stay exactly vLLM's and the vLLM argv is `vllm_argv(container)`: command[3:] + args.
+# A failed emptying is reported and does not keep vLLM from starting.
+VLLM_PRELUDE = 'find "$PROMETHEUS_MULTIPROC_DIR" -mindepth 1 -delete; exec "$0" "$@"'
+VLLM_COMMAND = ["/bin/sh", "-c", VLLM_PRELUDE, "vllm", "serve"]
 KV_TRANSFER_CONFIG = json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, separators=(",", ":"))
 # Backend lmcache-server: the LMCache server sidecar, reached on the pod's loopback only.
 SERVER_ZMQ_PORT = 5555
@@ -188,7 +196,7 @@ def _vllm_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings
     return {
         "name": "vllm",
         "image": spec.engine.image,
-        "command": ["vllm", "serve"],
+        "command": list(VLLM_COMMAND),
         "args": _vllm_args(spec, budget),
         "env": _vllm_env(spec, settings),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
@@ -203,6 +211,13 @@ def _vllm_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings
         "livenessProbe": _probe("/health", "http", 10, 6),
         "securityContext": _restricted(),
     }
+
+
+def vllm_argv(container: dict[str, Any]) -> list[str]:
+    """The argv the vLLM container finally execs (`vllm serve MODEL ...`), without the prelude."""
+    if container["command"][:3] != VLLM_COMMAND[:3]:
+        raise ValueError(f"container {container.get('name')!r} was not rendered with VLLM_COMMAND")
+    return container["command"][3:] + container["args"]
 
 
 def _disk_mount(owner: Owner, spec: Spec, *, read_only: bool) -> dict[str, Any]:
@@ -258,12 +273,26 @@ def _server_container(owner: Owner, spec: Spec, budget: Budget, settings: Settin
     }
 
 
+def _versions_init_container(spec: Spec) -> dict[str, Any]:
+    # The serving image itself says which vLLM / LMCache / torch it holds; the exporter serves that
+    # as kvoffload_engine_info and the operator compares it with the pair it rendered for.
+    return {
+        "name": "report-engine-versions",
+        "image": spec.engine.image,
+        "command": ["python3", "-c", engine_versions.REPORT_SCRIPT, engine_versions.VERSIONS_FILE],
+        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+        "volumeMounts": [{"name": "engine-info", "mountPath": engine_versions.ENGINE_DIR}],
+        "securityContext": _restricted(readOnlyRootFilesystem=True),
+    }
+
+
 def _exporter_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> dict[str, Any]:
     backend = spec.offload.backend
     args = ["exporter",
             "--listen", f"$(POD_IP):{spec.metrics_port}",  # the pod IP only, not every interface
             "--vllm-metrics-url", f"http://127.0.0.1:{HTTP_PORT}/metrics"]
-    mounts = [{"name": "prometheus-multiproc", "mountPath": MULTIPROC_DIR, "readOnly": True}]
+    mounts = [{"name": "prometheus-multiproc", "mountPath": MULTIPROC_DIR, "readOnly": True},
+              {"name": "engine-info", "mountPath": engine_versions.ENGINE_DIR, "readOnly": True}]
     if backend == "lmcache":
         args += ["--multiproc-dir", MULTIPROC_DIR, "--lmcache-config", CONFIG_FILE]
         mounts.insert(0, {"name": "lmcache-config", "mountPath": CONFIG_DIR, "readOnly": True})
@@ -274,7 +303,8 @@ def _exporter_container(owner: Owner, spec: Spec, budget: Budget, settings: Sett
             if spec.offload.disk:
                 args += ["--disk-capacity-bytes", str(budget.tier("disk").bytes)]
     args += ["--tensor-parallel-size", str(spec.engine.tensor_parallel_size),
-             "--kv-bytes-per-token", str(budget.kv_bytes_per_token)]
+             "--kv-bytes-per-token", str(budget.kv_bytes_per_token),
+             "--engine-versions-file", engine_versions.VERSIONS_FILE]
     if spec.offload.disk:
         args += ["--disk-dir", DISK_DIR]
         mounts.append(_disk_mount(owner, spec, read_only=True))
@@ -300,6 +330,8 @@ def _volumes(owner: Owner, spec: Spec, budget: Budget) -> list[dict[str, Any]]:
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(budget.shm)}},
         {"name": "prometheus-multiproc", "emptyDir": {"sizeLimit": "256Mi"}},
     ]
+    if spec.metrics_enabled:
+        volumes.append({"name": "engine-info", "emptyDir": {"sizeLimit": "1Mi"}})
     disk = spec.offload.disk
     if disk and disk.path:
         volumes.append({"name": "kv-disk", "hostPath": {"path": disk.path, "type": "DirectoryOrCreate"}})
@@ -326,7 +358,8 @@ def statefulset(owner: Owner, spec: Spec, budget: Budget, settings: Settings, co
         "containers": containers,
         "volumes": _volumes(owner, spec, budget),
     }
-    init = [_disk_init_container(owner, spec)] if spec.offload.disk else []
+    init = ([_disk_init_container(owner, spec)] if spec.offload.disk else []) + (
+        [_versions_init_container(spec)] if spec.metrics_enabled else [])
     if spec.offload.backend == "lmcache-server":
         init.append(_server_container(owner, spec, budget, settings))
     if init:
@@ -391,8 +424,7 @@ def check_name(name: str) -> None:
 
 
 def children(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> list[dict[str, Any]]:
-    """Every child, in apply order."""
-    check_name(owner.name)
+    """Every child, in apply order (owner.name passed check_name: pipeline.desired checks it first)."""
     if spec.offload.backend != "lmcache":  # no LMCache config file: the server's flags or vLLM's own flags say it all
         return [*services(owner, spec, settings), statefulset(owner, spec, budget, settings, _hash(spec.offload.backend)),
                 pdb(owner, settings)]
