@@ -4,26 +4,28 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
-CLUSTER := $(BIN)/python tests/cluster/cluster.py
+CLUSTER := $(BIN)/python -m kvtest
 KUBECONFIG ?= $(CURDIR)/.cluster/kubeconfig
 # The engine pair the fidelity tests run (the serving image's pins: images/serving/Dockerfile).
 VLLM_VERSION := 0.26.0
 LMCACHE_VERSION := 0.5.3
 ENGINE_VENV := $(HOME)/.cache/kvoffload/engine-vllm-$(VLLM_VERSION)-lmcache-$(LMCACHE_VERSION)
 
-.PHONY: venv engine-venv engine-tables system-deps cluster-build cluster-up cluster-down cluster-status generate unit integration test demo demo-down bench clean
+.PHONY: venv engine-venv engine-tables system-deps cluster-build cluster-up cluster-down cluster-status generate lint unit integration test demo demo-down bench clean
 
 venv: $(VENV)/.done
-$(VENV)/.done: operator/pyproject.toml
+$(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e 'operator[test]'
+	# The test-support package (tests/support: kvtest), so tests, benchmarks and scripts `import kvtest`.
+	$(BIN)/pip install -q -e tests/support
 	touch $@
 
 # vLLM + LMCache of the serving image in their own cached venv (several GB, ~10 min the first time):
 # the fidelity tests run vLLM's real parser and create_engine_config() and LMCache's real loader there.
 engine-venv:
-	tests/engine/build-venv.sh $(VLLM_VERSION) $(LMCACHE_VERSION) >/dev/null
+	PY=$(PY) tests/engine/build-venv.sh $(VLLM_VERSION) $(LMCACHE_VERSION) >/dev/null
 
 # Regenerate the operator's vLLM flag table from vLLM's own parser (a test checks it is current).
 engine-tables: engine-venv
@@ -50,14 +52,19 @@ cluster-status: venv
 generate: venv
 	$(BIN)/python -m kvoffload.cli.generate
 
+# ruff, one configuration (operator/pyproject.toml [tool.ruff]) for the package, the tests and the benchmarks.
+lint: venv
+	$(BIN)/ruff check --config operator/pyproject.toml operator tests benchmarks
+
 unit: venv
 	$(BIN)/python -m pytest tests/unit -q
 
 integration: venv system-deps cluster-build
 	KVO_REQUIRE_CLUSTER=1 $(BIN)/python -m pytest tests/integration -q
 
-# Unit tests, then everything on the real control plane (started from the cached build, stopped after).
-test: venv engine-venv system-deps cluster-build
+# Lint, the generated files, unit tests, the engine fidelity tests, then everything on the real control plane
+# (started from the cached build, stopped after).
+test: venv lint engine-venv system-deps cluster-build
 	$(BIN)/python -m kvoffload.cli.generate --check
 	KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_ENGINE=1 $(BIN)/python -m pytest tests -q
 

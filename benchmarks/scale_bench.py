@@ -40,7 +40,6 @@ import os
 import platform
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,9 +47,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import kvtest
+from kvtest import OperatorProcess
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "cluster"))
-import cluster as kvcluster  # noqa: E402
 
 GROUP, VERSION, PLURAL = "kvoffload.io", "v1alpha1", "kvoffloadserves"
 OWNER_LABEL = "kvoffload.io/serve"
@@ -78,7 +78,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def component_cpu(c: kvcluster.Cluster) -> dict[str, float]:
+def component_cpu(c: kvtest.Cluster) -> dict[str, float]:
     out = {}
     for comp, rec in c.state().get("processes", {}).items():
         try:
@@ -102,7 +102,7 @@ def loadavg() -> str:
 _METRIC = re.compile(r'^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$')
 
 
-def request_totals(c: kvcluster.Cluster) -> Counter:
+def request_totals(c: kvtest.Cluster) -> Counter:
     """apiserver_request_total: (verb, resource, subresource, scope, code) -> count; a dry run's verb gets " dry-run"."""
     code, text = c.request("GET", "/metrics", timeout=30)
     if code != 200:
@@ -173,31 +173,30 @@ def diff(after: Counter, before: Counter) -> Counter:
 ENDPOINTS_CONTROLLERS = ("endpoints-controller", "endpointslice-controller", "endpointslice-mirroring-controller")
 
 
-def fresh_cluster(state_dir: Path, gpu_nodes: int, endpoints_controllers: bool = True) -> kvcluster.Cluster:
-    c = kvcluster.Cluster(dir=state_dir)
+def fresh_cluster(state_dir: Path, gpu_nodes: int, endpoints_controllers: bool = True) -> kvtest.Cluster:
+    c = kvtest.Cluster(dir=state_dir)
     c.down()  # a left-over benchmark cluster in this dir: start from an empty etcd
-    c.up(kvcluster.make_fleet(gpu_nodes=gpu_nodes, workstations=0))
+    c.up(kvtest.make_fleet(gpu_nodes=gpu_nodes, workstations=0))
     if not endpoints_controllers:
         off = ",".join(f"-{name}" for name in ENDPOINTS_CONTROLLERS)
         args = [f"--controllers=*,{off}" if a.startswith("--controllers=") else a
                 for a in c.component_args("kube-controller-manager")]
         c.restart("kube-controller-manager", sig=15, args=args)
-    c.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-    c.kubectl("wait", "--for=condition=Established", f"crd/{PLURAL}.{GROUP}", "--timeout=60s")
+    c.install_crd()
     return c
 
 
-def make_namespaces(c: kvcluster.Cluster, names: list[str]) -> None:
+def make_namespaces(c: kvtest.Cluster, names: list[str]) -> None:
     for ns in names:
         code, body = c.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
         if code not in (200, 201, 409):
             raise RuntimeError(f"namespace {ns}: {code} {body}")
     # Pods are admitted only once the serviceaccount controller made `default` in each namespace.
-    kvcluster.wait_until(lambda: all(c.request("GET", f"/api/v1/namespaces/{ns}/serviceaccounts/default")[0] == 200
+    kvtest.wait_until(lambda: all(c.request("GET", f"/api/v1/namespaces/{ns}/serviceaccounts/default")[0] == 200
                                      for ns in names), timeout=60, message="default ServiceAccounts")
 
 
-def create_all(c: kvcluster.Cluster, items: list[tuple[str, str]], threads: int = 16) -> float:
+def create_all(c: kvtest.Cluster, items: list[tuple[str, str]], threads: int = 16) -> float:
     """POST every KVOffloadServe from a thread pool; return the seconds it took."""
     def create(item: tuple[str, str]) -> None:
         ns, name = item
@@ -221,14 +220,14 @@ def current(obj: dict[str, Any]) -> bool:
             and any(cd["type"] == "Ready" and cd["status"] == "True" for cd in st.get("conditions", [])))
 
 
-def serves(c: kvcluster.Cluster) -> list[dict[str, Any]]:
+def serves(c: kvtest.Cluster) -> list[dict[str, Any]]:
     code, body = c.request("GET", f"/apis/{GROUP}/{VERSION}/{PLURAL}", timeout=60)
     if code != 200:
         raise RuntimeError(f"list {PLURAL}: {code}")
     return body["items"]
 
 
-def children_complete(c: kvcluster.Cluster, keys: set[tuple[str, str]]) -> tuple[int, list[str]]:
+def children_complete(c: kvtest.Cluster, keys: set[tuple[str, str]]) -> tuple[int, list[str]]:
     """(resources with exactly their 5 children, problems) from cluster-wide LISTs."""
     found: dict[tuple[str, str], Counter] = {k: Counter() for k in keys}
     problems = []
@@ -249,42 +248,8 @@ def children_complete(c: kvcluster.Cluster, keys: set[tuple[str, str]]) -> tuple
     return ok, problems
 
 
-# ------------------------------------------------------------------------------ the operator
-class Operator:
-    def __init__(self, c: kvcluster.Cluster, workdir: Path, resync_seconds: int,
-                 scope: tuple[str, ...] = ("--all-namespaces",)) -> None:
-        self.config = workdir / "operator.yaml"
-        self.config.write_text(f"resyncSeconds: {resync_seconds}\n")
-        self.log_path = workdir / "operator.log"
-        self.log = open(self.log_path, "w")
-        self.args = [sys.executable, "-m", "kvoffload.cli", "run", *scope, "--liveness", "",
-                     "--operator-config", str(self.config)]
-        self.proc = subprocess.Popen(self.args, env=c.env, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     start_new_session=True)
-
-    def output(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def wait_started(self) -> None:
-        kvcluster.wait_until(lambda: "Activity 'configure' succeeded" in self.output() or self.proc.poll() is not None,
-                             timeout=60, message="operator started")
-        if self.proc.poll() is not None:
-            raise RuntimeError("operator exited:\n" + self.output()[-3000:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait(5)
-        self.log.close()
-
-
 # ------------------------------------------------------------------------------ the run
-def measure(c: kvcluster.Cluster, op: Operator, keys: list[tuple[str, str]], args: argparse.Namespace,
+def measure(c: kvtest.Cluster, op: OperatorProcess, keys: list[tuple[str, str]], args: argparse.Namespace,
             out: dict[str, Any]) -> None:
     op.wait_started()
     m0 = request_totals(c)
@@ -364,15 +329,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "params": vars(args), "load_before": loadavg()}
     print(f"[scale] workdir {workdir}; load {out['load_before']}", flush=True)
     t = time.monotonic()
-    c = kvcluster.Cluster(dir=state_dir)
-    op: Operator | None = None
+    c = kvtest.Cluster(dir=state_dir)
+    op: OperatorProcess | None = None
     try:
         c = fresh_cluster(state_dir, args.gpu_nodes, not args.without_endpoints_controllers)
         out["cluster_start_s"] = round(time.monotonic() - t, 1)
         namespaces = [f"scale-{i:02d}" for i in range(args.namespaces)]
         make_namespaces(c, namespaces)
         keys = [(namespaces[i % len(namespaces)], f"serve-{i:04d}") for i in range(args.resources)]
-        op = Operator(c, workdir, args.resync_seconds)
+        op = OperatorProcess(c.env, None, {"resyncSeconds": args.resync_seconds}, log_path=workdir / "operator.log")
         measure(c, op, keys, args, out)
     finally:
         if op is not None:

@@ -7,7 +7,7 @@
 set -euo pipefail
 VLLM_VERSION=${1:-0.26.0}
 LMCACHE_VERSION=${2:-0.5.3}
-PY=${PY:-python3.11}
+PY=${PY:-python3}
 CACHE=${KVO_CACHE:-$HOME/.cache/kvoffload}
 DEST=$CACHE/engine-vllm-$VLLM_VERSION-lmcache-$LMCACHE_VERSION
 if [ -f "$DEST/.done" ]; then echo "$DEST"; exit 0; fi

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import json
 import logging
@@ -40,8 +41,9 @@ def cpu_platform() -> None:
         platforms.current_platform = CpuPlatform()
 
 
+@functools.cache
 def serve_parser():
-    """`vllm serve`'s parser, built as vllm/entrypoints/cli/main.py builds it."""
+    """`vllm serve`'s parser, built as vllm/entrypoints/cli/main.py builds it (once: parsing leaves it as it was)."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

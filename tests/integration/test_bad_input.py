@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from operator_proc import ROOT, OperatorProcess
+from kvtest import ROOT, OperatorProcess
 
 pytestmark = pytest.mark.cluster
 
@@ -147,7 +147,8 @@ CASES = [
     Case("quantity double dot", {"spec.offload.disk.size": "1.5.5Gi"}, API, "spec.offload.disk.size", "quantity"),
     Case("quantity shm negative", {"spec.resources.shm": "-4Gi"}, API, "spec.resources.shm", "quantity"),
     # --- enums
-    Case("enum eviction lowercase", {"spec.offload.cpu.evictionPolicy": "lru"}, API, "spec.offload.cpu.evictionPolicy", "Unsupported value"),
+    Case("enum eviction lowercase", {"spec.offload.cpu.evictionPolicy": "lru"}, API, "spec.offload.cpu.evictionPolicy",
+         "Unsupported value"),
     Case("enum eviction RANDOM", {"spec.offload.cpu.evictionPolicy": "RANDOM"}, API, "spec.offload.cpu.evictionPolicy"),
     Case("enum reclaim Recycle", {"spec.offload.disk.reclaimPolicy": "Recycle"}, API, "spec.offload.disk.reclaimPolicy"),
     Case("enum dtype fp4", {"spec.engine.dtype": "fp4"}, API, "spec.engine.dtype"),
@@ -158,6 +159,25 @@ CASES = [
     Case("flag dotted json key", {"spec.engine.extraArgs": ["--kv-transfer-config.kv_connector=Other"]}, API,
          "spec.engine.extraArgs", "manages"),
     Case("flag tp short", {"spec.engine.extraArgs": ["-tp", "2"]}, API, "spec.engine.extraArgs", "manages"),
+    # vLLM's parser takes any unambiguous prefix (allow_abbrev): these set managed flags too
+    Case("flag abbrev kv-transfer", {"spec.engine.extraArgs": ["--kv-transfer", '{"kv_connector":"Other"}']}, API,
+         "spec.engine.extraArgs", "abbreviate"),
+    Case("flag abbrev kv-offloading-s", {"spec.engine.extraArgs": ["--kv-offloading-s", "10"]}, API, "spec.engine.extraArgs", "abbreviate"),
+    Case("flag abbrev t for tp", {"spec.engine.extraArgs": ["-t", "2"]}, API, "spec.engine.extraArgs", "abbreviate"),
+    Case("flag abbrev tensor-parallel", {"spec.engine.extraArgs": ["--tensor-parallel=2"]}, API, "spec.engine.extraArgs", "abbreviate"),
+    Case("flag abbrev max-model", {"spec.engine.extraArgs": ["--max-model", "1"]}, API, "spec.engine.extraArgs", "abbreviate"),
+    Case("flag abbrev gpu-memory", {"spec.engine.extraArgs": ["--gpu_memory", "0.5"]}, API, "spec.engine.extraArgs", "abbreviate"),
+    Case("flag abbrev served-model", {"spec.engine.extraArgs": ["--served-model", "x"]}, API, "spec.engine.extraArgs", "abbreviate"),
+    # GPU count and memory budget
+    Case("flag pipeline parallel", {"spec.engine.extraArgs": ["-pp", "2"]}, API, "spec.engine.extraArgs", "GPU count"),
+    Case("flag data parallel", {"spec.engine.extraArgs": ["-dp=2"]}, API, "spec.engine.extraArgs", "GPU count"),
+    Case("flag cpu offload gb", {"spec.engine.extraArgs": ["--cpu-offload-gb", "8"]}, API, "spec.engine.extraArgs", "memory budget"),
+    Case("flag kv cache memory bytes", {"spec.engine.extraArgs": ["--kv-cache-memory-bytes=8G"]}, API, "spec.engine.extraArgs",
+         "memory budget"),
+    Case("flag hybrid kv cache manager on", {"spec.engine.extraArgs": ["--no-disable-hybrid-kv-cache-manager"]}, API,
+         "spec.engine.extraArgs", "--no-disable-hybrid-kv-cache-manager"),
+    Case("env expandable segments", {"spec.engine.env": [{"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True"}]},
+         API, "spec.engine.env", "expandable_segments"),
     Case("env LMCACHE prefix", {"spec.engine.env": [{"name": "LMCACHE_LOCAL_DISK", "value": "True"}]}, API, "spec.engine.env", "LMCACHE_*"),
     Case("env PYTHONHASHSEED", {"spec.engine.env": [{"name": "PYTHONHASHSEED", "value": "1"}]}, API, "spec.engine.env"),
     Case("env POD_NAMESPACE redirects disk", {"spec.engine.env": [{"name": "POD_NAMESPACE", "value": "victim"}]}, API,
@@ -201,6 +221,27 @@ CASES = [
                              "spec.engine.lmcacheVersion": "0.5.6"}, OPERATOR, "spec.engine.vllmVersion", "predates"),
     Case("op lmcache too old", {"spec.engine.image": "registry.example/vllm:old", "spec.engine.vllmVersion": "0.27.1",
                                 "spec.engine.lmcacheVersion": "0.1.0"}, OPERATOR, "spec.engine.lmcacheVersion", "too old"),
+    Case("op lmcache image has no vllm pin", {"spec.engine.image": "lmcache/vllm-openai:v0.5.4"}, OPERATOR,
+         "spec.engine.vllmVersion", "unpinned"),
+    Case("op extraArgs for a vllm without a flag table", {"spec.engine.image": "lmcache/vllm-openai:v0.5.4",
+                                                          "spec.engine.vllmVersion": "0.29.0",
+                                                          "spec.engine.extraArgs": ["--enforce-eager"]},
+         OPERATOR, "spec.engine.extraArgs", "vLLM 0.29.0 has no flag table"),
+    # ---- checked against vLLM 0.26.0's own flag table (the default image's vLLM)
+    Case("op flag removed disable-log-requests", {"spec.engine.extraArgs": ["--disable-log-requests"]}, OPERATOR,
+         "spec.engine.extraArgs", "'--disable-log-requests' (vLLM 0.26.0) is not a flag of vLLM 0.26.0"),
+    Case("op flag removed swap-space", {"spec.engine.extraArgs": ["--swap-space", "4"]}, OPERATOR, "spec.engine.extraArgs",
+         "'--swap-space' (vLLM 0.26.0) is not a flag"),
+    Case("op flag value on a switch", {"spec.engine.extraArgs": ["--enable-prefix-caching=False"]}, OPERATOR,
+         "spec.engine.extraArgs", "--enable-prefix-caching takes no value"),
+    Case("op flag ambiguous abbreviation", {"spec.engine.extraArgs": ["--enable"]}, OPERATOR, "spec.engine.extraArgs",
+         "ambiguous abbreviation"),
+    Case("op flag unambiguous abbreviation", {"spec.engine.extraArgs": ["--enforce"]}, OPERATOR, "spec.engine.extraArgs",
+         "abbreviates --enforce-eager"),
+    Case("op flag integer value", {"spec.engine.extraArgs": ["--block-size", "big"]}, OPERATOR,
+         "spec.engine.extraArgs", "--block-size takes an integer"),
+    Case("op flag stray positional", {"spec.engine.extraArgs": ["--enforce-eager", "yes"]}, OPERATOR, "spec.engine.extraArgs",
+         "is not a flag"),
 ]
 API_CASES = [c for c in CASES if c.where == API]
 OPERATOR_CASES = [c for c in CASES if c.where == OPERATOR]

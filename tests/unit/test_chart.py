@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import cluster as kvcluster  # tests/cluster/cluster.py (conftest puts it on sys.path): where helm lives
+import kvtest
 from kvoffload.api import crd, settings
 from kvoffload.cli import generate
 from kvoffload.engine import images
@@ -62,7 +62,7 @@ class Helm:
 
 @pytest.fixture(scope="session")
 def helm(tmp_path_factory) -> Helm:
-    binary = kvcluster.bin_dir() / "helm"
+    binary = kvtest.bin_dir() / "helm"
     if not os.access(binary, os.X_OK):
         msg = f"helm not found at {binary}; build it with tests/cluster/build.sh"
         if os.environ.get("KVO_REQUIRE_CLUSTER"):
@@ -248,7 +248,7 @@ def test_custom_roots_scenario_reaches_the_operator(helm):
     s = settings.from_dict(cfg)
     assert s.allowed_disk_roots == ("/mnt/fast-nvme", "/data/kvcache")
     assert s.nvme_selector() == {"node.example.com/local-nvme": "present"}
-    assert s.default_image == "ghcr.io/kvoffload/vllm-lmcache:0.27.1-0.5.4"
+    assert s.default_image == "registry.example.com/mirror/vllm-lmcache:0.26.0-0.5.3"
     assert s.python_hash_seed == "42" and s.headroom_percent == 15 and s.labels == {"team": "inference"}
 
 

@@ -21,7 +21,7 @@ from kvoffload.exporter import cli as exporter_cli
 from kvoffload.exporter.capacity import GiB
 from kvoffload.exporter.collector import ExporterConfig, TierCollector
 from kvoffload.exporter.server import parse_listen, start_server
-from kvoffload.exporter.testkit import ExporterProcess, FakeVllm
+from kvtest.exporter import ExporterProcess, FakeVllm
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 VLLM_TEXT = (FIXTURES / "vllm-0.33.0-metrics-sample" / "exposition.txt").read_text()

@@ -21,7 +21,7 @@ from kvoffload.exporter.capacity import GiB, capacity_from_config
 from kvoffload.exporter.collector import ExporterConfig, TierCollector
 from kvoffload.exporter.disk_tier import DiskTierMonitor
 from kvoffload.exporter.sources import SourceHealth
-from kvoffload.exporter.testkit import FakeVllm, write_lmcache_metrics
+from kvtest.exporter import FakeVllm, write_lmcache_metrics
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 VLLM_TEXT = (FIXTURES / "vllm-0.33.0-metrics-sample" / "exposition.txt").read_text()

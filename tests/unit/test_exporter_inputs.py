@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from kvoffload.api.errors import ConfigError
+from kvoffload.api.fetch import SourceError, fetch_text
 from kvoffload.exporter.capacity import GiB, TierCapacity, capacity_from_config, load_capacity
 from kvoffload.exporter.lmcache_metrics import parse_lmcache, read_multiproc_dir
-from kvoffload.api.fetch import SourceError, fetch_text
-from kvoffload.exporter.testkit import FakeVllm, write_lmcache_metrics
 from kvoffload.exporter.vllm_metrics import parse_vllm
+from kvtest.exporter import FakeVllm, write_lmcache_metrics
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 VLLM_TEXT = (FIXTURES / "vllm-0.33.0-metrics-sample" / "exposition.txt").read_text()

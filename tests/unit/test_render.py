@@ -8,12 +8,12 @@ import sys
 import pytest
 import yaml
 
-from kvoffload.controller import pipeline
-from kvoffload.rendering import render
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.quantity import to_bytes
-from kvoffload.cli.render import dump_all
 from kvoffload.api.settings import Settings
+from kvoffload.cli.render import dump_all
+from kvoffload.controller import pipeline
+from kvoffload.rendering import render
 
 from kvoffload.engine import versions as engine_versions
 

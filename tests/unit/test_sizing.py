@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.planning.catalog import ModelArch, lookup
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.quantity import GiB, MiB
 from kvoffload.api.spec import PLAN_FIELDS
+from kvoffload.planning.catalog import ModelArch, lookup
 from kvoffload.planning.sizing import Bandwidths, MemoryDefaults, PlanInput, check, plan, validate_tp
 
 L31_8B = lookup("meta-llama/Llama-3.1-8B-Instruct")

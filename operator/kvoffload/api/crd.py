@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from ..engine import flags
+
 GROUP = "kvoffload.io"
 VERSION = "v1alpha1"
 KIND = "KVOffloadServe"
@@ -18,12 +20,10 @@ PLURAL = "kvoffloadserves"
 SINGULAR = "kvoffloadserve"
 SHORT_NAMES = ["kvs"]
 
-# Flags and env vars the operator renders itself; users may not override them.
-MANAGED_FLAGS = (
-    "--kv-transfer-config", "--tensor-parallel-size", "-tp", "--max-model-len", "--gpu-memory-utilization",
-    "--max-num-seqs", "--dtype", "--kv-cache-dtype", "--port", "--host", "--served-model-name",
-    "--kv-offloading-backend", "--kv-offloading-size", "--model",
-)
+# Every spelling of a vLLM flag that extraArgs may not use in any supported vLLM (from the flag tables:
+# flags the operator renders, and flags that change the GPU count or the memory budget). The API server
+# refuses these and their abbreviations; the operator also refuses unknown flags per vLLM version.
+REFUSED_FLAGS = flags.refused_spellings()
 # POD_NAME / POD_NAMESPACE expand the disk tier's subPathExpr: a user value would mount another pod's directory.
 MANAGED_ENV = ("LMCACHE_CONFIG_FILE", "PYTHONHASHSEED", "PROMETHEUS_MULTIPROC_DIR", "LMCACHE_USE_EXPERIMENTAL",
                "POD_NAME", "POD_NAMESPACE")
@@ -31,8 +31,11 @@ MANAGED_ENV_PREFIX = "LMCACHE_"
 # spec.offload.backend: who holds the offload tiers (docs/backends.md).
 BACKENDS = ("lmcache", "lmcache-server", "vllm-native")
 # vLLM's FlexibleArgumentParser reads `--max_model_len` as `--max-model-len` and `--kv-transfer-config.x=y` as a
-# sub-key of `--kv-transfer-config`: compare the flag as vLLM sees it (the same expression in CEL and spec.py).
+# sub-key of `--kv-transfer-config`, and (allow_abbrev) any unambiguous prefix as the whole flag: `--max-model`
+# and `-t` set --max-model-len and -tp. So an argument is refused when, read as vLLM reads it, it is a prefix
+# of a refused spelling (a test proves no allowed flag is such a prefix).
 CEL_FLAG = "a.split('=')[0].split('.')[0].replace('_', '-')"
+CEL_REFUSED_ARG = f"a.startsWith('-') && REFUSED.exists(m, m.startsWith({CEL_FLAG}))"
 # Largest quantity accepted anywhere (1 PiB): far beyond any node, and sums of terms stay well inside int64.
 MAX_QUANTITY = "1Pi"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
@@ -64,7 +67,8 @@ def _q(description: str, *, positive: bool = True, **kw: Any) -> Schema:
     rule = POSITIVE_QUANTITY_RULE if positive else QUANTITY_RULE
     allowed = "> 0" if positive else ">= 0"
     return _s(description, maxLength=32, **kw,
-              **{"x-kubernetes-validations": [{"rule": rule, "message": f"must be a Kubernetes quantity {allowed} and at most {MAX_QUANTITY}, e.g. 40Gi or 500G"}]})
+              **{"x-kubernetes-validations": [{"rule": rule, "message": f"must be a Kubernetes quantity {allowed} "
+                                                                           f"and at most {MAX_QUANTITY}, e.g. 40Gi or 500G"}]})
 
 
 def _o(description: str, properties: dict[str, Schema], *, required: list[str] | None = None,
@@ -119,7 +123,8 @@ def _model() -> Schema:
                        minLength=1, maxLength=256, pattern=r"^[A-Za-z0-9_./-]+$"),
             "servedName": _s("Name clients use in API requests (vLLM --served-model-name); defaults to name.", maxLength=256),
             "architecture": _architecture(),
-            "kvDtype": _s("Element type of the KV cache (vLLM --kv-cache-dtype). auto follows engine.dtype; fp8 halves the KV bytes per token.",
+            "kvDtype": _s("Element type of the KV cache (vLLM --kv-cache-dtype). auto follows engine.dtype; "
+                          "fp8 halves the KV bytes per token.",
                           enum=["auto", "bf16", "fp8"], default="auto"),
             "hfTokenSecret": _o(
                 "Secret holding a Hugging Face token, for gated models. Exposed to vLLM as HF_TOKEN.",
@@ -145,22 +150,29 @@ def _engine() -> Schema:
                               pattern=r"^[0-9]+\.[0-9]+\.[0-9]+$"),
             "lmcacheVersion": _s("LMCache version inside image, required when the image is not in the operator's version table.",
                                  pattern=r"^[0-9]+\.[0-9]+\.[0-9]+$"),
-            "maxModelLen": _i("Longest sequence (prompt + output) in tokens (vLLM --max-model-len). At least one such sequence must fit in the GPU tier.",
+            "maxModelLen": _i("Longest sequence (prompt + output) in tokens (vLLM --max-model-len). "
+                              "At least one such sequence must fit in the GPU tier.",
                               minimum=16, maximum=16777216),
-            "gpuMemoryUtilization": {"type": "number", "description": "Fraction of each GPU's memory vLLM may use, in (0, 1] (vLLM --gpu-memory-utilization).",
+            "gpuMemoryUtilization": {"type": "number",
+                                     "description": "Fraction of each GPU's memory vLLM may use, in (0, 1] "
+                                                    "(vLLM --gpu-memory-utilization).",
                                      "exclusiveMinimum": True, "minimum": 0, "maximum": 1, "default": 0.9},
             "maxNumSeqs": _i("Maximum sequences served at once (vLLM --max-num-seqs).", minimum=1, maximum=65536, default=256),
-            "tensorParallelSize": _i("GPUs per replica the model is sharded over (vLLM --tensor-parallel-size). The pod asks for this many GPUs.",
+            "tensorParallelSize": _i("GPUs per replica the model is sharded over (vLLM --tensor-parallel-size). "
+                                     "The pod asks for this many GPUs.",
                                      minimum=1, maximum=64, default=1),
             "dtype": _s("Weight and activation type (vLLM --dtype). auto means the model's own (bf16 for the catalog).",
                         enum=["auto", "bfloat16", "float16"], default="auto"),
             "extraArgs": {"type": "array", "maxItems": 64, "description": (
-                "Extra vLLM command-line arguments. Flags the operator manages are refused: " + ", ".join(MANAGED_FLAGS) + "."),
+                "Extra vLLM command-line arguments, checked against the flag table of the image's vLLM version "
+                f"({', '.join(flags.supported_versions())}): unknown flags, abbreviations, values vLLM would refuse, flags the "
+                "operator manages and flags that change the GPU count or the memory budget are refused: "
+                + ", ".join(REFUSED_FLAGS) + "."),
                 "items": {"type": "string", "maxLength": 1024},
                 "x-kubernetes-validations": [{
-                    "rule": f"self.all(a, !({CEL_FLAG} in " + _cel_list(MANAGED_FLAGS) + "))",
-                    "message": "extraArgs may not set a flag the operator manages (also spelt with _ or as --flag.key): "
-                               + ", ".join(MANAGED_FLAGS)}]},
+                    "rule": "self.all(a, !(" + CEL_REFUSED_ARG.replace("REFUSED", _cel_list(REFUSED_FLAGS)) + "))",
+                    "message": "extraArgs may not set, or abbreviate, a flag the operator manages or one that changes the GPU "
+                               "count or the memory budget (also spelt with _ or as --flag.key): " + ", ".join(REFUSED_FLAGS)}]},
             "env": {"type": "array", "maxItems": 64, "description": (
                 "Extra environment variables for the vLLM container (Kubernetes EnvVar). Variables the operator manages are refused: "
                 + ", ".join(MANAGED_ENV) + " and any LMCACHE_* (put engine settings in spec.offload)."),
@@ -170,7 +182,11 @@ def _engine() -> Schema:
                                          "valueFrom": _free("Source of the value (Kubernetes EnvVarSource).")}},
                 "x-kubernetes-validations": [{
                     "rule": "self.all(e, !(e.name in " + _cel_list(MANAGED_ENV) + ") && !e.name.startsWith('" + MANAGED_ENV_PREFIX + "'))",
-                    "message": "env may not set a variable the operator manages: " + ", ".join(MANAGED_ENV) + " or LMCACHE_*"}]},
+                    "message": "env may not set a variable the operator manages: " + ", ".join(MANAGED_ENV) + " or LMCACHE_*"}, {
+                    "rule": "self.all(e, !(e.name == 'PYTORCH_CUDA_ALLOC_CONF' && has(e.value) && e.value.matches('"
+                            + flags.EXPANDABLE_SEGMENTS.pattern.replace("\\", "\\\\") + "')))",
+                    "message": "PYTORCH_CUDA_ALLOC_CONF may not contain expandable_segments:True: vLLM refuses it with a KV "
+                               "connector (LMCacheConnectorV1)"}]},
         },
         required=["maxModelLen"],
     )
@@ -211,7 +227,8 @@ def _offload() -> Schema:
          "nodeSelector": _labels("Node labels that mark nodes with this disk; defaults to the operator's NVMe label.")},
         required=["size"],
         rules=[{"rule": "has(self.path) != has(self.storageClassName)",
-                "message": "set exactly one of spec.offload.disk.path (hostPath) or spec.offload.disk.storageClassName (ephemeral volume)"}],
+                "message": "set exactly one of spec.offload.disk.path (hostPath) or "
+                           "spec.offload.disk.storageClassName (ephemeral volume)"}],
     )
     return _o(
         "KV-cache offloading: hot blocks stay in GPU memory, warm ones go to pinned CPU memory, cold ones to node-local "
@@ -286,11 +303,13 @@ def spec_schema() -> Schema:
          "metrics": _metrics()},
         required=["model", "engine", "offload"],
         rules=[{"rule": "!has(self.offload.disk) || !has(self.offload.disk.nodeSelector) || !has(self.scheduling) "
-                        "|| !has(self.scheduling.nodeSelector) || self.offload.disk.nodeSelector.all(k, !(k in self.scheduling.nodeSelector) "
+                        "|| !has(self.scheduling.nodeSelector) "
+                        "|| self.offload.disk.nodeSelector.all(k, !(k in self.scheduling.nodeSelector) "
                         "|| self.scheduling.nodeSelector[k] == self.offload.disk.nodeSelector[k])",
                 "message": "spec.offload.disk.nodeSelector and spec.scheduling.nodeSelector disagree on a label"},
                {"rule": "!has(self.resources) || !has(self.resources.memory) || !isQuantity(self.resources.memory) "
-                        "|| !isQuantity(self.offload.cpu.size) || !quantity(self.resources.memory).isLessThan(quantity(self.offload.cpu.size))",
+                        "|| !isQuantity(self.offload.cpu.size) "
+                        "|| !quantity(self.resources.memory).isLessThan(quantity(self.offload.cpu.size))",
                 "fieldPath": ".resources.memory",
                 "message": "must hold at least the CPU tier (spec.offload.cpu.size): pinned memory is allocated in full"}],
     )
@@ -342,12 +361,14 @@ def status_schema() -> Schema:
              "memory": _s("Memory request = limit of the vLLM container."),
              "serverMemory": _s("Memory request = limit of the LMCache server container (backend lmcache-server).")}),
          "budget": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
-                    "description": "The computed budget: KV bytes per token, tokens and sequences per tier, memory terms, /dev/shm, reload vs recompute."}},
+                    "description": "The computed budget: KV bytes per token, tokens and sequences per tier, memory terms, "
+                                   "/dev/shm, reload vs recompute."}},
     )
 
 
 def schema() -> Schema:
-    return {"type": "object", "description": "KVOffloadServe runs vLLM with LMCache KV-cache offloading (GPU, pinned CPU, node-local disk).",
+    return {"type": "object",
+            "description": "KVOffloadServe runs vLLM with LMCache KV-cache offloading (GPU, pinned CPU, node-local disk).",
             "properties": {"apiVersion": {"type": "string", "description": "APIVersion of this object."},
                            "kind": {"type": "string", "description": "Kind of this object."},
                            "metadata": {"type": "object"},
@@ -382,7 +403,8 @@ def crd() -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{PLURAL}.{GROUP}", "labels": {"app.kubernetes.io/name": "kvoffload", "app.kubernetes.io/part-of": "kvoffload"}},
+        "metadata": {"name": f"{PLURAL}.{GROUP}",
+                     "labels": {"app.kubernetes.io/name": "kvoffload", "app.kubernetes.io/part-of": "kvoffload"}},
         "spec": {
             "group": GROUP,
             "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL, "singular": SINGULAR,

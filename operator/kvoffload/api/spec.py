@@ -16,8 +16,8 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
+from ..engine import flags, images
 from . import crd
-from ..engine import images
 from .errors import ConfigError
 from .quantity import to_bytes
 from .settings import Settings
@@ -247,11 +247,6 @@ def _str_map(r: _Reader, path: str) -> dict[str, str]:
     return dict(value)
 
 
-def managed_flag(arg: str) -> str:
-    """The flag in an argument as vLLM's FlexibleArgumentParser reads it (same expression as crd.CEL_FLAG)."""
-    return arg.split("=")[0].split(".")[0].replace("_", "-")
-
-
 def _model(r: _Reader) -> ModelSpec:
     name = r.get("model.name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_./-]{1,256}", name):
@@ -281,10 +276,7 @@ def _engine(r: _Reader, settings: Settings) -> EngineSpec:
     for arg in extra:
         if not isinstance(arg, str) or len(arg) > 1024:
             raise ConfigError("spec.engine.extraArgs", f"{arg!r} must be a string of at most 1024 characters")
-        flag = managed_flag(arg)
-        if flag in crd.MANAGED_FLAGS:
-            raise ConfigError("spec.engine.extraArgs", f"{arg.split('=')[0]} sets {flag}, which is managed by the operator; set it "
-                                                       f"through the spec instead (managed: {', '.join(crd.MANAGED_FLAGS)})")
+    flags.check_args(extra, pair.vllm)  # against the flag table of the image's vLLM version
     env = tuple(_list(r, "engine.env"))
     for var in env:
         name = var.get("name", "") if isinstance(var, dict) else ""
@@ -294,6 +286,7 @@ def _engine(r: _Reader, settings: Settings) -> EngineSpec:
             raise ConfigError("spec.engine.env", f"{name}: value must be a string and valueFrom an object")
         if name in crd.MANAGED_ENV or name.startswith(crd.MANAGED_ENV_PREFIX):
             raise ConfigError("spec.engine.env", f"{name} is managed by the operator ({', '.join(crd.MANAGED_ENV)}, LMCACHE_*)")
+    flags.check_env(env, pair.vllm)
     return EngineSpec(
         image=image, vllm_version=pair.vllm, lmcache_version=pair.lmcache,
         max_model_len=_int(r, "engine.maxModelLen", 16, 16777216),
@@ -366,7 +359,8 @@ def _resources(r: _Reader, settings: Settings) -> ResourcesSpec:
             raise ConfigError("operator setting headroomPercent", f"{headroom!r} must be an integer in [0, 100]")
     return ResourcesSpec(
         gpu_resource_name=_str(r, "resources.gpuResourceName"),
-        gpu_memory=_size(r, "resources.gpuMemory") or to_bytes(settings.default_gpu_memory, "operator setting defaultGpuMemory", allow_zero=False),
+        gpu_memory=_size(r, "resources.gpuMemory")
+        or to_bytes(settings.default_gpu_memory, "operator setting defaultGpuMemory", allow_zero=False),
         cpu=str(cpu),
         memory=_size(r, "resources.memory"),
         engine_baseline=term("resources.engineBaseline", settings.engine_baseline),
@@ -405,7 +399,8 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
     )
     images.check_backend(parsed.offload.backend, images.EnginePair(parsed.engine.vllm_version, parsed.engine.lmcache_version))
     if parsed.resources.memory is not None and parsed.resources.memory < parsed.offload.cpu_size:
-        raise ConfigError("spec.resources.memory", "must hold at least the CPU tier (spec.offload.cpu.size): pinned memory is allocated in full")
+        raise ConfigError("spec.resources.memory",
+                          "must hold at least the CPU tier (spec.offload.cpu.size): pinned memory is allocated in full")
     if parsed.offload.disk and parsed.offload.disk.node_selector:
         for key, value in parsed.offload.disk.node_selector.items():
             if parsed.scheduling.node_selector.get(key, value) != value:

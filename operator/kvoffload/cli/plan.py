@@ -9,9 +9,9 @@ from typing import Any, Callable, TypeVar
 
 import yaml
 
-from ..planning.catalog import ModelArch, resolve_model
 from ..api.errors import InputError
 from ..api.quantity import format_bytes, human, to_bytes
+from ..planning.catalog import ModelArch, resolve_model
 from ..planning.sizing import BACKENDS, Bandwidths, Budget, MemoryDefaults, PlanInput, check, plan, prefill_tokens_per_s
 
 DEFAULT_CONTEXT = 32768  # when the model's max_position_embeddings is not known

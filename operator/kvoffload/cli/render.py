@@ -8,9 +8,10 @@ import sys
 
 import yaml
 
-from ..api import crd, settings as settings_mod
-from ..controller import pipeline
+from ..api import crd
+from ..api import settings as settings_mod
 from ..api.errors import ConfigError
+from ..controller import pipeline
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

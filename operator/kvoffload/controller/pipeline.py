@@ -6,12 +6,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ..planning import catalog, sizing
-from ..rendering import render
 from ..api.errors import ConfigError, InputError
 from ..api.quantity import format_bytes
 from ..api.settings import Settings
 from ..api.spec import PLAN_FIELDS, Spec, parse
+from ..planning import catalog, sizing
+from ..rendering import render
 
 _WEIGHT_DTYPE = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16"}
 _ARCH_KW = {"layers": "layers", "attentionHeads": "attention_heads", "kvHeads": "kv_heads", "headDim": "head_dim",

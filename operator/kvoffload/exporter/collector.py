@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..api.fetch import SourceError, fetch_text
 from ..engine import versions as engine_versions
 from .capacity import TierCapacity
 from .disk_tier import DiskScan, DiskTierMonitor
 from .lmcache_metrics import LmcacheSnapshot, parse_lmcache, read_multiproc_dir
 from .lmcache_server import ServerSnapshot, fetch_status
-from ..api.fetch import SourceError, fetch_text
 from .sources import SourceHealth
 from .vllm_metrics import VllmSnapshot, parse_vllm
 

@@ -18,7 +18,6 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from ..api.fetch import SourceError
 
-
 _USED = frozenset({
     "lmcache:num_stored_tokens_total",
     "lmcache:local_cache_usage",

@@ -18,9 +18,9 @@ from ..api import crd
 from ..api.errors import ConfigError
 from ..api.quantity import format_bytes, gib
 from ..api.settings import Settings
-from ..planning.sizing import Budget
 from ..api.spec import Spec
 from ..engine import versions as engine_versions
+from ..planning.sizing import Budget
 
 HTTP_PORT = 8000
 CONFIG_DIR = "/etc/lmcache"
@@ -104,8 +104,9 @@ def server_args(spec: Spec, budget: Budget) -> list[str]:
 
 
 def lmcache_config(spec: Spec, budget: Budget) -> dict[str, Any]:
-    """LMCache 0.5.6 in-process config: keys and units exactly as `LMCacheEngineConfig` reads them
-    (sizes are GiB floats per worker, i.e. per tensor-parallel rank)."""
+    """LMCache in-process config: keys and units exactly as `LMCacheEngineConfig` reads them (sizes are GiB
+    floats per worker, i.e. per tensor-parallel rank); tests/engine/test_fidelity.py loads every rendered
+    config with the image's LMCache (0.5.3 by default) and its own loader."""
     config: dict[str, Any] = {
         "chunk_size": spec.offload.chunk_size,
         "local_cpu": True,  # the disk tier needs it; the CPU tier is the point of this product
@@ -123,7 +124,7 @@ def _hash(obj: Any) -> str:
 
 
 def configmap(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> dict[str, Any]:
-    text = "# Rendered by kvoffload; LMCache 0.5.6 keys. Edit the KVOffloadServe, not this.\n" + yaml.safe_dump(
+    text = f"# Rendered by kvoffload for LMCache {spec.engine.lmcache_version}. Edit the KVOffloadServe, not this.\n" + yaml.safe_dump(
         lmcache_config(spec, budget), sort_keys=True)
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(names(owner.name)["configmap"], owner, settings),
             "data": {"lmcache.yaml": text}}

@@ -8,7 +8,8 @@ LMCache 0.5.3, the engine venv of tests/engine/build-venv.sh):
   the L1 the Budget asked for and the L2 adapter, read by the exporter's own reader; then LMCache's
   own worker adapter registers with it using the extra config rendered for vLLM (what vLLM's
   LMCacheMPConnector worker does), and the exporter counts the engine and reports offload active.
-Skipped without the engine venv, unless KVO_REQUIRE_ENGINE=1 (make test) makes that a failure."""
+Skipped without the engine venv, unless KVO_REQUIRE_ENGINE=1 (make test) makes that a failure
+(engine_venv.require)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import engine_venv
 import pytest
 
 from kvoffload.api.quantity import gib
@@ -32,13 +34,28 @@ from kvoffload.exporter.lmcache_server import fetch_status
 from kvoffload.exporter.testkit import FakeVllm
 from kvoffload.api.fetch import SourceError
 
-from .helpers import ROOT, spec
-
-VLLM_VERSION, LMCACHE_VERSION = "0.26.0", "0.5.3"
-VENV = Path.home() / ".cache" / "kvoffload" / f"engine-vllm-{VLLM_VERSION}-lmcache-{LMCACHE_VERSION}"
-CHECK = ROOT / "tests" / "engine" / "engine_check.py"
+ROOT = engine_venv.ROOT
+VLLM_VERSION, LMCACHE_VERSION = engine_venv.PAIR.vllm, engine_venv.PAIR.lmcache
 PAIR = {"engine__image": f"ghcr.io/kvoffload/vllm-lmcache:{VLLM_VERSION}-{LMCACHE_VERSION}",
         "engine__vllmVersion": VLLM_VERSION, "engine__lmcacheVersion": LMCACHE_VERSION}
+BASE = {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "engine": {"maxModelLen": 32768},
+        "offload": {"cpu": {"size": "40Gi"}, "disk": {"path": "/mnt/nvme/lmcache", "size": "200Gi"}},
+        "resources": {"gpuMemory": "80Gi"}}
+
+
+def spec(**patch):
+    """BASE with dotted-path (__) overrides; None deletes the key."""
+    out = json.loads(json.dumps(BASE))
+    for dotted, value in patch.items():
+        *parents, leaf = dotted.split("__")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is None:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return out
 # Llama-3.1-8B's published config.json, the fields vLLM reads (no weights, no tokenizer needed).
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
          "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32, "head_dim": 128,
@@ -50,8 +67,6 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
 QUIET = {"DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
          "LMCACHE_DISABLE_BANNER": "1"}
 
-pytestmark = pytest.mark.skipif(not (VENV / "bin" / "python").exists() and not os.environ.get("KVO_REQUIRE_ENGINE"),
-                                reason=f"no engine venv at {VENV} (make engine-venv)")
 
 CASES = {
     "server": dict(offload__backend="lmcache-server"),
@@ -75,7 +90,12 @@ def server_argv(c: dict, pod_name: str = "svc-0") -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def venv() -> Path:
+    return engine_venv.require()
+
+
+@pytest.fixture(scope="module")
+def engine(venv):
     request: dict = {"vllm": [], "server": []}
     for case_id, patch in CASES.items():
         c = containers(desired(patch))
@@ -83,12 +103,7 @@ def engine(tmp_path_factory):
                                 "model_config": LLAMA})
         if "lmcache-server" in c:
             request["server"].append({"id": case_id, "argv": server_argv(c["lmcache-server"])})
-    d = tmp_path_factory.mktemp("engine")
-    (d / "in.json").write_text(json.dumps(request))
-    proc = subprocess.run([str(VENV / "bin" / "python"), str(CHECK), "check", str(d / "in.json"), str(d / "out.json")],
-                          env={**os.environ, **QUIET}, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads((d / "out.json").read_text())
+    out = engine_venv.run(venv, "check", request)
     assert out["versions"]["vllm"] == VLLM_VERSION and out["versions"]["lmcache"] == LMCACHE_VERSION
     return {section: {r["id"]: r for r in out[section]} for section in ("vllm", "server")}
 
@@ -157,7 +172,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_rendered_server_starts_and_reports_the_budgeted_tiers(tmp_path):
+def test_rendered_server_starts_and_reports_the_budgeted_tiers(venv, tmp_path):
     """The rendered `lmcache server` line, run for real: only its ports, disk path and size change."""
     d = desired({"offload__backend": "lmcache-server", "offload__cpu__size": "256Mi", "offload__disk__size": "1Gi"})
     argv = server_argv(containers(d)["lmcache-server"])
@@ -167,7 +182,7 @@ def test_rendered_server_starts_and_reports_the_budgeted_tiers(tmp_path):
     i = argv.index("--l2-adapter") + 1
     argv[i] = argv[i].replace('"/kvcache"', json.dumps(str(tmp_path / "kvcache")))
     log = (tmp_path / "server.log").open("w")
-    proc = subprocess.Popen([str(VENV / "bin" / argv[0]), *argv[1:]], env={**os.environ, **QUIET}, stdout=log,
+    proc = subprocess.Popen([str(venv / "bin" / argv[0]), *argv[1:]], env={**os.environ, **QUIET}, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url, deadline, snap = f"http://127.0.0.1:{http_port}/status", time.monotonic() + 300, None
@@ -189,7 +204,7 @@ def test_rendered_server_starts_and_reports_the_budgeted_tiers(tmp_path):
         # extra config): once it registers, the exporter counts the engine and proves offloading.
         kv = json.loads(arg_of(containers(d)["vllm"]["args"], "--kv-transfer-config"))
         kv["kv_connector_extra_config"]["lmcache.mp.port"] = zmq_port
-        worker = subprocess.Popen([str(VENV / "bin" / "python"), str(ROOT / "tests" / "engine" / "mp_worker_register.py"),
+        worker = subprocess.Popen([str(venv / "bin" / "python"), str(ROOT / "tests" / "engine" / "mp_worker_register.py"),
                                    json.dumps(kv), d.spec.model.name], env={**os.environ, **QUIET},
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
