@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload.exporter.collector import ExporterConfig, TierCollector
 from kvoffload.exporter.lmcache_server import fetch_status
-from kvoffload.exporter.testkit import FakeVllm
+from kvtest.exporter import FakeVllm
 from kvoffload.api.fetch import SourceError
 
 ROOT = engine_venv.ROOT

@@ -232,7 +232,7 @@ def test_offload_active_and_engine_versions_come_from_the_pods_exporter(cluster,
     import subprocess
     import sys
 
-    from kvoffload.exporter.testkit import FakeVllm
+    from kvtest.exporter import FakeVllm
 
     fixtures = ROOT / "tests/fixtures"
     apply(cluster, namespace, SMALL)

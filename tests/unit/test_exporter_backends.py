@@ -14,7 +14,7 @@ from kvoffload.exporter.capacity import TierCapacity
 from kvoffload.exporter.collector import ExporterConfig, TierCollector, native_active, server_active
 from kvoffload.exporter.lmcache_server import parse_status
 from kvoffload.api.fetch import SourceError
-from kvoffload.exporter.testkit import FakeVllm
+from kvtest.exporter import FakeVllm
 from kvoffload.exporter.vllm_metrics import parse_vllm
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
