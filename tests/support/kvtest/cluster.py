@@ -37,7 +37,7 @@ from typing import Any, Iterable
 from . import procs
 from .components import BY_NAME, COMPONENTS, KWOK_POD_CIDR, SERVICE_CIDR, STAGES
 from .fleet import NODE_IP_BASE, load_fleet, node_addresses, node_pod_cidr, render_nodes
-from .paths import HELM_VERSION, K8S_VERSION, KWOK_VERSION, bin_dir, kubectl_path, missing_binaries, state_dir
+from .paths import HELM_VERSION, K8S_VERSION, KWOK_VERSION, ROOT, bin_dir, kubectl_path, missing_binaries, state_dir
 from .pki import write_kubeconfig, write_pki
 from .procs import LOOPBACK, alive, wait_until
 
@@ -153,8 +153,6 @@ class Cluster:
 
     def install_crd(self) -> None:
         """The project's CRD (crds/, server-side), Established."""
-        from .paths import ROOT
-
         self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
         self.kubectl("wait", "--for=condition=Established", "crd/kvoffloadserves.kvoffload.io", "--timeout=60s")
 

@@ -87,13 +87,21 @@ def _apiserver_flags(c: Cluster, p: Ports) -> list[str]:
     ]
 
 
-def _kcm_flags(c: Cluster, p: Ports) -> list[str]:
-    k, kc = c.pki, c.dir / "kubeconfigs" / "kube-controller-manager.kubeconfig"
+def _served_by_itself(c: Cluster, p: Ports, name: str) -> list[str]:
+    """kube-controller-manager's and kube-scheduler's shared flags: its kubeconfig, its own HTTPS port."""
+    k, kc = c.pki, c.dir / "kubeconfigs" / f"{name}.kubeconfig"
     return [
         f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
-        f"--bind-address={LOOPBACK}", f"--secure-port={p['kube-controller-manager']}",
-        f"--tls-cert-file={k / 'kube-controller-manager-serving.crt'}",
-        f"--tls-private-key-file={k / 'kube-controller-manager-serving.key'}",
+        f"--bind-address={LOOPBACK}", f"--secure-port={p[name]}",
+        f"--tls-cert-file={k / f'{name}-serving.crt'}",
+        f"--tls-private-key-file={k / f'{name}-serving.key'}",
+    ]
+
+
+def _kcm_flags(c: Cluster, p: Ports) -> list[str]:
+    k = c.pki
+    return [
+        *_served_by_itself(c, p, "kube-controller-manager"),
         f"--root-ca-file={k / 'ca.crt'}", f"--service-account-private-key-file={k / 'sa.key'}",
         f"--cluster-signing-cert-file={k / 'ca.crt'}", f"--cluster-signing-key-file={k / 'ca.key'}",
         "--use-service-account-credentials=true", "--leader-elect=false",
@@ -104,14 +112,7 @@ def _kcm_flags(c: Cluster, p: Ports) -> list[str]:
 
 
 def _scheduler_flags(c: Cluster, p: Ports) -> list[str]:
-    k, kc = c.pki, c.dir / "kubeconfigs" / "kube-scheduler.kubeconfig"
-    return [
-        f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
-        f"--bind-address={LOOPBACK}", f"--secure-port={p['kube-scheduler']}",
-        f"--tls-cert-file={k / 'kube-scheduler-serving.crt'}",
-        f"--tls-private-key-file={k / 'kube-scheduler-serving.key'}",
-        "--leader-elect=false", "--profiling=false",
-    ]
+    return [*_served_by_itself(c, p, "kube-scheduler"), "--leader-elect=false", "--profiling=false"]
 
 
 def _kwok_flags(c: Cluster, p: Ports) -> list[str]:
