@@ -22,17 +22,16 @@ from pathlib import Path
 
 import engine_venv
 import pytest
-
-from kvoffload.api.quantity import gib
-from kvoffload.api.settings import Settings
-from kvoffload.controller import pipeline
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvoffload.api.fetch import SourceError
+from kvoffload.api.quantity import gib
+from kvoffload.api.settings import Settings
+from kvoffload.controller import pipeline
 from kvoffload.exporter.collector import ExporterConfig, TierCollector
 from kvoffload.exporter.lmcache_server import fetch_status
 from kvtest.exporter import FakeVllm
-from kvoffload.api.fetch import SourceError
 
 ROOT = engine_venv.ROOT
 VLLM_VERSION, LMCACHE_VERSION = engine_venv.PAIR.vllm, engine_venv.PAIR.lmcache

@@ -5,10 +5,10 @@ from datetime import datetime, timezone
 import pytest
 
 from kvoffload.api import crd
-from kvoffload.controller.probe import Reading
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
 from kvoffload.controller import conditions, pipeline
+from kvoffload.controller.probe import Reading
 
 from .helpers import spec
 

@@ -10,12 +10,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvoffload.api.fetch import SourceError
 from kvoffload.exporter.capacity import TierCapacity
 from kvoffload.exporter.collector import ExporterConfig, TierCollector, native_active, server_active
 from kvoffload.exporter.lmcache_server import parse_status
-from kvoffload.api.fetch import SourceError
-from kvtest.exporter import FakeVllm
 from kvoffload.exporter.vllm_metrics import parse_vllm
+from kvtest.exporter import FakeVllm
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 IDLE = json.loads((FIXTURES / "lmcache-0.5.3-server-status" / "status-idle.json").read_text())
