@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from test_operator import apply, children, cond, crd_installed, get, operator, wait_cond, wait_ready  # noqa: F401
+from test_operator import apply, children, cond, get, operator, wait_ready  # noqa: F401
 
 pytestmark = pytest.mark.cluster
 

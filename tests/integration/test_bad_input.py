@@ -176,8 +176,6 @@ CASES = [
          "memory budget"),
     Case("flag hybrid kv cache manager on", {"spec.engine.extraArgs": ["--no-disable-hybrid-kv-cache-manager"]}, API,
          "spec.engine.extraArgs", "--no-disable-hybrid-kv-cache-manager"),
-    Case("env expandable segments", {"spec.engine.env": [{"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True"}]},
-         API, "spec.engine.env", "expandable_segments"),
     Case("env LMCACHE prefix", {"spec.engine.env": [{"name": "LMCACHE_LOCAL_DISK", "value": "True"}]}, API, "spec.engine.env", "LMCACHE_*"),
     Case("env PYTHONHASHSEED", {"spec.engine.env": [{"name": "PYTHONHASHSEED", "value": "1"}]}, API, "spec.engine.env"),
     Case("env POD_NAMESPACE redirects disk", {"spec.engine.env": [{"name": "POD_NAMESPACE", "value": "victim"}]}, API,
@@ -227,6 +225,8 @@ CASES = [
                                                           "spec.engine.vllmVersion": "0.29.0",
                                                           "spec.engine.extraArgs": ["--enforce-eager"]},
          OPERATOR, "spec.engine.extraArgs", "vLLM 0.29.0 has no flag table"),
+    Case("op env expandable segments", {"spec.engine.env": [{"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True"}]},
+         OPERATOR, "spec.engine.env", "vLLM 0.26.0 refuses expandable_segments:True"),
     # ---- checked against vLLM 0.26.0's own flag table (the default image's vLLM)
     Case("op flag removed disable-log-requests", {"spec.engine.extraArgs": ["--disable-log-requests"]}, OPERATOR,
          "spec.engine.extraArgs", "'--disable-log-requests' (vLLM 0.26.0) is not a flag of vLLM 0.26.0"),

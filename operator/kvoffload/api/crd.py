@@ -182,11 +182,9 @@ def _engine() -> Schema:
                                          "valueFrom": _free("Source of the value (Kubernetes EnvVarSource).")}},
                 "x-kubernetes-validations": [{
                     "rule": "self.all(e, !(e.name in " + _cel_list(MANAGED_ENV) + ") && !e.name.startsWith('" + MANAGED_ENV_PREFIX + "'))",
-                    "message": "env may not set a variable the operator manages: " + ", ".join(MANAGED_ENV) + " or LMCACHE_*"}, {
-                    "rule": "self.all(e, !(e.name == 'PYTORCH_CUDA_ALLOC_CONF' && has(e.value) && e.value.matches('"
-                            + flags.EXPANDABLE_SEGMENTS.pattern.replace("\\", "\\\\") + "')))",
-                    "message": "PYTORCH_CUDA_ALLOC_CONF may not contain expandable_segments:True: vLLM refuses it with a KV "
-                               "connector (LMCacheConnectorV1)"}]},
+                    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is refused by the operator only: a CEL rule over
+                    # env values (no maxLength) exceeds the API server's cost budget.
+                    "message": "env may not set a variable the operator manages: " + ", ".join(MANAGED_ENV) + " or LMCACHE_*"}]},
         },
         required=["maxModelLen"],
     )
