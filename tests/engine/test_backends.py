@@ -29,6 +29,7 @@ from kvoffload.api.fetch import SourceError
 from kvoffload.api.quantity import gib
 from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
+from kvoffload.rendering import render
 from kvoffload.exporter.collector import ExporterConfig, TierCollector
 from kvoffload.exporter.lmcache_server import fetch_status
 from kvtest.exporter import FakeVllm
@@ -98,7 +99,7 @@ def engine(venv):
     request: dict = {"vllm": [], "server": []}
     for case_id, patch in CASES.items():
         c = containers(desired(patch))
-        request["vllm"].append({"id": case_id, "argv": [*c["vllm"]["command"], *c["vllm"]["args"]],
+        request["vllm"].append({"id": case_id, "argv": render.vllm_argv(c["vllm"]),
                                 "model_config": LLAMA})
         if "lmcache-server" in c:
             request["server"].append({"id": case_id, "argv": server_argv(c["lmcache-server"])})
