@@ -95,8 +95,13 @@ def results():
     examples = len(rendered)
     rendered += generated()
     cases = [case(i, d) for i, d in rendered]
+    neg_vllm, neg_lmcache = negative_cases(next(c for c in cases if c[1]))  # a case of backend lmcache
     start = time.monotonic()
-    out = engine_venv.run(venv, "check", {"vllm": [c for c, _ in cases], "lmcache": [c for _, c in cases if c]})
+    out = engine_venv.run(venv, "check", {"vllm": [c for c, _ in cases] + neg_vllm,
+                                          "lmcache": [c for _, c in cases if c] + neg_lmcache})
+    out["negative"] = {r["id"]: r for r in out["vllm"] + out["lmcache"] if r["id"].startswith("neg-")}
+    out["vllm"] = [r for r in out["vllm"] if not r["id"].startswith("neg-")]
+    out["lmcache"] = [r for r in out["lmcache"] if not r["id"].startswith("neg-")]
     out["seconds"] = time.monotonic() - start
     out["desired"] = dict(rendered)
     out["examples"] = examples
@@ -175,28 +180,25 @@ def test_lmcache_loads_every_rendered_config_without_warnings(results):
             assert v["local_disk"] is None and v["max_local_disk_size"] == 0.0
 
 
-def test_the_checks_can_fail():
-    """The same engine subprocess refuses what vLLM and LMCache refuse (so a pass above means something)."""
-    venv = engine_venv.require()
-    doc = yaml.safe_load((engine_venv.ROOT / "examples" / "workstation-llama31-8b.yaml").read_text())
-    d = pipeline.desired("w", "ns", "uid", doc["spec"], SETTINGS)
-    good, cfg = case("good", d)
+def negative_cases(good: tuple[dict, dict]) -> tuple[list[dict], list[dict]]:
+    """Variants of a rendered case that vLLM or LMCache must refuse (run in the same engine process)."""
+    v, lm = good
     variants = {
         "abbrev": ["--kv-transfer", '{"kv_connector":"Other","kv_role":"kv_both"}'],  # allow_abbrev: replaces LMCache
         "removed": ["--swap-space", "4"],
         "value-on-switch": ["--enable-prefix-caching=False"],
     }
-    vllm_cases = [good] + [{**good, "id": k, "argv": good["argv"] + extra} for k, extra in variants.items()]
-    vllm_cases.append({**good, "id": "expandable", "env": {**good["env"], "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}})
-    out = engine_venv.run(venv, "check", {"vllm": vllm_cases, "lmcache": [
-        cfg, {**cfg, "id": "unknown-key", "text": cfg["text"] + "cpu_threshold: 0.8\n"}]})
-    by_id = {r["id"]: r for r in out["vllm"]}
-    assert by_id["good"]["ok"]
+    vllm_cases = [{**v, "id": f"neg-{k}", "argv": v["argv"] + extra} for k, extra in variants.items()]
+    vllm_cases.append({**v, "id": "neg-expandable", "env": {**v["env"], "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}})
+    return vllm_cases, [{**lm, "id": "neg-unknown-key", "text": lm["text"] + "cpu_threshold: 0.8\n"}]
+
+
+def test_the_checks_can_fail(results):
+    """The same engine process refuses what vLLM and LMCache refuse (so a pass above means something)."""
+    neg = results["negative"]
     # --kv-transfer is read as --kv-transfer-config: the engine would run another connector.
-    assert not by_id["abbrev"]["ok"] or by_id["abbrev"]["parsed"]["kv_connector"] == "Other", by_id["abbrev"]
-    assert not by_id["removed"]["ok"] and by_id["removed"]["stage"] == "parse"
-    assert not by_id["value-on-switch"]["ok"] and by_id["value-on-switch"]["stage"] == "parse"
-    assert not by_id["expandable"]["ok"] and "expandable_segments" in by_id["expandable"]["error"][0]
-    lm = {r["id"]: r for r in out["lmcache"]}
-    assert lm["good"]["warnings"] == []
-    assert any("cpu_threshold" in w for w in lm["unknown-key"]["warnings"])
+    assert not neg["neg-abbrev"]["ok"] or neg["neg-abbrev"]["parsed"]["kv_connector"] == "Other", neg["neg-abbrev"]
+    assert not neg["neg-removed"]["ok"] and neg["neg-removed"]["stage"] == "parse"
+    assert not neg["neg-value-on-switch"]["ok"] and neg["neg-value-on-switch"]["stage"] == "parse"
+    assert not neg["neg-expandable"]["ok"] and "expandable_segments" in neg["neg-expandable"]["error"][0]
+    assert any("cpu_threshold" in w for w in neg["neg-unknown-key"]["warnings"])

@@ -144,7 +144,7 @@ def test_drift_is_repaired(cluster, namespace, operator):
                        message="ConfigMap re-created")
     cluster.wait_until(
         lambda: get(cluster, namespace, "statefulset", "svc")["spec"]["template"]["spec"]["containers"][0]["image"]
-        == "lmcache/vllm-openai:v0.5.4", timeout=60, message="image restored")
+        == "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", timeout=60, message="image restored")
 
 
 @pytest.mark.parametrize("patch, needle", [
