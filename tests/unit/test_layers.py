@@ -15,7 +15,7 @@ MAY_IMPORT = {
     "planning": {"api", "engine"},
     "rendering": {"api", "engine", "planning"},
     "controller": {"api", "engine", "planning", "rendering"},
-    "exporter": {"api"},
+    "exporter": {"api", "engine"},  # engine/versions: the versions file the init container writes (stdlib only)
     "node": {"api"},
     "cli": {"api", "engine", "planning", "rendering", "controller", "exporter", "node"},
 }

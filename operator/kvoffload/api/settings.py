@@ -31,8 +31,8 @@ class Settings:
     headroom_percent: int = 10
     # Same value in every rank and replica, or LMCache chunk hashes differ (zero hits with TP > 1).
     python_hash_seed: str = "0"
-    # Ask each ready pod's exporter whether LMCache really moves data (OffloadActive); needs the
-    # operator to reach pod IPs on the metrics port.
+    # Ask each running pod's exporter whether offloading is proven (OffloadActive) and which vLLM /
+    # LMCache the image holds (EngineVerified); needs the operator to reach pod IPs on the metrics port.
     probe_exporters: bool = True
     # Seconds between level-based resyncs of every resource (also refreshes OffloadActive).
     resync_seconds: int = 300
