@@ -29,9 +29,9 @@ from kvoffload.api.fetch import SourceError
 from kvoffload.api.quantity import gib
 from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
-from kvoffload.rendering import render
 from kvoffload.exporter.collector import ExporterConfig, TierCollector
 from kvoffload.exporter.lmcache_server import fetch_status
+from kvoffload.rendering import render
 from kvtest.exporter import FakeVllm
 
 ROOT = engine_venv.ROOT
