@@ -147,7 +147,8 @@ def rendered_examples() -> tuple[list[dict], list[dict]]:
             continue  # the deliberately infeasible example renders nothing
         v, lm = case(path.stem, d)
         vllm_cases.append(v)
-        lmcache_cases.append(lm)
+        if lm is not None:  # only backend lmcache renders an LMCache config
+            lmcache_cases.append(lm)
     return vllm_cases, lmcache_cases
 
 

@@ -156,6 +156,9 @@ def check_vllm(case: dict, root_dir: str) -> dict:
             "kv_connector": config.kv_transfer_config.kv_connector if config.kv_transfer_config else None,
             "kv_role": config.kv_transfer_config.kv_role if config.kv_transfer_config else None,
             "disable_hybrid_kv_cache_manager": config.scheduler_config.disable_hybrid_kv_cache_manager,
+            "kv_connector_extra_config": (config.kv_transfer_config.kv_connector_extra_config
+                                          if config.kv_transfer_config else None),
+            "connector_class": _connector_class(config),
             "host": args.host, "port": args.port,
         })
     except SystemExit as exc:  # argparse refused the command line
@@ -169,6 +172,62 @@ def check_vllm(case: dict, root_dir: str) -> dict:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    return out
+
+
+def _connector_class(config) -> str | None:
+    """The class vLLM's own KVConnectorFactory resolves for the engine config (what the workers build)."""
+    if config.kv_transfer_config is None or config.kv_transfer_config.kv_connector is None:
+        return None
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    cls = KVConnectorFactory.get_connector_class(config.kv_transfer_config)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def server_parser():
+    """`lmcache server`'s parser, built as lmcache/cli/main.py builds it (every registered sub-command)."""
+    from lmcache.cli.commands import ALL_COMMANDS
+
+    root = argparse.ArgumentParser(prog="lmcache")
+    subparsers = root.add_subparsers(dest="command")
+    for cmd in ALL_COMMANDS:
+        cmd.register(subparsers)
+    return root
+
+
+def check_server(case: dict) -> dict:
+    """One rendered `lmcache server` command line: LMCache's own parser, then the same converters its
+    `server` command runs before it starts (l1 size, eviction, transfer mode, L2 adapter JSON...)."""
+    from lmcache.v1.distributed.config import parse_args_to_config
+    from lmcache.v1.mp_observability.config import parse_args_to_observability_config
+    from lmcache.v1.multiprocess.config import parse_args_to_http_frontend_config, parse_args_to_mp_server_config
+
+    argv = list(case["argv"])
+    assert argv[:2] == ["lmcache", "server"], argv[:2]
+    err = io.StringIO()
+    out: dict = {"id": case["id"]}
+    try:
+        with contextlib.redirect_stderr(err):
+            args = server_parser().parse_args(argv[1:])
+        mp = parse_args_to_mp_server_config(args)
+        sm = parse_args_to_config(args)
+        http = parse_args_to_http_frontend_config(args)
+        parse_args_to_observability_config(args)
+        mem = sm.l1_manager_config.memory_config
+        out.update(ok=True, parsed={
+            "host": mp.host, "port": mp.port, "chunk_size": mp.chunk_size,
+            "supported_transfer_mode": mp.supported_transfer_mode,
+            "l1_size_bytes": mem.size_in_bytes,
+            "eviction_policy": sm.eviction_config.eviction_policy,
+            "http_host": http.http_host, "http_port": http.http_port,
+            "l2_adapters": [{"class": type(a).__name__, **{k: v for k, v in vars(a).items() if isinstance(v, (str, int, float, bool))}}
+                            for a in sm.l2_adapter_config.adapters],
+        })
+    except SystemExit as exc:
+        out.update(ok=False, stage="parse", error=err.getvalue().strip().splitlines()[-1:] or [str(exc)])
+    except Exception as exc:  # noqa: BLE001
+        out.update(ok=False, stage="config", error=[f"{type(exc).__name__}: {exc}"], trace=traceback.format_exc(limit=3))
     return out
 
 
@@ -203,6 +262,7 @@ def check(request: dict) -> dict:
             "versions": {"vllm": version("vllm"), "lmcache": version("lmcache"), "torch": version("torch")},
             "vllm": [check_vllm(c, root_dir) for c in request.get("vllm", [])],
             "lmcache": [check_lmcache(c, root_dir) for c in request.get("lmcache", [])],
+            "server": [check_server(c) for c in request.get("server", [])],
         }
 
 

@@ -25,6 +25,7 @@ from kvoffload.api.quantity import GiB
 from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
 from kvoffload.planning import catalog
+from kvoffload.rendering import render
 
 sys.path.insert(0, str(engine_venv.ROOT / "tests"))
 from unit.test_fuzz import valid_specs  # noqa: E402  (the fuzz tests' generator of well-formed specs)
@@ -32,6 +33,7 @@ from unit.test_fuzz import valid_specs  # noqa: E402  (the fuzz tests' generator
 EXAMPLES = sorted((engine_venv.ROOT / "examples").glob("*.yaml"))
 SETTINGS = Settings()
 GENERATED = 250  # rendered specs wanted from the generator (>= 200 are required)
+CONNECTOR = {"lmcache": "LMCacheConnectorV1", "lmcache-server": "LMCacheMPConnector", "vllm-native": "OffloadingConnector"}
 LMCACHE_KEYS = ("chunk_size", "local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size", "cache_policy")
 
 
@@ -51,13 +53,15 @@ def model_config(spec) -> dict:
             "tie_word_embeddings": False}
 
 
-def case(case_id: str, d: pipeline.Desired) -> tuple[dict, dict]:
+def case(case_id: str, d: pipeline.Desired) -> tuple[dict, dict | None]:
+    """The vLLM command line, and the LMCache config (backend lmcache only: the other backends have none;
+    tests/engine/test_backends.py checks the LMCache server's command line)."""
     sts = next(c for c in d.children if c["kind"] == "StatefulSet")
     vllm = sts["spec"]["template"]["spec"]["containers"][0]
-    cm = next(c for c in d.children if c["kind"] == "ConfigMap")
+    cm = next((c for c in d.children if c["kind"] == "ConfigMap"), None)
     env = {e["name"]: e["value"] for e in vllm["env"] if "value" in e}
-    return ({"id": case_id, "argv": vllm["command"] + vllm["args"], "env": env, "model_config": model_config(d.spec)},
-            {"id": case_id, "text": cm["data"]["lmcache.yaml"], "keys": list(LMCACHE_KEYS)})
+    return ({"id": case_id, "argv": render.vllm_argv(vllm), "env": env, "model_config": model_config(d.spec)},
+            {"id": case_id, "text": cm["data"]["lmcache.yaml"], "keys": list(LMCACHE_KEYS)} if cm else None)
 
 
 def generated() -> list[tuple[str, pipeline.Desired]]:
@@ -91,9 +95,10 @@ def results():
     examples = len(rendered)
     rendered += generated()
     cases = [case(i, d) for i, d in rendered]
-    neg_vllm, neg_lmcache = negative_cases(cases[0])
+    neg_vllm, neg_lmcache = negative_cases(next(c for c in cases if c[1]))  # a case of backend lmcache
     start = time.monotonic()
-    out = engine_venv.run(venv, "check", {"vllm": [c for c, _ in cases] + neg_vllm, "lmcache": [c for _, c in cases] + neg_lmcache})
+    out = engine_venv.run(venv, "check", {"vllm": [c for c, _ in cases] + neg_vllm,
+                                          "lmcache": [c for _, c in cases if c] + neg_lmcache})
     out["negative"] = {r["id"]: r for r in out["vllm"] + out["lmcache"] if r["id"].startswith("neg-")}
     out["vllm"] = [r for r in out["vllm"] if not r["id"].startswith("neg-")]
     out["lmcache"] = [r for r in out["lmcache"] if not r["id"].startswith("neg-")]
@@ -113,7 +118,9 @@ def test_the_engine_is_the_serving_images_pair(results):
 def test_enough_cases(results):
     assert results["examples"] >= 3
     assert len(results["desired"]) - results["examples"] >= 200
-    assert len(results["vllm"]) == len(results["lmcache"]) == len(results["desired"])
+    assert len(results["vllm"]) == len(results["desired"])
+    in_process = [d for d in results["desired"].values() if d.spec.offload.backend == "lmcache"]
+    assert len(results["lmcache"]) == len(in_process) >= 200
 
 
 def vllm_refuses_long_context(d: pipeline.Desired) -> bool:
@@ -147,8 +154,9 @@ def test_vllm_reads_what_the_operator_meant(results):
         assert p["tensor_parallel_size"] == p["world_size"] == e.tensor_parallel_size  # the pod's GPU count
         assert math.isclose(p["gpu_memory_utilization"], e.gpu_memory_utilization)
         assert p["max_num_seqs"] == e.max_num_seqs
-        assert p["kv_connector"] == "LMCacheConnectorV1" and p["kv_role"] == "kv_both"
-        assert p["disable_hybrid_kv_cache_manager"] is True  # LMCacheConnectorV1 does not support it
+        assert p["kv_connector"] == CONNECTOR[results["desired"][r["id"]].spec.offload.backend] and p["kv_role"] == "kv_both"
+        if p["kv_connector"] == "LMCacheConnectorV1":
+            assert p["disable_hybrid_kv_cache_manager"] is True  # LMCacheConnectorV1 does not support it
         assert p["port"] == 8000 and p["host"] == "0.0.0.0"
         assert p["served_model_name"] in (results["desired"][r["id"]].spec.model.served_name,
                                           [results["desired"][r["id"]].spec.model.served_name])

@@ -190,3 +190,14 @@ def test_literal_api_keys_are_refused(field, value):
     with pytest.raises(ConfigError) as exc:
         pipeline.desired("svc", "ns", "", s, Settings())
     assert f"spec.engine.{field}" in str(exc.value)
+
+
+@pytest.mark.parametrize("backend", ["lmcache-server", "vllm-native"])
+def test_every_backend_without_host_path_is_restricted(backend):
+    # The LMCache server sidecar and the native backend's pod follow the same rules as the in-process one.
+    s = spec(offload__disk=None)
+    s["offload"]["backend"] = backend
+    pod = pod_of(s)
+    assert restricted_violations(pod) == []
+    if backend == "lmcache-server":
+        assert any("lmcache" in c["name"] for c in pod.get("initContainers", []) + pod["containers"])

@@ -29,6 +29,8 @@ REFUSED_FLAGS = flags.refused_spellings()
 MANAGED_ENV = ("LMCACHE_CONFIG_FILE", "PYTHONHASHSEED", "PROMETHEUS_MULTIPROC_DIR", "LMCACHE_USE_EXPERIMENTAL",
                "POD_NAME", "POD_NAMESPACE", "VLLM_API_KEY")
 MANAGED_ENV_PREFIX = "LMCACHE_"
+# spec.offload.backend: who holds the offload tiers (docs/backends.md).
+BACKENDS = ("lmcache", "lmcache-server", "vllm-native")
 # vLLM's FlexibleArgumentParser reads `--max_model_len` as `--max-model-len` and `--kv-transfer-config.x=y` as a
 # sub-key of `--kv-transfer-config`, and (allow_abbrev) any unambiguous prefix as the whole flag: `--max-model`
 # and `-t` set --max-model-len and -tp. So an argument is refused when, read as vLLM reads it, it is a prefix
@@ -239,13 +241,26 @@ def _offload() -> Schema:
                            "spec.offload.disk.storageClassName (ephemeral volume)"}],
     )
     return _o(
-        "KV-cache offloading through LMCache (in-process connector LMCacheConnectorV1): hot blocks stay in GPU memory, warm "
-        "ones go to pinned CPU memory, cold ones to node-local disk.",
-        {"chunkSize": _i("Tokens per LMCache chunk (chunk_size); the unit stored, looked up and evicted.",
+        "KV-cache offloading: hot blocks stay in GPU memory, warm ones go to pinned CPU memory, cold ones to node-local "
+        "disk. spec.offload.backend chooses the engine that does it (docs/backends.md compares them).",
+        {"backend": _s("Who holds the CPU and disk tiers. lmcache: LMCache inside the vLLM process (LMCacheConnectorV1); "
+                       "the tiers die with the vLLM container. lmcache-server: an LMCache server in a sidecar container of "
+                       "the serving pod (vLLM's LMCacheMPConnector over ZMQ on 127.0.0.1); the tiers survive vLLM container "
+                       "restarts, not pod replacement. vllm-native: vLLM's own CPU offloading (--kv-offloading-backend native), "
+                       "no LMCache, CPU tier only.", enum=list(BACKENDS), default="lmcache"),
+         "chunkSize": _i("Tokens per LMCache chunk (chunk_size, or the LMCache server's --chunk-size); the unit stored, looked "
+                         "up and evicted. Ignored by vllm-native, which offloads whole vLLM KV blocks.",
                          minimum=16, maximum=8192, default=256),
          "cpu": cpu,
          "disk": disk},
         required=["cpu"],
+        rules=[{"rule": "!has(self.backend) || self.backend != 'vllm-native' || !has(self.disk)", "fieldPath": ".disk",
+                "message": "spec.offload.disk is not supported with spec.offload.backend vllm-native (vLLM's native offloading "
+                           "has a CPU tier only); remove spec.offload.disk or use backend lmcache or lmcache-server"},
+               {"rule": "!has(self.backend) || self.backend == 'lmcache' || !has(self.cpu.evictionPolicy) "
+                        "|| self.cpu.evictionPolicy == 'LRU'", "fieldPath": ".cpu.evictionPolicy",
+                "message": "spec.offload.cpu.evictionPolicy must be LRU with spec.offload.backend lmcache-server or "
+                           "vllm-native (the only policy both offer); LFU, FIFO and MRU need backend lmcache"}],
     )
 
 
@@ -261,6 +276,8 @@ def _resources() -> Schema:
          "engineBaseline": _q("Host memory of vLLM's API server and engine core, before KV tiers.", positive=False),
          "perWorkerOverhead": _q("Host memory of each tensor-parallel worker process (torch, CUDA runtime).", positive=False),
          "stagingPerWorker": _q("Pinned staging buffers per tensor-parallel worker for GPU/CPU/disk copies.", positive=False),
+         "serverBaseline": _q("Host memory of the LMCache server process (backend lmcache-server), before its CPU tier: "
+                              "its container's memory request = limit is this plus headroom.", positive=False),
          "shm": _q("Size of the memory-backed /dev/shm (counts against the memory limit)."),
          "headroomPercent": _i("Headroom added on top of the sum, in percent.", minimum=0, maximum=100)},
     )
@@ -375,7 +392,8 @@ def status_schema() -> Schema:
              "gpuTokens": _i("Tokens the GPU tier holds.", format="int64"),
              "cpuTokens": _i("Tokens the CPU tier holds.", format="int64"),
              "diskTokens": _i("Tokens the disk tier holds.", format="int64"),
-             "memory": _s("Memory request = limit of the vLLM container.")}),
+             "memory": _s("Memory request = limit of the vLLM container."),
+             "serverMemory": _s("Memory request = limit of the LMCache server container (backend lmcache-server).")}),
          "budget": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
                     "description": "The computed budget: KV bytes per token, tokens and sequences per tier, memory terms, "
                                    "/dev/shm, reload vs recompute."}},
@@ -406,6 +424,7 @@ def printer_columns() -> list[dict[str, Any]]:
         {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
         {"name": "Available", "type": "integer", "jsonPath": ".status.readyReplicas"},
         {"name": "GPU-Tokens", "type": "integer", "jsonPath": ".status.summary.gpuTokens"},
+        {"name": "Backend", "type": "string", "jsonPath": ".spec.offload.backend"},
         {"name": "CPU", "type": "string", "jsonPath": ".spec.offload.cpu.size"},
         {"name": "CPU-Tokens", "type": "integer", "jsonPath": ".status.summary.cpuTokens", "priority": 1},
         {"name": "Disk", "type": "string", "jsonPath": ".spec.offload.disk.size"},

@@ -27,6 +27,7 @@ class Settings:
     engine_baseline: str = "4Gi"
     per_worker_overhead: str = "2Gi"
     staging_per_worker: str = "1Gi"
+    server_baseline: str = "2Gi"  # the LMCache server process of backend lmcache-server, before its CPU tier
     headroom_percent: int = 10
     # Same value in every rank and replica, or LMCache chunk hashes differ (zero hits with TP > 1).
     python_hash_seed: str = "0"

@@ -56,6 +56,8 @@ PLAN_FIELDS = {
     "cpu_size": "spec.offload.cpu.size",
     "disk_size": "spec.offload.disk.size",
     "chunk_size": "spec.offload.chunkSize",
+    "backend": "spec.offload.backend",
+    "server_baseline": "spec.resources.serverBaseline",
 }
 
 
@@ -119,6 +121,7 @@ class DiskSpec:
 
 @dataclass(frozen=True)
 class OffloadSpec:
+    backend: str  # one of crd.BACKENDS
     chunk_size: int
     cpu_size: int
     eviction_policy: str
@@ -134,6 +137,7 @@ class ResourcesSpec:
     engine_baseline: int
     per_worker_overhead: int
     staging_per_worker: int
+    server_baseline: int
     shm: int | None
     headroom_percent: int
 
@@ -272,7 +276,8 @@ def _model(r: _Reader) -> ModelSpec:
 
 def _engine(r: _Reader, settings: Settings) -> EngineSpec:
     image = _str(r, "engine.image") or settings.default_image
-    pair = images.resolve(image, _str(r, "engine.vllmVersion"), _str(r, "engine.lmcacheVersion"))
+    pair = images.resolve(image, _str(r, "engine.vllmVersion"), _str(r, "engine.lmcacheVersion"),
+                          needs_lmcache=r.get("offload.backend") != "vllm-native")
     util = r.get("engine.gpuMemoryUtilization")
     if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
         raise ConfigError("spec.engine.gpuMemoryUtilization", f"{util!r} must be a number in (0, 1]")
@@ -338,8 +343,16 @@ def _offload(r: _Reader, settings: Settings) -> OffloadSpec:
             reclaim_policy=_enum(r, "offload.disk.reclaimPolicy"),
             node_selector=node_selector,
         )
-    return OffloadSpec(chunk_size=_int(r, "offload.chunkSize", 16, 8192), cpu_size=cpu,
-                       eviction_policy=_enum(r, "offload.cpu.evictionPolicy"), disk=disk)
+    backend, policy = _enum(r, "offload.backend"), _enum(r, "offload.cpu.evictionPolicy")
+    if backend == "vllm-native" and disk is not None:
+        raise ConfigError("spec.offload.disk", "is not supported with spec.offload.backend vllm-native (vLLM's native "
+                                               "offloading has a CPU tier only); remove spec.offload.disk or use backend "
+                                               "lmcache or lmcache-server")
+    if backend != "lmcache" and policy != "LRU":
+        raise ConfigError("spec.offload.cpu.evictionPolicy", f"{policy} is not offered by spec.offload.backend {backend}; "
+                                                             "allowed values: LRU (LFU, FIFO and MRU need backend lmcache)")
+    return OffloadSpec(backend=backend, chunk_size=_int(r, "offload.chunkSize", 16, 8192), cpu_size=cpu,
+                       eviction_policy=policy, disk=disk)
 
 
 def _resources(r: _Reader, settings: Settings) -> ResourcesSpec:
@@ -364,6 +377,7 @@ def _resources(r: _Reader, settings: Settings) -> ResourcesSpec:
         engine_baseline=term("resources.engineBaseline", settings.engine_baseline),
         per_worker_overhead=term("resources.perWorkerOverhead", settings.per_worker_overhead),
         staging_per_worker=term("resources.stagingPerWorker", settings.staging_per_worker),
+        server_baseline=term("resources.serverBaseline", settings.server_baseline),
         shm=_size(r, "resources.shm"),
         headroom_percent=headroom,
     )
@@ -417,6 +431,7 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
         metrics_port=_int(r, "metrics.port", 1024, 65535),
         network_policy=_network_policy(r),
     )
+    images.check_backend(parsed.offload.backend, images.EnginePair(parsed.engine.vllm_version, parsed.engine.lmcache_version))
     if parsed.resources.memory is not None and parsed.resources.memory < parsed.offload.cpu_size:
         raise ConfigError("spec.resources.memory",
                           "must hold at least the CPU tier (spec.offload.cpu.size): pinned memory is allocated in full")

@@ -12,7 +12,7 @@ import yaml
 from ..api.errors import InputError
 from ..api.quantity import format_bytes, human, to_bytes
 from ..planning.catalog import ModelArch, resolve_model
-from ..planning.sizing import Bandwidths, Budget, MemoryDefaults, PlanInput, check, plan, prefill_tokens_per_s
+from ..planning.sizing import BACKENDS, Bandwidths, Budget, MemoryDefaults, PlanInput, check, plan, prefill_tokens_per_s
 
 DEFAULT_CONTEXT = 32768  # when the model's max_position_embeddings is not known
 
@@ -49,6 +49,8 @@ OPTION_FOR_INPUT = {
     "chunk_size": "--chunk-size",
     "weight_download": "--download-mbps",
     "weight_load": "--disk-read-gbps",
+    "backend": "--backend",
+    "server_baseline": "--server-baseline",
 }
 
 
@@ -89,6 +91,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-dtype", default="auto", help="auto|bf16|fp16|fp8")
     p.add_argument("--dtype", default="bf16", help="weight dtype: bf16|fp16|fp8")
     p.add_argument("--chunk-size", type=integer, default=256, help="LMCache chunk size, tokens")
+    p.add_argument("--backend", choices=BACKENDS, default="lmcache",
+                   help="who holds the offload tiers (spec.offload.backend; docs/backends.md)")
     p.add_argument("--activation-reserve", default="2Gi", help="per-GPU memory kept for activations (quantity)")
     arch = p.add_argument_group("architecture overrides (win over the catalog and --config-json)")
     for opt in ("--layers", "--kv-heads", "--attention-heads", "--head-dim"):
@@ -99,6 +103,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     mem.add_argument("--engine-baseline", help="vLLM API server + engine core (default 4Gi)")
     mem.add_argument("--worker-overhead", help="per TP worker process (default 2Gi)")
     mem.add_argument("--staging-per-worker", help="pinned staging buffers per TP worker (default 1Gi)")
+    mem.add_argument("--server-baseline", help="LMCache server process, --backend lmcache-server (default 2Gi)")
     mem.add_argument("--shm", help="/dev/shm size (default 1Gi + 1Gi per TP rank)")
     mem.add_argument("--headroom-percent", type=integer, help="headroom in percent of the terms (default 10)")
     mem.add_argument("--headroom-min", help="least headroom (default 1Gi)")
@@ -125,6 +130,7 @@ def build_input(args: argparse.Namespace) -> PlanInput:
         engine_baseline=opt(args.engine_baseline, "--engine-baseline", d.engine_baseline),
         per_worker_overhead=opt(args.worker_overhead, "--worker-overhead", d.per_worker_overhead),
         staging_per_worker=opt(args.staging_per_worker, "--staging-per-worker", d.staging_per_worker),
+        server_baseline=opt(args.server_baseline, "--server-baseline", d.server_baseline),
         shm=opt(args.shm, "--shm", d.shm),
         headroom_percent=d.headroom_percent if args.headroom_percent is None else args.headroom_percent,
         headroom_min=opt(args.headroom_min, "--headroom-min", d.headroom_min))
@@ -146,6 +152,7 @@ def build_input(args: argparse.Namespace) -> PlanInput:
         cpu_size=to_bytes(args.cpu_tier, "--cpu-tier"),
         disk_size=to_bytes(args.disk_tier, "--disk-tier"),
         chunk_size=args.chunk_size,
+        backend=args.backend,
         activation_reserve=to_bytes(args.activation_reserve, "--activation-reserve"),
         memory=memory, bandwidths=bandwidths, weights_on_pvc=args.weights_on_pvc)
 
@@ -175,7 +182,7 @@ def inputs_dict(inp: PlanInput) -> dict[str, Any]:
     return {"model": _model_dict(inp.model), "maxModelLen": inp.max_model_len, "maxNumSeqs": inp.concurrency,
             "gpuMemory": inp.gpu_memory, "gpus": inp.gpus or inp.tp, "tensorParallelSize": inp.tp,
             "gpuMemoryUtilization": inp.gpu_memory_utilization, "dtype": inp.weight_dtype, "kvDtype": inp.kv_dtype,
-            "cpuTier": inp.cpu_size, "diskTier": inp.disk_size, "chunkSize": inp.chunk_size,
+            "cpuTier": inp.cpu_size, "diskTier": inp.disk_size, "chunkSize": inp.chunk_size, "backend": inp.backend,
             "activationReserve": inp.activation_reserve,
             "bandwidths": {"cpuReadBytesPerSecond": round(inp.bandwidths.cpu_read, 4),
                            "diskReadBytesPerSecond": round(inp.bandwidths.disk_read, 4),
@@ -191,6 +198,7 @@ def render_table(inp: PlanInput, b: Budget) -> str:
         f"head_dim {m.head_dim}, {m.params / 1e9:.3g}B parameters{window}",
         f"engine    --context {L}, --concurrency {inp.concurrency}, --tp {inp.tp}, {inp.weight_dtype} weights, "
         f"{kv_dtype} KV, {human(inp.gpu_memory)} per GPU × {inp.gpu_memory_utilization}",
+        f"offload   backend {inp.backend}",
         f"KV cache  {b.kv_bytes_per_token} B/token per replica ({human(b.kv_bytes_per_token)}), "
         f"{b.kv_bytes_per_token_per_gpu} B/token per GPU; one {L}-token request: {human(b.kv_bytes_per_sequence)}",
         "",
@@ -205,6 +213,9 @@ def render_table(inp: PlanInput, b: Budget) -> str:
     lines += [f"  {t.name:<16}{human(t.value):>12}  {t.note}" for t in w.storage_terms]
     lines += [f"start-up probe budget: {w.startup_seconds} s ({w.startup_seconds / 60:.3g} min)"]
     lines += [f"  {t.name:<16}{t.value:>10} s  {t.note}" for t in w.startup_terms]
+    if b.server_memory:
+        lines += ["", f"LMCache server container request = limit: {format_bytes(b.server_memory)} ({human(b.server_memory)})"]
+        lines += [f"  {t.name:<16}{human(t.bytes):>12}  {t.note}" for t in b.server_memory_terms]
     if b.reload:
         lines += ["", f"reload a {L}-token prefix vs recompute it:"]
         lines += [f"  {r.tier:<6}{human(r.bytes):>12}  reload {r.reload_s:8.3f} s  recompute {r.recompute_s:8.3f} s  "

@@ -146,11 +146,29 @@ def _disk(desired: Desired, pods: list[dict[str, Any]]) -> Cond:
     return Cond("DiskTierReady", "False", "Preparing", f"{len(initialized)}/{replicas} pod directories prepared on {where}")
 
 
+# spec.offload.backend -> (what is configured, reason when proven, reason when idle, what proves it, what is missing when idle)
+_BACKEND = {
+    "lmcache": ("LMCacheConnectorV1", "LMCacheActive", "NoLMCacheActivity",
+                "vLLM asks LMCache for prompt tokens and LMCache's metrics are present",
+                "vLLM has not asked LMCache for prompt tokens yet (vllm:external_prefix_cache_queries_total is 0) or "
+                "LMCache's metrics are absent"),
+    "lmcache-server": ("LMCacheMPConnector to the pod's LMCache server", "LMCacheServerConnected", "NoOffloadActivity",
+                       "vLLM registered with the LMCache server and asks it for prompt tokens",
+                       "vLLM has not asked the LMCache server for prompt tokens yet, or no vLLM worker registered with it "
+                       "(kvoffload_lmcache_server_engines is 0)"),
+    "vllm-native": ("vLLM native OffloadingConnector", "NativeOffloadActive", "NoOffloadActivity",
+                    "vLLM asks its native offloading for prompt tokens and its vllm:kv_offload_* counters are present",
+                    "vLLM has not asked its native offloading for prompt tokens yet (vllm:external_prefix_cache_queries_total "
+                    "is 0) or its vllm:kv_offload_* counters are absent"),
+}
+
+
 def _offload(desired: Desired, ready: Cond, pods: list[dict[str, Any]], probes: Probes | None) -> Cond:
     b = desired.budget
+    connector, active_reason, idle_reason, proof, missing = _BACKEND[desired.spec.offload.backend]
     tiers = f"CPU {format_bytes(b.tier('cpu').bytes)}" + (
         f", disk {format_bytes(b.tier('disk').bytes)}" if desired.spec.offload.disk else "")
-    configured = f"LMCacheConnectorV1 configured ({tiers})"
+    configured = f"{connector} configured ({tiers})"
     if not desired.spec.metrics_enabled:
         return Cond("OffloadActive", "Unknown", "MetricsDisabled", f"{configured}; enable spec.metrics for proof")
     if ready.status != "True":
@@ -166,19 +184,17 @@ def _offload(desired: Desired, ready: Cond, pods: list[dict[str, Any]], probes: 
         detail = f"; {failed[0][0]}: {failed[0][1]}" if failed else ""
         return Cond("OffloadActive", "Unknown", "ExporterUnreachable", f"{configured}; no exporter answered{detail}")
     if idle:
-        return Cond("OffloadActive", "False", "NoLMCacheActivity",
-                    f"{len(idle)}/{len(probes)} pods show no offload activity ({', '.join(idle[:3])}): vLLM has not asked "
-                    "LMCache for prompt tokens yet (vllm:external_prefix_cache_queries_total is 0) or LMCache's metrics are "
-                    "absent; normal before the first requests, while vLLM serves traffic it means offloading is not wired "
-                    "(see troubleshooting)")
+        return Cond("OffloadActive", "False", idle_reason,
+                    f"{len(idle)}/{len(probes)} pods show no offload activity ({', '.join(idle[:3])}): {missing}; normal "
+                    "before the first requests, while vLLM serves traffic it means offloading is not wired (see troubleshooting)")
     active = len(probes) - len(failed)
-    return Cond("OffloadActive", "True", "LMCacheActive",
-                f"{configured}; vLLM asks LMCache for prompt tokens and LMCache's metrics are present on {active}/{len(probes)} pods" +
+    return Cond("OffloadActive", "True", active_reason,
+                f"{configured}; {proof} on {active}/{len(probes)} pods" +
                 (f" ({len(failed)} exporters unreachable)" if failed else ""))
 
 
 def _pair(vllm: str, lmcache: str) -> str:
-    return f"vLLM {vllm} + LMCache {lmcache}"
+    return f"vLLM {vllm} + LMCache {lmcache}" if lmcache else f"vLLM {vllm} (no LMCache)"
 
 
 def _engine(desired: Desired, probes: Probes | None) -> Cond:
@@ -194,7 +210,8 @@ def _engine(desired: Desired, probes: Probes | None) -> Cond:
     reported = {pod: v.engine for pod, v in sorted(probes.items()) if isinstance(v, Reading) and v.engine}
     wrong = [(pod, found) for pod, found in reported.items()
              if not (engine_versions.matches(e.vllm_version, found.get("vllm", engine_versions.NOT_INSTALLED))
-                     and engine_versions.matches(e.lmcache_version, found.get("lmcache", engine_versions.NOT_INSTALLED)))]
+                     and (not e.lmcache_version  # vllm-native with a plain vLLM image: no LMCache to compare
+                          or engine_versions.matches(e.lmcache_version, found.get("lmcache", engine_versions.NOT_INSTALLED))))]
     if wrong:
         pod, found = wrong[0]
         more = f" ({len(wrong) - 1} more pods differ)" if len(wrong) > 1 else ""
@@ -302,5 +319,7 @@ def status(body: dict[str, Any], desired: Desired | None, error: ConfigError | N
                        "running": running_versions(obs.probes)}
     out["summary"] = {"gpuTokens": b.tier("gpu").tokens, "cpuTokens": b.tier("cpu").tokens,
                       "diskTokens": b.tier("disk").tokens, "memory": format_bytes(b.memory_limit)}
+    if b.server_memory:
+        out["summary"]["serverMemory"] = format_bytes(b.server_memory)
     out["budget"] = b.to_dict()
     return out

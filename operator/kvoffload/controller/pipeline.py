@@ -43,8 +43,9 @@ def plan_for(spec: Spec) -> sizing.Budget:
             cpu_size=spec.offload.cpu_size,
             disk_size=spec.offload.disk.size if spec.offload.disk else 0,
             chunk_size=spec.offload.chunk_size,
+            backend=spec.offload.backend,
             memory=sizing.MemoryDefaults(engine_baseline=r.engine_baseline, per_worker_overhead=r.per_worker_overhead,
-                                         staging_per_worker=r.staging_per_worker, shm=r.shm,
+                                         staging_per_worker=r.staging_per_worker, server_baseline=r.server_baseline, shm=r.shm,
                                          headroom_percent=r.headroom_percent),
             weights_on_pvc=spec.model.cache_claim is not None,
         )).named(PLAN_FIELDS)

@@ -49,11 +49,16 @@ def _version(text: str, field: str) -> tuple[int, ...]:
         raise ConfigError(field, f"{text!r} is not a version like 0.5.6") from None
 
 
-def resolve(image: str, vllm: str | None, lmcache: str | None) -> EnginePair:
-    """The pair in `image`: explicit versions win, then the table; unknown images must say what they hold."""
+def resolve(image: str, vllm: str | None, lmcache: str | None, *, needs_lmcache: bool = True) -> EnginePair:
+    """The pair in `image`: explicit versions win, then the table; unknown images must say what they hold.
+    Without `needs_lmcache` (backend vllm-native) an image without LMCache is fine: lmcache is then ""."""
     known = KNOWN_IMAGES.get(image)
     vllm = vllm or (known.vllm if known else None)
     lmcache = lmcache or (known.lmcache if known else None)
+    if not needs_lmcache and vllm is not None and lmcache is None:
+        if _version(vllm, "spec.engine.vllmVersion") < MIN_VLLM:
+            raise ConfigError("spec.engine.vllmVersion", f"vLLM {vllm} is too old; need >= {'.'.join(map(str, MIN_VLLM))}")
+        return EnginePair(vllm=vllm, lmcache="")
     if vllm is None or lmcache is None:
         missing = "spec.engine.vllmVersion" if vllm is None else "spec.engine.lmcacheVersion"
         if known:
@@ -66,3 +71,27 @@ def resolve(image: str, vllm: str | None, lmcache: str | None) -> EnginePair:
     if _version(lmcache, "spec.engine.lmcacheVersion") < MIN_LMCACHE:
         raise ConfigError("spec.engine.lmcacheVersion", f"LMCache {lmcache} is too old; need >= {'.'.join(map(str, MIN_LMCACHE))}")
     return EnginePair(vllm=vllm, lmcache=lmcache)
+
+
+# What each spec.offload.backend needs from the pair, checked in the installed sources of the default
+# pair (vLLM 0.26.0 + LMCache 0.5.3, tests/engine/build-venv.sh): vLLM 0.26.0 registers
+# LMCacheMPConnector and OffloadingConnector in its KVConnectorFactory and has
+# --kv-offloading-backend native|lmcache; LMCache 0.5.3 ships `lmcache server` (the multiprocess
+# server: ZMQ + HTTP) and the engine-driven shared-memory transfer. Older pairs were not checked,
+# so they are refused rather than guessed at.
+BACKEND_MIN: dict[str, tuple[tuple[int, ...] | None, tuple[int, ...] | None]] = {
+    "lmcache": (MIN_VLLM, MIN_LMCACHE),
+    "lmcache-server": ((0, 26, 0), (0, 5, 3)),
+    "vllm-native": ((0, 26, 0), None),  # no LMCache involved
+}
+
+
+def check_backend(backend: str, pair: EnginePair) -> None:
+    """Refuse a backend the image's pair does not have, naming both versions."""
+    min_vllm, min_lmcache = BACKEND_MIN[backend]
+    v = _version(pair.vllm, "spec.engine.vllmVersion")
+    lmc = _version(pair.lmcache, "spec.engine.lmcacheVersion") if pair.lmcache else (0,)
+    need = " and ".join(f"{name} >= {'.'.join(map(str, low))}" for name, low in (("vLLM", min_vllm), ("LMCache", min_lmcache)) if low)
+    if (min_vllm and v < min_vllm) or (min_lmcache and lmc < min_lmcache):
+        raise ConfigError("spec.offload.backend", f"{backend} needs {need}; the image holds vLLM {pair.vllm} and "
+                                                  f"LMCache {pair.lmcache or 'none'} (spec.engine.image / vllmVersion / lmcacheVersion)")

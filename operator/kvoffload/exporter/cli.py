@@ -12,7 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from ..api.errors import ConfigError
-from .capacity import load_capacity
+from .capacity import TierCapacity, load_capacity
 from .collector import ExporterConfig, TierCollector
 from .disk_tier import DiskTierMonitor
 from .server import parse_listen, start_server
@@ -47,6 +47,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-bytes-per-token", type=int, default=0, metavar="N",
                    help="KV bytes per token for one replica (all TP ranks); gives the gpu tier's "
                         "capacity from vllm:cache_config_info. 0: unknown")
+    p.add_argument("--backend", choices=("lmcache", "lmcache-server", "vllm-native"), default="lmcache",
+                   help="who holds the offload tiers (spec.offload.backend): which sources are read and what "
+                        "proves offloading (default %(default)s)")
+    p.add_argument("--lmcache-server-url", metavar="URL",
+                   help="the LMCache server's /status (backend lmcache-server)")
+    p.add_argument("--cpu-capacity-bytes", type=int, metavar="N",
+                   help="CPU tier of the whole pod, for backends without an LMCache YAML")
+    p.add_argument("--disk-capacity-bytes", type=int, metavar="N",
+                   help="disk tier of the whole pod, for backends without an LMCache YAML")
     p.add_argument("--engine-versions-file", metavar="PATH",
                    help="JSON the serving image's init container wrote ({vllm, lmcache, torch}); "
                         "served as kvoffload_engine_info")
@@ -67,13 +76,24 @@ def build(args: argparse.Namespace) -> tuple[CollectorRegistry, TierCollector, t
         raise ConfigError("--scrape-timeout", "must be > 0 seconds")
     if not args.disk_rescan_interval > 0:
         raise ConfigError("--disk-rescan-interval", "must be > 0 seconds")
+    if args.backend == "lmcache-server" and not args.lmcache_server_url:
+        raise ConfigError("--lmcache-server-url", "is required with --backend lmcache-server")
+    for name in ("cpu_capacity_bytes", "disk_capacity_bytes"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            raise ConfigError("--" + name.replace("_", "-"), "must be >= 0")
+    capacity = load_capacity(args.lmcache_config, args.tensor_parallel_size)
+    if args.cpu_capacity_bytes or args.disk_capacity_bytes:
+        capacity = TierCapacity(cpu_bytes=args.cpu_capacity_bytes or capacity.cpu_bytes,
+                                disk_bytes=args.disk_capacity_bytes or capacity.disk_bytes)
     config = ExporterConfig(
         vllm_metrics_url=args.vllm_metrics_url,
         multiproc_dir=args.multiproc_dir,
         scrape_timeout=args.scrape_timeout,
         kv_bytes_per_token=args.kv_bytes_per_token,
         engine_versions_file=args.engine_versions_file,
-        capacity=load_capacity(args.lmcache_config, args.tensor_parallel_size),
+        capacity=capacity,
+        backend=args.backend,
+        server_status_url=args.lmcache_server_url,
     )
     disk = None
     if args.disk_dir:

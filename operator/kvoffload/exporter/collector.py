@@ -19,6 +19,7 @@ from ..engine import versions as engine_versions
 from .capacity import TierCapacity
 from .disk_tier import DiskScan, DiskTierMonitor
 from .lmcache_metrics import LmcacheSnapshot, parse_lmcache, read_multiproc_dir
+from .lmcache_server import ServerSnapshot, fetch_status
 from .sources import SourceHealth
 from .vllm_metrics import VllmSnapshot, parse_vllm
 
@@ -30,6 +31,16 @@ OFFLOAD_ACTIVE_HELP = (
     "--multiproc-dir: the connector is LMCache and its engine started). 0 before the first request "
     "(not yet proven); 0 while vLLM serves traffic means offloading is not wired."
 )
+
+# What proves offloading per backend (spec.offload.backend); the common part is that vLLM has asked its
+# KV connector for prompt tokens (vllm:external_prefix_cache_queries_total > 0).
+OFFLOAD_ACTIVE_BY_BACKEND = {
+    "lmcache": "LMCache's metrics are present (the connector is LMCache and its engine started)",
+    "lmcache-server": "the LMCache server's /status is healthy and lists at least one registered engine "
+                      "(vLLM's workers registered their KV caches with it over ZMQ)",
+    "vllm-native": "vLLM's native offload counters are on its page (vllm:kv_offload_store_bytes_total: "
+                   "the OffloadingConnector is the one configured)",
+}
 
 # vllm:prompt_tokens_by_source{source=...} -> the `origin` label of kvoffload_prompt_tokens_total.
 PROMPT_ORIGINS = {"local_cache_hit": "gpu", "external_kv_transfer": "external", "local_compute": "compute"}
@@ -43,6 +54,8 @@ class ExporterConfig:
     kv_bytes_per_token: int = 0  # per replica; 0: unknown, no gpu capacity
     engine_versions_file: str | None = None
     capacity: TierCapacity = TierCapacity()
+    backend: str = "lmcache"  # spec.offload.backend
+    server_status_url: str | None = None  # the LMCache server's /status (backend lmcache-server)
 
 
 class TierCollector(Collector):
@@ -51,7 +64,7 @@ class TierCollector(Collector):
     def __init__(self, config: ExporterConfig, disk: DiskTierMonitor | None = None) -> None:
         self.config = config
         self.disk = disk
-        self.health = {name: SourceHealth(name) for name in ("vllm", "lmcache")}
+        self.health = {name: SourceHealth(name) for name in (("vllm",) if config.backend == "vllm-native" else ("vllm", "lmcache"))}
         if disk is not None:
             self.health["disk"] = disk.health
         if config.engine_versions_file is not None:
@@ -67,13 +80,29 @@ class TierCollector(Collector):
 
     def _look(self) -> list[Metric]:
         vllm = self._look_vllm()
-        lmc = self._look_lmcache(vllm)
+        backend = self.config.backend
+        lmc = self._look_lmcache(vllm) if backend == "lmcache" else None
+        server = self._look_server() if backend == "lmcache-server" else None
         disk = self.disk.latest if self.disk is not None else None
-        if vllm is not None and vllm.process_start is not None and self.disk is not None:
+        if vllm is not None and vllm.process_start is not None and self.disk is not None and backend == "lmcache":
             self.disk.cutoff = vllm.process_start  # files older than vLLM were left by an earlier pod
+        active = {"lmcache": lambda: offload_active(vllm, lmc),
+                  "lmcache-server": lambda: server_active(vllm, server),
+                  "vllm-native": lambda: native_active(vllm)}[backend]()
         engine = self._look_engine()
-        families = _families(self.config, vllm, lmc, disk, offload_active(vllm, lmc), self.health)
+        families = _families(self.config, vllm, lmc, disk, active, self.health, server)
         return families + ([engine_info(engine)] if engine is not None else [])
+
+    def _look_server(self) -> ServerSnapshot | None:
+        try:
+            if not self.config.server_status_url:
+                raise SourceError("no --lmcache-server-url")
+            snap = fetch_status(self.config.server_status_url, self.config.scrape_timeout)
+        except SourceError as exc:
+            self.health["lmcache"].fail(str(exc))
+            return None
+        self.health["lmcache"].ok()
+        return snap
 
     def _look_vllm(self) -> VllmSnapshot | None:
         try:
@@ -134,20 +163,34 @@ def offload_active(vllm: VllmSnapshot | None, lmc: LmcacheSnapshot | None) -> bo
     return vllm is not None and lmc is not None and (vllm.external_queries or 0) > 0
 
 
+def server_active(vllm: VllmSnapshot | None, server: ServerSnapshot | None) -> bool:
+    """lmcache-server: vLLM consulted its connector, and the server is healthy with an engine registered."""
+    return (vllm is not None and server is not None and server.healthy and server.engines > 0
+            and (vllm.external_queries or 0) > 0)
+
+
+def native_active(vllm: VllmSnapshot | None) -> bool:
+    """vllm-native: vLLM consulted its connector, and that connector is the OffloadingConnector."""
+    return vllm is not None and vllm.offload_store_bytes is not None and (vllm.external_queries or 0) > 0
+
+
 def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSnapshot | None,
-              disk: DiskScan | None, active: bool, health: dict[str, SourceHealth]) -> list[Metric]:
+              disk: DiskScan | None, active: bool, health: dict[str, SourceHealth],
+              server: ServerSnapshot | None = None) -> list[Metric]:
     """Pure: figures in, families out. A figure whose source is down is left out, never zeroed."""
     capacity = GaugeMetricFamily(
         "kvoffload_tier_capacity_bytes",
         "Bytes the KV-cache tier may hold in this pod. gpu: vLLM num_gpu_blocks x block_size "
         "(vllm:cache_config_info) x --kv-bytes-per-token; cpu/disk: LMCache max_local_cpu_size/"
-        "max_local_disk_size GiB x --tensor-parallel-size.", labels=["tier"])
+        "max_local_disk_size GiB x --tensor-parallel-size (lmcache), the LMCache server's L1 total "
+        "from its /status (lmcache-server), else --cpu-capacity-bytes/--disk-capacity-bytes.", labels=["tier"])
     used = GaugeMetricFamily(
         "kvoffload_tier_used_bytes",
         "Bytes the KV-cache tier holds. gpu: vllm:kv_cache_usage_perc x gpu capacity (absent until "
-        "vLLM publishes it, just after start); cpu: sum of lmcache:local_cache_usage; disk: sum of "
-        "lmcache:local_storage_usage (what LMCache accounts for; see kvoffload_disk_bytes for what is "
-        "on disk).", labels=["tier"])
+        "vLLM publishes it, just after start); cpu: sum of lmcache:local_cache_usage (lmcache), the "
+        "LMCache server's L1 memory_used_bytes (lmcache-server), absent for vllm-native (vLLM exports "
+        "no fill level of its CPU tier); disk: sum of lmcache:local_storage_usage (what LMCache "
+        "accounts for; see kvoffload_disk_bytes for what is on disk).", labels=["tier"])
     hits = CounterMetricFamily(
         "kvoffload_tier_hit_tokens",
         "Prompt tokens found in the tier, as vLLM counts them. gpu: vllm:prefix_cache_hits; "
@@ -190,7 +233,9 @@ def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSna
         for source, origin in PROMPT_ORIGINS.items():
             if source in vllm.prompt_tokens:
                 origins.add_metric([origin], vllm.prompt_tokens[source])
-    if config.capacity.cpu_bytes is not None:
+    if server is not None:
+        capacity.add_metric(["cpu"], server.l1_total_bytes)  # the L1 in force
+    elif config.capacity.cpu_bytes is not None:
         capacity.add_metric(["cpu"], config.capacity.cpu_bytes)
     if config.capacity.disk_bytes is not None:
         capacity.add_metric(["disk"], config.capacity.disk_bytes)
@@ -201,6 +246,22 @@ def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSna
         evictions.add_metric(["cpu"], lmc.cpu_evicted_chunks)
 
     families: list[Metric] = [capacity, used, hits, requested, origins, stored, evictions]
+    if server is not None:
+        used.add_metric(["cpu"], server.l1_used_bytes)
+        families.append(GaugeMetricFamily(
+            "kvoffload_lmcache_server_engines",
+            "vLLM workers that registered their KV caches with the pod's LMCache server (its /status: "
+            "registered_gpu_ids + registered_non_cuda_instance_ids); 0 means vLLM is not connected.",
+            value=server.engines))
+    if vllm is not None and vllm.offload_store_bytes is not None:
+        moved = CounterMetricFamily(
+            "kvoffload_offload_transfer_bytes",
+            "Bytes vLLM's native offloading moved (backend vllm-native): store = GPU -> CPU tier "
+            "(vllm:kv_offload_store_bytes), load = CPU tier -> GPU (vllm:kv_offload_load_bytes).",
+            labels=["direction"])
+        moved.add_metric(["store"], vllm.offload_store_bytes)
+        moved.add_metric(["load"], vllm.offload_load_bytes or 0.0)
+        families.append(moved)
     if disk is not None:
         evictions.add_metric(["disk"], disk.removed_files)
         if lmc is not None:
@@ -229,7 +290,10 @@ def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSna
                               value=disk.finished_at),
         ]
 
-    families.append(GaugeMetricFamily("kvoffload_offload_active", OFFLOAD_ACTIVE_HELP, value=int(active)))
+    help_ = OFFLOAD_ACTIVE_HELP if config.backend == "lmcache" else (
+        f"1 if KV offloading (backend {config.backend}) is proven at work, else 0. Rule: vLLM's /metrics was read AND "
+        f"vllm:external_prefix_cache_queries_total > 0 AND {OFFLOAD_ACTIVE_BY_BACKEND[config.backend]}.")
+    families.append(GaugeMetricFamily("kvoffload_offload_active", help_, value=int(active)))
     errors = CounterMetricFamily(
         "kvoffload_scrape_errors",
         "Failed reads of a source: vllm and lmcache per scrape, disk per background rescan.",

@@ -18,6 +18,8 @@ _WANTED = (
     "vllm:external_prefix_cache_",
     "vllm:prompt_tokens_by_source",
     "vllm:cache_config_info",
+    "vllm:kv_offload_store_bytes",  # vLLM's native offloading (OffloadingConnector)
+    "vllm:kv_offload_load_bytes",
     "process_start_time_seconds",
     "lmcache:",
 )
@@ -36,6 +38,8 @@ class VllmSnapshot:
     external_hits: float | None = None
     prompt_tokens: dict[str, float] = field(default_factory=dict)  # vllm:prompt_tokens_by_source, by source
     process_start: float | None = None
+    offload_store_bytes: float | None = None  # vllm:kv_offload_store_bytes (GPU -> native CPU tier)
+    offload_load_bytes: float | None = None  # vllm:kv_offload_load_bytes (native CPU tier -> GPU)
     lmcache_families: list[Metric] = field(default_factory=list)
 
 
@@ -83,5 +87,7 @@ def parse_vllm(text: str) -> VllmSnapshot:
         external_hits=sums.get("vllm:external_prefix_cache_hits_total"),
         prompt_tokens=dict(by_source),
         process_start=process_start,
+        offload_store_bytes=sums.get("vllm:kv_offload_store_bytes_total"),
+        offload_load_bytes=sums.get("vllm:kv_offload_load_bytes_total"),
         lmcache_families=[f for f in families if f.name.startswith("lmcache:")],
     )

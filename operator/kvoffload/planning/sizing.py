@@ -24,6 +24,16 @@ Conventions
   + per-worker overhead × tp + CPU tier (pinned in full at start-up, all ranks) + staging
   buffers × tp (only with an offload tier) + /dev/shm (memory-backed, charged to the pod)
   + headroom, rounded up to whole MiB.
+- Backends (spec.offload.backend; docs/backends.md). lmcache: the terms above. vllm-native: the
+  CPU tier is torch pinned memory of each vLLM worker (--kv-offloading-size is the total over TP
+  ranks), stored in whole vLLM KV blocks (16 tokens), no LMCache staging buffers, no disk tier.
+  lmcache-server: one LMCache server per pod holds the whole replica's L1 (--l1-size-gb) as a
+  named /dev/shm segment, so /dev/shm = the NCCL/IPC share + L1. The server has no GPU; in its
+  engine-driven transfer mode the vLLM workers map that segment and pin it for DMA, which faults
+  every page in: the L1 is charged to the vLLM container's memory cgroup (the server never
+  touches it: its RSS stays ~0.7 GiB, /dev/shm shows 0 bytes used until a worker maps it). So the
+  vLLM container keeps the L1 in its limit, and the server container is sized from its own
+  process (server_baseline + headroom). The pod total holds the L1 once.
 - Reload vs recompute for one max_model_len prefix: the CPU tier reloads each rank's slice over
   that rank's own host link in parallel (bytes / tp / cpu_read); the disk tier is one node-local
   device shared by all ranks (bytes / disk_read); recompute = tokens / prefill rate. Measured
@@ -66,6 +76,8 @@ WEIGHT_DOWNLOAD_BPS = 50e6
 ENGINE_START_S = 600  # torch.compile and CUDA graph capture before /health answers, beyond the weights
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
+BACKENDS = ("lmcache", "lmcache-server", "vllm-native")
+NATIVE_BLOCK_TOKENS = 16  # vLLM's CUDA KV block size: the unit vllm-native offloads
 KV_DTYPES = ("auto", *DTYPE_BYTES)
 
 @dataclass(frozen=True)
@@ -74,6 +86,7 @@ class MemoryDefaults:
     engine_baseline: int = 4 * GiB  # vLLM API server + engine core process
     per_worker_overhead: int = 2 * GiB  # each TP worker process: torch/CUDA runtime
     staging_per_worker: int = 1 * GiB  # pinned staging buffers for GPU<->CPU<->disk copies
+    server_baseline: int = 2 * GiB  # LMCache server process (backend lmcache-server), before its L1
     shm: int | None = None  # /dev/shm; None = 1Gi + 1Gi per TP rank
     headroom_percent: int = 10  # of the sum above, at least headroom_min
     headroom_min: int = 1 * GiB
@@ -113,6 +126,7 @@ class PlanInput:
     cpu_size: int = 0  # bytes per replica
     disk_size: int = 0  # bytes per replica
     chunk_size: int = 256  # LMCache chunk_size, tokens
+    backend: str = "lmcache"  # spec.offload.backend: lmcache | lmcache-server | vllm-native
     activation_reserve: int = 2 * GiB  # per GPU: activations, CUDA context, graphs
     memory: MemoryDefaults = field(default_factory=MemoryDefaults)
     bandwidths: Bandwidths = field(default_factory=Bandwidths)
@@ -169,14 +183,17 @@ class ReloadEstimate:
 
 @dataclass(frozen=True)
 class Budget:
+    backend: str
     kv_bytes_per_token: int  # per replica, all layers, all KV heads held (replicas included)
     kv_bytes_per_token_per_gpu: int
     kv_bytes_per_sequence: int  # one max_model_len request on the GPU (window rule applied)
     tiers: tuple[TierBudget, ...]  # gpu, cpu, disk (zeros when off)
     memory_terms: tuple[MemoryTerm, ...]
-    memory_request: int  # = limit
+    memory_request: int  # = limit, of the vLLM container
     memory_limit: int
-    shm: int
+    server_memory_terms: tuple[MemoryTerm, ...]  # the LMCache server container; () without one
+    server_memory: int  # its request = limit; 0 without one
+    shm: int  # the memory-backed /dev/shm volume, shared by the pod's containers
     reload: tuple[ReloadEstimate, ...]  # per offload tier that is on
     warnings: tuple[str, ...]
     weights: WeightBudget
@@ -193,7 +210,8 @@ class Budget:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able status form: camelCase, integer bytes, floats to 4 decimals."""
-        return {
+        out = {
+            "backend": self.backend,
             "kvBytesPerToken": self.kv_bytes_per_token,
             "kvBytesPerTokenPerGpu": self.kv_bytes_per_token_per_gpu,
             "kvBytesPerSequence": self.kv_bytes_per_sequence,
@@ -212,6 +230,10 @@ class Budget:
                         "startupTerms": [{"name": t.name, "seconds": t.value, "note": t.note} for t in self.weights.startup_terms]},
             "warnings": list(self.warnings),
         }
+        if self.server_memory:
+            out["serverMemory"] = {"request": self.server_memory, "limit": self.server_memory,
+                                   "terms": [{"name": m.name, "bytes": m.bytes, "note": m.note} for m in self.server_memory_terms]}
+        return out
 
 
 def validate_tp(model: ModelArch, tp: int) -> None:
@@ -240,6 +262,8 @@ def check(inp: PlanInput) -> None:
     _int(inp.max_model_len, 1, "max_model_len")
     _int(inp.concurrency, 1, "concurrency")
     _int(inp.chunk_size, 1, "chunk_size")
+    if inp.backend not in BACKENDS:
+        raise InputError("backend", f"{inp.backend!r} is not one of {', '.join(BACKENDS)}")
     if not (isinstance(inp.gpu_memory_utilization, (int, float)) and 0 < inp.gpu_memory_utilization <= 1):
         raise InputError("gpu_memory_utilization", f"must be in (0, 1], got {inp.gpu_memory_utilization!r}")
     if inp.weight_dtype not in DTYPE_BYTES:
@@ -251,7 +275,7 @@ def check(inp: PlanInput) -> None:
     _int(inp.disk_size, 0, "disk_size")
     _int(inp.activation_reserve, 0, "activation_reserve")
     mem = inp.memory
-    for key in ("engine_baseline", "per_worker_overhead", "staging_per_worker", "headroom_min"):
+    for key in ("engine_baseline", "per_worker_overhead", "staging_per_worker", "server_baseline", "headroom_min"):
         _int(getattr(mem, key), 0, key)
     if mem.shm is not None:
         _int(mem.shm, 0, "shm")
@@ -275,6 +299,9 @@ def _refuse(inp: PlanInput) -> None:
     if inp.gpus is not None and inp.gpus != inp.tp:
         raise InputError("gpus", f"{inp.gpus} GPUs with {{tp}} {inp.tp}: pipeline "
                          "parallelism is not modelled; use as many GPUs as the tensor-parallel size")
+    if inp.disk_size and inp.backend == "vllm-native":
+        raise InputError("disk_size", "{backend} vllm-native has a CPU tier only (vLLM's native offloading); "
+                         "set {disk_size} to 0 or use {backend} lmcache or lmcache-server")
     if inp.disk_size and not inp.cpu_size:
         raise InputError("cpu_size", "the disk tier needs a CPU tier (LMCache reads disk hits back through it); "
                          "set {cpu_size} > 0 or {disk_size} to 0")
@@ -315,30 +342,57 @@ def _gpu_tier(inp: PlanInput, per_gpu_bpt: int, windowed: bool) -> tuple[TierBud
     return tier, seq
 
 
-def _offload_tier(name: str, size: int, inp: PlanInput, per_gpu_bpt: int) -> TierBudget:
+def _offload_tier(name: str, size: int, inp: PlanInput, per_gpu_bpt: int, unit: int) -> TierBudget:
+    """`unit`: tokens stored as one piece (LMCache's chunk, or vLLM's KV block for vllm-native)."""
     per_worker = size // inp.tp
-    chunks = per_worker // (inp.chunk_size * per_gpu_bpt)  # each rank stores its slice of every chunk
-    tokens = chunks * inp.chunk_size
+    chunks = per_worker // (unit * per_gpu_bpt)  # each rank stores its slice of every chunk
+    tokens = chunks * unit
     return TierBudget(name, size, per_worker, tokens, tokens // inp.max_model_len)
 
 
+_CPU_TIER_NOTE = {
+    "lmcache": "LMCache CPU tier, pinned in full at start-up: {tp} rank(s) × {share}",
+    "vllm-native": "vLLM native CPU tier (OffloadingConnector), torch pinned memory of each worker: {tp} rank(s) × {share}",
+    "lmcache-server": "LMCache server's L1, a /dev/shm segment the {tp} vLLM worker(s) pin for DMA (engine-driven "
+                      "transfer): their first pin faults it in, so it is charged to this container",
+}
+
+
+def _with_headroom(terms: list[MemoryTerm], mem: MemoryDefaults) -> tuple[tuple[MemoryTerm, ...], int]:
+    subtotal = sum(t.bytes for t in terms)
+    headroom = max(mem.headroom_min, math.ceil(subtotal * (mem.headroom_percent / 100)))
+    terms.append(MemoryTerm("headroom", headroom, f"{mem.headroom_percent / 100:g} of the terms above, at least {human(mem.headroom_min)}"))
+    return tuple(terms), -(-(subtotal + headroom) // MiB) * MiB
+
+
 def _memory(inp: PlanInput, offload: bool) -> tuple[tuple[MemoryTerm, ...], int, int]:
+    """The vLLM container's terms and total, and the /dev/shm volume."""
     mem, tp = inp.memory, inp.tp
     shm = mem.shm if mem.shm is not None else GiB + GiB * tp
+    staging = offload and inp.backend != "vllm-native"
     terms = [
         MemoryTerm("engine_baseline", mem.engine_baseline, "vLLM API server + engine core process"),
         MemoryTerm("worker_overhead", mem.per_worker_overhead * tp,
                    f"{tp} TP worker(s) × {human(mem.per_worker_overhead)}: torch/CUDA runtime"),
-        MemoryTerm("cpu_tier", inp.cpu_size, f"LMCache CPU tier, pinned in full at start-up: {tp} rank(s) × {human(inp.cpu_size // tp)}"),
-        MemoryTerm("staging", mem.staging_per_worker * tp if offload else 0,
-                   f"pinned staging buffers, {tp} rank(s) × {human(mem.staging_per_worker)}" if offload else "no offload tier: none"),
+        MemoryTerm("cpu_tier", inp.cpu_size, _CPU_TIER_NOTE[inp.backend].format(tp=tp, share=human(inp.cpu_size // tp))),
+        MemoryTerm("staging", mem.staging_per_worker * tp if staging else 0,
+                   f"pinned staging buffers, {tp} rank(s) × {human(mem.staging_per_worker)}" if staging else
+                   "none: vLLM copies between GPU blocks and its pinned CPU blocks directly" if offload else "no offload tier: none"),
         MemoryTerm("shm", shm, "memory-backed /dev/shm for NCCL and worker IPC, charged to the pod"),
     ]
-    subtotal = sum(t.bytes for t in terms)
-    headroom = max(mem.headroom_min, math.ceil(subtotal * (mem.headroom_percent / 100)))
-    terms.append(MemoryTerm("headroom", headroom, f"{mem.headroom_percent / 100:g} of the terms above, at least {human(mem.headroom_min)}"))
-    total = -(-(subtotal + headroom) // MiB) * MiB
-    return tuple(terms), total, shm
+    terms_, total = _with_headroom(terms, mem)
+    if inp.backend == "lmcache-server":
+        shm += inp.cpu_size  # the L1 segment lives there; LMCache falls back to slow pickling if it does not fit
+    return terms_, total, shm
+
+
+def _server_memory(inp: PlanInput) -> tuple[tuple[MemoryTerm, ...], int]:
+    """The LMCache server container (backend lmcache-server): its own process; the L1 is charged to vLLM's."""
+    if inp.backend != "lmcache-server":
+        return (), 0
+    return _with_headroom([MemoryTerm("server_baseline", inp.memory.server_baseline,
+                                      "LMCache server process (ZMQ + HTTP, torch); its L1 pages are charged to the vLLM "
+                                      "container, whose workers touch them first")], inp.memory)
 
 
 STARTUP_PROBE_PERIOD_S = 10
@@ -377,8 +431,10 @@ def plan(inp: PlanInput) -> Budget:
     offload = bool(inp.cpu_size or inp.disk_size)
     windowed = bool(m.sliding_window and m.sliding_window_layers) and not offload
     gpu, seq_per_gpu = _gpu_tier(inp, per_gpu_bpt, windowed)
-    tiers = (gpu, _offload_tier("cpu", inp.cpu_size, inp, per_gpu_bpt), _offload_tier("disk", inp.disk_size, inp, per_gpu_bpt))
+    unit = NATIVE_BLOCK_TOKENS if inp.backend == "vllm-native" else inp.chunk_size
+    tiers = (gpu, _offload_tier("cpu", inp.cpu_size, inp, per_gpu_bpt, unit), _offload_tier("disk", inp.disk_size, inp, per_gpu_bpt, unit))
     terms, total, shm = _memory(inp, offload)
+    server_terms, server_total = _server_memory(inp)
 
     warnings: list[str] = []
     if m.max_context and L > m.max_context:
@@ -398,8 +454,8 @@ def plan(inp: PlanInput) -> Budget:
                         f"{inp.concurrency}: vLLM preempts or queues requests when that many long ones run at once")
     for t in tiers[1:]:
         if t.bytes and not t.tokens:
-            warnings.append(f"{t.name} tier: {human(t.bytes_per_worker)} per worker is less than one {inp.chunk_size}-token "
-                            f"chunk ({human(inp.chunk_size * per_gpu_bpt)} per worker): it can hold nothing")
+            warnings.append(f"{t.name} tier: {human(t.bytes_per_worker)} per worker is less than one {unit}-token "
+                            f"chunk ({human(unit * per_gpu_bpt)} per worker): it can hold nothing")
 
     prefill = prefill_tokens_per_s(inp)
     prefix = L * per_gpu_bpt * tp
@@ -416,6 +472,7 @@ def plan(inp: PlanInput) -> Budget:
                             f"than recompute (it pays off above {read_bytes / est.recompute_s / 1e9:.3g} GB/s)")
 
     return Budget(
+        backend=inp.backend,
         kv_bytes_per_token=per_gpu_bpt * tp,
         kv_bytes_per_token_per_gpu=per_gpu_bpt,
         kv_bytes_per_sequence=seq_per_gpu * tp,
@@ -423,6 +480,8 @@ def plan(inp: PlanInput) -> Budget:
         memory_terms=terms,
         memory_request=total,
         memory_limit=total,
+        server_memory_terms=server_terms,
+        server_memory=server_total,
         shm=shm,
         reload=tuple(reload),
         warnings=tuple(warnings),

@@ -39,6 +39,14 @@ MODELS_DIR = pod_security.MODELS_DIR
 VLLM_PRELUDE = 'find "$PROMETHEUS_MULTIPROC_DIR" -mindepth 1 -delete; exec "$0" "$@"'
 VLLM_COMMAND = ["/bin/sh", "-c", VLLM_PRELUDE, "vllm", "serve"]
 KV_TRANSFER_CONFIG = json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, separators=(",", ":"))
+# Backend lmcache-server: the LMCache server sidecar, reached on the pod's loopback only.
+SERVER_ZMQ_PORT = 5555
+SERVER_HTTP_PORT = 8081  # /healthcheck and /status (L1/L2 usage, registered engines); not /metrics in 0.5.3
+SERVER_TRANSFER_MODE = "engine_driven"  # the server has no GPU: vLLM's workers copy KV into its /dev/shm L1
+MP_KV_TRANSFER_CONFIG = json.dumps({
+    "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+    "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": SERVER_ZMQ_PORT,
+                                  "lmcache.mp.mp_transfer_mode": SERVER_TRANSFER_MODE}}, separators=(",", ":"))
 OWNER_LABEL = "kvoffload.io/serve"
 CONFIG_HASH_ANNOTATION = "kvoffload.io/config-hash"
 KV_DTYPE_FLAG = {"bf16": "bfloat16", "fp8": "fp8"}
@@ -82,6 +90,23 @@ def lmcache_gib(budget: Budget, tier: str) -> float:
     return round(gib(budget.tier(tier).bytes_per_worker), 6)
 
 
+def server_args(spec: Spec, budget: Budget) -> list[str]:
+    """`lmcache server` flags (LMCache 0.5.3's own parser, checked in the fidelity tests): the whole
+    replica's L1 (one server serves every TP rank), LRU, and the disk tier as an `fs_native` L2 adapter
+    whose max_capacity_gb caps it (the plain `fs` adapter has no capacity limit)."""
+    args = ["--host", "127.0.0.1", "--port", str(SERVER_ZMQ_PORT),
+            "--chunk-size", str(spec.offload.chunk_size),
+            "--l1-size-gb", repr(round(gib(budget.tier("cpu").bytes), 6)),
+            "--eviction-policy", spec.offload.eviction_policy,
+            "--supported-transfer-mode", SERVER_TRANSFER_MODE,
+            "--http-host", "127.0.0.1", "--http-port", str(SERVER_HTTP_PORT),
+            "--instance-id", "$(POD_NAME)"]
+    if spec.offload.disk:
+        adapter = {"type": "fs_native", "base_path": DISK_DIR, "max_capacity_gb": round(gib(budget.tier("disk").bytes), 6)}
+        args += ["--l2-adapter", json.dumps(adapter, separators=(",", ":"), sort_keys=True)]
+    return args
+
+
 def lmcache_config(spec: Spec, budget: Budget) -> dict[str, Any]:
     """LMCache in-process config: keys and units exactly as `LMCacheEngineConfig` reads them (sizes are GiB
     floats per worker, i.e. per tensor-parallel rank); tests/engine/test_fidelity.py loads every rendered
@@ -113,7 +138,15 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
 
 
-def _vllm_args(spec: Spec) -> list[str]:
+def _offload_args(spec: Spec, budget: Budget) -> list[str]:
+    backend = spec.offload.backend
+    if backend == "vllm-native":
+        # GiB over all TP ranks (vLLM's CacheConfig.kv_offloading_size): OffloadingConnector, CPU tier only.
+        return ["--kv-offloading-backend", "native", "--kv-offloading-size", repr(round(gib(budget.tier("cpu").bytes), 6))]
+    return ["--kv-transfer-config", MP_KV_TRANSFER_CONFIG if backend == "lmcache-server" else KV_TRANSFER_CONFIG]
+
+
+def _vllm_args(spec: Spec, budget: Budget) -> list[str]:
     e = spec.engine
     args = [spec.model.name,
             "--host", "0.0.0.0", "--port", str(HTTP_PORT),
@@ -125,12 +158,12 @@ def _vllm_args(spec: Spec) -> list[str]:
             "--dtype", e.dtype]
     if spec.model.kv_dtype != "auto":
         args += ["--kv-cache-dtype", KV_DTYPE_FLAG[spec.model.kv_dtype]]
-    return args + ["--kv-transfer-config", KV_TRANSFER_CONFIG, *e.extra_args]
+    return args + [*_offload_args(spec, budget), *e.extra_args]
 
 
 def _vllm_env(spec: Spec, settings: Settings) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
-        {"name": "LMCACHE_CONFIG_FILE", "value": CONFIG_FILE},
+        *([{"name": "LMCACHE_CONFIG_FILE", "value": CONFIG_FILE}] if spec.offload.backend == "lmcache" else []),
         {"name": "PYTHONHASHSEED", "value": settings.python_hash_seed},
         {"name": "PROMETHEUS_MULTIPROC_DIR", "value": MULTIPROC_DIR},
         _field_env("POD_NAME", "metadata.name"),
@@ -156,17 +189,18 @@ _restricted = pod_security.restricted
 def _vllm_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> dict[str, Any]:
     tp = str(spec.engine.tensor_parallel_size)
     memory = format_bytes(budget.memory_limit)
-    mounts = [{"name": "lmcache-config", "mountPath": CONFIG_DIR, "readOnly": True},
+    in_process = spec.offload.backend == "lmcache"
+    mounts = [*([{"name": "lmcache-config", "mountPath": CONFIG_DIR, "readOnly": True}] if in_process else []),
               {"name": "dshm", "mountPath": "/dev/shm"},
               {"name": "prometheus-multiproc", "mountPath": MULTIPROC_DIR}]
-    if spec.offload.disk:
+    if spec.offload.disk and in_process:
         mounts.append(_disk_mount(owner, spec, read_only=False))
     mounts += pod_security.engine_mounts(spec)
     return {
         "name": "vllm",
         "image": spec.engine.image,
         "command": list(VLLM_COMMAND),
-        "args": _vllm_args(spec),
+        "args": _vllm_args(spec, budget),
         "env": _vllm_env(spec, settings),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "resources": {
@@ -216,6 +250,33 @@ def _disk_init_container(owner: Owner, spec: Spec) -> dict[str, Any]:
     }
 
 
+def _server_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> dict[str, Any]:
+    """The LMCache server as a native sidecar (an init container that keeps running): it starts, and
+    must answer /healthcheck, before vLLM starts, and it outlives vLLM container restarts, so the
+    L1 in the pod's /dev/shm and the L2 directory stay warm. It needs no GPU (engine-driven transfer)."""
+    memory = format_bytes(budget.server_memory)
+    health = ("import urllib.request; urllib.request.urlopen("
+              f"'http://127.0.0.1:{SERVER_HTTP_PORT}/healthcheck', timeout=4)")
+    exec_probe = {"exec": {"command": ["python3", "-c", health]}, "timeoutSeconds": 5}
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    if spec.offload.disk:
+        mounts.append(_disk_mount(owner, spec, read_only=False))
+    return {
+        "name": "lmcache-server",
+        "image": spec.engine.image,
+        "restartPolicy": "Always",
+        "command": ["lmcache", "server"],
+        "args": server_args(spec, budget),
+        "env": [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace")],
+        "resources": {"requests": {"cpu": "1", "memory": memory}, "limits": {"memory": memory}},
+        "volumeMounts": mounts,
+        # Importing LMCache takes seconds to tens of seconds; vLLM starts once this passes.
+        "startupProbe": {**exec_probe, "periodSeconds": 5, "failureThreshold": 60},
+        "livenessProbe": {**exec_probe, "periodSeconds": 10, "failureThreshold": 6},
+        "securityContext": _restricted(),
+    }
+
+
 def _versions_init_container(spec: Spec) -> dict[str, Any]:
     # The serving image itself says which vLLM / LMCache / torch it holds; the exporter serves that
     # as kvoffload_engine_info and the operator compares it with the pair it rendered for.
@@ -230,17 +291,24 @@ def _versions_init_container(spec: Spec) -> dict[str, Any]:
 
 
 def _exporter_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> dict[str, Any]:
+    backend = spec.offload.backend
     args = ["exporter",
             "--listen", f"$(POD_IP):{spec.metrics_port}",  # the pod IP only, not every interface
-            "--vllm-metrics-url", f"http://127.0.0.1:{HTTP_PORT}/metrics",
-            "--multiproc-dir", MULTIPROC_DIR,
-            "--lmcache-config", CONFIG_FILE,
-            "--tensor-parallel-size", str(spec.engine.tensor_parallel_size),
-            "--kv-bytes-per-token", str(budget.kv_bytes_per_token),
-            "--engine-versions-file", engine_versions.VERSIONS_FILE]
-    mounts = [{"name": "lmcache-config", "mountPath": CONFIG_DIR, "readOnly": True},
-              {"name": "prometheus-multiproc", "mountPath": MULTIPROC_DIR, "readOnly": True},
+            "--vllm-metrics-url", f"http://127.0.0.1:{HTTP_PORT}/metrics"]
+    mounts = [{"name": "prometheus-multiproc", "mountPath": MULTIPROC_DIR, "readOnly": True},
               {"name": "engine-info", "mountPath": engine_versions.ENGINE_DIR, "readOnly": True}]
+    if backend == "lmcache":
+        args += ["--multiproc-dir", MULTIPROC_DIR, "--lmcache-config", CONFIG_FILE]
+        mounts.insert(0, {"name": "lmcache-config", "mountPath": CONFIG_DIR, "readOnly": True})
+    else:
+        args += ["--backend", backend, "--cpu-capacity-bytes", str(budget.tier("cpu").bytes)]
+        if backend == "lmcache-server":
+            args += ["--lmcache-server-url", f"http://127.0.0.1:{SERVER_HTTP_PORT}/status"]
+            if spec.offload.disk:
+                args += ["--disk-capacity-bytes", str(budget.tier("disk").bytes)]
+    args += ["--tensor-parallel-size", str(spec.engine.tensor_parallel_size),
+             "--kv-bytes-per-token", str(budget.kv_bytes_per_token),
+             "--engine-versions-file", engine_versions.VERSIONS_FILE]
     if spec.offload.disk:
         args += ["--disk-dir", DISK_DIR]
         mounts.append(_disk_mount(owner, spec, read_only=True))
@@ -261,7 +329,8 @@ def _exporter_container(owner: Owner, spec: Spec, budget: Budget, settings: Sett
 
 def _volumes(owner: Owner, spec: Spec, budget: Budget) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [
-        {"name": "lmcache-config", "configMap": {"name": names(owner.name)["configmap"]}},
+        *([{"name": "lmcache-config", "configMap": {"name": names(owner.name)["configmap"]}}]
+          if spec.offload.backend == "lmcache" else []),
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(budget.shm)}},
         {"name": "prometheus-multiproc", "emptyDir": {"sizeLimit": "256Mi"}},
     ]
@@ -292,6 +361,8 @@ def statefulset(owner: Owner, spec: Spec, budget: Budget, settings: Settings, co
     }
     init = ([_disk_init_container(owner, spec)] if spec.offload.disk else []) + (
         [_versions_init_container(spec)] if spec.metrics_enabled else [])
+    if spec.offload.backend == "lmcache-server":
+        init.append(_server_container(owner, spec, budget, settings))
     if init:
         pod["initContainers"] = init
     node_selector = {**spec.scheduling.node_selector, **(spec.offload.disk.node_selector if spec.offload.disk else {})}
@@ -358,6 +429,9 @@ def check_name(name: str) -> None:
 
 def children(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> list[dict[str, Any]]:
     """Every child, in apply order (owner.name passed check_name: pipeline.desired checks it first)."""
+    if spec.offload.backend != "lmcache":  # no LMCache config file: the server's flags or vLLM's own flags say it all
+        return [*services(owner, spec, settings), statefulset(owner, spec, budget, settings, _hash(spec.offload.backend)),
+                pdb(owner, settings)]
     cm = configmap(owner, spec, budget, settings)
     policy = network_policy(_meta(names(owner.name)["networkpolicy"], owner, settings), spec, settings,
                             selector_labels(owner), HTTP_PORT)

@@ -1,0 +1,109 @@
+"""spec.offload.backend on the real control plane: the API server's CEL rules, each backend reconciled
+to Ready with its conditions, and switching backend on a live resource as a rolling change (which pod
+objects and volumes survive it)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from test_operator import apply, children, cond, get, operator, wait_ready  # noqa: F401
+
+pytestmark = pytest.mark.cluster
+
+PAIR = {"image": "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", "vllmVersion": "0.26.0", "lmcacheVersion": "0.5.3"}
+
+
+def serve(name: str, backend: str, disk: bool = True) -> dict:
+    offload = {"backend": backend, "cpu": {"size": "16Gi"}}
+    if disk:
+        offload["disk"] = {"path": "/mnt/nvme/lmcache", "size": "100Gi"}
+    return {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe", "metadata": {"name": name},
+            "spec": {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen": 16384, **PAIR},
+                     "offload": offload, "resources": {"gpuMemory": "141Gi"}}}
+
+
+@pytest.mark.parametrize("obj, needle", [
+    (serve("bad", "vllm-native"), "spec.offload.disk: Invalid value"),
+    (serve("bad", "vllm-native"), "CPU tier only"),
+    ({**serve("bad", "lmcache-server"), "spec": {**serve("bad", "lmcache-server")["spec"], "offload": {
+        "backend": "lmcache-server", "cpu": {"size": "16Gi", "evictionPolicy": "LFU"}}}}, "spec.offload.cpu.evictionPolicy"),
+    (serve("bad", "redis"), 'spec.offload.backend: Unsupported value: "redis"'),
+])
+def test_api_server_refuses_what_a_backend_cannot_do(cluster, namespace, crd_installed, obj, needle):  # noqa: F811
+    res = apply(cluster, namespace, obj, check=False)
+    assert res.returncode != 0 and needle in res.stderr, res.stderr
+
+
+def pod_spec(cluster, ns, name):
+    return get(cluster, ns, "statefulset", name)["spec"]["template"]["spec"]
+
+
+def test_each_backend_reconciles_with_its_conditions(cluster, namespace, operator):  # noqa: F811
+    for name, backend, disk in (("inproc", "lmcache", True), ("server", "lmcache-server", True), ("native", "vllm-native", False)):
+        apply(cluster, namespace, serve(name, backend, disk))
+    got = {name: wait_ready(cluster, namespace, name, timeout=240) for name in ("inproc", "server", "native")}
+    for name, obj in got.items():
+        assert cond(obj, "ConfigValid")["status"] == "True" and cond(obj, "Scheduled")["status"] == "True"
+        assert obj["status"]["budget"]["backend"] == obj["spec"]["offload"]["backend"]
+    assert "LMCacheConnectorV1" in cond(got["inproc"], "OffloadActive")["message"]
+    assert "LMCacheMPConnector" in cond(got["server"], "OffloadActive")["message"]
+    assert "OffloadingConnector" in cond(got["native"], "OffloadActive")["message"]
+    assert cond(got["native"], "DiskTierReady")["reason"] == "NotConfigured"
+    assert cond(got["server"], "DiskTierReady")["status"] == "True"
+    assert ("ConfigMap", "inproc-lmcache") in children(cluster, namespace, "inproc")
+    assert not any(k[0] == "ConfigMap" for k in children(cluster, namespace, "server") | children(cluster, namespace, "native"))
+    server = pod_spec(cluster, namespace, "server")
+    sidecar = next(c for c in server["initContainers"] if c["name"] == "lmcache-server")
+    assert sidecar["restartPolicy"] == "Always"  # the API server accepted a native sidecar
+    assert got["server"]["status"]["summary"]["serverMemory"] == sidecar["resources"]["limits"]["memory"]
+    pods = {p["metadata"]["name"]: p for p in get(cluster, namespace, "pods")["items"]}
+    assert pods["server-0"]["status"]["phase"] == "Running"
+    table = cluster.kubectl("get", "kvs", "-n", namespace).stdout
+    assert "BACKEND" in table and "lmcache-server" in table and "vllm-native" in table
+
+
+def test_switching_backend_is_a_rolling_change(cluster, namespace, operator):  # noqa: F811
+    obj = serve("svc", "lmcache")
+    apply(cluster, namespace, obj)
+    wait_ready(cluster, namespace, "svc", timeout=240)
+    before = get(cluster, namespace, "pods", "svc-0")
+    rev_before = get(cluster, namespace, "statefulset", "svc")["status"]["currentRevision"]
+
+    to_server = copy.deepcopy(obj)
+    to_server["spec"]["offload"]["backend"] = "lmcache-server"
+    apply(cluster, namespace, to_server)
+    after = wait_ready(cluster, namespace, "svc", generation=2, timeout=240)
+    sts = get(cluster, namespace, "statefulset", "svc")
+    assert sts["status"]["currentRevision"] != rev_before  # a new revision, rolled out
+    assert sts["status"]["updateRevision"] == sts["status"]["currentRevision"]
+    pod = get(cluster, namespace, "pods", "svc-0")
+    # A rolling update replaces the pod object: same name (so the same per-pod disk directory
+    # <root>/<ns>/svc/svc-0, emptied again by the init step), new UID (so a new memory-backed
+    # /dev/shm emptyDir: an L1 in it starts cold). Only a vLLM container restart inside one pod
+    # keeps the server, its L1 and its L2 (the sidecar's restartPolicy Always).
+    assert pod["metadata"]["uid"] != before["metadata"]["uid"]
+    vol = {v["name"]: v for v in pod["spec"]["volumes"]}
+    old = {v["name"]: v for v in before["spec"]["volumes"]}
+    assert vol["kv-disk"]["hostPath"] == old["kv-disk"]["hostPath"]
+    assert vol["dshm"]["emptyDir"]["sizeLimit"] != old["dshm"]["emptyDir"]["sizeLimit"]  # now holds the L1 too
+    assert not any(k[0] == "ConfigMap" for k in children(cluster, namespace, "svc"))  # pruned
+    assert after["status"]["budget"]["backend"] == "lmcache-server"
+
+    to_native = copy.deepcopy(to_server)
+    to_native["spec"]["offload"]["backend"] = "vllm-native"
+    del to_native["spec"]["offload"]["disk"]
+    apply(cluster, namespace, to_native)
+    native = wait_ready(cluster, namespace, "svc", generation=3, timeout=240)
+    spec = pod_spec(cluster, namespace, "svc")
+    assert [c["name"] for c in spec["initContainers"]] == ["report-engine-versions"]  # no disk step, no server
+    assert [c["name"] for c in spec["containers"]] == ["vllm", "exporter"]
+    args = spec["containers"][0]["args"]
+    assert args[args.index("--kv-offloading-backend") + 1] == "native"
+    assert cond(native, "DiskTierReady")["reason"] == "NotConfigured"
+    assert native["status"]["budget"]["backend"] == "vllm-native"
+
+    back = copy.deepcopy(obj)  # and back to the in-process default: the ConfigMap returns
+    apply(cluster, namespace, back)
+    wait_ready(cluster, namespace, "svc", generation=4, timeout=240)
+    assert ("ConfigMap", "svc-lmcache") in children(cluster, namespace, "svc")

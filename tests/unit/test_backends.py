@@ -1,0 +1,161 @@
+"""spec.offload.backend: what each backend allows, how it is sized and rendered, and its conditions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvoffload.api.errors import ConfigError
+from kvoffload.api.quantity import GiB, gib, to_bytes
+from kvoffload.api.settings import Settings
+from kvoffload.api.spec import parse
+from kvoffload.controller import conditions, pipeline
+from kvoffload.controller.probe import Reading
+from kvoffload.rendering import render
+
+from .helpers import spec
+
+PAIR = {"engine__image": "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", "engine__vllmVersion": "0.26.0",
+        "engine__lmcacheVersion": "0.5.3"}
+
+
+def desired(backend: str, **patch):
+    s = spec(offload__backend=backend, **PAIR, **patch)
+    if backend == "vllm-native":
+        del s["offload"]["disk"]
+    return pipeline.desired("svc", "team-a", "uid-1", s, Settings())
+
+
+def pod(d):
+    return next(c for c in d.children if c["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+
+
+def containers(d):
+    p = pod(d)
+    return {c["name"]: c for c in p["containers"] + p.get("initContainers", [])}
+
+
+def arg(args, flag):
+    return args[args.index(flag) + 1]
+
+
+@pytest.mark.parametrize("patch, field, words", [
+    ({"offload__backend": "vllm-native"}, "spec.offload.disk", "CPU tier only"),
+    ({"offload__backend": "lmcache-server", "offload__cpu__evictionPolicy": "LFU"}, "spec.offload.cpu.evictionPolicy", "LRU"),
+    ({"offload__backend": "vllm-native", "offload__disk": None, "offload__cpu__evictionPolicy": "MRU"},
+     "spec.offload.cpu.evictionPolicy", "LRU"),
+    ({"offload__backend": "redis"}, "spec.offload.backend", "lmcache, lmcache-server, vllm-native"),
+    ({"offload__backend": "lmcache-server", "engine__image": "x/y:1", "engine__vllmVersion": "0.25.0",
+      "engine__lmcacheVersion": "0.5.3"}, "spec.offload.backend", "vLLM 0.25.0"),
+    ({"offload__backend": "lmcache-server", "engine__image": "x/y:1", "engine__vllmVersion": "0.26.0",
+      "engine__lmcacheVersion": "0.5.2"}, "spec.offload.backend", "LMCache >= 0.5.3"),
+    ({"offload__backend": "lmcache", "engine__image": "vllm/vllm-openai:v0.26.0", "engine__vllmVersion": "0.26.0"},
+     "spec.engine.lmcacheVersion", "version table"),
+])
+def test_refused_with_the_field_named(patch, field, words):
+    with pytest.raises(ConfigError) as err:
+        parse(spec(**patch), Settings())
+    assert err.value.field == field and words in str(err.value)
+
+
+def test_native_needs_no_lmcache_in_the_image():
+    s = spec(offload__backend="vllm-native", offload__disk=None, engine__image="vllm/vllm-openai:v0.26.0",
+             engine__vllmVersion="0.26.0")
+    assert parse(s, Settings()).engine.lmcache_version == ""
+
+
+def test_vllm_container_memory_is_the_same_and_the_server_adds_its_own():
+    inproc, server, native = desired("lmcache"), desired("lmcache-server"), desired("vllm-native")
+    # The L1 is charged to vLLM's container in both LMCache modes (its workers touch it first).
+    assert server.budget.memory_limit == inproc.budget.memory_limit
+    assert server.budget.server_memory == 3 * GiB and inproc.budget.server_memory == 0 == native.budget.server_memory
+    # The server's L1 is a /dev/shm segment: the volume grows by the CPU tier, never the container twice.
+    assert server.budget.shm == inproc.budget.shm + 40 * GiB
+    staging = {t.name: t.bytes for t in native.budget.memory_terms}["staging"]
+    assert staging == 0  # vLLM copies directly between its GPU and pinned CPU blocks
+    assert native.budget.memory_limit < inproc.budget.memory_limit
+
+
+def test_native_tier_counts_whole_vllm_blocks():
+    d = desired("vllm-native", offload__chunkSize=8192)  # chunkSize is LMCache's; vLLM offloads 16-token blocks
+    cpu = d.budget.tier("cpu")
+    assert cpu.tokens == 40 * GiB // (16 * d.budget.kv_bytes_per_token) * 16
+
+
+def test_server_pod():
+    d = desired("lmcache-server")
+    c = containers(d)
+    server, vllm = c["lmcache-server"], c["vllm"]
+    assert server["restartPolicy"] == "Always"  # a native sidecar: outlives vLLM container restarts
+    # The disk directory is emptied and the versions reported before the server starts.
+    assert [i["name"] for i in pod(d)["initContainers"]] == ["prepare-disk-tier", "report-engine-versions", "lmcache-server"]
+    assert "nvidia.com/gpu" not in server["resources"]["limits"]  # engine-driven: the server needs no GPU
+    assert to_bytes(server["resources"]["limits"]["memory"], "x") == d.budget.server_memory
+    assert to_bytes(vllm["resources"]["limits"]["memory"], "x") == d.budget.memory_limit
+    for name in ("lmcache-server", "vllm"):
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c[name]["volumeMounts"]  # the L1 is shared there
+    args = server["args"]
+    assert float(arg(args, "--l1-size-gb")) == pytest.approx(gib(d.budget.tier("cpu").bytes))
+    assert arg(args, "--host") == "127.0.0.1" and arg(args, "--http-host") == "127.0.0.1"
+    assert arg(args, "--supported-transfer-mode") == "engine_driven"
+    l2 = json.loads(arg(args, "--l2-adapter"))
+    assert l2 == {"type": "fs_native", "base_path": render.DISK_DIR, "max_capacity_gb": 200.0}
+    kv = json.loads(arg(vllm["args"], "--kv-transfer-config"))
+    assert kv["kv_connector"] == "LMCacheMPConnector"
+    assert kv["kv_connector_extra_config"]["lmcache.mp.port"] == int(arg(args, "--port"))
+    assert kv["kv_connector_extra_config"]["lmcache.mp.mp_transfer_mode"] == "engine_driven"
+    assert "LMCACHE_CONFIG_FILE" not in {e["name"] for e in vllm["env"]}
+    assert not any(m["name"] == "kv-disk" for m in vllm["volumeMounts"])  # only the server writes the disk tier
+    assert [k["kind"] for k in d.children] == ["Service", "Service", "StatefulSet", "PodDisruptionBudget"]
+    exporter = c["exporter"]["args"]
+    assert arg(exporter, "--backend") == "lmcache-server"
+    assert arg(exporter, "--lmcache-server-url") == f"http://127.0.0.1:{render.SERVER_HTTP_PORT}/status"
+
+
+def test_native_pod():
+    d = desired("vllm-native")
+    c = containers(d)
+    args = c["vllm"]["args"]
+    assert arg(args, "--kv-offloading-backend") == "native"
+    assert float(arg(args, "--kv-offloading-size")) == pytest.approx(40.0)  # GiB over all TP ranks
+    assert "--kv-transfer-config" not in args
+    assert set(c) == {"vllm", "exporter", "report-engine-versions"}
+    assert not any(v["name"] in ("lmcache-config", "kv-disk") for v in pod(d)["volumes"])
+    assert "ConfigMap" not in {k["kind"] for k in d.children}
+    assert to_bytes(c["vllm"]["resources"]["limits"]["memory"], "x") == d.budget.memory_limit
+
+
+def test_tp_native_size_is_the_total_over_ranks():
+    d = desired("vllm-native", engine__tensorParallelSize=2)
+    assert float(arg(containers(d)["vllm"]["args"], "--kv-offloading-size")) == pytest.approx(40.0)
+    assert d.budget.tier("cpu").bytes_per_worker == 20 * GiB
+
+
+@pytest.mark.parametrize("backend, reason", [("lmcache", "LMCacheActive"), ("lmcache-server", "LMCacheServerConnected"),
+                                             ("vllm-native", "NativeOffloadActive")])
+def test_offload_condition_names_the_backend(backend, reason):
+    d = desired(backend)
+    sts = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "replicas": 1, "readyReplicas": 1,
+                                                     "updatedReplicas": 1, "currentRevision": "r", "updateRevision": "r"}}
+    p = {"metadata": {"name": "svc-0"}, "spec": {"nodeName": "n"},
+         "status": {"conditions": [{"type": "Ready", "status": "True"}, {"type": "Initialized", "status": "True"}]}}
+    body = {"metadata": {"name": "svc", "namespace": "team-a", "generation": 1}}
+    for probes, want in (({"svc-0": Reading(1.0)}, reason), ({"svc-0": Reading(0.0)}, None)):
+        st = conditions.status(body, d, None, conditions.Observed(sts, [p], probes))
+        c = next(c for c in st["conditions"] if c["type"] == "OffloadActive")
+        assert (c["reason"] == want) if want else c["status"] == "False"
+    assert st["budget"]["backend"] == backend
+    assert ("serverMemory" in st["summary"]) == (backend == "lmcache-server")
+
+
+def test_plan_cli_backend():
+    run = [sys.executable, "-m", "kvoffload.cli", "plan", "--model", "meta-llama/Llama-3.1-8B-Instruct",
+           "--context", "32768", "--cpu-tier", "40Gi"]
+    out = subprocess.run(run + ["--backend", "lmcache-server", "-o", "json"], capture_output=True, text=True, check=True)
+    doc = json.loads(out.stdout)
+    assert doc["backend"] == "lmcache-server" and doc["serverMemory"]["limit"] == 3 * GiB
+    bad = subprocess.run(run + ["--backend", "vllm-native", "--disk-tier", "100Gi"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "--disk-tier" in bad.stderr and "--backend vllm-native" in bad.stderr

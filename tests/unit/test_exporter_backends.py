@@ -1,0 +1,98 @@
+"""The exporter for backends lmcache-server and vllm-native: the LMCache server's real /status
+(LMCache 0.5.3) and vLLM 0.26.0's native offload counters, and what proves offloading for each."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvoffload.api.fetch import SourceError
+from kvoffload.exporter.capacity import TierCapacity
+from kvoffload.exporter.collector import ExporterConfig, TierCollector, native_active, server_active
+from kvoffload.exporter.lmcache_server import parse_status
+from kvoffload.exporter.vllm_metrics import parse_vllm
+from kvtest.exporter import FakeVllm
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+IDLE = json.loads((FIXTURES / "lmcache-0.5.3-server-status" / "status-idle.json").read_text())
+CONNECTED = {**IDLE, "active_sessions": 1, "registered_non_cuda_instance_ids": [7],
+             "storage_manager": {**IDLE["storage_manager"], "l1_manager": {
+                 **IDLE["storage_manager"]["l1_manager"], "memory_used_bytes": 4 << 20}}}
+VLLM = (FIXTURES / "vllm-0.26.0-lmcache-0.5.3-h200" / "vllm-metrics-with-lmcache.txt").read_text()
+# vLLM 0.26.0's native offload counters, as its OffloadPromMetrics names them (model_name, engine labels).
+NATIVE = VLLM + (
+    "# HELP vllm:kv_offload_store_bytes_total Total bytes stored from GPU to offload storage.\n"
+    "# TYPE vllm:kv_offload_store_bytes_total counter\n"
+    'vllm:kv_offload_store_bytes_total{engine="0",model_name="m"} 8.388608e+06\n'
+    "# HELP vllm:kv_offload_load_bytes_total Total bytes loaded from offload storage to GPU.\n"
+    "# TYPE vllm:kv_offload_load_bytes_total counter\n"
+    'vllm:kv_offload_load_bytes_total{engine="0",model_name="m"} 4.194304e+06\n')
+
+
+def samples(collector: TierCollector) -> dict[tuple[str, tuple], float]:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_status_of_the_real_server_parses():
+    snap = parse_status(IDLE)
+    assert (snap.healthy, snap.l1_used_bytes, snap.l1_total_bytes, snap.engines) == (True, 0, 268435456, 0)
+    assert parse_status(CONNECTED).engines == 1
+    with pytest.raises(SourceError):
+        parse_status({"is_healthy": True})
+
+
+def test_server_active_needs_a_registered_engine_and_connector_queries():
+    vllm = parse_vllm(VLLM)
+    assert (vllm.external_queries or 0) > 0
+    assert server_active(vllm, parse_status(CONNECTED))
+    assert not server_active(vllm, parse_status(IDLE))  # vLLM not registered with the server
+    assert not server_active(None, parse_status(CONNECTED))
+    assert not server_active(vllm, None)
+
+
+def test_native_active_needs_vllms_own_offload_counters():
+    assert native_active(parse_vllm(NATIVE))
+    assert not native_active(parse_vllm(VLLM))  # LMCache's connector, not vLLM's native one
+
+
+def test_server_backend_scrape(tmp_path):
+    with FakeVllm(VLLM) as vllm, FakeVllm(json.dumps(CONNECTED)) as server:
+        got = samples(TierCollector(ExporterConfig(vllm_metrics_url=vllm.url, backend="lmcache-server",
+                                                   server_status_url=server.url, capacity=TierCapacity(disk_bytes=10 << 30))))
+    assert got[("kvoffload_tier_capacity_bytes", (("tier", "cpu"),))] == 268435456  # the L1 in force
+    assert got[("kvoffload_tier_used_bytes", (("tier", "cpu"),))] == 4 << 20
+    assert got[("kvoffload_tier_capacity_bytes", (("tier", "disk"),))] == 10 << 30
+    assert got[("kvoffload_lmcache_server_engines", ())] == 1
+    assert got[("kvoffload_offload_active", ())] == 1
+    assert got[("kvoffload_source_up", (("source", "lmcache"),))] == 1
+
+
+def test_server_backend_when_the_server_is_down():
+    with FakeVllm(VLLM) as vllm:
+        got = samples(TierCollector(ExporterConfig(vllm_metrics_url=vllm.url, backend="lmcache-server",
+                                                   server_status_url="http://127.0.0.1:9/status")))
+    assert got[("kvoffload_offload_active", ())] == 0
+    assert got[("kvoffload_source_up", (("source", "lmcache"),))] == 0
+    assert ("kvoffload_tier_used_bytes", (("tier", "cpu"),)) not in got  # left out, never zeroed
+
+
+def test_native_backend_scrape():
+    with FakeVllm(NATIVE) as vllm:
+        got = samples(TierCollector(ExporterConfig(vllm_metrics_url=vllm.url, backend="vllm-native",
+                                                   capacity=TierCapacity(cpu_bytes=40 << 30))))
+    assert got[("kvoffload_tier_capacity_bytes", (("tier", "cpu"),))] == 40 << 30
+    assert got[("kvoffload_offload_transfer_bytes_total", (("direction", "store"),))] == 8388608
+    assert got[("kvoffload_offload_transfer_bytes_total", (("direction", "load"),))] == 4194304
+    assert got[("kvoffload_offload_active", ())] == 1
+    assert ("kvoffload_source_up", (("source", "lmcache"),)) not in got  # no LMCache to read
+    assert ("kvoffload_tier_used_bytes", (("tier", "cpu"),)) not in got  # vLLM exports no fill level
