@@ -66,10 +66,18 @@ def desired(name: str, namespace: str, uid: str, spec_dict: dict[str, Any], sett
     return Desired(spec=spec, budget=budget, children=render.children(owner, spec, budget, settings))
 
 
+def unchecked(spec: Spec) -> bool:
+    """The spec sets fields that reach the pod template unchecked by the CRD schema (the free-form
+    env, tolerations and affinity; an image with surrounding blanks, which a pod may not have), so only
+    the API server can tell whether the StatefulSet it makes is valid."""
+    s, image = spec.scheduling, spec.engine.image
+    return bool(spec.engine.env or s.tolerations or s.affinity or image != image.strip())
+
+
 def validate_name(name: str) -> None:
     # Children are named <name>-lmcache / <name>-pods and pods <name>-<ordinal>: keep them within 63 characters.
     if len(name) > 52:
         raise ConfigError("metadata.name", f"{name!r} is {len(name)} characters; at most 52 so child and pod names fit in 63")
 
 
-__all__ = ["ConfigError", "Desired", "desired", "plan_for", "validate_name"]
+__all__ = ["ConfigError", "Desired", "desired", "plan_for", "unchecked", "validate_name"]

@@ -52,30 +52,46 @@ def _owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid and ref.get("controller") for ref in obj["metadata"].get("ownerReferences", []) or [])
 
 
+def _refused(child: dict[str, Any], exc: ApiError) -> ConfigError:
+    return ConfigError("spec", f"the API server refused the rendered {child['kind']}: {exc.message} "
+                               "(spec.scheduling and spec.engine.env are passed to the pod unchanged)")
+
+
+def _to_validate(changed: list[dict[str, Any]], unchecked: bool) -> list[dict[str, Any]]:
+    """All or nothing, at the price of a dry run only where the API server can refuse: the StatefulSet,
+    when it carries spec fields the CRD schema does not check (`pipeline.unchecked`) and another
+    changed child would be written before it. Everything else is rendered from checked fields."""
+    return [c for i, c in enumerate(changed) if unchecked and c["kind"] == "StatefulSet" and i > 0]
+
+
 def _dry_run(kube: Kube, children: list[dict[str, Any]]) -> None:
-    """All or nothing: the API server validates every changed child before any is written, so a
-    pass-through field it refuses (tolerations, affinity, env valueFrom) is a ConfigValid=False, not a half-apply."""
+    """The API server validates these children before any child is written, so a pass-through field it
+    refuses (tolerations, affinity, env valueFrom) is a ConfigValid=False, not a half-apply."""
     for child in children:
         try:
             kube.apply(child, dry_run=True)
         except ApiError as exc:
             if exc.status not in (400, 422):
                 raise
-            raise ConfigError("spec", f"the API server refused the rendered {child['kind']}: {exc.message} "
-                                      "(spec.scheduling and spec.engine.env are passed to the pod unchanged)") from None
+            raise _refused(child, exc) from None
 
 
-def sync_children(kube: Kube, namespace: str, name: str, uid: str, children: list[dict[str, Any]]) -> dict[str, Any] | None:
+def sync_children(kube: Kube, namespace: str, name: str, uid: str, children: list[dict[str, Any]],
+                  unchecked: bool = True) -> dict[str, Any] | None:
     """Apply children that differ from the cluster, prune ours that are no longer wanted; return the StatefulSet."""
     live = _live_children(kube, namespace, name)
     wanted = {_key(c) for c in children}
     changed = [c for c in children if _key(c) not in live or not covers(c, live[_key(c)])]
-    if changed:
-        _dry_run(kube, changed)
+    _dry_run(kube, _to_validate(changed, unchecked))
     sts = live.get(("apps/v1", "StatefulSet", render.names(name)["statefulset"]))
     for child in changed:
         log.info("apply %s %s/%s", child["kind"], namespace, child["metadata"]["name"])
-        current = kube.apply(child)
+        try:
+            current = kube.apply(child)
+        except ApiError as exc:
+            if exc.status not in (400, 422):
+                raise
+            raise _refused(child, exc) from None  # a StatefulSet that can be refused was validated above
         if child["kind"] == "StatefulSet":
             sts = current
     for key, obj in live.items():
@@ -101,7 +117,7 @@ def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: 
     sts, pods, probes = None, [], None
     if desired is not None:
         try:
-            sts = sync_children(kube, namespace, name, meta["uid"], desired.children)
+            sts = sync_children(kube, namespace, name, meta["uid"], desired.children, pipeline.unchecked(desired.spec))
         except ConfigError as exc:
             desired, error = None, exc
     if desired is not None:
