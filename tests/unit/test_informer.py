@@ -132,3 +132,11 @@ def test_informers_per_namespace_or_cluster_wide():
         "/apis/kvoffload.io/v1alpha1/kvoffloadserves", "/api/v1/configmaps", "/api/v1/services",
         "/apis/apps/v1/statefulsets", "/apis/policy/v1/poddisruptionbudgets", "/api/v1/pods"])
     assert {i.selector for i in wide.informers if i.kind != "KVOffloadServe"} == {OWNER}
+
+
+def test_a_late_delete_of_an_earlier_incarnation_does_not_drop_the_new_one():
+    s = store()
+    s.apply_event("ADDED", obj("ConfigMap", "c", 10))
+    s.observe(obj("ConfigMap", "c", 30))  # deleted at 20 and re-created by us at 30; the watch lags
+    assert s.apply_event("DELETED", obj("ConfigMap", "c", 20)) == set()
+    assert s.get("ns", "c")["metadata"]["resourceVersion"] == "30"

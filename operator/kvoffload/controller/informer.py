@@ -96,11 +96,11 @@ class Store:
     def apply_event(self, type_: str, obj: Obj) -> set[ObjKey]:
         key = (obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
         with self.lock:
-            if type_ == "DELETED":
-                return self._put(key, None) if key in self.objects else set()
-            if not newer(obj, self.objects.get(key)):
+            if key not in self.objects and type_ == "DELETED":
                 return set()
-            return self._put(key, obj)
+            if not newer(obj, self.objects.get(key)):
+                return set()  # older than what we hold (a late event, or the end of an earlier incarnation)
+            return self._put(key, None if type_ == "DELETED" else obj)
 
     def observe(self, obj: Obj) -> None:
         """Read-your-writes: the answer to our own write, unless the watch already brought something newer."""

@@ -33,6 +33,25 @@ def covers(desired: Any, live: Any) -> bool:
     return desired == live
 
 
+# Last positive `covers` per child: (the desired object, the live resourceVersion). pipeline.desired
+# returns the same objects while the spec stays, so an unchanged child is not walked again.
+_COVERED: dict[tuple[str, str, str, str], tuple[dict[str, Any], str]] = {}
+
+
+def _covered(desired: dict[str, Any], live: dict[str, Any]) -> bool:
+    meta = live["metadata"]
+    key = (meta.get("uid", ""), desired["kind"], meta.get("namespace", ""), meta["name"])
+    hit = _COVERED.get(key)
+    if hit is not None and hit[0] is desired and hit[1] == meta.get("resourceVersion"):
+        return True
+    if not covers(desired, live):
+        return False
+    if len(_COVERED) > 50_000:
+        _COVERED.clear()
+    _COVERED[key] = (desired, meta.get("resourceVersion", ""))
+    return True
+
+
 def _key(obj: dict[str, Any]) -> tuple[str, str, str]:
     return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
 
@@ -81,7 +100,7 @@ def sync_children(kube: Kube, namespace: str, name: str, uid: str, children: lis
     """Apply children that differ from the cluster, prune ours that are no longer wanted; return the StatefulSet."""
     live = _live_children(kube, namespace, name)
     wanted = {_key(c) for c in children}
-    changed = [c for c in children if _key(c) not in live or not covers(c, live[_key(c)])]
+    changed = [c for c in children if _key(c) not in live or not _covered(c, live[_key(c)])]
     _dry_run(kube, _to_validate(changed, unchecked))
     sts = live.get(("apps/v1", "StatefulSet", render.names(name)["statefulset"]))
     for child in changed:
