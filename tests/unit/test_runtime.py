@@ -101,3 +101,37 @@ def test_dry_run_only_where_the_api_server_can_refuse():
     assert reconcile._to_validate([cm, svc, sts, pdb], unchecked=True) == [sts]  # written after others: check first
     assert reconcile._to_validate([sts, pdb], unchecked=True) == []  # the first write is its own check
     assert reconcile._to_validate([cm, svc, sts, pdb], unchecked=False) == []  # nothing the schema did not check
+
+
+def test_progress_details_wait_for_the_spacing_but_what_readers_wait_for_does_not():
+    def status(gen: int, **conds: str) -> dict:
+        return {"observedGeneration": gen, "conditions": [{"type": t, "status": s} for t, s in conds.items()]}
+
+    old = status(1, Ready="False", ConfigValid="True", Scheduled="Unknown")
+    assert not reconcile.urgent(old, status(1, Ready="False", ConfigValid="True", Scheduled="True"))
+    assert reconcile.urgent(old, status(1, Ready="True", ConfigValid="True", Scheduled="True"))
+    assert reconcile.urgent(old, status(1, Ready="False", ConfigValid="False", Scheduled="Unknown"))
+    assert reconcile.urgent(old, status(2, Ready="False", ConfigValid="True", Scheduled="Unknown"))
+    assert reconcile.urgent({}, old)  # the first status
+
+
+def test_a_deferred_status_is_reconciled_again_after_the_spacing(monkeypatch):
+    monkeypatch.setattr(runtime, "STATUS_SPACING", 0.05)
+    outcomes = iter(["deferred", "updated"])
+    runs: list[str] = []
+
+    def reconcile_(kube, ns, name, settings):
+        runs.append(name)
+        return next(outcomes)
+
+    async def scenario() -> None:
+        rt = runtime.Runtime(kube=None, settings=Settings(), reconcile=reconcile_)
+        rt.kick("ns", "a")
+        await rt._serve()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if len(runs) == 2:
+                break
+
+    asyncio.run(scenario())
+    assert runs == ["a", "a"]

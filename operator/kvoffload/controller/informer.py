@@ -22,6 +22,7 @@ import json
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -287,6 +288,7 @@ class CachedKube(Kube):
     def __init__(self, kube: Kube, cache: Cache) -> None:
         super().__init__(kube.api, kube.timeout)
         self.inner, self.cache = kube, cache
+        self.status_writes: dict[str, float] = {}  # path -> monotonic time of our last status write
 
     def request(self, method: str, path: str, body: Any = None, *, query: dict[str, str] | None = None,
                 content_type: str = "application/json") -> Any:
@@ -319,7 +321,14 @@ class CachedKube(Kube):
     def replace_status(self, path: str, status: dict[str, Any], resource_version: str) -> Obj:
         out = super().replace_status(path, status, resource_version)
         self._observe(out, CR_API_VERSION, crd.KIND)
+        now = time.monotonic()
+        if len(self.status_writes) > 100_000:
+            self.status_writes = {p: t for p, t in self.status_writes.items() if now - t < 60}
+        self.status_writes[path] = now
         return out
+
+    def status_written_within(self, path: str, seconds: float) -> bool:
+        return time.monotonic() - self.status_writes.get(path, -1e9) < seconds
 
     def _observe(self, obj: Obj | None, api_version: str, kind: str) -> None:
         store = self.cache.by_kind.get(kind)

@@ -130,6 +130,10 @@ class Kube:
             if e.status != 404:
                 raise
 
+    def status_written_within(self, path: str, seconds: float) -> bool:
+        """Whether this client wrote the status at `path` in the last `seconds` (only CachedKube keeps track)."""
+        return False
+
     def replace_status(self, path: str, status: dict[str, Any], resource_version: str) -> dict[str, Any]:
         # JSON patch: `add` on /status replaces it whole (merge patch cannot drop stale keys); the
         # resourceVersion test refuses to overwrite a newer object.

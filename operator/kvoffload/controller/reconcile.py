@@ -120,6 +120,21 @@ def sync_children(kube: Kube, namespace: str, name: str, uid: str, children: lis
     return sts
 
 
+# Progress details (Scheduled, replica counts, OffloadActive, messages) are written at most this often
+# per resource, so a pod's way from Pending to Running is one status write, not four; what a reader
+# waits for (the first status, Ready, ConfigValid, observedGeneration) is written at once.
+STATUS_SPACING = 5.0
+URGENT_CONDITIONS = ("Ready", "ConfigValid")
+
+
+def urgent(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """The change from `old` to `new` status is one a reader waits for."""
+    if old.get("observedGeneration") != new.get("observedGeneration") or not old.get("conditions"):
+        return True
+    before = {c["type"]: c.get("status") for c in old.get("conditions", [])}
+    return any(before.get(c["type"]) != c["status"] for c in new["conditions"] if c["type"] in URGENT_CONDITIONS)
+
+
 def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: datetime | None = None) -> str:
     """Bring one KVOffloadServe's children and status in line with its spec. Returns a short outcome."""
     body = kube.get(cr_path(namespace, name))
@@ -147,6 +162,8 @@ def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: 
     new_status = conditions.status(body, desired, error, conditions.Observed(sts, pods, probes), clock)
     if new_status == (body.get("status") or {}):
         return "unchanged"
+    if not urgent(body.get("status") or {}, new_status) and kube.status_written_within(cr_path(namespace, name), STATUS_SPACING):
+        return "deferred"  # the Runtime reconciles it again once the spacing has passed
     try:
         kube.replace_status(cr_path(namespace, name), new_status, meta["resourceVersion"])
     except ApiError as exc:

@@ -31,7 +31,7 @@ from ..api.settings import Settings
 from . import leader
 from .informer import Cache, CachedKube
 from .kube import Kube
-from .reconcile import reconcile
+from .reconcile import STATUS_SPACING, reconcile
 
 log = logging.getLogger("kvoffload.operator")
 
@@ -121,6 +121,8 @@ class Runtime:
                                                      self.settings)
                 self.counts[outcome] += 1
                 self.backoff.pop(key, None)
+                if outcome == "deferred":  # a progress-only status write waits for the spacing
+                    loop.call_later(STATUS_SPACING, self.kick, key[0], key[1], PROGRESS)
                 log.debug("reconciled %s/%s: %s", *key, outcome)
             except Exception as exc:  # API down, timeouts: level-based, so just try again later
                 delay = self.backoff.get(key, 0.5)
