@@ -389,7 +389,7 @@ class Floor:
 
     def _watch(self, c: kvcluster.Cluster, path: str, store: dict[tuple[str, str], dict[str, Any]]) -> None:
         """Cluster-wide watch of our labelled objects; keeps the newest of each owner's (one pod per resource)."""
-        w = watch.Watch()
+        w = RawWatch()
         fn = (client.AppsV1Api(c.api_client()).list_stateful_set_for_all_namespaces if "statefulsets" in path
               else client.CoreV1Api(c.api_client()).list_pod_for_all_namespaces)
         while not self.stop.is_set():
@@ -404,6 +404,13 @@ class Floor:
                         return
             except Exception:  # noqa: BLE001 - reconnect
                 time.sleep(0.2)
+
+
+class RawWatch(watch.Watch):
+    """A watch that hands out plain dicts: no model objects built (the floor client stays lean)."""
+
+    def get_return_type(self, func):  # type: ignore[no-untyped-def]
+        return None
 
 
 # ------------------------------------------------------------------------------ readiness, by watch
