@@ -4,17 +4,19 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
-CLUSTER := $(BIN)/python tests/cluster/cluster.py
+CLUSTER := $(BIN)/python -m kvtest
 KUBECONFIG ?= $(CURDIR)/.cluster/kubeconfig
 LMCACHE_VERSION := 0.5.6
 
-.PHONY: venv system-deps cluster-build cluster-up cluster-down cluster-status generate unit integration test demo demo-down bench clean
+.PHONY: venv system-deps cluster-build cluster-up cluster-down cluster-status generate lint unit integration test demo demo-down bench clean
 
 venv: $(VENV)/.done
-$(VENV)/.done: operator/pyproject.toml
+$(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e 'operator[test]'
+	# The test-support package (tests/support: kvtest), so tests, benchmarks and scripts `import kvtest`.
+	$(BIN)/pip install -q -e tests/support
 	# LMCache's own config loader, for fidelity tests only (no torch, no CUDA): not an operator dependency.
 	$(BIN)/pip install -q --no-deps lmcache==$(LMCACHE_VERSION)
 	touch $@
@@ -40,14 +42,18 @@ cluster-status: venv
 generate: venv
 	$(BIN)/python -m kvoffload.cli.generate
 
+# ruff, one configuration (operator/pyproject.toml [tool.ruff]) for the package, the tests and the benchmarks.
+lint: venv
+	$(BIN)/ruff check --config operator/pyproject.toml operator tests benchmarks
+
 unit: venv
 	$(BIN)/python -m pytest tests/unit -q
 
 integration: venv system-deps cluster-build
 	KVO_REQUIRE_CLUSTER=1 $(BIN)/python -m pytest tests/integration -q
 
-# Unit tests, then everything on the real control plane (started from the cached build, stopped after).
-test: venv system-deps cluster-build
+# Lint, the generated files, unit tests, then everything on the real control plane (started from the cached build, stopped after).
+test: venv lint system-deps cluster-build
 	$(BIN)/python -m kvoffload.cli.generate --check
 	KVO_REQUIRE_CLUSTER=1 $(BIN)/python -m pytest tests -q
 

@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvoffload.exporter.testkit import ExporterProcess, FakeVllm
+from kvtest.exporter import ExporterProcess, FakeVllm
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -28,11 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import scale_bench as sb  # same directory: cluster helpers, the spec
 from kubernetes import client, watch
 
-import scale_bench as sb  # same directory: cluster helpers, the spec, the operator subprocess
+import kvtest
+from kvtest import OperatorProcess
 
-kvcluster = sb.kvcluster
 CHILD_WATCHES = (("ConfigMap", "list_namespaced_config_map", "core"), ("Service", "list_namespaced_service", "core"),
                  ("StatefulSet", "list_namespaced_stateful_set", "apps"),
                  ("PodDisruptionBudget", "list_namespaced_pod_disruption_budget", "policy"))
@@ -42,7 +43,7 @@ EXPECTED = {"ConfigMap": 1, "Service": 2, "StatefulSet": 1, "PodDisruptionBudget
 class Recorder:
     """Watches that stamp, per resource name, the monotonic time of each milestone."""
 
-    def __init__(self, c: kvcluster.Cluster, ns: str) -> None:
+    def __init__(self, c: kvtest.Cluster, ns: str) -> None:
         self.ns, self.lock = ns, threading.Lock()
         self.first_status: dict[str, float] = {}
         self.current: dict[str, float] = {}
@@ -104,13 +105,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     state_dir = Path(args.state_dir or workdir / "cluster")
     out: dict[str, Any] = {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                            "machine": f"{os.cpu_count()} cores", "params": vars(args), "load_before": sb.loadavg()}
-    c = kvcluster.Cluster(dir=state_dir)
+    c = kvtest.Cluster(dir=state_dir)
     op = None
     try:
         c = sb.fresh_cluster(state_dir, args.gpu_nodes)
         ns = "latency"
         sb.make_namespaces(c, [ns])
-        op = sb.Operator(c, workdir, 300, scope=("--namespace", ns))
+        op = OperatorProcess(c.env, [ns], {"resyncSeconds": 300}, log_path=workdir / "operator.log")
         op.wait_started()
         rec = Recorder(c, ns)
         time.sleep(2)  # watches established
@@ -122,13 +123,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "spec": sb.SPEC}
             t0 = time.monotonic()
             custom.create_namespaced_custom_object(sb.GROUP, sb.VERSION, ns, sb.PLURAL, body)
-            kvcluster.wait_until(lambda: name in rec.current and name in rec.children, timeout=60, interval=0.01,
+            kvtest.wait_until(lambda: name in rec.current and name in rec.children, timeout=60, interval=0.01,
                                  message=f"{name} current")
             with rec.lock:
                 results.append({"first_status": rec.first_status.get(name, rec.current[name]) - t0, "children": rec.children[name] - t0,
                                 "current": max(rec.current[name], rec.children[name]) - t0})
             custom.delete_namespaced_custom_object(sb.GROUP, sb.VERSION, ns, sb.PLURAL, name)
-            kvcluster.wait_until(lambda: not core.list_namespaced_pod(ns, label_selector=f"{sb.OWNER_LABEL}={name}").items
+            kvtest.wait_until(lambda: not core.list_namespaced_pod(ns, label_selector=f"{sb.OWNER_LABEL}={name}").items
                                  and not core.list_namespaced_config_map(ns, label_selector=f"{sb.OWNER_LABEL}={name}").items,
                                  timeout=60, interval=0.1, message=f"{name} cleaned up")
             if i % 10 == 0:

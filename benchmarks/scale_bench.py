@@ -48,7 +48,6 @@ import platform
 import queue
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -60,9 +59,10 @@ from typing import Any
 
 from kubernetes import client, watch
 
+import kvtest
+from kvtest import OperatorProcess
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "cluster"))
-import cluster as kvcluster  # noqa: E402
 
 REPORT_SECONDS = 10  # kvoffload.controller.runtime.REPORT_SECONDS: the operator logs its reconcile totals this often
 
@@ -92,7 +92,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def component_cpu(c: kvcluster.Cluster) -> dict[str, float]:
+def component_cpu(c: kvtest.Cluster) -> dict[str, float]:
     out = {}
     for comp, rec in c.state().get("processes", {}).items():
         try:
@@ -122,7 +122,7 @@ def loadavg() -> str:
 _METRIC = re.compile(r'^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$')
 
 
-def request_totals(c: kvcluster.Cluster) -> Counter:
+def request_totals(c: kvtest.Cluster) -> Counter:
     """apiserver_request_total: (verb, resource, subresource, scope, code) -> count; a dry run's verb gets " dry-run"."""
     code, text = c.request("GET", "/metrics", timeout=30)
     if code != 200:
@@ -195,31 +195,30 @@ def diff(after: Counter, before: Counter) -> Counter:
 ENDPOINTS_CONTROLLERS = ("endpoints-controller", "endpointslice-controller", "endpointslice-mirroring-controller")
 
 
-def fresh_cluster(state_dir: Path, gpu_nodes: int, endpoints_controllers: bool = True) -> kvcluster.Cluster:
-    c = kvcluster.Cluster(dir=state_dir)
+def fresh_cluster(state_dir: Path, gpu_nodes: int, endpoints_controllers: bool = True) -> kvtest.Cluster:
+    c = kvtest.Cluster(dir=state_dir)
     c.down()  # a left-over benchmark cluster in this dir: start from an empty etcd
-    c.up(kvcluster.make_fleet(gpu_nodes=gpu_nodes, workstations=0))
+    c.up(kvtest.make_fleet(gpu_nodes=gpu_nodes, workstations=0))
     if not endpoints_controllers:
         off = ",".join(f"-{name}" for name in ENDPOINTS_CONTROLLERS)
         args = [f"--controllers=*,{off}" if a.startswith("--controllers=") else a
                 for a in c.component_args("kube-controller-manager")]
         c.restart("kube-controller-manager", sig=15, args=args)
-    c.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-    c.kubectl("wait", "--for=condition=Established", f"crd/{PLURAL}.{GROUP}", "--timeout=60s")
+    c.install_crd()
     return c
 
 
-def make_namespaces(c: kvcluster.Cluster, names: list[str]) -> None:
+def make_namespaces(c: kvtest.Cluster, names: list[str]) -> None:
     for ns in names:
         code, body = c.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
         if code not in (200, 201, 409):
             raise RuntimeError(f"namespace {ns}: {code} {body}")
     # Pods are admitted only once the serviceaccount controller made `default` in each namespace.
-    kvcluster.wait_until(lambda: all(c.request("GET", f"/api/v1/namespaces/{ns}/serviceaccounts/default")[0] == 200
+    kvtest.wait_until(lambda: all(c.request("GET", f"/api/v1/namespaces/{ns}/serviceaccounts/default")[0] == 200
                                      for ns in names), timeout=60, message="default ServiceAccounts")
 
 
-def create_all(c: kvcluster.Cluster, items: list[tuple[str, str]], threads: int = 16,
+def create_all(c: kvtest.Cluster, items: list[tuple[str, str]], threads: int = 16,
                on_created: Callable[[dict[str, Any]], None] | None = None) -> float:
     """POST every KVOffloadServe from a thread pool (`on_created` gets each stored object); return the seconds it took."""
     def create(item: tuple[str, str]) -> None:
@@ -246,14 +245,14 @@ def current(obj: dict[str, Any]) -> bool:
             and any(cd["type"] == "Ready" and cd["status"] == "True" for cd in st.get("conditions", [])))
 
 
-def serves(c: kvcluster.Cluster) -> list[dict[str, Any]]:
+def serves(c: kvtest.Cluster) -> list[dict[str, Any]]:
     code, body = c.request("GET", f"/apis/{GROUP}/{VERSION}/{PLURAL}", timeout=60)
     if code != 200:
         raise RuntimeError(f"list {PLURAL}: {code}")
     return body["items"]
 
 
-def children_complete(c: kvcluster.Cluster, keys: set[tuple[str, str]]) -> tuple[int, list[str]]:
+def children_complete(c: kvtest.Cluster, keys: set[tuple[str, str]]) -> tuple[int, list[str]]:
     """(resources with exactly their 5 children, problems) from cluster-wide LISTs."""
     found: dict[tuple[str, str], Counter] = {k: Counter() for k in keys}
     problems = []
@@ -275,43 +274,10 @@ def children_complete(c: kvcluster.Cluster, keys: set[tuple[str, str]]) -> tuple
 
 
 # ------------------------------------------------------------------------------ the operator
-class Operator:
-    def __init__(self, c: kvcluster.Cluster, workdir: Path, resync_seconds: int,
-                 scope: tuple[str, ...] = ("--all-namespaces",)) -> None:
-        self.config = workdir / "operator.yaml"
-        self.config.write_text(f"resyncSeconds: {resync_seconds}\n")
-        self.log_path = workdir / "operator.log"
-        self.log = open(self.log_path, "w")
-        self.args = [sys.executable, "-m", "kvoffload.cli", "run", *scope, "--liveness", "",
-                     "--operator-config", str(self.config)]
-        self.proc = subprocess.Popen(self.args, env=c.env, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     start_new_session=True)
-
-    def output(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def wait_started(self) -> None:
-        """Up once its caches are filled (it reconciles nothing before)."""
-        kvcluster.wait_until(lambda: "caches filled" in self.output() or self.proc.poll() is not None,
-                             timeout=60, message="operator started")
-        if self.proc.poll() is not None:
-            raise RuntimeError("operator exited:\n" + self.output()[-3000:])
-
-    def reconciles(self) -> dict[str, int]:
-        """Reconciles by outcome since start, from its last `reconciles so far` line (every 10 s)."""
-        lines = [line for line in self.output().splitlines() if "reconciles so far: " in line]
-        return json.loads(lines[-1].split("reconciles so far: ", 1)[1]) if lines else {}
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait(5)
-        self.log.close()
+def reconcile_totals(op: OperatorProcess) -> dict[str, int]:
+    """Reconciles by outcome since start, from the operator's last `reconciles so far` line (every 10 s)."""
+    lines = [line for line in op.output().splitlines() if "reconciles so far: " in line]
+    return json.loads(lines[-1].split("reconciles so far: ", 1)[1]) if lines else {}
 
 
 # ------------------------------------------------------------------------------ the floor
@@ -324,7 +290,7 @@ class Floor:
     final status (conditions.status of what it saw: Ready True at its generation). No reads, no dry
     runs, no intermediate status."""
 
-    def __init__(self, c: kvcluster.Cluster) -> None:
+    def __init__(self, c: kvtest.Cluster) -> None:
         from kvoffload.api.settings import Settings
         from kvoffload.controller import conditions, kube, pipeline, runtime
         self.conditions, self.pipeline, self.settings = conditions, pipeline, Settings()
@@ -387,7 +353,7 @@ class Floor:
             self.written.add(key)
         self.work.put((0, next(self.seq), "status", key))
 
-    def _watch(self, c: kvcluster.Cluster, path: str, store: dict[tuple[str, str], dict[str, Any]]) -> None:
+    def _watch(self, c: kvtest.Cluster, path: str, store: dict[tuple[str, str], dict[str, Any]]) -> None:
         """Cluster-wide watch of our labelled objects; keeps the newest of each owner's (one pod per resource)."""
         w = RawWatch()
         fn = (client.AppsV1Api(c.api_client()).list_stateful_set_for_all_namespaces if "statefulsets" in path
@@ -418,7 +384,7 @@ class Tracker:
     """Watches every KVOffloadServe and stamps, per resource, when it first became current (status at its
     generation, Ready True): time to first Ready, p50, all Ready without polling a thousand objects."""
 
-    def __init__(self, c: kvcluster.Cluster, t0: float) -> None:
+    def __init__(self, c: kvtest.Cluster, t0: float) -> None:
         self.t0, self.ready, self.lock, self.stop = t0, {}, threading.Lock(), threading.Event()
         self.api = client.CustomObjectsApi(c.api_client())
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -445,8 +411,8 @@ class Tracker:
 
 
 # ------------------------------------------------------------------------------ the run
-def rollout(c: kvcluster.Cluster, mode: str, keys: list[tuple[str, str]], args: argparse.Namespace,
-            op: Operator | None, out: dict[str, Any]) -> None:
+def rollout(c: kvtest.Cluster, mode: str, keys: list[tuple[str, str]], args: argparse.Namespace,
+            op: OperatorProcess | None, out: dict[str, Any]) -> None:
     """Create every resource and wait for the end state; the same for both modes (`mode`: operator | floor)."""
     floor = Floor(c) if mode == "floor" else None
     m0 = request_totals(c)
@@ -501,7 +467,7 @@ def rollout(c: kvcluster.Cluster, mode: str, keys: list[tuple[str, str]], args: 
     reqs = client_requests(diff(m1, m0))
     reqs["per_resource"] = round(reqs["requests"] / len(keys), 2)
     if op:
-        reqs["reconciles"] = op.reconciles()
+        reqs["reconciles"] = reconcile_totals(op)
         log_text = op.output()
         reqs["apply_log_lines"] = log_text.count("kvoffload.reconcile: apply ")
         reqs["reconcile_failures_logged"] = log_text.count("failed (retry in")
@@ -510,16 +476,16 @@ def rollout(c: kvcluster.Cluster, mode: str, keys: list[tuple[str, str]], args: 
     print(f"[{mode}] converged in {out['converged_s']} s, ready {out['ready_s']}, requests {reqs}", flush=True)
 
 
-def steady(c: kvcluster.Cluster, op: Operator, args: argparse.Namespace, out: dict[str, Any]) -> None:
+def steady(c: kvtest.Cluster, op: OperatorProcess, args: argparse.Namespace, out: dict[str, Any]) -> None:
     """Steady state: let the last pod events settle, then watch a window holding >= 2 resync timers."""
     time.sleep(args.settle_seconds)
     time.sleep(REPORT_SECONDS + 1)  # the operator's reconcile totals are logged every 10 s
-    m2, cpu2, t2, rec2 = request_totals(c), cpu_seconds(op.proc.pid), time.monotonic(), op.reconciles()
+    m2, cpu2, t2, rec2 = request_totals(c), cpu_seconds(op.proc.pid), time.monotonic(), reconcile_totals(op)
     applies_before = op.output().count("kvoffload.reconcile: apply ")
     time.sleep(args.steady_seconds)
     m3, cpu3, t3 = request_totals(c), cpu_seconds(op.proc.pid), time.monotonic()
     time.sleep(REPORT_SECONDS + 1)
-    rec3 = op.reconciles()
+    rec3 = reconcile_totals(op)
     minutes = (t3 - t2) / 60
     st = client_requests(diff(m3, m2))
     st["window_s"] = round(t3 - t2)
@@ -540,8 +506,8 @@ def phase(mode: str, args: argparse.Namespace, workdir: Path, state_dir: Path) -
     """One fresh cluster (same nodes, namespaces and resources for both modes), one rollout."""
     out: dict[str, Any] = {"mode": mode}
     t = time.monotonic()
-    c = kvcluster.Cluster(dir=state_dir)
-    op: Operator | None = None
+    c = kvtest.Cluster(dir=state_dir)
+    op: OperatorProcess | None = None
     try:
         c = fresh_cluster(state_dir, args.gpu_nodes, not args.without_endpoints_controllers)
         out["cluster_start_s"] = round(time.monotonic() - t, 1)
@@ -549,7 +515,7 @@ def phase(mode: str, args: argparse.Namespace, workdir: Path, state_dir: Path) -
         make_namespaces(c, namespaces)
         keys = [(namespaces[i % len(namespaces)], f"serve-{i:04d}") for i in range(args.resources)]
         if mode == "operator":
-            op = Operator(c, workdir, args.resync_seconds)
+            op = OperatorProcess(c.env, None, {"resyncSeconds": args.resync_seconds}, log_path=workdir / "operator.log")
             op.wait_started()
         rollout(c, mode, keys, args, op, out)
         if op is not None:

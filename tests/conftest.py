@@ -6,7 +6,8 @@ Fixtures:
              KVO_KEEP_CLUSTER=1). Yields a ClusterHandle: .kubeconfig (Path), .env (dict),
              .kubectl(*args, check=True, input=None) -> CompletedProcess (text),
              .helm(...), .bin (Path of etcd/kube-*/kwok/helm), .api_client(),
-             .wait_until(fn, timeout, message), .cluster (the tests/cluster Cluster).
+             .wait_until(fn, timeout, message), .cluster (the kvtest.Cluster).
+  crd_installed  module-scoped: the project's CRD applied (crds/, server-side) and Established.
   namespace  a fresh namespace per test (unique name, label kvoffload.io/test=true, its
              `default` ServiceAccount present), deleted after the test (not awaited).
 
@@ -24,19 +25,18 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "cluster"))
-import cluster as kvcluster  # noqa: E402  (tests/cluster/cluster.py)
+import kvtest
 
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "cluster: needs the local Kubernetes control plane (tests/cluster/cluster.py)")
+        "markers", "cluster: needs the local Kubernetes control plane (kvtest.Cluster)")
 
 
 class ClusterHandle:
     """What the `cluster` fixture yields."""
 
-    def __init__(self, c: kvcluster.Cluster, started: bool):
+    def __init__(self, c: kvtest.Cluster, started: bool):
         self.cluster = c
         self.started = started
         self.kubeconfig: Path = c.kubeconfig
@@ -56,7 +56,7 @@ class ClusterHandle:
 
     @staticmethod
     def wait_until(fn, timeout: float = 60, interval: float = 0.2, message: str = "condition"):
-        return kvcluster.wait_until(fn, timeout=timeout, interval=interval, message=message)
+        return kvtest.wait_until(fn, timeout=timeout, interval=interval, message=message)
 
     def __repr__(self) -> str:
         return f"ClusterHandle(kubeconfig={self.kubeconfig}, started={self.started})"
@@ -64,14 +64,14 @@ class ClusterHandle:
 
 @pytest.fixture(scope="session")
 def cluster():
-    missing = kvcluster.missing_binaries()
+    missing = kvtest.missing_binaries()
     if missing:
-        msg = (f"local cluster binaries missing in {kvcluster.bin_dir()}: {', '.join(missing)}; "
+        msg = (f"local cluster binaries missing in {kvtest.bin_dir()}: {', '.join(missing)}; "
                f"build them with tests/cluster/build.sh")
         if os.environ.get("KVO_REQUIRE_CLUSTER"):
             pytest.fail(msg + " (KVO_REQUIRE_CLUSTER is set)", pytrace=False)
         pytest.skip(msg)
-    c, started = kvcluster.Cluster.ensure()
+    c, started = kvtest.Cluster.ensure()
     handle = ClusterHandle(c, started)
     try:
         yield handle
@@ -97,3 +97,8 @@ def namespace(cluster, request):
     finally:
         cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found",
                         check=False)
+
+
+@pytest.fixture(scope="module")
+def crd_installed(cluster):
+    cluster.cluster.install_crd()

@@ -22,13 +22,13 @@ stop_operator() {
 
 if [ "${1:-}" = down ]; then
   stop_operator
-  "$BIN/python" tests/cluster/cluster.py down
+  "$BIN/python" -m kvtest down
   exit 0
 fi
 
 step "local control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok) on 127.0.0.1"
-"$BIN/python" tests/cluster/cluster.py up
-HELM=$("$BIN/python" -c 'import sys; sys.path.insert(0,"tests/cluster"); import cluster; print(cluster.bin_dir())')/helm
+"$BIN/python" -m kvtest up
+HELM=$("$BIN/python" -m kvtest bin-dir)/helm
 kubectl get nodes -L nvidia.com/gpu.product,kvoffload.io/nvme
 
 step "helm install kvoffload (CRDs, RBAC, operator settings)"

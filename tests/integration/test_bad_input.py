@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from operator_proc import ROOT, OperatorProcess
+from kvtest import ROOT, OperatorProcess
 
 pytestmark = pytest.mark.cluster
 
@@ -147,7 +147,8 @@ CASES = [
     Case("quantity double dot", {"spec.offload.disk.size": "1.5.5Gi"}, API, "spec.offload.disk.size", "quantity"),
     Case("quantity shm negative", {"spec.resources.shm": "-4Gi"}, API, "spec.resources.shm", "quantity"),
     # --- enums
-    Case("enum eviction lowercase", {"spec.offload.cpu.evictionPolicy": "lru"}, API, "spec.offload.cpu.evictionPolicy", "Unsupported value"),
+    Case("enum eviction lowercase", {"spec.offload.cpu.evictionPolicy": "lru"}, API, "spec.offload.cpu.evictionPolicy",
+         "Unsupported value"),
     Case("enum eviction RANDOM", {"spec.offload.cpu.evictionPolicy": "RANDOM"}, API, "spec.offload.cpu.evictionPolicy"),
     Case("enum reclaim Recycle", {"spec.offload.disk.reclaimPolicy": "Recycle"}, API, "spec.offload.disk.reclaimPolicy"),
     Case("enum dtype fp4", {"spec.engine.dtype": "fp4"}, API, "spec.engine.dtype"),

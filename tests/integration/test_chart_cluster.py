@@ -57,13 +57,6 @@ def delete_namespace(cluster, name: str) -> None:
     cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
 
 
-@pytest.fixture(scope="module")
-def crd_installed(cluster):
-    """The project's CRD, as the other integration tests install it (crds/, server-side)."""
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd.PLURAL}.{crd.GROUP}", "--timeout=60s")
-
-
 # Stand-ins for the Prometheus Operator's PodMonitor/ServiceMonitor CRDs: structural schemas with
 # the real field names (prometheus-operator's monitoring.coreos.com_{pod,service}monitors.yaml) for
 # every field the chart sets, so a server-side dry run with strict field validation catches a
@@ -268,7 +261,6 @@ def test_operator_pod_admitted_under_restricted_pod_security(cluster, namespace)
     assert cp.returncode != 0 and "violates PodSecurity" in cp.stderr, cp.stdout + cp.stderr
 
     release = f"kvo-{uid()}"
-    fullname = f"{release}-kvoffload-operator"
     try:
         cp = cluster.helm("install", release, CHART, "--namespace", namespace, "--set", "crds.enabled=false")
         assert "PodSecurity" not in cp.stdout + cp.stderr, cp.stderr

@@ -37,12 +37,6 @@ SCANNING_HINT = ("kopf's CRD/namespace observation was refused: set `settings.sc
                  "in the operator's kopf start-up (the chart passes exact namespaces and installs the CRD first)")
 
 
-@pytest.fixture(scope="module")
-def crd_installed(cluster):
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd.PLURAL}.{crd.GROUP}", "--timeout=60s")
-
-
 def token_kubeconfig(cluster, path: Path, token: str, namespace: str) -> Path:
     admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
     server = admin["clusters"][0]["cluster"]

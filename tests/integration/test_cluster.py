@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-import cluster as kvcluster  # tests/cluster/cluster.py (conftest puts it on sys.path)
+import kvtest
 
 pytestmark = pytest.mark.cluster
 
@@ -72,7 +72,7 @@ def test_network_rule_everything_is_loopback(cluster, namespace):
     """Listeners bind 127.0.0.1; node, pod-CIDR and service IPs are all in 127.0.0.0/8."""
     st = cluster.cluster.state()
     pids = [r["pid"] for r in st["processes"].values()]
-    listeners = kvcluster.listening_sockets(pids)
+    listeners = kvtest.listening_sockets(pids)
     assert listeners, "no listening sockets found for the cluster's processes"
     assert all(addr == "127.0.0.1" for addr, _, _ in listeners), listeners
     expected = set(st["ports"].values())
@@ -257,10 +257,10 @@ def test_versions(cluster):
 # --------------------------------------------------------------------------- lifecycle
 def test_second_cluster_starts_fast_and_down_leaves_nothing(cluster, tmp_path):
     """A throwaway cluster in its own state dir: up from cache, then down leaves no trace."""
-    c2 = kvcluster.Cluster(dir=tmp_path / "c2", bin=cluster.bin)
+    c2 = kvtest.Cluster(dir=tmp_path / "c2", bin=cluster.bin)
     t0 = time.monotonic()
     try:
-        assert c2.up(kvcluster.make_fleet(gpu_nodes=2, workstations=0)) is True
+        assert c2.up(kvtest.make_fleet(gpu_nodes=2, workstations=0)) is True
         elapsed = time.monotonic() - t0
         assert c2.up() is False  # reuses the running one
         assert c2.ready_nodes() == {"gpu-node-0", "gpu-node-1"}
@@ -272,9 +272,9 @@ def test_second_cluster_starts_fast_and_down_leaves_nothing(cluster, tmp_path):
         problems = c2.down()
     assert problems == []
     for pid in pids:
-        s = kvcluster._proc_stat(pid)
+        s = kvtest.proc_stat(pid)
         assert s is None or s[0] in ("Z", "X"), f"pid {pid} survived down: {s}"
-    bound = {p for _, p, _ in kvcluster.listening_sockets()}
+    bound = {p for _, p, _ in kvtest.listening_sockets()}
     assert not ports & bound, f"ports still bound after down: {ports & bound}"
     assert c2.running() is False
 

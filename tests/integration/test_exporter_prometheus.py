@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kvoffload.exporter.capacity import GiB
-from kvoffload.exporter.testkit import ExporterProcess, FakeVllm
+from kvtest.exporter import ExporterProcess, FakeVllm
 
 PROMETHEUS = Path("/usr/bin/prometheus")
 pytestmark = pytest.mark.skipif(not PROMETHEUS.exists(),

@@ -17,20 +17,16 @@ import os
 import random
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from kubernetes import client
 
-from operator_proc import ROOT, OperatorProcess
-
-sys.path.insert(0, str(ROOT / "tests" / "cluster"))
-import cluster as kvcluster  # noqa: E402
+import kvtest
+from kvtest import OperatorProcess
 
 pytestmark = pytest.mark.cluster
 
@@ -49,7 +45,7 @@ def expected_children(name: str) -> set[tuple[str, str]]:
 # ------------------------------------------------------------------------------ a private cluster
 @pytest.fixture(scope="module")
 def private_cluster(request):
-    missing = kvcluster.missing_binaries()
+    missing = kvtest.missing_binaries()
     if missing:
         msg = f"local cluster binaries missing: {', '.join(missing)}; build them with tests/cluster/build.sh"
         if os.environ.get("KVO_REQUIRE_CLUSTER"):
@@ -57,13 +53,12 @@ def private_cluster(request):
         pytest.skip(msg)
     # Its own state dir (not pytest's tmp_path, which other sessions' runs prune): the component logs stay
     # for a post-mortem when a test fails, and go when all passed.
-    c = kvcluster.Cluster(dir=Path(tempfile.mkdtemp(prefix="kvo-faults-cluster-")))
+    c = kvtest.Cluster(dir=Path(tempfile.mkdtemp(prefix="kvo-faults-cluster-")))
     # 12 x 8 GPUs: room for the 40 + 15 + 15 single-GPU resources the tests below keep until the module ends.
-    c.up(kvcluster.make_fleet(gpu_nodes=12, workstations=0))
+    c.up(kvtest.make_fleet(gpu_nodes=12, workstations=0))
     failed_before = request.session.testsfailed
     try:
-        c.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-        c.kubectl("wait", "--for=condition=Established", "crd/kvoffloadserves.kvoffload.io", "--timeout=60s")
+        c.install_crd()
         yield c
     finally:
         problems = c.down()
@@ -77,7 +72,7 @@ def private_cluster(request):
 class Api:
     """The typed clients for one cluster, and the few calls these tests make."""
 
-    def __init__(self, c: kvcluster.Cluster) -> None:
+    def __init__(self, c: kvtest.Cluster) -> None:
         self.cluster = c
         api_client = c.api_client()
         self.custom = client.CustomObjectsApi(api_client)
@@ -127,7 +122,7 @@ class Api:
 
     def namespace(self, name: str) -> str:
         self.core.create_namespace({"metadata": {"name": name}})
-        kvcluster.wait_until(lambda: self.core.read_namespaced_service_account("default", name), timeout=30,
+        kvtest.wait_until(lambda: self.core.read_namespaced_service_account("default", name), timeout=30,
                              message=f"ServiceAccount default in {name}")
         return name
 
@@ -243,20 +238,14 @@ def assert_converged(api: Api, ns: str, want: dict[str, dict[str, Any]] | None, 
     return time.monotonic() - t0
 
 
-def start_operator(c: kvcluster.Cluster, ns: str, log_path: Path | None = None) -> OperatorProcess:
+def start_operator(c: kvtest.Cluster, ns: str, log_path: Path | None = None) -> OperatorProcess:
     return OperatorProcess(c.env, [ns], {"resyncSeconds": 20}, log_path=log_path)
 
 
 def wait_log(op: OperatorProcess, needle: str, timeout: float, after: int = 0) -> None:
-    kvcluster.wait_until(lambda: op.output().count(needle) > after or op.proc.poll() is not None, timeout=timeout,
+    kvtest.wait_until(lambda: op.output().count(needle) > after or op.proc.poll() is not None, timeout=timeout,
                          interval=0.05, message=f"operator log line {needle!r}")
     assert op.proc.poll() is None, op.output()[-3000:]
-
-
-def sigkill(op: OperatorProcess) -> None:
-    os.killpg(op.proc.pid, signal.SIGKILL)
-    op.proc.wait(10)
-    op.log.close()
 
 
 # ------------------------------------------------------------------------------ the tests
@@ -295,7 +284,7 @@ def test_sigkill_mid_rollout_ten_times(private_cluster, tmp_path):
         delay = rng.uniform(0, 2.5)
         time.sleep(delay)
         applies = op.output().count("apply ")
-        sigkill(op)
+        op.kill()
         kill_points.append((round(delay, 2), applies))
     print(f"kills (seconds after the first apply, applies logged before the kill): {kill_points}")
     op = start_operator(private_cluster, ns, tmp_path / "operator-final.log")
@@ -328,7 +317,7 @@ def test_control_plane_restart_mid_rollout(private_cluster, tmp_path, component)
         # New work after the restart proves the watches came back, not only the retries of old work.
         api = Api(private_cluster)
         for i in range(5):
-            kvcluster.wait_until(lambda i=i: api.create_once(ns, f"after-{i}"), timeout=60, message=f"create after-{i}")
+            kvtest.wait_until(lambda i=i: api.create_once(ns, f"after-{i}"), timeout=60, message=f"create after-{i}")
             want[f"after-{i}"] = {}
         api.patch_spec(ns, "before-0", {"offload": {"cpu": {"size": "3Gi"}}})
         want["before-0"] = {"offload": {"cpu": {"size": "3Gi"}}}
@@ -354,7 +343,7 @@ def test_control_plane_restart_mid_rollout(private_cluster, tmp_path, component)
         print("\n".join(line[:300] for line in trouble[:12]))
 
 
-def etcd_delete(c: kvcluster.Cluster, key: str) -> int:
+def etcd_delete(c: kvtest.Cluster, key: str) -> int:
     """Delete one key straight from etcd (its JSON gateway on the loopback client port): a change the API
     server never sees happen, so no watch can ever deliver its DELETE."""
     import base64
@@ -385,7 +374,7 @@ def test_caches_cannot_serve_stale_decisions_after_an_apiserver_restart(private_
             api.create(ns, f"r-{i}")
             want[f"r-{i}"] = {}
         # The victim's children must exist before the restart (its ConfigMap is what gets lost).
-        kvcluster.wait_until(lambda: any(c["metadata"]["name"] == "r-0-lmcache" for c in api.children(ns)), timeout=60,
+        kvtest.wait_until(lambda: any(c["metadata"]["name"] == "r-0-lmcache" for c in api.children(ns)), timeout=60,
                              message="r-0's ConfigMap")
         time.sleep(random.uniform(0, 1))  # the others are mid-rollout
         private_cluster.stop_component("kube-apiserver", signal.SIGKILL)
@@ -397,10 +386,10 @@ def test_caches_cannot_serve_stale_decisions_after_an_apiserver_restart(private_
         # r-0 is left alone: no event about it will come; only the relist can tell its ConfigMap is gone.
         for i in range(1, 8):
             want[f"r-{i}"] = {"offload": {"cpu": {"size": f"{2 + i % 4}Gi"}}}
-            kvcluster.wait_until(lambda i=i: api.patch_spec(ns, f"r-{i}", want[f"r-{i}"]) or True, timeout=60,
+            kvtest.wait_until(lambda i=i: api.patch_spec(ns, f"r-{i}", want[f"r-{i}"]) or True, timeout=60,
                                  message=f"patch r-{i}")
         for i in range(8, 10):
-            kvcluster.wait_until(lambda i=i: api.create_once(ns, f"r-{i}"), timeout=60, message=f"create r-{i}")
+            kvtest.wait_until(lambda i=i: api.create_once(ns, f"r-{i}"), timeout=60, message=f"create r-{i}")
             want[f"r-{i}"] = {}
         t0 = time.monotonic()
         stuck = wait_converged(api, ns, want, timeout=60)

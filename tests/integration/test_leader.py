@@ -7,17 +7,13 @@ with the Lease in that namespace.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from operator_proc import ROOT, OperatorProcess
+from kvtest import OperatorProcess
 
 pytestmark = pytest.mark.cluster
 
@@ -27,41 +23,14 @@ SERVE = {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe", "metad
                   "offload": {"cpu": {"size": "1Gi"}}, "resources": {"gpuMemory": "141Gi"}}}
 
 
-class Replica(OperatorProcess):
-    """OperatorProcess with --leader-election (same logging and stop())."""
-
-    def __init__(self, env: dict[str, str], namespace: str, log_path: Path) -> None:  # noqa: D107
-        self.log_path = log_path
-        self.config_path = log_path.with_suffix(".yaml")
-        self.config_path.write_text(yaml.safe_dump({"resyncSeconds": 20}))
-        args = [sys.executable, "-m", "kvoffload.cli", "run", "--liveness", "", "--log-level", "INFO",
-                "--operator-config", str(self.config_path), "--namespace", namespace,
-                "--leader-election", "--leader-election-namespace", namespace, "--lease-name", LEASE]
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     start_new_session=True)
-
-    def identity(self) -> str | None:
-        for line in self.output().splitlines():
-            if "leader election on Lease" in line:
-                return line.rsplit(" as ", 1)[1].strip()
-        return None
-
-    def kill(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-        self.log.close()
-
-
-@pytest.fixture(scope="module")
-def crd_installed(cluster):
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/kvoffloadserves.kvoffload.io", "--timeout=60s")
+def replica(env: dict[str, str], namespace: str, log_path: Path) -> OperatorProcess:
+    """One operator replica with --leader-election, the Lease in the test's namespace."""
+    return OperatorProcess(env, [namespace], log_path=log_path, leader_election=(namespace, LEASE))
 
 
 @pytest.fixture
 def replicas(cluster, crd_installed, namespace, tmp_path):
-    pair = [Replica(cluster.env, namespace, tmp_path / f"replica-{i}.log") for i in range(2)]
+    pair = [replica(cluster.env, namespace, tmp_path / f"replica-{i}.log") for i in range(2)]
     cluster.wait_until(lambda: all(r.identity() for r in pair), timeout=60, message="both replicas started")
     yield pair
     for r in pair:
@@ -100,8 +69,8 @@ def wait_ready(cluster, ns, name, timeout=120):
     return cluster.wait_until(check, timeout=timeout, message=f"{name} Ready at its generation")
 
 
-def applies(replica: Replica, name: str | None = None) -> list[str]:
-    return [line for line in replica.output().splitlines()
+def applies(op: OperatorProcess, name: str | None = None) -> list[str]:
+    return [line for line in op.output().splitlines()
             if "kvoffload.reconcile: apply " in line and (name is None or line.endswith(f"/{name}") or f"/{name}-" in line)]
 
 

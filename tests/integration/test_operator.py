@@ -10,7 +10,7 @@ import time
 import pytest
 import yaml
 
-from operator_proc import ROOT, OperatorProcess
+from kvtest import ROOT, OperatorProcess
 
 pytestmark = pytest.mark.cluster
 
@@ -22,12 +22,6 @@ SMALL = {
              "resources": {"gpuMemory": "141Gi"}},
 }
 GPU_NODES = {"gpu-node-0", "gpu-node-1", "gpu-node-2", "workstation-0"}
-
-
-@pytest.fixture(scope="module")
-def crd_installed(cluster):
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/kvoffloadserves.kvoffload.io", "--timeout=60s")
 
 
 @pytest.fixture

@@ -5,15 +5,11 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from readme_commands import commands  # noqa: E402
-
-from operator_proc import ROOT, OperatorProcess  # noqa: E402
+from kvtest import ROOT, OperatorProcess
+from kvtest.readme import commands
 
 pytestmark = pytest.mark.cluster
 QUICK_START = [c for c in commands() if c.startswith(("kubectl ", "helm "))]

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.planning.catalog import CATALOG, ModelArch, known_models, lookup, resolve_model
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.spec import PLAN_FIELDS
+from kvoffload.planning.catalog import CATALOG, ModelArch, known_models, lookup, resolve_model
 
 REQUIRED_IDS = [
     "meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-7b-chat-hf", "meta-llama/Llama-2-13b-hf",

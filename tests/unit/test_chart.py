@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import cluster as kvcluster  # tests/cluster/cluster.py (conftest puts it on sys.path): where helm lives
+import kvtest
 from kvoffload.api import crd, settings
 from kvoffload.cli import generate
 from kvoffload.engine import images
@@ -62,7 +62,7 @@ class Helm:
 
 @pytest.fixture(scope="session")
 def helm(tmp_path_factory) -> Helm:
-    binary = kvcluster.bin_dir() / "helm"
+    binary = kvtest.bin_dir() / "helm"
     if not os.access(binary, os.X_OK):
         msg = f"helm not found at {binary}; build it with tests/cluster/build.sh"
         if os.environ.get("KVO_REQUIRE_CLUSTER"):

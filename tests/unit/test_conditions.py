@@ -2,9 +2,9 @@
 
 from datetime import datetime, timezone
 
-from kvoffload.controller import conditions, pipeline
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
+from kvoffload.controller import conditions, pipeline
 
 from .helpers import spec
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from kvoffload.api.errors import ConfigError
 from kvoffload.cli import clean_disk
 from kvoffload.node import disk_cleaner
 from kvoffload.node.disk_cleaner import DELETE, RETAIN, clean, decide, live_from_json, load_state, next_state
-from kvoffload.api.errors import ConfigError
 
 LIVE = {("ns-a", "live-svc"): DELETE}
 REMEMBERED = {("ns-a", "gone"): DELETE, ("ns-d", "retained"): RETAIN,
@@ -287,7 +287,8 @@ def test_live_set_from_kubectl_list_and_simple_entries():
     assert live_from_json({"items": []}) == {}
 
 
-@pytest.mark.parametrize("bad", [None, "x", {"kind": "List"}, [1], [{"name": "x"}], [{"namespace": "a", "name": "b", "reclaimPolicy": "Keep"}],
+@pytest.mark.parametrize("bad", [None, "x", {"kind": "List"}, [1], [{"name": "x"}],
+                                 [{"namespace": "a", "name": "b", "reclaimPolicy": "Keep"}],
                                  {"items": [{"kind": "Pod", "metadata": {"namespace": "a", "name": "p"}}]}])
 def test_bad_live_input_is_an_error_never_an_empty_set(bad):
     with pytest.raises(ConfigError) as err:

@@ -21,7 +21,7 @@ from kvoffload.exporter import cli as exporter_cli
 from kvoffload.exporter.capacity import GiB
 from kvoffload.exporter.collector import ExporterConfig, TierCollector
 from kvoffload.exporter.server import parse_listen, start_server
-from kvoffload.exporter.testkit import ExporterProcess, FakeVllm
+from kvtest.exporter import ExporterProcess, FakeVllm
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 VLLM_TEXT = (FIXTURES / "vllm-0.33.0-metrics-sample" / "exposition.txt").read_text()
@@ -113,8 +113,8 @@ def test_build_uses_the_lmcache_config(tmp_path: Path) -> None:
                                                       "--tensor-parallel-size", "2",
                                                       "--disk-dir", str(tmp_path)]))
     assert address == ("127.0.0.1", 9400)
-    assert collector.config.budget.cpu_bytes == 20 * GiB
-    assert collector.config.budget.disk_bytes == 60 * GiB
+    assert collector.config.capacity.cpu_bytes == 20 * GiB
+    assert collector.config.capacity.disk_bytes == 60 * GiB
     assert collector.disk is not None and set(collector.health) == {"vllm", "lmcache", "disk"}
 
 

@@ -17,11 +17,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload.exporter import collector as collector_mod
-from kvoffload.exporter.capacity import GiB, budget_from_config
+from kvoffload.exporter.capacity import GiB, capacity_from_config
 from kvoffload.exporter.collector import ExporterConfig, TierCollector
 from kvoffload.exporter.disk_tier import DiskTierMonitor
 from kvoffload.exporter.sources import SourceHealth
-from kvoffload.exporter.testkit import FakeVllm, write_lmcache_metrics
+from kvtest.exporter import FakeVllm, write_lmcache_metrics
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 VLLM_TEXT = (FIXTURES / "vllm-0.33.0-metrics-sample" / "exposition.txt").read_text()
@@ -31,7 +31,7 @@ CACHE_CONFIG_INFO = (
     "# TYPE vllm:cache_config_info gauge\n"
     'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n'
 )
-BUDGET = budget_from_config({"max_local_cpu_size": 40, "local_disk": "file:///mnt/nvme/p/",
+CAPACITY = capacity_from_config({"max_local_cpu_size": 40, "local_disk": "file:///mnt/nvme/p/",
                              "max_local_disk_size": 100}, 2)
 KV_BYTES_PER_TOKEN = 131072  # Llama-3-8B
 
@@ -78,7 +78,7 @@ def test_tier_figures_from_the_real_samples(tmp_path: Path) -> None:
     disk.rescan_now()
     with FakeVllm(VLLM_TEXT + CACHE_CONFIG_INFO) as vllm:
         registry, _ = make(ExporterConfig(vllm_metrics_url=vllm.url, multiproc_dir=MULTIPROC,
-                                          kv_bytes_per_token=KV_BYTES_PER_TOKEN, budget=BUDGET), disk)
+                                          kv_bytes_per_token=KV_BYTES_PER_TOKEN, capacity=CAPACITY), disk)
         m = scrape(registry)
 
     gpu_capacity = 1000 * 16 * KV_BYTES_PER_TOKEN
@@ -107,7 +107,7 @@ def test_tier_figures_from_the_real_samples(tmp_path: Path) -> None:
 def test_metric_hygiene() -> None:
     with FakeVllm(VLLM_TEXT + CACHE_CONFIG_INFO) as vllm:
         registry, _ = make(ExporterConfig(vllm_metrics_url=vllm.url, multiproc_dir=MULTIPROC,
-                                          kv_bytes_per_token=1, budget=BUDGET))
+                                          kv_bytes_per_token=1, capacity=CAPACITY))
         text = generate_latest(registry).decode()
     families = list(text_string_to_metric_families(text))
     assert len(families) >= 8
@@ -193,7 +193,7 @@ def test_vllm_down_keeps_serving_counts_and_logs_once(tmp_path: Path, caplog: py
     caplog.set_level(logging.INFO, logger="kvoffload.exporter")
     port = _closed_port()
     registry, _ = make(ExporterConfig(vllm_metrics_url=f"http://127.0.0.1:{port}/metrics",
-                                      multiproc_dir=MULTIPROC, budget=BUDGET))
+                                      multiproc_dir=MULTIPROC, capacity=CAPACITY))
     for _ in range(3):
         m = scrape(registry)
     assert value(m, "kvoffload_source_up", source="vllm") == 0

@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload.exporter import cli as exporter_cli
-from kvoffload.exporter.testkit import FakeVllm
+from kvtest.exporter import FakeVllm
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "charts" / "kvoffload-operator" / "dashboards" / "kvoffload-tiers.json"

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from kvoffload.api.errors import ConfigError
-from kvoffload.exporter.capacity import GiB, TierBudget, budget_from_config, load_budget
+from kvoffload.api.fetch import SourceError, fetch_text
+from kvoffload.exporter.capacity import GiB, TierCapacity, capacity_from_config, load_capacity
 from kvoffload.exporter.lmcache_metrics import parse_lmcache, read_multiproc_dir
-from kvoffload.exporter.sources import SourceError
-from kvoffload.exporter.testkit import FakeVllm, write_lmcache_metrics
-from kvoffload.exporter.vllm_metrics import fetch_text, parse_vllm
+from kvoffload.exporter.vllm_metrics import parse_vllm
+from kvtest.exporter import FakeVllm, write_lmcache_metrics
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 VLLM_TEXT = (FIXTURES / "vllm-0.33.0-metrics-sample" / "exposition.txt").read_text()
@@ -145,31 +145,31 @@ def test_tp_workers_tokens_max_bytes_sum(tmp_path: Path) -> None:
 # --- LMCache YAML -> tier capacities ---------------------------------------------------------
 
 @pytest.mark.parametrize("doc, tp, expected", [
-    ({}, 1, TierBudget(cpu_bytes=5 * GiB)),  # LMCache defaults: 5 GiB CPU, no disk
+    ({}, 1, TierCapacity(cpu_bytes=5 * GiB)),  # LMCache defaults: 5 GiB CPU, no disk
     ({"max_local_cpu_size": 40, "local_disk": "file:///mnt/nvme/x/", "max_local_disk_size": 100},
-     2, TierBudget(cpu_bytes=80 * GiB, disk_bytes=200 * GiB)),
-    ({"max_local_cpu_size": 2.5}, 4, TierBudget(cpu_bytes=10 * GiB)),
-    ({"local_cpu": False, "local_disk": "/d", "max_local_disk_size": 1}, 1, TierBudget(disk_bytes=GiB)),
-    ({"max_local_disk_size": 50}, 1, TierBudget(cpu_bytes=5 * GiB)),  # no local_disk: tier off
-    ({"local_disk": "/d"}, 1, TierBudget(cpu_bytes=5 * GiB)),  # no size: tier off
+     2, TierCapacity(cpu_bytes=80 * GiB, disk_bytes=200 * GiB)),
+    ({"max_local_cpu_size": 2.5}, 4, TierCapacity(cpu_bytes=10 * GiB)),
+    ({"local_cpu": False, "local_disk": "/d", "max_local_disk_size": 1}, 1, TierCapacity(disk_bytes=GiB)),
+    ({"max_local_disk_size": 50}, 1, TierCapacity(cpu_bytes=5 * GiB)),  # no local_disk: tier off
+    ({"local_disk": "/d"}, 1, TierCapacity(cpu_bytes=5 * GiB)),  # no size: tier off
 ])
-def test_budget_from_config(doc: dict, tp: int, expected: TierBudget) -> None:
-    assert budget_from_config(doc, tp) == expected
+def test_capacity_from_config(doc: dict, tp: int, expected: TierCapacity) -> None:
+    assert capacity_from_config(doc, tp) == expected
 
 
-def test_budget_errors_name_the_flag(tmp_path: Path) -> None:
+def test_capacity_errors_name_the_flag(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--lmcache-config max_local_cpu_size"):
-        budget_from_config({"max_local_cpu_size": "40Gi"}, 1)
+        capacity_from_config({"max_local_cpu_size": "40Gi"}, 1)
     with pytest.raises(ConfigError, match="--lmcache-config"):
-        load_budget(str(tmp_path / "missing.yaml"), 1)
+        load_capacity(str(tmp_path / "missing.yaml"), 1)
     (tmp_path / "list.yaml").write_text("- a\n")
     with pytest.raises(ConfigError, match="not a YAML mapping"):
-        load_budget(str(tmp_path / "list.yaml"), 1)
+        load_capacity(str(tmp_path / "list.yaml"), 1)
 
 
-def test_load_budget_from_file(tmp_path: Path) -> None:
+def test_load_capacity_from_file(tmp_path: Path) -> None:
     path = tmp_path / "lmcache.yaml"
     path.write_text("chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 8.0\n"
                     "local_disk: file:///var/lib/kvoffload/ns/x/x-0/\nmax_local_disk_size: 20.0\n")
-    assert load_budget(str(path), 2) == TierBudget(cpu_bytes=16 * GiB, disk_bytes=40 * GiB)
-    assert load_budget(None, 2) == TierBudget()
+    assert load_capacity(str(path), 2) == TierCapacity(cpu_bytes=16 * GiB, disk_bytes=40 * GiB)
+    assert load_capacity(None, 2) == TierCapacity()

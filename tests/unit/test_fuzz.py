@@ -24,14 +24,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kubernetes.utils.quantity import parse_quantity
 
-from kvoffload.planning import catalog
 from kvoffload.api import crd
-from kvoffload.controller import pipeline
-from kvoffload.rendering import render
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.quantity import GiB
 from kvoffload.api.settings import Settings
 from kvoffload.api.spec import managed_flag
+from kvoffload.controller import pipeline
+from kvoffload.planning import catalog
+from kvoffload.rendering import render
 
 EXAMPLES = int(os.environ.get("KVO_FUZZ_EXAMPLES", "0"))
 FUZZ = settings(max_examples=EXAMPLES or 250, deadline=None, derandomize=not EXAMPLES, database=None,

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvoffload.engine import images
 from kvoffload.api import settings
+from kvoffload.engine import images
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATOR = ROOT / "images" / "operator" / "Dockerfile"
@@ -106,7 +106,8 @@ def test_operator_image():
     assert uid == "65532", f"last USER is {users[-1]}, not the non-root 65532"
     assert df.all("ENTRYPOINT") == ['["kvoffload"]']
     runs = " ".join(df.all("RUN"))
-    assert re.search(r"pip install (--no-cache-dir )?\./operator\b", runs), "the image must install ./operator like `pip install ./operator`"
+    assert re.search(r"pip install (--no-cache-dir )?\./operator\b", runs), \
+        "the image must install ./operator like `pip install ./operator`"
     assert "COPY operator/ ./operator/" in [f"COPY {c}" for c in df.all("COPY")]
 
 

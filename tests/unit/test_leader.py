@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from kvoffload.api.settings import Settings
 from kvoffload.controller import leader, runtime
 from kvoffload.controller.kube import ApiError
-from kvoffload.api.settings import Settings
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 CFG = leader.LeaseConfig(namespace="ops", name="kvoffload-operator", identity="me")

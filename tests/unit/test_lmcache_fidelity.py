@@ -6,9 +6,9 @@ import logging
 import pytest
 import yaml
 
+from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
 from kvoffload.rendering import render
-from kvoffload.api.settings import Settings
 
 from .helpers import EXAMPLES, spec
 

@@ -7,8 +7,8 @@ import json
 import pytest
 import yaml
 
-from kvoffload.cli import main as cli
 from kvoffload.api.quantity import GiB, MiB
+from kvoffload.cli import main as cli
 
 LLAMA = ["--model", "meta-llama/Llama-3.1-8B-Instruct"]
 

@@ -6,8 +6,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-from readme_commands import README, commands  # noqa: E402
+from kvtest.readme import README, commands
 
 from .helpers import ROOT
 

@@ -5,12 +5,12 @@ import os
 import pytest
 import yaml
 
-from kvoffload.controller import pipeline
-from kvoffload.rendering import render
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.quantity import to_bytes
-from kvoffload.cli.render import dump_all
 from kvoffload.api.settings import Settings
+from kvoffload.cli.render import dump_all
+from kvoffload.controller import pipeline
+from kvoffload.rendering import render
 
 from .helpers import EXAMPLES, ROOT, spec
 
@@ -135,4 +135,6 @@ def test_user_args_and_env_are_appended_not_overriding():
 
 def test_long_names_are_refused():
     with pytest.raises(ConfigError, match="metadata.name"):
-        pipeline.validate_name("x" * 53)
+        render.check_name("x" * 53)
+    with pytest.raises(ConfigError, match="metadata.name"):
+        pipeline.desired("x" * 53, "ns", "u", spec(), Settings())

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.planning.catalog import ModelArch, lookup
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.quantity import GiB, MiB
 from kvoffload.api.spec import PLAN_FIELDS
+from kvoffload.planning.catalog import ModelArch, lookup
 from kvoffload.planning.sizing import Bandwidths, MemoryDefaults, PlanInput, check, plan, validate_tp
 
 L31_8B = lookup("meta-llama/Llama-3.1-8B-Instruct")
@@ -47,7 +47,7 @@ def test_llama3_8b_32k_request_is_4gib() -> None:
 def test_tp_beyond_kv_heads_replicates_heads() -> None:
     # 32 heads % 16 == 0 and 16 % 8 KV heads == 0: vLLM accepts it and puts one (replicated) head per GPU.
     validate_tp(L31_8B, 16)
-    b = plan(PlanInput(L31_8B, 32768, tp=16, cpu_tier=16 * GiB))
+    b = plan(PlanInput(L31_8B, 32768, tp=16, cpu_size=16 * GiB))
     assert b.kv_bytes_per_token_per_gpu == 2 * 32 * 1 * 128 * 2 == 16384
     assert b.kv_bytes_per_token == 16384 * 16 == 2 * 131072
     assert b.kv_bytes_per_sequence == 32768 * 262144
@@ -123,7 +123,7 @@ def test_gemma2_window_rule_without_offload() -> None:
 def test_gemma2_with_offload_sizes_windowed_layers_full_length() -> None:
     # vLLM turns the hybrid KV cache manager off when a KV connector is set.
     g = lookup("google/gemma-2-9b-it")
-    b = plan(PlanInput(g, 8192, cpu_tier=32 * GiB))
+    b = plan(PlanInput(g, 8192, cpu_size=32 * GiB))
     assert b.kv_bytes_per_sequence == 344064 * 8192
     assert b.tier("gpu").tokens == (usable(80, 0.9) - 9_241_705_984 * 2 - 2 * GiB) // 344064
     assert b.tier("cpu").tokens == 32 * GiB // (256 * 344064) * 256
@@ -146,21 +146,21 @@ def test_max_context_warning() -> None:
 # ---- offload tiers, memory, reload ----------------------------------------------------------------------
 
 def test_offload_tiers_whole_chunks() -> None:
-    b = plan(PlanInput(L31_8B, 32768, cpu_tier=40 * GiB, disk_tier=500 * GiB))
+    b = plan(PlanInput(L31_8B, 32768, cpu_size=40 * GiB, disk_size=500 * GiB))
     assert (b.tier("cpu").tokens, b.tier("cpu").sequences) == (327680, 10)
     assert (b.tier("disk").tokens, b.tier("disk").sequences) == (4_096_000, 125)
-    odd = plan(PlanInput(L31_8B, 32768, cpu_tier=40 * GiB + 100 * MiB))  # 100 MiB = 3.1 chunks of 32 MiB
+    odd = plan(PlanInput(L31_8B, 32768, cpu_size=40 * GiB + 100 * MiB))  # 100 MiB = 3.1 chunks of 32 MiB
     assert odd.tier("cpu").tokens == 327680 + 3 * 256
 
 
 def test_tiny_tier_warns() -> None:
-    b = plan(PlanInput(L31_8B, 4096, cpu_tier=16 * MiB))
+    b = plan(PlanInput(L31_8B, 4096, cpu_size=16 * MiB))
     assert b.tier("cpu").tokens == 0
     assert any("can hold nothing" in w for w in b.warnings)
 
 
 def test_memory_terms_tp1() -> None:
-    b = plan(PlanInput(L31_8B, 32768, cpu_tier=40 * GiB, disk_tier=500 * GiB))
+    b = plan(PlanInput(L31_8B, 32768, cpu_size=40 * GiB, disk_size=500 * GiB))
     terms = {t.name: t.bytes for t in b.memory_terms}
     assert terms == {"engine_baseline": 4 * GiB, "worker_overhead": 2 * GiB, "cpu_tier": 40 * GiB,
                      "staging": GiB, "shm": 2 * GiB, "headroom": -(-49 * GiB // 10)}
@@ -169,7 +169,7 @@ def test_memory_terms_tp1() -> None:
 
 
 def test_memory_terms_tp8_scale_per_rank() -> None:
-    b = plan(PlanInput(L31_70B, 32768, tp=8, cpu_tier=160 * GiB))
+    b = plan(PlanInput(L31_70B, 32768, tp=8, cpu_size=160 * GiB))
     terms = {t.name: t.bytes for t in b.memory_terms}
     assert (terms["worker_overhead"], terms["staging"], terms["shm"]) == (16 * GiB, 8 * GiB, 9 * GiB)
     assert b.tier("cpu").bytes_per_worker == 20 * GiB
@@ -188,12 +188,12 @@ def test_memory_without_offload_has_no_staging_and_min_headroom() -> None:
 def test_memory_overrides() -> None:
     mem = MemoryDefaults(engine_baseline=GiB, per_worker_overhead=0, staging_per_worker=0, shm=0,
                          headroom_percent=0, headroom_min=0)
-    b = plan(PlanInput(L31_8B, 4096, cpu_tier=3 * GiB, memory=mem))
+    b = plan(PlanInput(L31_8B, 4096, cpu_size=3 * GiB, memory=mem))
     assert b.memory_limit == 4 * GiB and b.shm == 0
 
 
 def test_measured_disk_is_slower_than_recompute_for_llama_8b_32k() -> None:
-    b = plan(PlanInput(L31_8B, 32768, cpu_tier=40 * GiB, disk_tier=500 * GiB))
+    b = plan(PlanInput(L31_8B, 32768, cpu_size=40 * GiB, disk_size=500 * GiB))
     cpu, disk = b.reload
     assert (cpu.tier, disk.tier) == ("cpu", "disk")
     assert cpu.bytes == disk.bytes == 4 * GiB
@@ -204,19 +204,19 @@ def test_measured_disk_is_slower_than_recompute_for_llama_8b_32k() -> None:
 
 
 def test_fast_disk_is_not_flagged() -> None:
-    b = plan(PlanInput(L31_8B, 32768, cpu_tier=GiB, disk_tier=10 * GiB, bandwidths=Bandwidths(disk_read=7e9)))
+    b = plan(PlanInput(L31_8B, 32768, cpu_size=GiB, disk_size=10 * GiB, bandwidths=Bandwidths(disk_read=7e9)))
     assert not b.reload[1].slower_than_recompute
 
 
 def test_prefill_rate_scales_with_params_and_tp() -> None:
-    b = plan(PlanInput(L31_70B, 32768, tp=8, cpu_tier=8 * GiB))
+    b = plan(PlanInput(L31_70B, 32768, tp=8, cpu_size=8 * GiB))
     assert b.reload[0].recompute_s == pytest.approx(1.3815 * 70_553_706_496 / 8_030_261_248 / 8, rel=1e-4)
-    own = plan(PlanInput(L31_8B, 1000, cpu_tier=GiB, bandwidths=Bandwidths(prefill_tokens_per_s=1000)))
+    own = plan(PlanInput(L31_8B, 1000, cpu_size=GiB, bandwidths=Bandwidths(prefill_tokens_per_s=1000)))
     assert own.reload[0].recompute_s == 1.0
 
 
 def test_to_dict_is_json_with_camel_case() -> None:
-    d = plan(PlanInput(L31_8B, 32768, cpu_tier=40 * GiB, disk_tier=500 * GiB)).to_dict()
+    d = plan(PlanInput(L31_8B, 32768, cpu_size=40 * GiB, disk_size=500 * GiB)).to_dict()
     assert json.loads(json.dumps(d)) == d
     assert d["kvBytesPerToken"] == 131072
     assert d["tiers"][1] == {"name": "cpu", "bytes": 40 * GiB, "bytesPerWorker": 40 * GiB, "tokens": 327680, "sequences": 10}
@@ -253,9 +253,9 @@ def test_validate_tp_accepts(hf_id: str, tp: int) -> None:
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"kv_dtype": "int4"}, "kv_dtype"),
     ({"weight_dtype": "fp32"}, "weight_dtype"),
-    ({"cpu_tier": -1}, "cpu_tier"),
-    ({"disk_tier": -1}, "disk_tier"),
-    ({"disk_tier": GiB}, "cpu_tier"),  # a disk tier needs a CPU tier
+    ({"cpu_size": -1}, "cpu_size"),
+    ({"disk_size": -1}, "disk_size"),
+    ({"disk_size": GiB}, "cpu_size"),  # a disk tier needs a CPU tier
     ({"gpu_memory": 0}, "gpu_memory"),
     ({"gpus": 2}, "gpus"),
     ({"chunk_size": 0}, "chunk_size"),
@@ -295,7 +295,7 @@ def inputs(draw: st.DrawFn) -> PlanInput:
     tp = draw(st.sampled_from([1, 2, 4]))
     cpu = draw(st.integers(0, 256 * GiB))
     return PlanInput(model, draw(st.integers(1, 32768)), concurrency=draw(st.integers(1, 256)), gpu_memory=H200, tp=tp,
-                     cpu_tier=cpu, disk_tier=draw(st.integers(0, 4096 * GiB)) if cpu else 0,
+                     cpu_size=cpu, disk_size=draw(st.integers(0, 4096 * GiB)) if cpu else 0,
                      chunk_size=draw(st.sampled_from([16, 256, 512])))
 
 
@@ -313,7 +313,7 @@ def test_never_negative_and_consistent(inp: PlanInput) -> None:
             assert t.tokens % inp.chunk_size == 0 and t.sequences == t.tokens // inp.max_model_len
             assert t.tokens * b.kv_bytes_per_token <= t.bytes
     assert b.tier("gpu").sequences >= 1  # else plan refuses, as vLLM does
-    assert b.memory_request == b.memory_limit >= inp.cpu_tier + b.shm
+    assert b.memory_request == b.memory_limit >= inp.cpu_size + b.shm
     assert b.memory_limit % MiB == 0 and b.memory_limit >= sum(t.bytes for t in b.memory_terms)
     assert all(t.bytes >= 0 for t in b.memory_terms)
 
@@ -341,5 +341,5 @@ def test_concurrency_changes_only_warnings(inp: PlanInput, more: int) -> None:
 @settings(max_examples=30, deadline=None)
 @given(inputs(), st.integers(1, 64 * GiB))
 def test_memory_monotone_in_cpu_tier(inp: PlanInput, extra: int) -> None:
-    base = dataclasses.replace(inp, cpu_tier=max(inp.cpu_tier, 1))
-    assert plan(base).memory_limit <= plan(dataclasses.replace(base, cpu_tier=base.cpu_tier + extra)).memory_limit
+    base = dataclasses.replace(inp, cpu_size=max(inp.cpu_size, 1))
+    assert plan(base).memory_limit <= plan(dataclasses.replace(base, cpu_size=base.cpu_size + extra)).memory_limit

@@ -61,7 +61,8 @@ def _q(description: str, *, positive: bool = True, **kw: Any) -> Schema:
     rule = POSITIVE_QUANTITY_RULE if positive else QUANTITY_RULE
     allowed = "> 0" if positive else ">= 0"
     return _s(description, maxLength=32, **kw,
-              **{"x-kubernetes-validations": [{"rule": rule, "message": f"must be a Kubernetes quantity {allowed} and at most {MAX_QUANTITY}, e.g. 40Gi or 500G"}]})
+              **{"x-kubernetes-validations": [{"rule": rule, "message": f"must be a Kubernetes quantity {allowed} "
+                                                                           f"and at most {MAX_QUANTITY}, e.g. 40Gi or 500G"}]})
 
 
 def _o(description: str, properties: dict[str, Schema], *, required: list[str] | None = None,
@@ -116,7 +117,8 @@ def _model() -> Schema:
                        minLength=1, maxLength=256, pattern=r"^[A-Za-z0-9_./-]+$"),
             "servedName": _s("Name clients use in API requests (vLLM --served-model-name); defaults to name.", maxLength=256),
             "architecture": _architecture(),
-            "kvDtype": _s("Element type of the KV cache (vLLM --kv-cache-dtype). auto follows engine.dtype; fp8 halves the KV bytes per token.",
+            "kvDtype": _s("Element type of the KV cache (vLLM --kv-cache-dtype). auto follows engine.dtype; "
+                          "fp8 halves the KV bytes per token.",
                           enum=["auto", "bf16", "fp8"], default="auto"),
             "hfTokenSecret": _o(
                 "Secret holding a Hugging Face token, for gated models. Exposed to vLLM as HF_TOKEN.",
@@ -142,12 +144,16 @@ def _engine() -> Schema:
                               pattern=r"^[0-9]+\.[0-9]+\.[0-9]+$"),
             "lmcacheVersion": _s("LMCache version inside image, required when the image is not in the operator's version table.",
                                  pattern=r"^[0-9]+\.[0-9]+\.[0-9]+$"),
-            "maxModelLen": _i("Longest sequence (prompt + output) in tokens (vLLM --max-model-len). At least one such sequence must fit in the GPU tier.",
+            "maxModelLen": _i("Longest sequence (prompt + output) in tokens (vLLM --max-model-len). "
+                              "At least one such sequence must fit in the GPU tier.",
                               minimum=16, maximum=16777216),
-            "gpuMemoryUtilization": {"type": "number", "description": "Fraction of each GPU's memory vLLM may use, in (0, 1] (vLLM --gpu-memory-utilization).",
+            "gpuMemoryUtilization": {"type": "number",
+                                     "description": "Fraction of each GPU's memory vLLM may use, in (0, 1] "
+                                                    "(vLLM --gpu-memory-utilization).",
                                      "exclusiveMinimum": True, "minimum": 0, "maximum": 1, "default": 0.9},
             "maxNumSeqs": _i("Maximum sequences served at once (vLLM --max-num-seqs).", minimum=1, maximum=65536, default=256),
-            "tensorParallelSize": _i("GPUs per replica the model is sharded over (vLLM --tensor-parallel-size). The pod asks for this many GPUs.",
+            "tensorParallelSize": _i("GPUs per replica the model is sharded over (vLLM --tensor-parallel-size). "
+                                     "The pod asks for this many GPUs.",
                                      minimum=1, maximum=64, default=1),
             "dtype": _s("Weight and activation type (vLLM --dtype). auto means the model's own (bf16 for the catalog).",
                         enum=["auto", "bfloat16", "float16"], default="auto"),
@@ -208,7 +214,8 @@ def _offload() -> Schema:
          "nodeSelector": _labels("Node labels that mark nodes with this disk; defaults to the operator's NVMe label.")},
         required=["size"],
         rules=[{"rule": "has(self.path) != has(self.storageClassName)",
-                "message": "set exactly one of spec.offload.disk.path (hostPath) or spec.offload.disk.storageClassName (ephemeral volume)"}],
+                "message": "set exactly one of spec.offload.disk.path (hostPath) or "
+                           "spec.offload.disk.storageClassName (ephemeral volume)"}],
     )
     return _o(
         "KV-cache offloading through LMCache (in-process connector LMCacheConnectorV1): hot blocks stay in GPU memory, warm "
@@ -268,11 +275,13 @@ def spec_schema() -> Schema:
          "metrics": _metrics()},
         required=["model", "engine", "offload"],
         rules=[{"rule": "!has(self.offload.disk) || !has(self.offload.disk.nodeSelector) || !has(self.scheduling) "
-                        "|| !has(self.scheduling.nodeSelector) || self.offload.disk.nodeSelector.all(k, !(k in self.scheduling.nodeSelector) "
+                        "|| !has(self.scheduling.nodeSelector) "
+                        "|| self.offload.disk.nodeSelector.all(k, !(k in self.scheduling.nodeSelector) "
                         "|| self.scheduling.nodeSelector[k] == self.offload.disk.nodeSelector[k])",
                 "message": "spec.offload.disk.nodeSelector and spec.scheduling.nodeSelector disagree on a label"},
                {"rule": "!has(self.resources) || !has(self.resources.memory) || !isQuantity(self.resources.memory) "
-                        "|| !isQuantity(self.offload.cpu.size) || !quantity(self.resources.memory).isLessThan(quantity(self.offload.cpu.size))",
+                        "|| !isQuantity(self.offload.cpu.size) "
+                        "|| !quantity(self.resources.memory).isLessThan(quantity(self.offload.cpu.size))",
                 "fieldPath": ".resources.memory",
                 "message": "must hold at least the CPU tier (spec.offload.cpu.size): pinned memory is allocated in full"}],
     )
@@ -301,19 +310,22 @@ def status_schema() -> Schema:
          "readyReplicas": _i("Pods that are Ready.", format="int32"),
          "selector": _s("Label selector of the pods (for the scale subresource and HPA)."),
          "endpoint": _s("In-cluster URL of the OpenAI-compatible API."),
-         "versions": _o("What is running.", {"image": _s("Serving image."), "vllm": _s("vLLM version."), "lmcache": _s("LMCache version.")}),
+         "versions": _o("What is running.", {"image": _s("Serving image."), "vllm": _s("vLLM version."),
+                                             "lmcache": _s("LMCache version.")}),
          "summary": _o("Short figures for kubectl get.", {
              "gpuTokens": _i("Tokens the GPU tier holds.", format="int64"),
              "cpuTokens": _i("Tokens the CPU tier holds.", format="int64"),
              "diskTokens": _i("Tokens the disk tier holds.", format="int64"),
              "memory": _s("Memory request = limit of the vLLM container.")}),
          "budget": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
-                    "description": "The computed budget: KV bytes per token, tokens and sequences per tier, memory terms, /dev/shm, reload vs recompute."}},
+                    "description": "The computed budget: KV bytes per token, tokens and sequences per tier, memory terms, "
+                                   "/dev/shm, reload vs recompute."}},
     )
 
 
 def schema() -> Schema:
-    return {"type": "object", "description": "KVOffloadServe runs vLLM with LMCache KV-cache offloading (GPU, pinned CPU, node-local disk).",
+    return {"type": "object",
+            "description": "KVOffloadServe runs vLLM with LMCache KV-cache offloading (GPU, pinned CPU, node-local disk).",
             "properties": {"apiVersion": {"type": "string", "description": "APIVersion of this object."},
                            "kind": {"type": "string", "description": "Kind of this object."},
                            "metadata": {"type": "object"},
@@ -347,7 +359,8 @@ def crd() -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{PLURAL}.{GROUP}", "labels": {"app.kubernetes.io/name": "kvoffload", "app.kubernetes.io/part-of": "kvoffload"}},
+        "metadata": {"name": f"{PLURAL}.{GROUP}",
+                     "labels": {"app.kubernetes.io/name": "kvoffload", "app.kubernetes.io/part-of": "kvoffload"}},
         "spec": {
             "group": GROUP,
             "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL, "singular": SINGULAR,

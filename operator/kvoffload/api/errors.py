@@ -17,7 +17,7 @@ class ConfigError(ValueError):
 
 
 class InputError(ConfigError):
-    """A planning input at fault, keyed by the planner's own name for it (`tp`, `cpu_tier`); the
+    """A planning input at fault, keyed by the planner's own name for it (`tp`, `cpu_size`); the
     message names other inputs as `{key}`. Each caller translates it into its own vocabulary (CRD
     paths in the operator, options in `kvoffload plan`) with `named`."""
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import posixpath
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from . import crd
 from ..engine import images
+from . import crd
 from .errors import ConfigError
 from .quantity import to_bytes
 from .settings import Settings
@@ -53,8 +53,8 @@ PLAN_FIELDS = {
     "staging_per_worker": "spec.resources.stagingPerWorker",
     "shm": "spec.resources.shm",
     "headroom_percent": "spec.resources.headroomPercent",
-    "cpu_tier": "spec.offload.cpu.size",
-    "disk_tier": "spec.offload.disk.size",
+    "cpu_size": "spec.offload.cpu.size",
+    "disk_size": "spec.offload.disk.size",
     "chunk_size": "spec.offload.chunkSize",
 }
 
@@ -65,15 +65,12 @@ def _matches(pattern: str, value: str) -> bool:
 
 
 class _Reader:
-    """Reads dotted spec paths, falling back to the CRD's defaults; remembers what was read
-    so a test can prove the parser and the schema cover the same fields."""
+    """Reads dotted spec paths, falling back to the CRD's defaults."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
-        self.read: set[str] = set()
 
     def get(self, path: str, default: Any = _MISSING) -> Any:
-        self.read.add(path)
         node: Any = self.spec
         for part in path.split("."):
             if not isinstance(node, dict) or part not in node or node[part] is None:
@@ -158,7 +155,6 @@ class Spec:
     scheduling: SchedulingSpec
     metrics_enabled: bool
     metrics_port: int
-    read_paths: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
 
 def _int(r: _Reader, path: str, lo: int, hi: int) -> int:
@@ -357,7 +353,8 @@ def _resources(r: _Reader, settings: Settings) -> ResourcesSpec:
             raise ConfigError("operator setting headroomPercent", f"{headroom!r} must be an integer in [0, 100]")
     return ResourcesSpec(
         gpu_resource_name=_str(r, "resources.gpuResourceName"),
-        gpu_memory=_size(r, "resources.gpuMemory") or to_bytes(settings.default_gpu_memory, "operator setting defaultGpuMemory", allow_zero=False),
+        gpu_memory=_size(r, "resources.gpuMemory")
+        or to_bytes(settings.default_gpu_memory, "operator setting defaultGpuMemory", allow_zero=False),
         cpu=str(cpu),
         memory=_size(r, "resources.memory"),
         engine_baseline=term("resources.engineBaseline", settings.engine_baseline),
@@ -394,9 +391,10 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
         metrics_port=_int(r, "metrics.port", 1024, 65535),
     )
     if parsed.resources.memory is not None and parsed.resources.memory < parsed.offload.cpu_size:
-        raise ConfigError("spec.resources.memory", "must hold at least the CPU tier (spec.offload.cpu.size): pinned memory is allocated in full")
+        raise ConfigError("spec.resources.memory",
+                          "must hold at least the CPU tier (spec.offload.cpu.size): pinned memory is allocated in full")
     if parsed.offload.disk and parsed.offload.disk.node_selector:
         for key, value in parsed.offload.disk.node_selector.items():
             if parsed.scheduling.node_selector.get(key, value) != value:
                 raise ConfigError("spec.scheduling.nodeSelector", f"{key} disagrees with spec.offload.disk.nodeSelector")
-    return Spec(**{**parsed.__dict__, "read_paths": frozenset(r.read)})
+    return parsed

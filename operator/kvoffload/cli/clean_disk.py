@@ -17,9 +17,9 @@ import tempfile
 from typing import Any
 
 from ..api import crd
-from ..node.disk_cleaner import POLICIES, RETAIN, clean, live_from_json, load_state, next_state
 from ..api.errors import ConfigError
 from ..api.quantity import human
+from ..node.disk_cleaner import POLICIES, RETAIN, clean, live_from_json, load_state, next_state
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

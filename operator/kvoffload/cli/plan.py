@@ -9,9 +9,9 @@ from typing import Any, Callable, TypeVar
 
 import yaml
 
-from ..planning.catalog import ModelArch, resolve_model
 from ..api.errors import InputError
 from ..api.quantity import format_bytes, human, to_bytes
+from ..planning.catalog import ModelArch, resolve_model
 from ..planning.sizing import Bandwidths, Budget, MemoryDefaults, PlanInput, check, plan, prefill_tokens_per_s
 
 DEFAULT_CONTEXT = 32768  # when the model's max_position_embeddings is not known
@@ -42,8 +42,8 @@ OPTION_FOR_INPUT = {
     "shm": "--shm",
     "headroom_percent": "--headroom-percent",
     "headroom_min": "--headroom-min",
-    "cpu_tier": "--cpu-tier",
-    "disk_tier": "--disk-tier",
+    "cpu_size": "--cpu-tier",
+    "disk_size": "--disk-tier",
     "cpu_read": "--cpu-read-gbps",
     "disk_read": "--disk-read-gbps",
     "chunk_size": "--chunk-size",
@@ -136,8 +136,8 @@ def build_input(args: argparse.Namespace) -> PlanInput:
         gpus=args.gpus, tp=args.tp,
         gpu_memory_utilization=args.gpu_memory_utilization,
         weight_dtype=args.dtype, kv_dtype=args.kv_dtype,
-        cpu_tier=to_bytes(args.cpu_tier, "--cpu-tier"),
-        disk_tier=to_bytes(args.disk_tier, "--disk-tier"),
+        cpu_size=to_bytes(args.cpu_tier, "--cpu-tier"),
+        disk_size=to_bytes(args.disk_tier, "--disk-tier"),
         chunk_size=args.chunk_size,
         activation_reserve=to_bytes(args.activation_reserve, "--activation-reserve"),
         memory=memory, bandwidths=bandwidths)
@@ -168,7 +168,7 @@ def inputs_dict(inp: PlanInput) -> dict[str, Any]:
     return {"model": _model_dict(inp.model), "maxModelLen": inp.max_model_len, "maxNumSeqs": inp.concurrency,
             "gpuMemory": inp.gpu_memory, "gpus": inp.gpus or inp.tp, "tensorParallelSize": inp.tp,
             "gpuMemoryUtilization": inp.gpu_memory_utilization, "dtype": inp.weight_dtype, "kvDtype": inp.kv_dtype,
-            "cpuTier": inp.cpu_tier, "diskTier": inp.disk_tier, "chunkSize": inp.chunk_size,
+            "cpuTier": inp.cpu_size, "diskTier": inp.disk_size, "chunkSize": inp.chunk_size,
             "activationReserve": inp.activation_reserve,
             "bandwidths": {"cpuReadBytesPerSecond": round(inp.bandwidths.cpu_read, 4),
                            "diskReadBytesPerSecond": round(inp.bandwidths.disk_read, 4),

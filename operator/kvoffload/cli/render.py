@@ -8,9 +8,10 @@ import sys
 
 import yaml
 
-from ..api import crd, settings as settings_mod
-from ..controller import pipeline
+from ..api import crd
+from ..api import settings as settings_mod
 from ..api.errors import ConfigError
+from ..controller import pipeline
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,7 +33,6 @@ def render_file(args: argparse.Namespace) -> int:
         meta = doc.get("metadata") or {}
         name, namespace = meta.get("name", ""), meta.get("namespace", args.namespace)
         try:
-            pipeline.validate_name(name)
             # Offline there is no uid, so children carry no ownerReferences; the operator adds them.
             out += pipeline.desired(name, namespace, "", doc.get("spec") or {}, settings).children
         except ConfigError as exc:

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from ..rendering import render
 from ..api.errors import ConfigError
-from .pipeline import Desired
 from ..api.quantity import format_bytes
+from ..rendering import render
+from .pipeline import Desired
 
 TYPES = ("Ready", "ConfigValid", "Scheduled", "OffloadActive", "DiskTierReady")
 
@@ -104,7 +104,8 @@ def _disk(desired: Desired, pods: list[dict[str, Any]]) -> Cond:
     replicas = desired.spec.replicas
     if replicas and len(initialized) >= replicas:
         return Cond("DiskTierReady", "True", "DirectoriesPrepared",
-                    f"{format_bytes(desired.budget.tier('disk').bytes)} per replica on {where}; {len(initialized)}/{replicas} pod directories {cleanup}")
+                    f"{format_bytes(desired.budget.tier('disk').bytes)} per replica on {where}; "
+                    f"{len(initialized)}/{replicas} pod directories {cleanup}")
     return Cond("DiskTierReady", "False", "Preparing", f"{len(initialized)}/{replicas} pod directories prepared on {where}")
 
 

@@ -9,12 +9,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from ..planning import catalog, sizing
-from ..rendering import render
 from ..api.errors import ConfigError, InputError
 from ..api.quantity import format_bytes
 from ..api.settings import Settings
 from ..api.spec import PLAN_FIELDS, Spec, parse
+from ..planning import catalog, sizing
+from ..rendering import render
 
 _WEIGHT_DTYPE = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16"}
 _ARCH_KW = {"layers": "layers", "attentionHeads": "attention_heads", "kvHeads": "kv_heads", "headDim": "head_dim",
@@ -43,8 +43,8 @@ def plan_for(spec: Spec) -> sizing.Budget:
             gpu_memory_utilization=spec.engine.gpu_memory_utilization,
             weight_dtype=_WEIGHT_DTYPE[spec.engine.dtype],
             kv_dtype=spec.model.kv_dtype,
-            cpu_tier=spec.offload.cpu_size,
-            disk_tier=spec.offload.disk.size if spec.offload.disk else 0,
+            cpu_size=spec.offload.cpu_size,
+            disk_size=spec.offload.disk.size if spec.offload.disk else 0,
             chunk_size=spec.offload.chunk_size,
             memory=sizing.MemoryDefaults(engine_baseline=r.engine_baseline, per_worker_overhead=r.per_worker_overhead,
                                          staging_per_worker=r.staging_per_worker, shm=r.shm,
@@ -62,6 +62,7 @@ def plan_for(spec: Spec) -> sizing.Budget:
 
 
 def _desired(name: str, namespace: str, uid: str, spec_dict: dict[str, Any], settings: Settings) -> Desired:
+    render.check_name(name)
     spec = parse(spec_dict, settings)
     budget = plan_for(spec)
     owner = render.Owner(name=name, namespace=namespace, uid=uid)
@@ -109,10 +110,4 @@ def unchecked(spec: Spec) -> bool:
     return bool(spec.engine.env or s.tolerations or s.affinity or image != image.strip())
 
 
-def validate_name(name: str) -> None:
-    # Children are named <name>-lmcache / <name>-pods and pods <name>-<ordinal>: keep them within 63 characters.
-    if len(name) > 52:
-        raise ConfigError("metadata.name", f"{name!r} is {len(name)} characters; at most 52 so child and pod names fit in 63")
-
-
-__all__ = ["ConfigError", "Desired", "desired", "plan_for", "unchecked", "validate_name"]
+__all__ = ["ConfigError", "Desired", "desired", "plan_for", "unchecked"]

@@ -10,7 +10,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..exporter.vllm_metrics import SourceError, fetch_text
+from ..api.fetch import SourceError, fetch_text
 
 # pod name -> 1.0 / 0.0 from the exporter, or an error string.
 Probes = dict[str, "float | str"]

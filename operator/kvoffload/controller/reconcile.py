@@ -9,12 +9,12 @@ import logging
 from datetime import datetime
 from typing import Any
 
-from . import conditions, pipeline, probe
 from ..api import crd
-from ..rendering import render
 from ..api.errors import ConfigError
-from .kube import ApiError, Kube, collection
 from ..api.settings import Settings
+from ..rendering import render
+from . import conditions, pipeline, probe
+from .kube import ApiError, Kube, collection
 
 log = logging.getLogger("kvoffload.reconcile")
 
@@ -29,7 +29,7 @@ def covers(desired: Any, live: Any) -> bool:
     if isinstance(desired, dict):
         return isinstance(live, dict) and all(covers(v, live.get(k)) for k, v in desired.items())
     if isinstance(desired, list):
-        return isinstance(live, list) and len(desired) == len(live) and all(covers(d, l) for d, l in zip(desired, live))
+        return isinstance(live, list) and len(desired) == len(live) and all(covers(d, x) for d, x in zip(desired, live))
     return desired == live
 
 
@@ -144,7 +144,6 @@ def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: 
     desired: pipeline.Desired | None = None
     error: ConfigError | None = None
     try:
-        pipeline.validate_name(name)
         desired = pipeline.desired(name, namespace, meta["uid"], body.get("spec") or {}, settings)
     except ConfigError as exc:
         error = exc  # no child is created or changed while the spec is invalid

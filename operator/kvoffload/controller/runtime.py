@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import json
 import itertools
+import json
 import logging
 import random
 from collections import Counter

@@ -8,6 +8,6 @@ Inputs (each read so that a failure is counted, logged once and never fatal):
 - the LMCache YAML the operator rendered  -> `capacity`
 
 `collector` turns one look at those into `kvoffload_*` metric families; `server` serves them with
-/healthz; `cli` wires the flags. `testkit` holds the stand-ins and the launcher that the tests and
-the benchmark use.
+/healthz; `cli` wires the flags. The tests' stand-ins and launcher live in kvtest.exporter
+(tests/support).
 """

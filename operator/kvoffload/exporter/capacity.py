@@ -18,16 +18,16 @@ _FIELD = "--lmcache-config"
 
 
 @dataclass(frozen=True)
-class TierBudget:
+class TierCapacity:
     """Bytes the CPU and disk tiers may hold for the whole pod; None when the tier is off/unknown."""
 
     cpu_bytes: int | None = None
     disk_bytes: int | None = None
 
 
-def load_budget(path: str | None, tensor_parallel_size: int) -> TierBudget:
+def load_capacity(path: str | None, tensor_parallel_size: int) -> TierCapacity:
     if path is None:
-        return TierBudget()
+        return TierCapacity()
     try:
         with open(path, encoding="utf-8") as f:
             doc = yaml.safe_load(f) or {}
@@ -35,15 +35,15 @@ def load_budget(path: str | None, tensor_parallel_size: int) -> TierBudget:
         raise ConfigError(_FIELD, f"cannot read {path}: {exc}") from None
     if not isinstance(doc, dict):
         raise ConfigError(_FIELD, f"{path} is not a YAML mapping")
-    return budget_from_config(doc, tensor_parallel_size)
+    return capacity_from_config(doc, tensor_parallel_size)
 
 
-def budget_from_config(doc: dict[str, Any], tensor_parallel_size: int) -> TierBudget:
+def capacity_from_config(doc: dict[str, Any], tensor_parallel_size: int) -> TierCapacity:
     # LMCache 0.5.6 defaults: local_cpu true, max_local_cpu_size 5.0, local_disk null,
     # max_local_disk_size 0.0; the disk tier is on only when both local_disk and a size are set.
     cpu_gib = _gib(doc, "max_local_cpu_size", 5.0) if doc.get("local_cpu", True) else 0.0
     disk_gib = _gib(doc, "max_local_disk_size", 0.0) if doc.get("local_disk") else 0.0
-    return TierBudget(
+    return TierCapacity(
         cpu_bytes=int(cpu_gib * GiB) * tensor_parallel_size if cpu_gib > 0 else None,
         disk_bytes=int(disk_gib * GiB) * tensor_parallel_size if disk_gib > 0 else None,
     )

@@ -12,7 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from ..api.errors import ConfigError
-from .capacity import load_budget
+from .capacity import load_capacity
 from .collector import ExporterConfig, TierCollector
 from .disk_tier import DiskTierMonitor
 from .server import parse_listen, start_server
@@ -69,7 +69,7 @@ def build(args: argparse.Namespace) -> tuple[CollectorRegistry, TierCollector, t
         multiproc_dir=args.multiproc_dir,
         scrape_timeout=args.scrape_timeout,
         kv_bytes_per_token=args.kv_bytes_per_token,
-        budget=load_budget(args.lmcache_config, args.tensor_parallel_size),
+        capacity=load_capacity(args.lmcache_config, args.tensor_parallel_size),
     )
     disk = None
     if args.disk_dir:

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .capacity import TierBudget
+from ..api.fetch import SourceError, fetch_text
+from .capacity import TierCapacity
 from .disk_tier import DiskScan, DiskTierMonitor
 from .lmcache_metrics import LmcacheSnapshot, parse_lmcache, read_multiproc_dir
-from .sources import SourceError, SourceHealth
-from .vllm_metrics import VllmSnapshot, fetch_text, parse_vllm
+from .sources import SourceHealth
+from .vllm_metrics import VllmSnapshot, parse_vllm
 
 # LMCache counters that rose within this many seconds count as "moving" for kvoffload_offload_active.
 ACTIVITY_WINDOW_S = 300.0
@@ -36,7 +37,7 @@ class ExporterConfig:
     multiproc_dir: str | None = None
     scrape_timeout: float = 2.0
     kv_bytes_per_token: int = 0  # per replica; 0: unknown, no gpu capacity
-    budget: TierBudget = TierBudget()
+    capacity: TierCapacity = TierCapacity()
 
 
 class TierCollector(Collector):
@@ -148,10 +149,10 @@ def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSna
         if vllm.prefix_hits is not None and vllm.prefix_queries is not None:
             hits.add_metric(["gpu"], vllm.prefix_hits)
             requested.add_metric(["gpu"], vllm.prefix_queries)
-    if config.budget.cpu_bytes is not None:
-        capacity.add_metric(["cpu"], config.budget.cpu_bytes)
-    if config.budget.disk_bytes is not None:
-        capacity.add_metric(["disk"], config.budget.disk_bytes)
+    if config.capacity.cpu_bytes is not None:
+        capacity.add_metric(["cpu"], config.capacity.cpu_bytes)
+    if config.capacity.disk_bytes is not None:
+        capacity.add_metric(["disk"], config.capacity.disk_bytes)
     if lmc is not None:
         used.add_metric(["cpu"], lmc.cpu_used_bytes)
         used.add_metric(["disk"], lmc.disk_used_bytes)

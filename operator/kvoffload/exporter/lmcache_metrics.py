@@ -12,8 +12,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from .sources import SourceError
-
+from ..api.fetch import SourceError
 
 _USED = frozenset({
     "lmcache:num_requested_tokens_total",

@@ -8,11 +8,6 @@ import threading
 log = logging.getLogger("kvoffload.exporter")
 
 
-class SourceError(Exception):
-    """A source could not be read. `str()` is a short, stable reason (no timings, no counters), so
-    that the same failure repeated on every scrape compares equal and is logged only once."""
-
-
 class SourceHealth:
     """What the exporter knows about one input (`vllm`, `lmcache` or `disk`)."""
 

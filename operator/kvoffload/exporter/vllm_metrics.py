@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import http.client
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from .sources import SourceError
+from ..api.fetch import SourceError
 
 # vLLM's page is mostly histograms the exporter never reads; parsing only these lines keeps a scrape
 # cheap. `lmcache:` lines appear when vLLM shares PROMETHEUS_MULTIPROC_DIR with LMCache.
@@ -24,7 +21,6 @@ _WANTED = (
     "process_start_time_seconds",
     "lmcache:",
 )
-_MAX_BODY = 32 * 1024 * 1024  # a /metrics page larger than this is not vLLM's
 
 
 @dataclass(frozen=True)
@@ -40,47 +36,6 @@ class VllmSnapshot:
     external_prompt_tokens: float | None = None  # prompt_tokens_by_source{source="external_kv_transfer"}
     process_start: float | None = None
     lmcache_families: list[Metric] = field(default_factory=list)
-
-
-def fetch_text(url: str, timeout: float) -> str:
-    """GET `url` (plain http, no proxy) and return the body; every socket wait is capped by what is
-    left of `timeout`, so a hung vLLM cannot hold a scrape longer than that."""
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise SourceError(f"unsupported URL {url!r} (http://host:port/path only)")
-    deadline = time.monotonic() + timeout
-    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
-    try:
-        conn.connect()
-        _cap(conn, deadline, timeout)
-        conn.request("GET", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""),
-                     headers={"Accept": "text/plain;version=0.0.4"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise SourceError(f"HTTP {resp.status} from {url}")
-        body = bytearray()
-        while chunk := resp.read1(65536):
-            body += chunk
-            if len(body) > _MAX_BODY:
-                raise SourceError(f"response from {url} larger than {_MAX_BODY} bytes")
-            _cap(conn, deadline, timeout)
-    except TimeoutError:
-        raise SourceError(f"no complete answer from {url} within {timeout:g}s") from None
-    except ConnectionRefusedError:
-        raise SourceError(f"connection refused by {url}") from None
-    except (OSError, http.client.HTTPException) as exc:
-        raise SourceError(f"cannot read {url}: {type(exc).__name__}") from None
-    finally:
-        conn.close()
-    return body.decode("utf-8", errors="replace")
-
-
-def _cap(conn: http.client.HTTPConnection, deadline: float, timeout: float) -> None:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError
-    if conn.sock is not None:
-        conn.sock.settimeout(min(left, timeout))
 
 
 def parse_vllm(text: str) -> VllmSnapshot:

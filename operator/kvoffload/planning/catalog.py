@@ -17,7 +17,6 @@ from typing import Any, Literal
 from ..api.errors import InputError
 
 
-
 @dataclass(frozen=True)
 class ModelArch:
     hf_id: str

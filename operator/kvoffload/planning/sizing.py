@@ -28,7 +28,7 @@ Conventions
   that rank's own host link in parallel (bytes / tp / cpu_read); the disk tier is one node-local
   device shared by all ranks (bytes / disk_read); recompute = tokens / prefill rate. Measured
   figures: /work/shared/reference/h200-tier-physics.json.
-- Vocabulary: errors are InputErrors keyed by PlanInput's own names (`tp`, `cpu_tier`), and
+- Vocabulary: errors are InputErrors keyed by PlanInput's own names (`tp`, `cpu_size`), and
   messages and warnings name other inputs as `{key}`. The operator maps keys to CRD paths
   (spec.PLAN_FIELDS), `kvoffload plan` to its options (OPTION_FOR_INPUT).
 - After planning, Budget is the one source of every size: render, status and conditions read it.
@@ -87,8 +87,8 @@ class PlanInput:
     gpu_memory_utilization: float = 0.9
     weight_dtype: str = "bf16"  # bf16|fp16|fp8
     kv_dtype: str = "auto"  # auto (= weight dtype)|bf16|fp16|fp8
-    cpu_tier: int = 0  # bytes per replica
-    disk_tier: int = 0  # bytes per replica
+    cpu_size: int = 0  # bytes per replica
+    disk_size: int = 0  # bytes per replica
     chunk_size: int = 256  # LMCache chunk_size, tokens
     activation_reserve: int = 2 * GiB  # per GPU: activations, CUDA context, graphs
     memory: MemoryDefaults = field(default_factory=MemoryDefaults)
@@ -195,8 +195,8 @@ def check(inp: PlanInput) -> None:
     if inp.kv_dtype not in KV_DTYPES:
         raise InputError("kv_dtype", f"{inp.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
     _int(inp.gpu_memory, 1, "gpu_memory")
-    _int(inp.cpu_tier, 0, "cpu_tier")
-    _int(inp.disk_tier, 0, "disk_tier")
+    _int(inp.cpu_size, 0, "cpu_size")
+    _int(inp.disk_size, 0, "disk_size")
     _int(inp.activation_reserve, 0, "activation_reserve")
     mem = inp.memory
     for key in ("engine_baseline", "per_worker_overhead", "staging_per_worker", "headroom_min"):
@@ -221,9 +221,9 @@ def _refuse(inp: PlanInput) -> None:
     if inp.gpus is not None and inp.gpus != inp.tp:
         raise InputError("gpus", f"{inp.gpus} GPUs with {{tp}} {inp.tp}: pipeline "
                          "parallelism is not modelled; use as many GPUs as the tensor-parallel size")
-    if inp.disk_tier and not inp.cpu_tier:
-        raise InputError("cpu_tier", "the disk tier needs a CPU tier (LMCache reads disk hits back through it); "
-                         "set {cpu_tier} > 0 or {disk_tier} to 0")
+    if inp.disk_size and not inp.cpu_size:
+        raise InputError("cpu_size", "the disk tier needs a CPU tier (LMCache reads disk hits back through it); "
+                         "set {cpu_size} > 0 or {disk_size} to 0")
 
 
 def prefill_tokens_per_s(inp: PlanInput) -> float:
@@ -273,8 +273,9 @@ def _memory(inp: PlanInput, offload: bool) -> tuple[tuple[MemoryTerm, ...], int,
     shm = mem.shm if mem.shm is not None else GiB + GiB * tp
     terms = [
         MemoryTerm("engine_baseline", mem.engine_baseline, "vLLM API server + engine core process"),
-        MemoryTerm("worker_overhead", mem.per_worker_overhead * tp, f"{tp} TP worker(s) × {human(mem.per_worker_overhead)}: torch/CUDA runtime"),
-        MemoryTerm("cpu_tier", inp.cpu_tier, f"LMCache CPU tier, pinned in full at start-up: {tp} rank(s) × {human(inp.cpu_tier // tp)}"),
+        MemoryTerm("worker_overhead", mem.per_worker_overhead * tp,
+                   f"{tp} TP worker(s) × {human(mem.per_worker_overhead)}: torch/CUDA runtime"),
+        MemoryTerm("cpu_tier", inp.cpu_size, f"LMCache CPU tier, pinned in full at start-up: {tp} rank(s) × {human(inp.cpu_size // tp)}"),
         MemoryTerm("staging", mem.staging_per_worker * tp if offload else 0,
                    f"pinned staging buffers, {tp} rank(s) × {human(mem.staging_per_worker)}" if offload else "no offload tier: none"),
         MemoryTerm("shm", shm, "memory-backed /dev/shm for NCCL and worker IPC, charged to the pod"),
@@ -295,10 +296,10 @@ def plan(inp: PlanInput) -> Budget:
     kv_bytes = DTYPE_BYTES[inp.weight_dtype if inp.kv_dtype == "auto" else inp.kv_dtype]
     heads_per_gpu = max(1, m.kv_heads // tp)
     per_gpu_bpt = 2 * m.layers * heads_per_gpu * m.head_dim * kv_bytes
-    offload = bool(inp.cpu_tier or inp.disk_tier)
+    offload = bool(inp.cpu_size or inp.disk_size)
     windowed = bool(m.sliding_window and m.sliding_window_layers) and not offload
     gpu, seq_per_gpu = _gpu_tier(inp, per_gpu_bpt, windowed)
-    tiers = (gpu, _offload_tier("cpu", inp.cpu_tier, inp, per_gpu_bpt), _offload_tier("disk", inp.disk_tier, inp, per_gpu_bpt))
+    tiers = (gpu, _offload_tier("cpu", inp.cpu_size, inp, per_gpu_bpt), _offload_tier("disk", inp.disk_size, inp, per_gpu_bpt))
     terms, total, shm = _memory(inp, offload)
 
     warnings: list[str] = []
@@ -325,8 +326,8 @@ def plan(inp: PlanInput) -> Budget:
     prefill = prefill_tokens_per_s(inp)
     prefix = L * per_gpu_bpt * tp
     reload: list[ReloadEstimate] = []
-    for name, size, read_bytes, bw in (("cpu", inp.cpu_tier, prefix / tp, inp.bandwidths.cpu_read),
-                                        ("disk", inp.disk_tier, prefix, inp.bandwidths.disk_read)):
+    for name, size, read_bytes, bw in (("cpu", inp.cpu_size, prefix / tp, inp.bandwidths.cpu_read),
+                                        ("disk", inp.disk_size, prefix, inp.bandwidths.disk_read)):
         if not size:
             continue
         est = ReloadEstimate(name, L, prefix, read_bytes / bw, L / prefill, read_bytes / bw > L / prefill)

@@ -18,8 +18,8 @@ from ..api import crd
 from ..api.errors import ConfigError
 from ..api.quantity import format_bytes, gib
 from ..api.settings import Settings
-from ..planning.sizing import Budget
 from ..api.spec import Spec
+from ..planning.sizing import Budget
 
 HTTP_PORT = 8000
 CONFIG_DIR = "/etc/lmcache"
@@ -319,8 +319,7 @@ def check_name(name: str) -> None:
 
 
 def children(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> list[dict[str, Any]]:
-    """Every child, in apply order."""
-    check_name(owner.name)
+    """Every child, in apply order (owner.name passed check_name: pipeline.desired checks it first)."""
     cm = configmap(owner, spec, budget, settings)
     return [cm, *services(owner, spec, settings), statefulset(owner, spec, budget, settings, _hash(cm["data"])),
             pdb(owner, settings)]

@@ -1,4 +1,4 @@
-"""Kit for the tests and benchmarks/exporter_bench.py: stand-ins for vLLM (a tiny HTTP server on
+"""For the exporter's tests and benchmarks/exporter_bench.py: stand-ins for vLLM (a tiny HTTP server on
 127.0.0.1 serving a fixed /metrics page) and LMCache (a writer of its multiprocess files), and a
 launcher that runs the exporter as a subprocess on a free loopback port."""
 

@@ -1,0 +1,22 @@
+"""kvoffload's test support, installed editable by `make venv` (`import kvtest`, never a sys.path edit).
+
+  kvtest.paths       where things are: the repository, the cluster state dir, the cached binaries, kubectl
+  kvtest.procs       processes and ports: liveness, free ports, listeners, killing a process group, wait_until
+  kvtest.pki         the control plane's certificates and kubeconfigs
+  kvtest.fleet       kwok GPU nodes (pools -> Node objects on loopback addresses)
+  kvtest.components  one table: each control-plane component's ports, flags and health check
+  kvtest.cluster     Cluster: up/down/status, one component's stop/start/restart, kubectl/helm/HTTPS clients
+  kvtest.operator    the operator as a subprocess (`kvoffload run`), the CRD installed
+  kvtest.exporter    stand-ins for vLLM and LMCache, the exporter as a subprocess
+  kvtest.readme      the commands the README shows
+  python -m kvtest up|down|status   the CLI behind `make cluster-up/down/status`
+"""
+
+from .cluster import Cluster, ClusterError, KubectlError
+from .fleet import load_fleet, make_fleet
+from .operator import OperatorProcess
+from .paths import ROOT, bin_dir, missing_binaries
+from .procs import listening_sockets, proc_stat, wait_until
+
+__all__ = ["ROOT", "Cluster", "ClusterError", "KubectlError", "OperatorProcess", "bin_dir", "listening_sockets",
+           "load_fleet", "make_fleet", "missing_binaries", "proc_stat", "wait_until"]

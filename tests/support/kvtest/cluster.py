@@ -1,0 +1,520 @@
+"""A real local Kubernetes control plane for tests and the demo.
+
+etcd + kube-apiserver + kube-controller-manager + kube-scheduler + kwok (fake GPU nodes), all bound
+to 127.0.0.1, run from the binaries that tests/cluster/build.sh caches; `components.COMPONENTS` says
+how each one runs.
+
+State (default <repository>/.cluster, env KVO_CLUSTER_DIR):
+  kubeconfig            admin kubeconfig (CN=kvoffload-admin, O=system:masters)
+  state.json            ports, pids (+ /proc start times), binaries, fleet, timings
+  pki/                  CA, serving certs, client certs, service-account key pair
+  kubeconfigs/          kube-controller-manager, kube-scheduler, kwok kubeconfigs
+  etcd/                 etcd data dir
+  logs/<component>.log  stdout+stderr of each component
+  kwok.yaml             kwok Stage objects (from $BIN/kwok-stages)
+  nodes.json            the Node objects created for the fleet
+  .lock                 flock serialising up/down between processes
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import http.client
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import ssl
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from . import procs
+from .components import BY_NAME, COMPONENTS, KWOK_POD_CIDR, SERVICE_CIDR, STAGES
+from .fleet import NODE_IP_BASE, load_fleet, node_addresses, node_pod_cidr, render_nodes
+from .paths import HELM_VERSION, K8S_VERSION, KWOK_VERSION, ROOT, bin_dir, kubectl_path, missing_binaries, state_dir
+from .pki import write_kubeconfig, write_pki
+from .procs import LOOPBACK, alive, wait_until
+
+
+def log(msg: str) -> None:
+    print(f"[cluster {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+class KubectlError(subprocess.CalledProcessError):
+    def __str__(self) -> str:
+        return (f"{' '.join(map(str, self.cmd))} exited {self.returncode}\n"
+                f"stdout: {self.stdout}\nstderr: {self.stderr}")
+
+
+@dataclass
+class Cluster:
+    dir: Path = field(default_factory=state_dir)
+    bin: Path = field(default_factory=bin_dir)
+
+    # ------------------------------------------------------------------------------------ paths, state
+    @property
+    def kubeconfig(self) -> Path:
+        return self.dir / "kubeconfig"
+
+    @property
+    def pki(self) -> Path:
+        return self.dir / "pki"
+
+    @property
+    def state_file(self) -> Path:
+        return self.dir / "state.json"
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        env["PATH"] = f"{Path(kubectl_path()).parent}{os.pathsep}{self.bin}{os.pathsep}{env.get('PATH', '')}"
+        # Helm keeps its caches and config inside the state dir, never in $HOME.
+        for k, sub in (("HELM_CACHE_HOME", "helm/cache"), ("HELM_CONFIG_HOME", "helm/config"),
+                       ("HELM_DATA_HOME", "helm/data")):
+            env.setdefault(k, str(self.dir / sub))
+        env.pop("HTTPS_PROXY", None), env.pop("https_proxy", None)
+        return env
+
+    def state(self) -> dict:
+        try:
+            return json.loads(self.state_file.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    def _save(self, st: dict) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(st, indent=2, sort_keys=True))
+        tmp.replace(self.state_file)
+
+    @contextlib.contextmanager
+    def _lock(self):
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self.dir / ".lock", "a+") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    # ------------------------------------------------------------------------------------ clients
+    def _run(self, cmd: list[str], input: str | None, check: bool, timeout: float) -> subprocess.CompletedProcess:
+        cp = subprocess.run(cmd, input=input, text=True, capture_output=True, env=self.env, timeout=timeout)
+        if check and cp.returncode != 0:
+            raise KubectlError(cp.returncode, cmd, cp.stdout, cp.stderr)
+        return cp
+
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
+                timeout: float = 120) -> subprocess.CompletedProcess:
+        return self._run([kubectl_path(), f"--kubeconfig={self.kubeconfig}", *map(str, args)], input, check, timeout)
+
+    def helm(self, *args: str, check: bool = True, input: str | None = None,
+             timeout: float = 300) -> subprocess.CompletedProcess:
+        return self._run([str(self.bin / "helm"), f"--kubeconfig={self.kubeconfig}", *map(str, args)],
+                         input, check, timeout)
+
+    def api_client(self):
+        from kubernetes import config
+
+        return config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    def _ssl(self, client: bool = True) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        if client:
+            ctx.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
+        return ctx
+
+    def request(self, method: str, path: str, body: Any = None, port: int | None = None,
+                timeout: float = 10, client: bool = True) -> tuple[int, Any]:
+        """Raw HTTPS call to the apiserver (or another local component's port)."""
+        port = port or self.state()["ports"]["kube-apiserver"]
+        conn = http.client.HTTPSConnection(LOOPBACK, port, context=self._ssl(client), timeout=timeout)
+        try:
+            data = json.dumps(body).encode() if body is not None else None
+            conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
+            resp = conn.getresponse()
+            raw = resp.read()
+        finally:
+            conn.close()
+        try:
+            return resp.status, json.loads(raw)
+        except ValueError:
+            return resp.status, raw.decode(errors="replace")
+
+    def install_crd(self) -> None:
+        """The project's CRD (crds/, server-side), Established."""
+        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+        self.kubectl("wait", "--for=condition=Established", "crd/kvoffloadserves.kvoffload.io", "--timeout=60s")
+
+    # ------------------------------------------------------------------------------------ health
+    def component_health(self) -> dict[str, tuple[bool, str]]:
+        st = self.state()
+        recs, ports = st.get("processes", {}), st.get("ports", {})
+        out: dict[str, tuple[bool, str]] = {}
+        for comp in COMPONENTS:
+            rec = recs.get(comp.name)
+            if not rec or not alive(rec):
+                out[comp.name] = (False, "not running")
+                continue
+            try:
+                out[comp.name] = comp.health(self, ports)
+            except Exception as exc:  # noqa: BLE001
+                out[comp.name] = (False, f"{type(exc).__name__}: {exc}")
+        return out
+
+    def healthy(self) -> bool:
+        h = self.component_health()
+        return bool(h) and all(ok for ok, _ in h.values())
+
+    def running(self) -> bool:
+        """All recorded processes alive and the apiserver ready (cheap reuse check)."""
+        st = self.state()
+        recs = st.get("processes", {})
+        if not st or any(c.name not in recs or not alive(recs[c.name]) for c in COMPONENTS):
+            return False
+        with contextlib.suppress(Exception):
+            return self.request("GET", "/readyz", timeout=3)[0] == 200
+        return False
+
+    def fleet_nodes(self) -> list[dict]:
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+            return json.loads((self.dir / "nodes.json").read_text())
+        return []
+
+    # ------------------------------------------------------------------------------------ nodes
+    def nodes(self) -> list[dict]:
+        code, body = self.request("GET", "/api/v1/nodes")
+        if code != 200:
+            raise ClusterError(f"GET nodes: {code} {body}")
+        return body["items"]
+
+    def ready_nodes(self) -> set[str]:
+        ready = set()
+        for n in self.nodes():
+            for c in n.get("status", {}).get("conditions", []) or []:
+                if c["type"] == "Ready" and c["status"] == "True":
+                    ready.add(n["metadata"]["name"])
+        return ready
+
+    def apply_fleet(self, pools: list[dict], wait: bool = True, timeout: float = 120) -> list[str]:
+        """Create the fleet's nodes that do not exist yet; return the names of all its nodes.
+
+        Node indexes (hence loopback IPs and pod CIDRs) continue after the nodes that
+        already exist, so growing a fleet never reuses an address.
+        """
+        existing = {n["metadata"]["name"]: n for n in self.nodes()}
+        desired = render_nodes(pools)
+        new = [n for n in desired if n["metadata"]["name"] not in existing]
+        if new:
+            used = [int(ipaddress.IPv4Address(a["address"])) - int(NODE_IP_BASE)
+                    for n in existing.values() for a in n.get("status", {}).get("addresses", [])
+                    if a["type"] == "InternalIP" and a["address"].startswith("127.")]
+            idx = max([u for u in used if u >= 0], default=-1) + 1
+            for n in new:
+                n["spec"]["podCIDR"] = node_pod_cidr(idx)
+                n["spec"]["podCIDRs"] = [node_pod_cidr(idx)]
+                n["status"]["addresses"] = node_addresses(n["metadata"]["name"], idx)
+                idx += 1
+                code, body = self.request("POST", "/api/v1/nodes", n)
+                if code not in (200, 201, 409):
+                    raise ClusterError(f"create node {n['metadata']['name']}: {code} {body}")
+            fleet = {n["metadata"]["name"]: n for n in self.fleet_nodes()}
+            fleet.update({n["metadata"]["name"]: n for n in new})
+            (self.dir / "nodes.json").write_text(json.dumps(list(fleet.values()), indent=1))
+        names = [n["metadata"]["name"] for n in desired]
+        if wait:
+            wait_until(lambda: set(names) <= self.ready_nodes(), timeout=timeout, interval=0.25,
+                       message=f"{len(names)} nodes Ready")
+        return names
+
+    def delete_nodes(self, names: Iterable[str]) -> None:
+        names = list(names)
+        for name in names:
+            code, body = self.request("DELETE", f"/api/v1/nodes/{name}")
+            if code not in (200, 202, 404):
+                raise ClusterError(f"delete node {name}: {code} {body}")
+        keep = [n for n in self.fleet_nodes() if n["metadata"]["name"] not in set(names)]
+        (self.dir / "nodes.json").write_text(json.dumps(keep, indent=1))
+
+    # ------------------------------------------------------------------------------------ lifecycle
+    @classmethod
+    def ensure(cls, pools: list[dict] | None = None) -> tuple[Cluster, bool]:
+        """Reuse a running healthy cluster in the state dir, or start one. -> (cluster, started)"""
+        c = cls()
+        return c, c.up(pools)
+
+    def up(self, pools: list[dict] | None = None) -> bool:
+        """Start unless a healthy cluster runs (then only add `pools`' missing nodes); True if it started one."""
+        with self._lock():
+            if self.running():
+                if pools is not None:
+                    self.apply_fleet(pools)
+                return False
+            self._start(pools if pools is not None else load_fleet())
+            return True
+
+    def down(self) -> list[str]:
+        with self._lock():
+            return self._stop()
+
+    def stop_component(self, comp: str, sig: int = signal.SIGKILL, timeout: float = 15) -> None:
+        """Kill one running component's process group and wait until it is gone and its ports are free."""
+        with self._lock():
+            st = self.state()
+            rec = st.get("processes", {}).get(comp)
+            if not rec:
+                raise ClusterError(f"{comp} is not part of the running cluster in {self.dir}")
+            procs.kill(rec, sig)
+
+            def gone() -> bool:
+                procs.reap(rec["pid"])
+                return not alive(rec)
+
+            try:
+                wait_until(gone, timeout=timeout, interval=0.05, message=f"{comp} exited")
+            except TimeoutError:
+                if sig == signal.SIGKILL:
+                    raise
+                procs.kill(rec, signal.SIGKILL)  # a graceful stop that takes too long
+                wait_until(gone, timeout=5, interval=0.05, message=f"{comp} exited after SIGKILL")
+            procs.CHILDREN.pop(rec["pid"], None)
+            ports = [st["ports"][k] for k in BY_NAME[comp].ports]
+            wait_until(lambda: not any(procs.port_bound(p) for p in ports), timeout=timeout, interval=0.1,
+                       message=f"{comp} ports {ports} free")
+
+    def start_component(self, comp: str, timeout: float = 90, args: list[str] | None = None) -> float:
+        """Start a stopped component again with its recorded flags (same ports, same data); wait until healthy.
+
+        `args` replaces the recorded flags (and is recorded in their place). Returns the seconds it
+        took to become healthy.
+        """
+        with self._lock():
+            st = self.state()
+            rec = st.get("processes", {}).get(comp)
+            if not rec:
+                raise ClusterError(f"{comp} is not part of the cluster in {self.dir}")
+            if alive(rec):
+                raise ClusterError(f"{comp} (pid {rec['pid']}) is still running")
+            t0 = time.monotonic()
+            self._spawn(st, comp, list(args) if args is not None else rec["cmd"][1:])
+            self._wait_ready(st, comp, timeout)
+            return round(time.monotonic() - t0, 2)
+
+    def restart(self, comp: str, downtime: float = 0.0, sig: int = signal.SIGKILL,
+                args: list[str] | None = None) -> float:
+        """Kill one component and start it again with the same flags (or `args`), ports and data dir.
+
+        `downtime` seconds pass between the kill and the start. Returns the seconds from the
+        start until the component was healthy. The other components keep running.
+        """
+        self.stop_component(comp, sig)
+        if downtime:
+            time.sleep(downtime)
+        return self.start_component(comp, args=args)
+
+    def component_args(self, comp: str) -> list[str]:
+        """The flags one running component was started with."""
+        return list(self.state()["processes"][comp]["cmd"][1:])
+
+    def _start(self, pools: list[dict]) -> None:
+        missing = missing_binaries(self.bin)
+        if missing:
+            raise ClusterError(f"missing binaries in {self.bin}: {missing}; run tests/cluster/build.sh")
+        self._stop(quiet=True)  # a half-dead earlier cluster: kill what is left of it
+        for attempt in range(2):
+            try:
+                self._start_once(pools)
+                return
+            except ClusterError as exc:
+                log(f"start failed ({exc}); stopping what started")
+                self._stop(quiet=True)
+                if attempt == 1:
+                    raise
+
+    def _start_once(self, pools: list[dict]) -> None:
+        t0 = time.monotonic()
+        d = self.dir
+        for sub in ("pki", "kubeconfigs", "etcd", "logs", "helm"):
+            shutil.rmtree(d / sub, ignore_errors=True)
+        for f in ("kubeconfig", "state.json", "kwok.yaml", "nodes.json"):
+            with contextlib.suppress(FileNotFoundError):
+                (d / f).unlink()
+        (d / "logs").mkdir(parents=True)
+        (d / "etcd").mkdir(mode=0o700)
+        write_pki(self.pki)
+        names = [name for comp in COMPONENTS for name in comp.ports]
+        ports = dict(zip(names, procs.free_ports(len(names))))
+        server = f"https://{LOOPBACK}:{ports['kube-apiserver']}"
+        write_kubeconfig(self.kubeconfig, server, self.pki, "admin")
+        for user in ("kube-controller-manager", "kube-scheduler", "kwok"):
+            write_kubeconfig(d / "kubeconfigs" / f"{user}.kubeconfig", server, self.pki, user)
+        self._write_kwok_config()
+        st = {"dir": str(d), "bin": str(self.bin), "kubeconfig": str(self.kubeconfig),
+              "server": server, "ports": ports, "processes": {}, "service_cidr": SERVICE_CIDR,
+              "pod_cidr": KWOK_POD_CIDR, "versions": {"kubernetes": K8S_VERSION,
+                                                      "kwok": KWOK_VERSION, "helm": HELM_VERSION},
+              "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        self._save(st)
+        timings: dict[str, float] = {"pki": round(time.monotonic() - t0, 2)}
+        node_names: list[str] = []
+        for stage in STAGES:
+            for comp in stage:
+                self._spawn(st, comp, BY_NAME[comp].flags(self, ports))
+            if "kwok" in stage:
+                node_names = self.apply_fleet(pools, wait=False)
+            for comp in stage:
+                self._wait_ready(st, comp, BY_NAME[comp].start_timeout)
+            timings[stage[0] if len(stage) == 1 else "controllers"] = round(time.monotonic() - t0, 2)
+        wait_until(lambda: self._watch(st, "kwok") and set(node_names) <= self.ready_nodes(),
+                   timeout=BY_NAME["kwok"].start_timeout, interval=0.2, message=f"{len(node_names)} nodes Ready")
+        timings["nodes_ready"] = round(time.monotonic() - t0, 2)
+        # The serviceaccount and root-ca publisher controllers work: pods can be admitted.
+        wait_until(lambda: self.request("GET", "/api/v1/namespaces/default/serviceaccounts/default")[0] == 200
+                   and self.request("GET", "/api/v1/namespaces/default/configmaps/kube-root-ca.crt")[0] == 200,
+                   timeout=60, interval=0.2, message="default ServiceAccount and kube-root-ca.crt")
+        timings["ready"] = round(time.monotonic() - t0, 2)
+        st["timings"] = timings
+        st["startup_seconds"] = timings["ready"]
+        self._save(st)
+        log(f"cluster up in {timings['ready']:.1f}s ({timings})")
+
+    def _wait_ready(self, st: dict, comp: str, timeout: float) -> None:
+        c = BY_NAME[comp]
+        wait_until(lambda: self._watch(st, comp) and c.is_ready(self, st["ports"]), timeout=timeout,
+                   interval=0.1, message=f"{comp} healthy")
+
+    def _watch(self, st: dict, comp: str) -> bool:
+        """True while comp runs; raise with its log tail once it has exited."""
+        rec = st["processes"][comp]
+        if alive(rec):
+            return True
+        procs.reap(rec["pid"])
+        tail = ""
+        with contextlib.suppress(OSError):
+            tail = "\n".join(Path(rec["log"]).read_text(errors="replace").splitlines()[-25:])
+        raise ClusterError(f"{comp} exited early; log {rec['log']}:\n{tail}")
+
+    def _spawn(self, st: dict, comp: str, args: list[str]) -> None:
+        logf = self.dir / "logs" / f"{comp}.log"
+        with open(logf, "ab") as out:
+            p = subprocess.Popen([str(self.bin / comp), *args], stdin=subprocess.DEVNULL,
+                                 stdout=out, stderr=subprocess.STDOUT, cwd=self.dir,
+                                 start_new_session=True, env=self._component_env())
+        procs.CHILDREN[p.pid] = p
+        stat = procs.proc_stat(p.pid)
+        st["processes"][comp] = {"pid": p.pid, "pgid": p.pid, "starttime": stat[2] if stat else 0,
+                                 "log": str(logf), "cmd": [str(self.bin / comp), *args]}
+        self._save(st)
+
+    @staticmethod
+    def _component_env() -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "USER")}
+        # No proxies: a proxy env var could make a component dial off-host.
+        env["NO_PROXY"] = env["no_proxy"] = "*"
+        env["KUBECONFIG"] = "/dev/null"
+        return env
+
+    def _write_kwok_config(self) -> None:
+        s = self.bin / "kwok-stages"
+        files = [s / "node/fast/node-initialize.yaml",
+                 s / "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+                 s / "pod/fast/pod-ready.yaml", s / "pod/fast/pod-complete.yaml",
+                 s / "pod/fast/pod-delete.yaml"]
+        docs = []
+        for f in files:
+            if not f.exists():
+                raise ClusterError(f"kwok stage missing: {f}")
+            docs.append(f.read_text().strip())
+        (self.dir / "kwok.yaml").write_text("\n---\n".join(docs) + "\n")
+
+    def _stop(self, quiet: bool = False) -> list[str]:
+        """Kill every recorded process group (reverse start order); verify; return problems."""
+        st = self.state()
+        recs = st.get("processes", {})
+        order = [c.name for c in reversed(COMPONENTS) if c.name in recs] + [c for c in recs if c not in BY_NAME]
+        for comp in order:
+            procs.kill(recs[comp], signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(alive(recs[c]) for c in order):
+            for r in recs.values():
+                procs.reap(r["pid"])
+            time.sleep(0.1)
+        for comp in order:
+            if alive(recs[comp]):
+                procs.kill(recs[comp], signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(alive(recs[c]) for c in order):
+            time.sleep(0.1)
+        for r in recs.values():  # reap our own children
+            p = procs.CHILDREN.pop(r["pid"], None)
+            if p is not None:
+                with contextlib.suppress(Exception):
+                    p.wait(timeout=1)
+        problems = [f"{c} (pid {recs[c]['pid']}) still alive" for c in order if alive(recs[c])]
+        # Any process still in a recorded process group?
+        pgids = {int(r["pgid"]) for r in recs.values()}
+        for pdir in Path("/proc").iterdir():
+            if pdir.name.isdigit():
+                s = procs.proc_stat(int(pdir.name))
+                if s and s[1] in pgids and s[0] not in ("Z", "X"):
+                    problems.append(f"pid {pdir.name} left in process group {s[1]}")
+        # No recorded port may still be bound.
+        deadline = time.monotonic() + 5
+        ports = st.get("ports", {})
+        while True:
+            bound = [f"{n}:{p}" for n, p in ports.items() if procs.port_bound(p)]
+            if not bound or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        problems += [f"port still bound: {b}" for b in bound]
+        if recs:
+            st["processes"] = {}
+            st["stopped_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            self._save(st)
+            if not quiet:
+                log("stopped " + ", ".join(order) + ("" if not problems else f"; PROBLEMS: {problems}"))
+        return problems
+
+    # ------------------------------------------------------------------------------------ reporting
+    def memory_kib(self) -> dict[str, int]:
+        out = {}
+        for comp, rec in self.state().get("processes", {}).items():
+            with contextlib.suppress(OSError):
+                for line in Path(f"/proc/{rec['pid']}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        out[comp] = int(line.split()[1])
+        return out
+
+    def status_text(self) -> str:
+        st = self.state()
+        if not st.get("processes"):
+            return f"cluster: not running (state dir {self.dir})"
+        health = self.component_health()
+        mem = self.memory_kib()
+        ports = st["ports"]
+        lines = [f"cluster: {'healthy' if all(ok for ok, _ in health.values()) else 'UNHEALTHY'}"
+                 f"  (state {self.dir}, started {st.get('started_at')}, "
+                 f"startup {st.get('startup_seconds')}s)",
+                 f"kubeconfig: {self.kubeconfig}", f"server: {st['server']}",
+                 f"{'COMPONENT':25} {'PID':>7} {'PORT':>12} {'RSS MiB':>8}  HEALTH"]
+        for comp in COMPONENTS:
+            ok, detail = health.get(comp.name, (False, "?"))
+            pid = st["processes"].get(comp.name, {}).get("pid", "-")
+            port = ",".join(str(ports[k]) for k in comp.ports) or "-"
+            lines.append(f"{comp.name:25} {pid:>7} {port:>12} "
+                         f"{mem.get(comp.name, 0) / 1024:8.0f}  {'ok' if ok else 'FAIL'} {detail}")
+        lines.append(f"{'total':25} {'':>7} {'':>12} {sum(mem.values()) / 1024:8.0f}")
+        if health.get("kube-apiserver", (False,))[0]:
+            cp = self.kubectl("get", "nodes", "-o", "wide", "-L", "nvidia.com/gpu.product", check=False)
+            lines.append(cp.stdout.rstrip() or cp.stderr.rstrip())
+        return "\n".join(lines)
