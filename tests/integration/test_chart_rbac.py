@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -21,6 +18,7 @@ import pytest
 import yaml
 
 from kvoffload.api import crd
+from kvtest import OperatorProcess
 
 pytestmark = pytest.mark.cluster
 
@@ -76,11 +74,9 @@ def test_operator_runs_under_exactly_the_charts_rbac(cluster, namespace, crd_ins
     assert kinds == (["ClusterRole", "ClusterRoleBinding", "ConfigMap", "ServiceAccount"] if mode == "cluster-role"
                      else ["ConfigMap", "Role", "RoleBinding", "ServiceAccount"])
     (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
-    config = tmp_path / "config.yaml"
-    config.write_text(cm["data"]["config.yaml"])  # the chart's own settings file
     rbac = "---\n".join(yaml.safe_dump(d) for d in docs if d["kind"] != "ConfigMap")
 
-    proc = None
+    op = None
     log_path = tmp_path / "operator.log"
     cr_name = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
     try:
@@ -104,11 +100,8 @@ def test_operator_runs_under_exactly_the_charts_rbac(cluster, namespace, crd_ins
 
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
         env["KUBECONFIG"] = str(kubeconfig)
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "kvoffload.cli", "run", "--namespace", namespace, "--liveness", "",
-                 "--operator-config", str(config), "--log-level", "INFO"],
-                env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # The chart's own settings file; run outside the repository, as in the chart's pod.
+        op = OperatorProcess(env, [namespace], cm["data"]["config.yaml"], log_path=log_path, cwd=tmp_path)
 
         serve = yaml.safe_load(EXAMPLE.read_text())
         serve["metadata"]["namespace"] = namespace
@@ -116,7 +109,7 @@ def test_operator_runs_under_exactly_the_charts_rbac(cluster, namespace, crd_ins
         started = time.monotonic()
 
         def reconciled():
-            assert proc.poll() is None, f"operator exited {proc.returncode}:\n{log_path.read_text()[-4000:]}"
+            assert op.proc.poll() is None, f"operator exited {op.proc.returncode}:\n{op.output()[-4000:]}"
             obj = json.loads(cluster.kubectl("get", f"{crd.PLURAL}.{crd.GROUP}", cr_name, "-n", namespace,
                                              "-o", "json").stdout)
             ok = (condition(obj, "ConfigValid") or {}).get("status") == "True"
@@ -144,13 +137,8 @@ def test_operator_runs_under_exactly_the_charts_rbac(cluster, namespace, crd_ins
                             + "\n".join(denied[:6]))
         assert took < START_BUDGET_S, f"ConfigValid took {took:.0f}s under the chart's RBAC"
     finally:
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+        if op is not None:
+            op.stop()
         cluster.kubectl("delete", f"{crd.PLURAL}.{crd.GROUP}", cr_name, "-n", namespace, "--ignore-not-found",
                         "--wait=false", check=False)
         cluster.kubectl("delete", "-f", "-", "--ignore-not-found", "--wait=false", input=rbac, check=False)

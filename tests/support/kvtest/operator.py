@@ -1,6 +1,7 @@
 """The operator as a real subprocess (`python -m kvoffload.cli run`), its output in a log file.
 
-One class for the integration tests, the leader-election test (`leader_election=`) and the scale and
+One class for the integration tests, the leader-election test (`leader_election=`), the chart-RBAC test
+(its own kubeconfig in `env`, the chart's settings file, run outside the repository) and the scale and
 latency benchmarks (`namespaces=None`: every namespace).
 """
 
@@ -21,15 +22,18 @@ from .procs import wait_until
 
 
 class OperatorProcess:
-    def __init__(self, env: dict[str, str], namespaces: Sequence[str] | None, config: dict | None = None,
-                 log_path: Path | None = None, leader_election: tuple[str, str] | None = None) -> None:
-        """Watch `namespaces` (None: all of them) with operator settings `config` (default resyncSeconds 20);
-        `leader_election` = (namespace, name) of the Lease."""
+    def __init__(self, env: dict[str, str], namespaces: Sequence[str] | None, config: dict | str | None = None,
+                 log_path: Path | None = None, leader_election: tuple[str, str] | None = None,
+                 cwd: Path = ROOT) -> None:
+        """Watch `namespaces` (None: all of them) with operator settings `config` (a dict, or a settings
+        file's text; default resyncSeconds 20); `leader_election` = (namespace, name) of the Lease."""
         if log_path is None:
             log_path = Path(tempfile.mkdtemp(prefix="kvo-operator-")) / "operator.log"
         self.log_path = log_path
         self.config_path = log_path.with_suffix(".yaml")
-        self.config_path.write_text(yaml.safe_dump(config or {"resyncSeconds": 20}))
+        if config is None:
+            config = {"resyncSeconds": 20}
+        self.config_path.write_text(config if isinstance(config, str) else yaml.safe_dump(config))
         args = [sys.executable, "-m", "kvoffload.cli", "run", "--liveness", "", "--log-level", "INFO",
                 "--operator-config", str(self.config_path)]
         if namespaces is None:
@@ -41,7 +45,7 @@ class OperatorProcess:
                      "--lease-name", leader_election[1]]
         self.args = args
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+        self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd,
                                      start_new_session=True)
 
     def output(self) -> str:

@@ -1,0 +1,64 @@
+"""The package's layers (docs/architecture.md): imports only point down."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import kvoffload
+
+PACKAGE = Path(kvoffload.__file__).parent
+# Each folder and the folders it may import from (besides itself).
+MAY_IMPORT = {
+    "api": {"engine"},
+    "engine": {"api"},
+    "planning": {"api", "engine"},
+    "rendering": {"api", "engine", "planning"},
+    "controller": {"api", "engine", "planning", "rendering"},
+    "exporter": {"api"},
+    "node": {"api"},
+    "cli": {"api", "engine", "planning", "rendering", "controller", "exporter", "node"},
+}
+
+
+def imported_layers(path: Path) -> set[str]:
+    """The kvoffload folders a module imports from (relative or absolute imports, at any depth in the file)."""
+    layer = path.parent.name
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1:
+                continue  # its own folder
+            if node.level == 2:
+                target = node.module.split(".")[0] if node.module else None
+                names = [target] if target else [a.name for a in node.names]
+            elif (node.module or "").startswith("kvoffload."):
+                names = [node.module.split(".")[1]]
+            else:
+                continue
+            out |= {n for n in names if n != layer}
+        elif isinstance(node, ast.Import):
+            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("kvoffload.")} - {layer}
+    return out
+
+
+def test_every_module_lives_in_a_layer():
+    loose = [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
+    assert not loose, f"modules outside the layer folders: {loose}"
+    assert {p.name for p in PACKAGE.iterdir() if p.is_dir() and not p.name.startswith("_")} == set(MAY_IMPORT)
+
+
+def test_imports_only_point_down():
+    wrong = {}
+    for path in sorted(PACKAGE.glob("*/*.py")):
+        bad = imported_layers(path) - MAY_IMPORT[path.parent.name]
+        if bad:
+            wrong[str(path.relative_to(PACKAGE))] = sorted(bad)
+    assert not wrong, f"imports that point up or sideways: {wrong}"
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    bad = tmp_path / "planning" / "x.py"
+    bad.parent.mkdir()
+    bad.write_text("from ..controller import pipeline\nfrom . import sizing\n")
+    assert imported_layers(bad) == {"controller"}
