@@ -87,6 +87,12 @@ def test_operator_runs_under_exactly_the_charts_rbac(cluster, namespace, crd_ins
         assert can_i(cluster, kubeconfig, "patch", "statefulsets.apps", "-n", namespace)
         assert can_i(cluster, kubeconfig, "patch", f"{crd.PLURAL}.{crd.GROUP}", "--subresource=status", "-n", namespace)
         assert not can_i(cluster, kubeconfig, "get", "secrets", "-n", namespace)
+        # Its caches: list + watch of everything a reconcile reads, and no GET of a KVOffloadServe (it reads the cache).
+        for resource in (f"{crd.PLURAL}.{crd.GROUP}", "pods", "configmaps", "services", "statefulsets.apps",
+                         "poddisruptionbudgets.policy", "networkpolicies.networking.k8s.io"):
+            assert can_i(cluster, kubeconfig, "list", resource, "-n", namespace), resource
+            assert can_i(cluster, kubeconfig, "watch", resource, "-n", namespace), resource
+        assert not can_i(cluster, kubeconfig, "get", f"{crd.PLURAL}.{crd.GROUP}", "-n", namespace)
         assert not can_i(cluster, kubeconfig, "patch", f"{crd.PLURAL}.{crd.GROUP}", "-n", namespace)
         assert not can_i(cluster, kubeconfig, "create", "pods", "-n", namespace)
         if mode == "namespaced-role":

@@ -284,7 +284,7 @@ def test_offload_active_and_engine_versions_come_from_the_pods_exporter(cluster,
 
 def test_pass_through_fields_the_api_server_refuses_are_config_errors(cluster, namespace, operator):
     """Tolerations/affinity/env reach the pod unchanged; if the API server refuses the StatefulSet they
-    make, no child is half-applied: every changed child is dry-run first."""
+    make, no child is half-applied: such a StatefulSet is dry-run before any other child is written."""
     obj = copy.deepcopy(SMALL)
     obj["spec"]["scheduling"] = {"tolerations": [{"key": "gpu", "operator": "Sometimes"}]}
     apply(cluster, namespace, obj)

@@ -184,6 +184,21 @@ def test_leader_steps_down_when_it_cannot_renew(monkeypatch):
     assert changes == [True, False]
 
 
+async def drain(rt: runtime.Runtime) -> None:
+    """Run the Runtime's workers until nothing is queued or running."""
+    await rt._serve()
+    for _ in range(500):
+        await asyncio.sleep(0.01)
+        if not rt.queued and not rt.running:
+            return
+    raise AssertionError("queue did not drain")
+
+
+def serve(name: str) -> dict[str, Any]:
+    return {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe",
+            "metadata": {"namespace": "ns", "name": name, "resourceVersion": "1"}}
+
+
 def test_queue_ignores_kicks_while_following():
     seen: list[tuple[str, str]] = []
 
@@ -192,13 +207,13 @@ def test_queue_ignores_kicks_while_following():
         return "unchanged"
 
     async def scenario() -> None:
-        q = runtime.Runtime(kube=None, settings=Settings(), reconcile=reconcile)  # type: ignore[arg-type]
+        q = runtime.Runtime(kube=None, settings=Settings(), reconcile=reconcile)
         q.leading = False
         q.kick("ns", "a")
-        assert not q.tasks and not q.running
+        assert not q.queued and not q.running
         q.leading = True
         q.kick("ns", "b")
-        await asyncio.gather(*q.tasks)
+        await drain(q)
 
     asyncio.run(scenario())
     assert seen == [("ns", "b")]
@@ -208,16 +223,16 @@ def test_new_leader_catches_up_on_what_it_saw_while_following():
     seen: list[tuple[str, str]] = []
 
     async def scenario() -> None:
-        rt = runtime.Runtime(kube=None, settings=Settings(),  # type: ignore[arg-type]
+        rt = runtime.Runtime(kube=None, settings=Settings(), workers=1,
                              reconcile=lambda kube, ns, name, settings: seen.append((ns, name)) or "unchanged")
         rt.leading = False
-        rt.seen("ns", "b")
-        rt.seen("ns", "a")
-        rt.seen("ns", "gone")
-        rt.gone("ns", "gone")
-        assert not rt.tasks
+        serves = rt.cache.by_kind["KVOffloadServe"]
+        for name in ("b", "a", "gone"):
+            serves.apply_event("ADDED", serve(name))  # what the informer stores while following
+        serves.apply_event("DELETED", serve("gone"))
+        assert not rt.queued
         rt._on_leadership(True)
-        await asyncio.gather(*rt.tasks)
+        await drain(rt)
 
     asyncio.run(scenario())
     assert seen == [("ns", "a"), ("ns", "b")]

@@ -94,20 +94,21 @@ any: true
 {{- end }}
 
 {{/*
-RBAC rules: exactly what the operator calls (kvoffload/controller/: kube.py, reconcile.py, handlers.py). No
+RBAC rules: exactly what the operator calls (kvoffload/controller/: informer.py, kube.py, reconcile.py). No
 wildcards, no Secrets (a Hugging Face token is referenced by name in the pod spec, never read).
 */}}
 {{- define "kvoffload-operator.rules" -}}
-# Watch KVOffloadServes and read one before each reconcile. No patch: the operator keeps no
-# finalizer or annotation on them (tests/integration/test_chart_rbac.py proves it).
+# Watch KVOffloadServes into the operator's cache (list + watch; no get: reconciles read the
+# cache). No patch: the operator keeps no finalizer or annotation on them
+# (tests/integration/test_chart_rbac.py proves it).
 - apiGroups: ["kvoffload.io"]
   resources: ["kvoffloadserves"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["list", "watch"]
 # Conditions and the computed budget.
 - apiGroups: ["kvoffload.io"]
   resources: ["kvoffloadserves/status"]
   verbs: ["patch"]
-# Children: server-side apply (PATCH; create for new objects), prune, list/watch for drift.
+# Children: server-side apply (PATCH; create for new objects), prune, list/watch into the cache.
 - apiGroups: [""]
   resources: ["configmaps", "services"]
   verbs: ["list", "watch", "create", "patch", "delete"]
@@ -121,7 +122,7 @@ wildcards, no Secrets (a Hugging Face token is referenced by name in the pod spe
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["list", "watch", "create", "patch", "delete"]
-# Pods drive the Scheduled and Ready conditions.
+# Pods drive the Scheduled and Ready conditions (list/watch into the cache).
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]

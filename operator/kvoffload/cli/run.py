@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     if args.operator_config:
         os.environ["KVOFFLOAD_CONFIG"] = args.operator_config
     namespaces = [] if args.all_namespaces else args.namespace
+    os.environ["KVOFFLOAD_NAMESPACES"] = ",".join(namespaces)  # controller.handlers.NAMESPACES_ENV
     if args.leader_election:
         from ..controller import leader
 

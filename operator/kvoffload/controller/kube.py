@@ -6,10 +6,14 @@ operator needs six verbs on a handful of paths, so it speaks REST directly.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import ssl
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlencode
 
+import aiohttp
 from kubernetes import client, config
 
 FIELD_MANAGER = "kvoffload"
@@ -51,13 +55,18 @@ class Kube:
         self.api = api_client
         self.timeout = timeout
 
+    def headers(self, content_type: str = "application/json") -> dict[str, str]:
+        headers = {"Accept": "application/json", "Content-Type": content_type, "User-Agent": "kvoffload"}
+        # Bearer tokens (re-read each time: in-cluster tokens rotate); client certs live in the TLS layer.
+        for auth in self.api.configuration.auth_settings().values():
+            if auth.get("in") == "header" and auth.get("value"):
+                headers[auth["key"]] = auth["value"]
+        return headers
+
     def request(self, method: str, path: str, body: Any = None, *, query: dict[str, str] | None = None,
                 content_type: str = "application/json") -> Any:
         cfg = self.api.configuration
-        headers = {"Accept": "application/json", "Content-Type": content_type, "User-Agent": "kvoffload"}
-        for auth in cfg.auth_settings().values():  # bearer tokens; client certs live in the TLS layer
-            if auth.get("in") == "header" and auth.get("value"):
-                headers[auth["key"]] = auth["value"]
+        headers = self.headers(content_type)
         url = cfg.host + path + ("?" + urlencode(query) if query else "")
         resp = self.api.rest_client.request(method, url, headers=headers, body=body, _request_timeout=self.timeout)
         data = resp.read() if hasattr(resp, "read") else resp.data
@@ -65,6 +74,37 @@ class Kube:
         if resp.status >= 400:
             raise ApiError(resp.status, resp.reason or "", text)
         return json.loads(text) if text else None
+
+    # The async side, for the informers' LISTs and WATCHes on the event loop (aiohttp, kopf's own client
+    # library): same server, CA, client certificate and token as the synchronous requests.
+    def aio_session(self) -> aiohttp.ClientSession:
+        cfg = self.api.configuration
+        ctx: ssl.SSLContext | bool = False
+        if cfg.host.startswith("https"):
+            ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
+            if not cfg.verify_ssl:
+                ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+            if cfg.cert_file:
+                ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+        return aiohttp.ClientSession(base_url=cfg.host, connector=aiohttp.TCPConnector(ssl=ctx, limit=0),
+                                     read_bufsize=2**20)
+
+    async def aio_get(self, session: aiohttp.ClientSession, path: str, params: dict[str, str]) -> Any:
+        async with session.get(path, params=params, headers=self.headers(),
+                               timeout=aiohttp.ClientTimeout(total=self.timeout * 4)) as resp:
+            text = await resp.text()
+            if resp.status >= 400:
+                raise ApiError(resp.status, resp.reason or "", text)
+            return json.loads(text)
+
+    @contextlib.asynccontextmanager
+    async def aio_stream(self, session: aiohttp.ClientSession, path: str, params: dict[str, str],
+                         timeout: float) -> AsyncIterator[aiohttp.ClientResponse]:
+        async with session.get(path, params=params, headers=self.headers(),
+                               timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=self.timeout)) as resp:
+            if resp.status >= 400:
+                raise ApiError(resp.status, resp.reason or "", await resp.text())
+            yield resp
 
     def get(self, path: str) -> dict[str, Any] | None:
         try:
@@ -90,6 +130,10 @@ class Kube:
         except ApiError as e:
             if e.status != 404:
                 raise
+
+    def status_written_within(self, path: str, seconds: float) -> bool:
+        """Whether this client wrote the status at `path` in the last `seconds` (only CachedKube keeps track)."""
+        return False
 
     def replace_status(self, path: str, status: dict[str, Any], resource_version: str) -> dict[str, Any]:
         # JSON patch: `add` on /status replaces it whole (merge patch cannot drop stale keys); the

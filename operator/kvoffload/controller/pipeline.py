@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,8 +63,7 @@ def plan_for(spec: Spec) -> sizing.Budget:
     return budget
 
 
-def desired(name: str, namespace: str, uid: str, spec_dict: dict[str, Any], settings: Settings) -> Desired:
-    """Everything the operator wants for one KVOffloadServe, or a ConfigError naming the field."""
+def _desired(name: str, namespace: str, uid: str, spec_dict: dict[str, Any], settings: Settings) -> Desired:
     render.check_name(name)
     spec = parse(spec_dict, settings)
     budget = plan_for(spec)
@@ -69,4 +71,45 @@ def desired(name: str, namespace: str, uid: str, spec_dict: dict[str, Any], sett
     return Desired(spec=spec, budget=budget, children=render.children(owner, spec, budget, settings))
 
 
-__all__ = ["ConfigError", "Desired", "desired", "plan_for"]
+# The last answer per resource: reconciles run on every watch event of a resource's children and pods,
+# and parse + plan + render take milliseconds, while the spec changes rarely. A hit needs the same
+# uid, an equal spec and the same Settings object, so it is exactly what _desired would return.
+_MEMO: OrderedDict[tuple[str, str, str], tuple[dict[str, Any], Settings, Desired | ConfigError]] = OrderedDict()
+_MEMO_SIZE = 4096
+_MEMO_LOCK = threading.Lock()
+
+
+def desired(name: str, namespace: str, uid: str, spec_dict: dict[str, Any], settings: Settings) -> Desired:
+    """Everything the operator wants for one KVOffloadServe, or a ConfigError naming the field."""
+    key = (namespace, name, uid)
+    with _MEMO_LOCK:
+        hit = _MEMO.get(key)
+        if hit is not None and hit[1] is settings and hit[0] == spec_dict:
+            _MEMO.move_to_end(key)
+            result = hit[2]
+        else:
+            hit = None
+    if hit is None:
+        try:
+            result = _desired(name, namespace, uid, spec_dict, settings)
+        except ConfigError as exc:
+            result = exc
+        with _MEMO_LOCK:
+            _MEMO[key] = (copy.deepcopy(spec_dict), settings, result)
+            _MEMO.move_to_end(key)
+            while len(_MEMO) > _MEMO_SIZE:
+                _MEMO.popitem(last=False)
+    if isinstance(result, ConfigError):
+        raise result
+    return result
+
+
+def unchecked(spec: Spec) -> bool:
+    """The spec sets fields that reach the pod template unchecked by the CRD schema (the free-form
+    env, tolerations and affinity; an image with surrounding blanks, which a pod may not have), so only
+    the API server can tell whether the StatefulSet it makes is valid."""
+    s, image = spec.scheduling, spec.engine.image
+    return bool(spec.engine.env or s.tolerations or s.affinity or image != image.strip())
+
+
+__all__ = ["ConfigError", "Desired", "desired", "plan_for", "unchecked"]

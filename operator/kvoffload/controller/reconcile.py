@@ -34,6 +34,25 @@ def covers(desired: Any, live: Any) -> bool:
     return desired == live
 
 
+# Last positive `covers` per child: (the desired object, the live resourceVersion). pipeline.desired
+# returns the same objects while the spec stays, so an unchanged child is not walked again.
+_COVERED: dict[tuple[str, str, str, str], tuple[dict[str, Any], str]] = {}
+
+
+def _covered(desired: dict[str, Any], live: dict[str, Any]) -> bool:
+    meta = live["metadata"]
+    key = (meta.get("uid", ""), desired["kind"], meta.get("namespace", ""), meta["name"])
+    hit = _COVERED.get(key)
+    if hit is not None and hit[0] is desired and hit[1] == meta.get("resourceVersion"):
+        return True
+    if not covers(desired, live):
+        return False
+    if len(_COVERED) > 50_000:
+        _COVERED.clear()
+    _COVERED[key] = (desired, meta.get("resourceVersion", ""))
+    return True
+
+
 def _key(obj: dict[str, Any]) -> tuple[str, str, str]:
     return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
 
@@ -53,32 +72,47 @@ def _owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid and ref.get("controller") for ref in obj["metadata"].get("ownerReferences", []) or [])
 
 
+def _refused(child: dict[str, Any], exc: ApiError) -> ConfigError:
+    return ConfigError("spec", f"the API server refused the rendered {child['kind']}: {exc.message} "
+                               "(spec.scheduling and spec.engine.env are passed to the pod unchanged)")
+
+
+def _to_validate(changed: list[dict[str, Any]], unchecked: bool) -> list[dict[str, Any]]:
+    """All or nothing, at the price of a dry run only where the API server can refuse: the StatefulSet,
+    when it carries spec fields the CRD schema does not check (`pipeline.unchecked`) and another
+    changed child would be written before it. Everything else is rendered from checked fields."""
+    return [c for i, c in enumerate(changed) if unchecked and c["kind"] == "StatefulSet" and i > 0]
+
+
 def _dry_run(kube: Kube, children: list[dict[str, Any]]) -> None:
-    """All or nothing: the API server validates every changed child before any is written, so a
-    pass-through field it refuses (tolerations, affinity, env valueFrom) is a ConfigValid=False, not a half-apply."""
+    """The API server validates these children before any child is written, so a pass-through field it
+    refuses (tolerations, affinity, env valueFrom) is a ConfigValid=False, not a half-apply."""
     for child in children:
         try:
             kube.apply(child, dry_run=True)
         except ApiError as exc:
             if exc.status not in (400, 422):
                 raise
-            raise ConfigError("spec", f"the API server refused the rendered {child['kind']}: {exc.message} "
-                                      "(spec.scheduling and spec.engine.env are passed to the pod unchanged)") from None
+            raise _refused(child, exc) from None
 
 
-def sync_children(kube: Kube, namespace: str, name: str, uid: str,
-                  children: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, list[str]]:
+def sync_children(kube: Kube, namespace: str, name: str, uid: str, children: list[dict[str, Any]],
+                  unchecked: bool = True) -> tuple[dict[str, Any] | None, list[str]]:
     """Apply children that differ from the cluster, prune ours that are no longer wanted; return the
     StatefulSet and what was applied ("Kind name")."""
     live = _live_children(kube, namespace, name)
     wanted = {_key(c) for c in children}
-    changed = [c for c in children if _key(c) not in live or not covers(c, live[_key(c)])]
-    if changed:
-        _dry_run(kube, changed)
+    changed = [c for c in children if _key(c) not in live or not _covered(c, live[_key(c)])]
+    _dry_run(kube, _to_validate(changed, unchecked))
     sts = live.get(("apps/v1", "StatefulSet", render.names(name)["statefulset"]))
     for child in changed:
         log.info("apply %s %s/%s", child["kind"], namespace, child["metadata"]["name"])
-        current = kube.apply(child)
+        try:
+            current = kube.apply(child)
+        except ApiError as exc:
+            if exc.status not in (400, 422):
+                raise
+            raise _refused(child, exc) from None  # a StatefulSet that can be refused was validated above
         if child["kind"] == "StatefulSet":
             sts = current
     for key, obj in live.items():
@@ -86,6 +120,21 @@ def sync_children(kube: Kube, namespace: str, name: str, uid: str,
             log.info("prune %s %s/%s", key[1], namespace, key[2])
             kube.delete(f"{collection(key[0], key[1], namespace)}/{key[2]}")
     return sts, [f"{c['kind']} {c['metadata']['name']}" for c in changed]
+
+
+# Progress details (Scheduled, replica counts, OffloadActive, messages) are written at most this often
+# per resource, so a pod's way from Pending to Running is one status write, not four; what a reader
+# waits for (the first status, Ready, ConfigValid, observedGeneration) is written at once.
+STATUS_SPACING = 5.0
+URGENT_CONDITIONS = ("Ready", "ConfigValid")
+
+
+def urgent(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """The change from `old` to `new` status is one a reader waits for."""
+    if old.get("observedGeneration") != new.get("observedGeneration") or not old.get("conditions"):
+        return True
+    before = {c["type"]: c.get("status") for c in old.get("conditions", [])}
+    return any(before.get(c["type"]) != c["status"] for c in new["conditions"] if c["type"] in URGENT_CONDITIONS)
 
 
 def _write_status(kube: Kube, namespace: str, name: str, status: dict[str, Any], resource_version: str) -> dict[str, Any] | None:
@@ -119,7 +168,7 @@ def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: 
     sts, pods, probes, applied = None, [], None, []
     if desired is not None:
         try:
-            sts, applied = sync_children(kube, namespace, name, meta["uid"], desired.children)
+            sts, applied = sync_children(kube, namespace, name, meta["uid"], desired.children, pipeline.unchecked(desired.spec))
         except ConfigError as exc:
             desired, error = None, exc
     if desired is not None:
@@ -133,6 +182,8 @@ def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: 
         if applied and recorder is not None:  # drift repaired: children changed, status did not
             recorder.record(body, events.transitions(previous, new_status["conditions"], applied))
         return "unchanged"
+    if not urgent(body.get("status") or {}, new_status) and kube.status_written_within(cr_path(namespace, name), STATUS_SPACING):
+        return "deferred"  # the Runtime reconciles it again once the spacing has passed
     written = _write_status(kube, namespace, name, new_status, meta["resourceVersion"])
     if written is None:
         return "conflict"

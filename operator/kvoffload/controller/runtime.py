@@ -1,48 +1,83 @@
-"""The operator's running state, in one object: the reconcile queue, the resources seen, the resync
-loop and leadership.
+"""The operator's running state, in one object: the caches, the reconcile queue, the resync loop and
+leadership.
 
-kopf is edge-triggered; this makes it level-based: CR events, child events and a slow resync all
-kick the same per-resource queue, which coalesces bursts (a rollout emits dozens of pod events)
-into one reconcile at a time per resource and retries failures with backoff. With leader election,
-a follower watches (to know what exists) but never acts; on taking the Lease it catches up on
-everything seen.
+The informers (informer.py) keep KVOffloadServes, their children and pods in memory and kick the
+owning resource on every change; a slow resync kicks every resource. Kicks land in one priority
+queue served by WORKERS threads: at most one reconcile per resource at a time, a kick during one
+marks it for one more pass, and a burst of kicks (a rollout emits dozens of pod events) is one
+queued entry. Failures retry with backoff. With leader election, a follower keeps its caches warm
+(to know what exists) but never acts; on taking the Lease it catches up on everything cached.
+
+Order: a resource whose children or pods moved (PROGRESS: usually a no-op or one status write) is
+served before resources that changed themselves (CHANGE: a new resource's first pass applies five
+children), and both before the resync (RESYNC). So during a rollout of a thousand, a resource whose
+pod became Running is reported Ready at once, not after every other resource's first pass.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import heapq
+import itertools
+import json
 import logging
 import random
+from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
+from ..api import crd
 from ..api.settings import Settings
 from . import events, leader
+from .informer import Cache, CachedKube
 from .kube import Kube
+from .reconcile import STATUS_SPACING
 from .reconcile import reconcile as reconcile_one
 
 log = logging.getLogger("kvoffload.operator")
 
 Key = tuple[str, str]  # (namespace, name)
 
+PROGRESS, CHANGE, RESYNC = 0, 1, 2
+# Reconciles in flight at once (threads: the Kubernetes client is synchronous). The scale benchmark's
+# floor mode uses the same number of client threads.
+WORKERS = 8
+REPORT_SECONDS = 10
+
 
 class Runtime:
-    """At most one reconcile per resource in flight; kicks during one mark it dirty for one more pass."""
-
-    def __init__(self, kube: Kube, settings: Settings, reconcile: Callable[..., str] | None = None) -> None:
-        # One Events recorder, and so one token bucket, for the whole operator.
-        recorder = events.Recorder(lambda ns, body: kube.request("POST", f"/api/v1/namespaces/{ns}/events", body))
-        self.kube, self.settings = kube, settings
-        self.reconcile = reconcile or functools.partial(reconcile_one, recorder=recorder)
-        self.running: dict[Key, bool] = {}  # key -> dirty
+    def __init__(self, kube: Kube | None, settings: Settings, reconcile: Callable[..., str] | None = None,
+                 namespaces: list[str] | None = None, workers: int = WORKERS) -> None:
+        if reconcile is None:
+            # One Events recorder, and so one token bucket, for the whole operator (posts go to the API server, not the cache).
+            assert kube is not None
+            recorder = events.Recorder(lambda ns, body: kube.request("POST", f"/api/v1/namespaces/{ns}/events", body))
+            reconcile = functools.partial(reconcile_one, recorder=recorder)
+        self.settings, self.reconcile, self.workers = settings, reconcile, workers
+        self.cache = Cache(kube, namespaces, self._kicked)
+        self.kube = CachedKube(kube, self.cache) if kube is not None else None
+        self.heap: list[tuple[int, int, Key]] = []
+        self.queued: dict[Key, int] = {}  # key -> priority of its live heap entry
+        self.running: dict[Key, int | None] = {}  # key -> priority of a kick that came during the run
+        self.backoff: dict[Key, float] = {}
+        self.seq = itertools.count()
+        self.wakeup = asyncio.Event()
         self.tasks: set[asyncio.Task[None]] = set()
-        self.known: set[Key] = set()  # resources seen in watch events, for the resync and a new leader
+        self.executor = ThreadPoolExecutor(workers, thread_name_prefix="reconcile")
+        self.counts: Counter[str] = Counter()  # reconcile outcomes since start (logged every REPORT_SECONDS)
         self.leading = True  # standalone; with leader election only while this replica holds the Lease
         self.elector: leader.Elector | None = None
 
     def start(self, lease: leader.LeaseConfig | None = None, lease_kube: Kube | None = None) -> None:
-        """Start the resync loop and, given a Lease, the election (acting only while leading)."""
+        """Start the caches, the workers once the caches are filled, the resync loop and, given a Lease,
+        the election (acting only while leading)."""
+        if self.kube is not None:
+            for informer in self.cache.informers:
+                self._spawn(informer.run())
+        self._spawn(self._serve())
         self._spawn(self._resync_forever(self.settings.resync_seconds))
+        self._spawn(self._report_forever(REPORT_SECONDS))
         if lease is not None:
             self.leading = False
             self.elector = leader.Elector(lease_kube or self.kube, lease, self._on_leadership)
@@ -53,58 +88,98 @@ class Runtime:
         if self.elector is not None:
             await self.elector.release()
 
-    def seen(self, namespace: str, name: str) -> None:
-        self.known.add((namespace, name))
-        self.kick(namespace, name)
+    # ------------------------------------------------------------------ the queue
+    def _kicked(self, namespace: str, name: str, kind: str) -> None:
+        self.kick(namespace, name, CHANGE if kind == crd.KIND else PROGRESS)
 
-    def gone(self, namespace: str, name: str) -> None:
-        self.known.discard((namespace, name))
-
-    def kick(self, namespace: str | None, name: str | None) -> None:
+    def kick(self, namespace: str | None, name: str | None, priority: int = CHANGE) -> None:
         if not namespace or not name or not self.leading:
             return
         key = (namespace, name)
         if key in self.running:
-            self.running[key] = True
+            before = self.running[key]
+            self.running[key] = priority if before is None else min(before, priority)
             return
-        self.running[key] = False
-        self._spawn(self._drain(key))
+        if key in self.queued and self.queued[key] <= priority:
+            return
+        self.queued[key] = priority  # a higher priority supersedes the queued entry (left in the heap, skipped)
+        heapq.heappush(self.heap, (priority, next(self.seq), key))
+        self.wakeup.set()
+
+    async def _next(self) -> Key:
+        while True:
+            while self.heap:
+                priority, _, key = heapq.heappop(self.heap)
+                if self.queued.get(key) == priority:
+                    del self.queued[key]
+                    return key
+            self.wakeup.clear()
+            await self.wakeup.wait()
+
+    async def _work(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            key = await self._next()
+            if not self.leading:
+                continue
+            self.running[key] = None
+            try:
+                outcome = await loop.run_in_executor(self.executor, self.reconcile, self.kube, key[0], key[1],
+                                                     self.settings)
+                self.counts[outcome] += 1
+                self.backoff.pop(key, None)
+                if outcome == "deferred":  # a progress-only status write waits for the spacing
+                    loop.call_later(STATUS_SPACING, self.kick, key[0], key[1], PROGRESS)
+                log.debug("reconciled %s/%s: %s", *key, outcome)
+            except Exception as exc:  # API down, timeouts: level-based, so just try again later
+                delay = self.backoff.get(key, 0.5)
+                self.backoff[key] = min(delay * 2, 30)
+                self.counts["failed"] += 1
+                log.warning("reconcile %s/%s failed (retry in %.1fs): %s", *key, delay, exc)
+                loop.call_later(delay * (1 + random.random() / 2), self.kick, key[0], key[1], CHANGE)
+            finally:
+                again = self.running.pop(key)
+                if again is not None:
+                    self.kick(key[0], key[1], again)
+
+    async def _serve(self) -> None:
+        if self.kube is not None:
+            await self.cache.wait_synced()
+            log.info("caches filled: %s", ", ".join(f"{s.kind} {len(s)}" for s in self.cache.by_kind.values()))
+        for _ in range(self.workers):
+            self._spawn(self._work())
 
     def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _drain(self, key: Key) -> None:
-        delay = 0.5
-        try:
-            while True:
-                self.running[key] = False
-                try:
-                    outcome = await asyncio.to_thread(self.reconcile, self.kube, key[0], key[1], self.settings)
-                    log.debug("reconciled %s/%s: %s", *key, outcome)
-                    delay = 0.5
-                except Exception as exc:  # API down, timeouts: level-based, so just try again later
-                    log.warning("reconcile %s/%s failed (retry in %.1fs): %s", *key, delay, exc)
-                    await asyncio.sleep(delay * (1 + random.random() / 2))
-                    delay = min(delay * 2, 30)
-                    self.running[key] = True
-                if not self.running[key] or not self.leading:
-                    return
-        finally:
-            self.running.pop(key, None)
+    # ------------------------------------------------------------------ resync and leadership
+    def known(self) -> list[Key]:
+        return sorted(self.cache.serves())
 
-    def _kick_known(self) -> None:
-        for namespace, name in sorted(self.known):
-            self.kick(namespace, name)
+    def _kick_known(self, priority: int) -> None:
+        for namespace, name in self.known():
+            self.kick(namespace, name, priority)
 
     def _on_leadership(self, leading: bool) -> None:
         self.leading = leading
-        if leading:  # catch up on everything the watches saw while following
-            self._kick_known()
+        if leading:  # catch up on everything the caches saw while following
+            self._kick_known(CHANGE)
 
     async def _resync_forever(self, interval: float) -> None:
         """Level-based safety net: re-reconcile every known resource now and then (writes only on drift)."""
         while True:
             await asyncio.sleep(interval)
-            self._kick_known()
+            log.info("resync %d resources", len(self.known()))
+            self._kick_known(RESYNC)
+
+    async def _report_forever(self, interval: float) -> None:
+        """One log line when the totals moved: reconciles by outcome since start (the scale benchmark reads it)."""
+        last: dict[str, int] = {}
+        while True:
+            await asyncio.sleep(interval)
+            now = dict(sorted(self.counts.items()))
+            if now != last:
+                log.info("reconciles so far: %s", json.dumps(now))
+                last = now

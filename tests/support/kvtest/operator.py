@@ -54,7 +54,8 @@ class OperatorProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_started(self, timeout: float = 60) -> None:
-        wait_until(lambda: "Activity 'configure' succeeded" in self.output() or self.proc.poll() is not None,
+        """Until it serves: its caches are filled (it reconciles nothing before)."""
+        wait_until(lambda: "caches filled" in self.output() or self.proc.poll() is not None,
                    timeout=timeout, message="operator started")
         if self.proc.poll() is not None:
             raise RuntimeError("operator exited:\n" + self.output()[-3000:])
