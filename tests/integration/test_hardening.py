@@ -125,7 +125,7 @@ def test_every_rendering_is_admitted_exactly_where_the_docs_say(cluster, namespa
         if doc["spec"]["offload"].get("disk"):
             eph = with_ephemeral_disk(doc, doc["metadata"]["name"])
             cases.append((path.name + " (storageClassName)", rendered_pod(eph), False))
-    assert len(cases) == 5
+    assert len(cases) == 8  # 5 examples render (the field one is refused); 3 have a hostPath disk, also tried as ephemeral volumes
     for label, pod, host_path in cases:
         cp = pod_dry_run(cluster, namespace, pod)
         if host_path and level != "privileged":
