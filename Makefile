@@ -6,9 +6,12 @@ BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 CLUSTER := $(BIN)/python -m kvtest
 KUBECONFIG ?= $(CURDIR)/.cluster/kubeconfig
-LMCACHE_VERSION := 0.5.6
+# The engine pair the fidelity tests run (the serving image's pins: images/serving/Dockerfile).
+VLLM_VERSION := 0.26.0
+LMCACHE_VERSION := 0.5.3
+ENGINE_VENV := $(HOME)/.cache/kvoffload/engine-vllm-$(VLLM_VERSION)-lmcache-$(LMCACHE_VERSION)
 
-.PHONY: venv system-deps cluster-build cluster-up cluster-down cluster-status generate lint unit integration test demo demo-down bench clean
+.PHONY: venv engine-venv engine-tables system-deps cluster-build cluster-up cluster-down cluster-status generate lint unit integration test demo demo-down bench clean
 
 venv: $(VENV)/.done
 $(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
@@ -17,9 +20,16 @@ $(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
 	$(BIN)/pip install -q -e 'operator[test]'
 	# The test-support package (tests/support: kvtest), so tests, benchmarks and scripts `import kvtest`.
 	$(BIN)/pip install -q -e tests/support
-	# LMCache's own config loader, for fidelity tests only (no torch, no CUDA): not an operator dependency.
-	$(BIN)/pip install -q --no-deps lmcache==$(LMCACHE_VERSION)
 	touch $@
+
+# vLLM + LMCache of the serving image in their own cached venv (several GB, ~10 min the first time):
+# the fidelity tests run vLLM's real parser and create_engine_config() and LMCache's real loader there.
+engine-venv:
+	PY=$(PY) tests/engine/build-venv.sh $(VLLM_VERSION) $(LMCACHE_VERSION) >/dev/null
+
+# Regenerate the operator's vLLM flag table from vLLM's own parser (a test checks it is current).
+engine-tables: engine-venv
+	$(ENGINE_VENV)/bin/python tests/engine/engine_check.py table operator/kvoffload/engine/data/vllm-$(VLLM_VERSION)-flags.json
 
 # A real Prometheus for the exporter's scrape test (Debian package).
 system-deps:
@@ -52,10 +62,11 @@ unit: venv
 integration: venv system-deps cluster-build
 	KVO_REQUIRE_CLUSTER=1 $(BIN)/python -m pytest tests/integration -q
 
-# Lint, the generated files, unit tests, then everything on the real control plane (started from the cached build, stopped after).
-test: venv lint system-deps cluster-build
+# Lint, the generated files, unit tests, the engine fidelity tests, then everything on the real control plane
+# (started from the cached build, stopped after).
+test: venv lint engine-venv system-deps cluster-build
 	$(BIN)/python -m kvoffload.cli.generate --check
-	KVO_REQUIRE_CLUSTER=1 $(BIN)/python -m pytest tests -q
+	KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_ENGINE=1 $(BIN)/python -m pytest tests -q
 
 demo: venv cluster-build
 	tests/cluster/demo.sh

@@ -90,6 +90,7 @@ def test_create_runs_on_gpu_nodes_and_reports_the_budget(cluster, namespace, ope
     assert cond(obj, "DiskTierReady")["status"] == "True"
     assert st["summary"]["cpuTokens"] > 0 and st["summary"]["diskTokens"] > st["summary"]["cpuTokens"]
     vllm = kids[("StatefulSet", "svc")]["spec"]["template"]["spec"]["containers"][0]
+    assert vllm["image"] == "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3"  # the default: the serving image
     pair = resolve(vllm["image"], None, None)  # the operator's table for the default image
     # Rendered for the table's pair; nothing reported what runs (no exporter listens on kwok pods).
     assert st["versions"] == {"image": vllm["image"], "renderedFor": {"vllm": pair.vllm, "lmcache": pair.lmcache},
@@ -144,7 +145,7 @@ def test_drift_is_repaired(cluster, namespace, operator):
                        message="ConfigMap re-created")
     cluster.wait_until(
         lambda: get(cluster, namespace, "statefulset", "svc")["spec"]["template"]["spec"]["containers"][0]["image"]
-        == "lmcache/vllm-openai:v0.5.4", timeout=60, message="image restored")
+        == "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", timeout=60, message="image restored")
 
 
 @pytest.mark.parametrize("patch, needle", [

@@ -248,7 +248,7 @@ def test_custom_roots_scenario_reaches_the_operator(helm):
     s = settings.from_dict(cfg)
     assert s.allowed_disk_roots == ("/mnt/fast-nvme", "/data/kvcache")
     assert s.nvme_selector() == {"node.example.com/local-nvme": "present"}
-    assert s.default_image == "ghcr.io/kvoffload/vllm-lmcache:0.27.1-0.5.4"
+    assert s.default_image == "registry.example.com/mirror/vllm-lmcache:0.26.0-0.5.3"
     assert s.python_hash_seed == "42" and s.headroom_percent == 15 and s.labels == {"team": "inference"}
 
 

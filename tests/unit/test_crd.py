@@ -14,7 +14,7 @@ FULL_SPEC = {
               "architecture": {"layers": 32, "attentionHeads": 32, "kvHeads": 8, "headDim": 128, "parameters": 8030261248},
               "hfTokenSecret": {"name": "hf", "key": "token"}, "cache": {"claimName": "models", "readOnly": True}},
     "replicas": 2,
-    "engine": {"image": "lmcache/vllm-openai:v0.5.4", "vllmVersion": "0.27.1", "lmcacheVersion": "0.5.4",
+    "engine": {"image": "registry.example/mirror/vllm-lmcache:1", "vllmVersion": "0.26.0", "lmcacheVersion": "0.5.3",
                "maxModelLen": 32768, "gpuMemoryUtilization": 0.9, "maxNumSeqs": 16, "tensorParallelSize": 2,
                "dtype": "bfloat16", "extraArgs": ["--enable-prefix-caching"], "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "INFO"}]},
     "offload": {"chunkSize": 256, "cpu": {"size": "40Gi", "evictionPolicy": "LFU"},

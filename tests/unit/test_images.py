@@ -26,7 +26,7 @@ from kvoffload.engine import images
 ROOT = Path(__file__).resolve().parents[2]
 OPERATOR = ROOT / "images" / "operator" / "Dockerfile"
 SERVING = ROOT / "images" / "serving" / "Dockerfile"
-SERVING_IMAGE = "ghcr.io/kvoffload/vllm-lmcache:0.27.1-0.5.4"
+SERVING_IMAGE = images.DEFAULT_IMAGE
 
 
 class Dockerfile:
@@ -137,13 +137,29 @@ def test_serving_pins_agree_with_the_operators_image_table():
 
 
 def test_serving_build_fails_when_the_cuda_extension_does_not_load():
+    """The build loads the extension's shared object itself (module_from_spec on its file): LMCache 0.5.3's
+    package replaces `lmcache.c_ops` with a shim, so `import lmcache.c_ops` passes without it. Which module
+    is the extension is read from the pinned wheel (tests/engine/test_serving_image.py)."""
     df = Dockerfile(SERVING)
     runs = df.all("RUN")
     install = next(i for i, r in enumerate(runs) if "lmcache==" in r)
-    checks = [r for r in runs[install + 1:] if 'python3 -c "import lmcache.c_ops"' in r]
-    assert checks, "no RUN step imports lmcache.c_ops after installing LMCache"
+    ext = df.args["LMCACHE_EXTENSION"]
+    loads = f"spec_from_file_location('lmcache.{ext}', f'{{d}}/{ext}'"
+    checks = [r for r in runs[install + 1:] if loads in r and "module_from_spec(s)" in r and "sysconfig, torch;" in r]
+    assert checks, f"no RUN step loads lmcache.{ext}'s shared object after installing LMCache"
+    assert not any(re.search(r"import lmcache\.\w+", r) for r in runs), "importing lmcache.<ext> passes through LMCache's shim"
     (shell,) = df.all("SHELL")
     assert json.loads(shell)[:3] == ["/bin/bash", "-o", "pipefail"], "pipes in RUN must fail the build"
+
+
+def test_lmcaches_own_image_does_not_claim_a_vllm_version():
+    """lmcache/vllm-openai:v0.5.4 pip-installs an unpinned vLLM: only its LMCache is known."""
+    known = images.KNOWN_IMAGES["lmcache/vllm-openai:v0.5.4"]
+    assert known.vllm is None and known.lmcache == "0.5.4"
+    with pytest.raises(images.ConfigError) as err:
+        images.resolve("lmcache/vllm-openai:v0.5.4", None, None)
+    assert err.value.field == "spec.engine.vllmVersion" and "unpinned" in err.value.message
+    assert images.resolve("lmcache/vllm-openai:v0.5.4", "0.29.0", None) == images.EnginePair("0.29.0", "0.5.4")
 
 
 def test_chart_defaults_agree_with_the_operator():

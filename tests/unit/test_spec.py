@@ -21,7 +21,7 @@ def test_defaults_come_from_the_crd():
     assert s.offload.eviction_policy == "LRU"
     assert s.offload.disk.reclaim_policy == "Delete"
     assert s.offload.disk.node_selector == {"kvoffload.io/nvme": "true"}
-    assert s.engine.image == S.default_image and (s.engine.vllm_version, s.engine.lmcache_version) == ("0.27.1", "0.5.4")
+    assert s.engine.image == S.default_image and (s.engine.vllm_version, s.engine.lmcache_version) == ("0.26.0", "0.5.3")
     assert s.metrics_enabled and s.metrics_port == 9400
 
 
@@ -41,6 +41,12 @@ def test_defaults_come_from_the_crd():
     ({"engine__image": "example.com/custom:1"}, "spec.engine.vllmVersion"),
     ({"engine__image": "example.com/custom:1", "engine__vllmVersion": "0.27.1"}, "spec.engine.lmcacheVersion"),
     ({"engine__image": "x:1", "engine__vllmVersion": "0.5.0", "engine__lmcacheVersion": "0.5.6"}, "spec.engine.vllmVersion"),
+    # LMCache's own image installs an unpinned vLLM: the spec must say which.
+    ({"engine__image": "lmcache/vllm-openai:v0.5.4"}, "spec.engine.vllmVersion"),
+    # No flag table for this vLLM: extra arguments cannot be checked, so they are refused.
+    ({"engine__image": "lmcache/vllm-openai:v0.5.4", "engine__vllmVersion": "0.29.0", "engine__extraArgs": ["--enforce-eager"]},
+     "spec.engine.extraArgs"),
+    ({"engine__env": [{"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True"}]}, "spec.engine.env"),
     ({"offload__chunkSize": 0}, "spec.offload.chunkSize"),
     ({"offload__chunkSize": 100000}, "spec.offload.chunkSize"),
     ({"offload__cpu__size": None}, "spec.offload.cpu.size"),

@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from ..engine import flags
+
 GROUP = "kvoffload.io"
 VERSION = "v1alpha1"
 KIND = "KVOffloadServe"
@@ -18,19 +20,20 @@ PLURAL = "kvoffloadserves"
 SINGULAR = "kvoffloadserve"
 SHORT_NAMES = ["kvs"]
 
-# Flags and env vars the operator renders itself; users may not override them.
-MANAGED_FLAGS = (
-    "--kv-transfer-config", "--tensor-parallel-size", "-tp", "--max-model-len", "--gpu-memory-utilization",
-    "--max-num-seqs", "--dtype", "--kv-cache-dtype", "--port", "--host", "--served-model-name",
-    "--kv-offloading-backend", "--kv-offloading-size", "--model",
-)
+# Every spelling of a vLLM flag that extraArgs may not use in any supported vLLM (from the flag tables:
+# flags the operator renders, and flags that change the GPU count or the memory budget). The API server
+# refuses these and their abbreviations; the operator also refuses unknown flags per vLLM version.
+REFUSED_FLAGS = flags.refused_spellings()
 # POD_NAME / POD_NAMESPACE expand the disk tier's subPathExpr: a user value would mount another pod's directory.
 MANAGED_ENV = ("LMCACHE_CONFIG_FILE", "PYTHONHASHSEED", "PROMETHEUS_MULTIPROC_DIR", "LMCACHE_USE_EXPERIMENTAL",
                "POD_NAME", "POD_NAMESPACE")
 MANAGED_ENV_PREFIX = "LMCACHE_"
 # vLLM's FlexibleArgumentParser reads `--max_model_len` as `--max-model-len` and `--kv-transfer-config.x=y` as a
-# sub-key of `--kv-transfer-config`: compare the flag as vLLM sees it (the same expression in CEL and spec.py).
+# sub-key of `--kv-transfer-config`, and (allow_abbrev) any unambiguous prefix as the whole flag: `--max-model`
+# and `-t` set --max-model-len and -tp. So an argument is refused when, read as vLLM reads it, it is a prefix
+# of a refused spelling (a test proves no allowed flag is such a prefix).
 CEL_FLAG = "a.split('=')[0].split('.')[0].replace('_', '-')"
+CEL_REFUSED_ARG = f"a.startsWith('-') && REFUSED.exists(m, m.startsWith({CEL_FLAG}))"
 # Largest quantity accepted anywhere (1 PiB): far beyond any node, and sums of terms stay well inside int64.
 MAX_QUANTITY = "1Pi"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
@@ -159,12 +162,15 @@ def _engine() -> Schema:
             "dtype": _s("Weight and activation type (vLLM --dtype). auto means the model's own (bf16 for the catalog).",
                         enum=["auto", "bfloat16", "float16"], default="auto"),
             "extraArgs": {"type": "array", "maxItems": 64, "description": (
-                "Extra vLLM command-line arguments. Flags the operator manages are refused: " + ", ".join(MANAGED_FLAGS) + "."),
+                "Extra vLLM command-line arguments, checked against the flag table of the image's vLLM version "
+                f"({', '.join(flags.supported_versions())}): unknown flags, abbreviations, values vLLM would refuse, flags the "
+                "operator manages and flags that change the GPU count or the memory budget are refused: "
+                + ", ".join(REFUSED_FLAGS) + "."),
                 "items": {"type": "string", "maxLength": 1024},
                 "x-kubernetes-validations": [{
-                    "rule": f"self.all(a, !({CEL_FLAG} in " + _cel_list(MANAGED_FLAGS) + "))",
-                    "message": "extraArgs may not set a flag the operator manages (also spelt with _ or as --flag.key): "
-                               + ", ".join(MANAGED_FLAGS)}]},
+                    "rule": "self.all(a, !(" + CEL_REFUSED_ARG.replace("REFUSED", _cel_list(REFUSED_FLAGS)) + "))",
+                    "message": "extraArgs may not set, or abbreviate, a flag the operator manages or one that changes the GPU "
+                               "count or the memory budget (also spelt with _ or as --flag.key): " + ", ".join(REFUSED_FLAGS)}]},
             "env": {"type": "array", "maxItems": 64, "description": (
                 "Extra environment variables for the vLLM container (Kubernetes EnvVar). Variables the operator manages are refused: "
                 + ", ".join(MANAGED_ENV) + " and any LMCACHE_* (put engine settings in spec.offload)."),
@@ -174,6 +180,8 @@ def _engine() -> Schema:
                                          "valueFrom": _free("Source of the value (Kubernetes EnvVarSource).")}},
                 "x-kubernetes-validations": [{
                     "rule": "self.all(e, !(e.name in " + _cel_list(MANAGED_ENV) + ") && !e.name.startsWith('" + MANAGED_ENV_PREFIX + "'))",
+                    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is refused by the operator only: a CEL rule over
+                    # env values (no maxLength) exceeds the API server's cost budget.
                     "message": "env may not set a variable the operator manages: " + ", ".join(MANAGED_ENV) + " or LMCACHE_*"}]},
         },
         required=["maxModelLen"],

@@ -16,7 +16,7 @@ class Settings:
     # hostPath roots the disk tier may live under (never the root itself).
     allowed_disk_roots: tuple[str, ...] = ("/mnt/nvme", "/var/lib/kvoffload")
     # Default serving image; its (vLLM, LMCache) pair comes from kvoffload.engine.images.
-    default_image: str = "lmcache/vllm-openai:v0.5.4"
+    default_image: str = "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3"
     # Image of the exporter sidecar (the operator image carries the exporter too).
     exporter_image: str = "ghcr.io/kvoffload/kvoffload:0.1.0"
     exporter_image_pull_policy: str = "IfNotPresent"

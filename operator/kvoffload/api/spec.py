@@ -16,7 +16,7 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from ..engine import images
+from ..engine import flags, images
 from . import crd
 from .errors import ConfigError
 from .quantity import to_bytes
@@ -243,11 +243,6 @@ def _str_map(r: _Reader, path: str) -> dict[str, str]:
     return dict(value)
 
 
-def managed_flag(arg: str) -> str:
-    """The flag in an argument as vLLM's FlexibleArgumentParser reads it (same expression as crd.CEL_FLAG)."""
-    return arg.split("=")[0].split(".")[0].replace("_", "-")
-
-
 def _model(r: _Reader) -> ModelSpec:
     name = r.get("model.name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_./-]{1,256}", name):
@@ -276,10 +271,7 @@ def _engine(r: _Reader, settings: Settings) -> EngineSpec:
     for arg in extra:
         if not isinstance(arg, str) or len(arg) > 1024:
             raise ConfigError("spec.engine.extraArgs", f"{arg!r} must be a string of at most 1024 characters")
-        flag = managed_flag(arg)
-        if flag in crd.MANAGED_FLAGS:
-            raise ConfigError("spec.engine.extraArgs", f"{arg.split('=')[0]} sets {flag}, which is managed by the operator; set it "
-                                                       f"through the spec instead (managed: {', '.join(crd.MANAGED_FLAGS)})")
+    flags.check_args(extra, pair.vllm)  # against the flag table of the image's vLLM version
     env = tuple(_list(r, "engine.env"))
     for var in env:
         name = var.get("name", "") if isinstance(var, dict) else ""
@@ -289,6 +281,7 @@ def _engine(r: _Reader, settings: Settings) -> EngineSpec:
             raise ConfigError("spec.engine.env", f"{name}: value must be a string and valueFrom an object")
         if name in crd.MANAGED_ENV or name.startswith(crd.MANAGED_ENV_PREFIX):
             raise ConfigError("spec.engine.env", f"{name} is managed by the operator ({', '.join(crd.MANAGED_ENV)}, LMCACHE_*)")
+    flags.check_env(env, pair.vllm)
     return EngineSpec(
         image=image, vllm_version=pair.vllm, lmcache_version=pair.lmcache,
         max_model_len=_int(r, "engine.maxModelLen", 16, 16777216),

@@ -1,7 +1,8 @@
 """Which (vLLM, LMCache) pair an image holds, and what that pair supports.
 
-No published image pairs vLLM 0.33.0 with LMCache 0.5.6 (LMCache's CUDA extension fails to
-import against vLLM 0.33's torch), so the operator must know the pair and render for it.
+LMCache's CUDA extension is built against one torch, and each vLLM pins one torch: only pairs
+whose pins agree work (docs/compatibility.md). The operator must know the pair in the image to
+render for it and to check flags against that vLLM's flag table (engine/flags.py).
 """
 
 from __future__ import annotations
@@ -17,11 +18,23 @@ class EnginePair:
     lmcache: str
 
 
-# Images whose contents are known. The kvoffload serving image is built by images/serving/Dockerfile
-# from the same pins; a test checks the two agree.
-KNOWN_IMAGES: dict[str, EnginePair] = {
-    "lmcache/vllm-openai:v0.5.4": EnginePair(vllm="0.27.1", lmcache="0.5.4"),
-    "ghcr.io/kvoffload/vllm-lmcache:0.27.1-0.5.4": EnginePair(vllm="0.27.1", lmcache="0.5.4"),
+@dataclass(frozen=True)
+class KnownImage:
+    vllm: str | None  # None: the image does not pin it; the spec must say
+    lmcache: str | None
+    why: str = ""
+
+
+# Images whose contents are known. The default is the project's own serving image, built by
+# images/serving/Dockerfile from these pins (a test checks the two agree): vLLM 0.26.0 and LMCache
+# 0.5.3 share torch 2.11.0, and this pair ran on an H200 (docs/compatibility.md).
+DEFAULT_IMAGE = "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3"
+KNOWN_IMAGES: dict[str, KnownImage] = {
+    DEFAULT_IMAGE: KnownImage(vllm="0.26.0", lmcache="0.5.3", why="built by images/serving/Dockerfile"),
+    # LMCache's published image (docker/Dockerfile of the 0.5.4 sdist) pip-installs an unpinned vLLM:
+    # its vLLM is whatever was newest when it was built.
+    "lmcache/vllm-openai:v0.5.4": KnownImage(vllm=None, lmcache="0.5.4",
+                                             why="it installs an unpinned vLLM; set spec.engine.vllmVersion to the one it holds"),
 }
 
 # LMCacheConnectorV1 with the in-process config file exists from these versions on.
@@ -43,6 +56,9 @@ def resolve(image: str, vllm: str | None, lmcache: str | None) -> EnginePair:
     lmcache = lmcache or (known.lmcache if known else None)
     if vllm is None or lmcache is None:
         missing = "spec.engine.vllmVersion" if vllm is None else "spec.engine.lmcacheVersion"
+        if known:
+            raise ConfigError(missing, f"the operator's version table does not know the {missing.rsplit('.', 1)[1][:-7]} "
+                                       f"version in image {image!r}: {known.why}")
         raise ConfigError(missing, f"image {image!r} is not in the operator's version table "
                                    f"({', '.join(sorted(KNOWN_IMAGES))}); set spec.engine.vllmVersion and spec.engine.lmcacheVersion")
     if _version(vllm, "spec.engine.vllmVersion") < MIN_VLLM:

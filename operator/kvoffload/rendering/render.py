@@ -79,8 +79,9 @@ def lmcache_gib(budget: Budget, tier: str) -> float:
 
 
 def lmcache_config(spec: Spec, budget: Budget) -> dict[str, Any]:
-    """LMCache 0.5.6 in-process config: keys and units exactly as `LMCacheEngineConfig` reads them
-    (sizes are GiB floats per worker, i.e. per tensor-parallel rank)."""
+    """LMCache in-process config: keys and units exactly as `LMCacheEngineConfig` reads them (sizes are GiB
+    floats per worker, i.e. per tensor-parallel rank); tests/engine/test_fidelity.py loads every rendered
+    config with the image's LMCache (0.5.3 by default) and its own loader."""
     config: dict[str, Any] = {
         "chunk_size": spec.offload.chunk_size,
         "local_cpu": True,  # the disk tier needs it; the CPU tier is the point of this product
@@ -98,7 +99,7 @@ def _hash(obj: Any) -> str:
 
 
 def configmap(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> dict[str, Any]:
-    text = "# Rendered by kvoffload; LMCache 0.5.6 keys. Edit the KVOffloadServe, not this.\n" + yaml.safe_dump(
+    text = f"# Rendered by kvoffload for LMCache {spec.engine.lmcache_version}. Edit the KVOffloadServe, not this.\n" + yaml.safe_dump(
         lmcache_config(spec, budget), sort_keys=True)
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(names(owner.name)["configmap"], owner, settings),
             "data": {"lmcache.yaml": text}}

@@ -1,0 +1,245 @@
+"""docs/compatibility.md: the (vLLM, LMCache) pairs, each row generated from the checks behind it.
+
+    python tests/engine/compatibility.py           rewrite docs/compatibility.md
+    python tests/engine/compatibility.py --check   fail if it is not what the checks give now
+
+Checks per pair (run with the operator's venv; the engine's code runs in the engine venvs):
+- torch pins: each wheel's own Requires-Dist (PEP 658 metadata via `pip install --dry-run --report`:
+  no wheel download), cached under ~/.cache/kvoffload/wheel-metadata;
+- LMCache's CUDA extension loads against vLLM's torch, on CPU: `import torch`, then the extension's
+  shared object (found by its ELF DT_NEEDED) loaded by file. Needs a venv holding that torch (an engine
+  venv from tests/engine/build-venv.sh) and the LMCache wheel (the venv's own, or downloaded once);
+  otherwise "not checked";
+- vLLM's parser and create_engine_config() accept the rendered command lines of all examples, and
+  LMCache's loader reads their rendered configs without a warning: where an engine venv for the
+  exact pair exists, otherwise "not checked";
+- ran on a GPU: only what a recorded run showed (shared/reference), never inferred.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import engine_venv  # noqa: E402
+
+from kvoffload.engine import images  # noqa: E402
+
+DOC = engine_venv.ROOT / "docs" / "compatibility.md"
+META = engine_venv.CACHE / "wheel-metadata"
+WHEELS = engine_venv.CACHE / "wheels"
+PY = engine_venv.site_packages(engine_venv.venv_path()).parent.name.removeprefix("python") \
+    if engine_venv.venv_path().is_dir() else "3.11"  # the engine venv's Python: LMCache wheels are per Python
+
+# Pairs users run or ask about, besides the images the operator knows.
+CANDIDATES = [("0.26.0", "0.5.4"), ("0.29.0", "0.5.4"), ("0.29.0", "0.5.6"), ("0.33.0", "0.5.6")]
+# Runs on real GPUs (evidence, not inference).
+GPU_RUNS = {
+    ("0.26.0", "0.5.3"): "yes: NVIDIA H200, 2026-11-30, the rendered workstation example: a 32,000-token prefix "
+                         "came back from the CPU tier in ~0.04 s (1.10 s recomputed)",
+}
+
+
+def metadata(name: str, version: str) -> dict:
+    """The wheel's core metadata, fetched once with pip's ordinary client (PEP 658: no wheel download)."""
+    path = META / f"{name}-{version}.json"
+    if not path.is_file():
+        META.mkdir(parents=True, exist_ok=True)
+        report = META / f".{name}-{version}.report"
+        cp = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed", "--quiet",
+                             "--only-binary=:all:", "--python-version", PY, "--platform", "manylinux_2_28_x86_64",
+                             "--target", str(META / ".unused"), "--report", str(report), f"{name}=={version}"],
+                            capture_output=True, text=True, timeout=300)
+        assert cp.returncode == 0, cp.stderr
+        (item,) = json.loads(report.read_text())["install"]
+        path.write_text(json.dumps(item["metadata"], indent=1, sort_keys=True))
+        report.unlink()
+    return json.loads(path.read_text())
+
+
+def torch_requirement(name: str, version: str) -> str:
+    reqs = [r for r in metadata(name, version).get("requires_dist", []) if r.split(";")[0].strip().split("=")[0].split("<")[0]
+            .split(">")[0].strip() == "torch"]
+    return reqs[0].split(";")[0].strip().removeprefix("torch") or "any" if reqs else "none"
+
+
+def torch_pin(vllm: str) -> str | None:
+    req = torch_requirement("vllm", vllm)
+    return req.removeprefix("==") if req.startswith("==") else None
+
+
+def engine_venvs() -> dict[tuple[str, str], Path]:
+    """The engine venvs `make test` builds (only those: the document must not depend on what else a machine has)."""
+    pair = (engine_venv.PAIR.vllm, engine_venv.PAIR.lmcache)
+    return {pair: engine_venv.require(*pair)}
+
+
+def torch_of(venv: Path) -> str:
+    (info,) = engine_venv.site_packages(venv).glob("torch-*.dist-info")
+    return info.name.removeprefix("torch-").removesuffix(".dist-info")
+
+
+def lmcache_tree(lmcache: str, venvs: dict[tuple[str, str], Path]) -> Path | None:
+    """Where LMCache `lmcache`'s files lie: an engine venv that holds it, or its wheel extracted (if downloaded)."""
+    for (_, held), venv in venvs.items():
+        if held == lmcache:
+            return engine_venv.site_packages(venv)
+    pattern = f"lmcache-{lmcache}-cp{PY.replace('.', '')}-*.whl"
+    if not list(WHEELS.glob(pattern)):  # fetched once with pip's ordinary client (~16 MB), then cached
+        cp = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                             "--python-version", PY, "--platform", "manylinux_2_28_x86_64", "-d", str(WHEELS),
+                             f"lmcache=={lmcache}"], capture_output=True, text=True, timeout=600)
+        assert cp.returncode == 0, cp.stderr
+    wheels = sorted(WHEELS.glob(pattern))
+    if not wheels:
+        return None
+    tree = WHEELS / f"lmcache-{lmcache}"
+    if not tree.is_dir():
+        with zipfile.ZipFile(wheels[0]) as z:
+            z.extractall(tree)
+    return tree
+
+
+def extension_load(vllm: str, lmcache: str, venvs: dict[tuple[str, str], Path]) -> str:
+    torch = torch_pin(vllm)
+    host = next((v for v in venvs.values() if torch and torch_of(v) == torch), None)
+    tree = lmcache_tree(lmcache, venvs)
+    if host is None or tree is None:
+        return f"not checked (no engine venv with torch {torch})" if host is None else f"not checked (no LMCache {lmcache} wheel)"
+    exts = [so for so in sorted((tree / "lmcache").glob("*.so"))
+            if any(n.startswith(("libcudart.so", "libc10_cuda.so", "libtorch_cuda.so")) for n in engine_venv.elf_needed(so))]
+    if not exts:
+        return f"no: LMCache {lmcache}'s wheel has no CUDA extension"
+    so = exts[0]
+    name = "lmcache." + so.name.split(".")[0]
+    code = ("import importlib.util as u, sys, torch; s = u.spec_from_file_location(sys.argv[1], sys.argv[2]); "
+            "u.module_from_spec(s)")
+    cp = subprocess.run([engine_venv.python(host), "-c", code, name, str(so)], capture_output=True, text=True, timeout=300)
+    if cp.returncode == 0:
+        return f"yes: {name} loads against torch {torch}"
+    err = cp.stderr.strip().splitlines()[-1] if cp.stderr.strip() else f"exit {cp.returncode}"
+    if "undefined symbol" in err:
+        err = "undefined symbol " + err.split("undefined symbol:")[-1].strip()[:60]
+    return f"no: {name} against torch {torch}: {err}"
+
+
+def rendered_examples() -> tuple[list[dict], list[dict]]:
+    import yaml
+
+    from kvoffload.api.errors import ConfigError
+    from kvoffload.api.settings import Settings
+    from kvoffload.controller import pipeline
+
+    sys.path.insert(0, str(HERE))
+    from test_fidelity import case  # the fidelity tests' own case builder
+
+    vllm_cases, lmcache_cases = [], []
+    for path in sorted((engine_venv.ROOT / "examples").glob("*.yaml")):
+        doc = yaml.safe_load(path.read_text())
+        try:
+            d = pipeline.desired(doc["metadata"]["name"], "ns", "uid", doc["spec"], Settings())
+        except ConfigError:
+            continue  # the deliberately infeasible example renders nothing
+        v, lm = case(path.stem, d)
+        vllm_cases.append(v)
+        lmcache_cases.append(lm)
+    return vllm_cases, lmcache_cases
+
+
+def engine_checks(pair: tuple[str, str], venvs: dict[tuple[str, str], Path]) -> tuple[str, str]:
+    venv = venvs.get(pair)
+    if venv is None:
+        return "not checked (no engine venv for this pair)", "not checked (no engine venv for this pair)"
+    vllm_cases, lmcache_cases = rendered_examples()
+    out = engine_venv.run(venv, "check", {"vllm": vllm_cases, "lmcache": lmcache_cases})
+    bad = [r["id"] for r in out["vllm"] if not r["ok"]]
+    parser = f"yes: {len(out['vllm'])} example command lines" if not bad else f"no: {', '.join(bad)}"
+    warned = [r["id"] for r in out["lmcache"] if not r["ok"] or r["warnings"]]
+    loader = f"yes: {len(out['lmcache'])} example configs, no warning" if not warned else f"no: {', '.join(warned)}"
+    return parser, loader
+
+
+def rows() -> list[dict[str, str]]:
+    venvs = engine_venvs()
+    pairs: list[tuple[str, tuple[str | None, str | None]]] = [
+        (image, (k.vllm, k.lmcache)) for image, k in sorted(images.KNOWN_IMAGES.items(), key=lambda kv: kv[0] != images.DEFAULT_IMAGE)]
+    pairs += [("", c) for c in CANDIDATES]
+    out = []
+    for image, (vllm, lmcache) in pairs:
+        row = {"image": f"`{image}`" + (" (default)" if image == images.DEFAULT_IMAGE else "") if image else "—",
+               "vllm": vllm or "unpinned", "lmcache": lmcache or "unpinned"}
+        if vllm is None or lmcache is None:
+            row.update(torch="unknown: the image installs an unpinned vLLM", ext="not checked", parser="not checked",
+                       loader="not checked", gpu="not run")
+        else:
+            pin, lreq = torch_pin(vllm), torch_requirement("lmcache", lmcache)
+            row["torch"] = f"vLLM: torch=={pin}; LMCache: torch {lreq}"
+            row["ext"] = extension_load(vllm, lmcache, venvs)
+            row["parser"], row["loader"] = engine_checks((vllm, lmcache), venvs)
+            row["gpu"] = GPU_RUNS.get((vllm, lmcache), "not run")
+        out.append(row)
+    return out
+
+
+HEADER = """# Compatibility: which vLLM and LMCache pairs work
+
+<!-- Generated by tests/engine/compatibility.py from the checks it runs; `make test` fails when this file
+     is not what they give. Do not edit by hand. -->
+
+LMCache's CUDA extension is compiled against one torch, and every vLLM wheel pins one torch. A pair
+works only when the extension loads against the torch that vLLM pins. LMCache's wheels do not say
+which torch they were built against (their metadata asks for any `torch`), so the load itself is the
+check: the shared object is loaded by file, since LMCache 0.5.3 answers `import lmcache.c_ops` with a
+shim when the extension is missing. LMCache 0.5.x logs and falls back when its extension fails to load; vLLM does not.
+
+**Default: the project's serving image `{default}`** (images/serving/Dockerfile: FROM
+`vllm/vllm-openai:v{vllm}` with `lmcache=={lmcache}` pinned, and a build step that loads the
+extension's shared object). Its pins are known by construction, its torch pins agree, vLLM's own
+parser accepts everything the operator renders for it, LMCache's own loader reads every rendered
+config without a warning, and it is the pair that ran on a GPU. `lmcache/vllm-openai:v0.5.4` installs
+an unpinned vLLM, so the operator knows only its LMCache: a KVOffloadServe using it must set
+`spec.engine.vllmVersion`, and extra vLLM arguments are checked only for a vLLM whose flag table the
+operator carries ({tables}).
+
+{columns}
+|---|---|---|---|---|---|---|---|
+"""
+COLUMNS = ("Image", "vLLM", "LMCache", "torch pins (wheel metadata)", "LMCache extension loads on vLLM's torch (CPU)",
+           "vLLM parser + create_engine_config() accept the rendered flags", "LMCache loader reads the rendered config",
+           "Ran on a GPU")
+
+
+def render() -> str:
+    from kvoffload.engine import flags
+
+    pair = images.KNOWN_IMAGES[images.DEFAULT_IMAGE]
+    text = HEADER.format(default=images.DEFAULT_IMAGE, vllm=pair.vllm, lmcache=pair.lmcache,
+                         tables=", ".join(f"vLLM {v}" for v in flags.supported_versions()),
+                         columns="| " + " | ".join(COLUMNS) + " |")
+    table = rows()
+    default = table[0]
+    # The prose above claims these for the default pair: refuse to publish it when a check says otherwise.
+    assert all(default[k].startswith("yes") for k in ("ext", "parser", "loader", "gpu")), default
+    for r in table:
+        text += "| " + " | ".join(r[k] for k in ("image", "vllm", "lmcache", "torch", "ext", "parser", "loader", "gpu")) + " |\n"
+    text += ('\n"not checked": `make test` builds an engine venv for the default pair only (tests/engine/build-venv.sh;\n'
+             "each venv is ~8 GB and ~10 minutes), so checks that need another pair's venv are not run.\n")
+    return text
+
+
+def main() -> None:
+    text = render()
+    if sys.argv[1:] == ["--check"]:
+        if DOC.read_text() != text:
+            sys.exit(f"{DOC} is stale: run .venv/bin/python tests/engine/compatibility.py")
+        return
+    DOC.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The serving image's Dockerfile against the pinned wheels themselves (installed in the engine venv).
+
+- the extension module the Dockerfile loads is the one the pinned LMCache wheel ships as a CUDA
+  extension (read from the wheel's RECORD and the shared objects' ELF DT_NEEDED, not from a name);
+- the Dockerfile's own load check, run here, loads it against the pinned vLLM's torch (on CPU);
+- `import lmcache.<ext>` would prove nothing (LMCache replaces the module with a shim);
+- the pins agree: Dockerfile ARGs, the operator's image table, the Makefile, the venv's versions,
+  and vLLM's and LMCache's torch requirements.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from importlib.metadata import Distribution
+
+import engine_venv
+import pytest
+
+from kvoffload.engine import images
+
+sys.path.insert(0, str(engine_venv.ROOT / "tests"))
+from unit.test_images import SERVING, Dockerfile  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def venv():
+    return engine_venv.require()
+
+
+def dist(venv, name: str) -> Distribution:
+    (info,) = engine_venv.site_packages(venv).glob(f"{name}-*.dist-info")
+    return Distribution.at(info)
+
+
+def torch_pin(d: Distribution) -> str | None:
+    pins = [r for r in d.requires or [] if re.match(r"torch\s*(==|$|[<>;])", r.split(";")[0].strip() or "x")]
+    exact = [re.search(r"==\s*([\w.+]+)", p) for p in pins]
+    return next((m.group(1) for m in exact if m), None)
+
+
+def test_the_extension_the_dockerfile_loads_is_the_wheels(venv):
+    found = engine_venv.cuda_extensions(venv)
+    assert found, "the pinned LMCache wheel ships no CUDA extension?"
+    df = Dockerfile(SERVING)
+    assert found == [f"lmcache.{df.args['LMCACHE_EXTENSION']}"], found
+
+
+def _load_check(df: Dockerfile) -> str:
+    (check,) = [r for r in df.all("RUN") if "module_from_spec" in r]
+    return check
+
+
+def test_the_dockerfiles_load_check_passes_against_the_pinned_torch(venv):
+    check = _load_check(Dockerfile(SERVING)).replace("python3 ", f"{engine_venv.python(venv)} ")
+    cp = subprocess.run(["bash", "-o", "pipefail", "-c", check], capture_output=True, text=True, timeout=300)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert re.search(r"loaded \S+/lmcache/\w+\.cpython-\d+-x86_64-linux-gnu\.so against torch 2\.11\.0", cp.stdout), cp.stdout
+
+
+def test_the_load_check_fails_without_the_extension_and_import_would_not(venv):
+    df = Dockerfile(SERVING)
+    ext = df.args["LMCACHE_EXTENSION"]
+    other = "cuda_ops" if ext == "c_ops" else "c_ops"  # the other LMCache releases' name: not in this wheel
+    check = _load_check(df).split(" && ")[0].replace("python3 ", f"{engine_venv.python(venv)} ").replace(ext, other)
+    cp = subprocess.run(["bash", "-c", check], capture_output=True, text=True, timeout=300)
+    assert cp.returncode != 0 and ("No such file" in cp.stderr or "cannot open" in cp.stderr), cp.stderr[-2000:]
+    # Importing the module by name gives LMCache's shim, not the shared object: no file behind it.
+    cp = subprocess.run([engine_venv.python(venv), "-c", f"import sys, lmcache.{ext}; m = sys.modules['lmcache.{ext}']; "
+                         "print('FILE', getattr(m, '__spec__', None) and m.__spec__.origin)"],
+                        capture_output=True, text=True, timeout=300)
+    assert cp.returncode == 0 and "FILE None" in cp.stdout, cp.stdout + cp.stderr[-2000:]
+
+
+def test_pins_agree_everywhere(venv):
+    df = Dockerfile(SERVING)
+    pair = images.KNOWN_IMAGES[images.DEFAULT_IMAGE]
+    assert (df.args["VLLM_VERSION"], df.args["LMCACHE_VERSION"]) == (pair.vllm, pair.lmcache)
+    makefile = (engine_venv.ROOT / "Makefile").read_text()
+    assert re.search(rf"^VLLM_VERSION := {re.escape(pair.vllm)}$", makefile, re.M)
+    assert re.search(rf"^LMCACHE_VERSION := {re.escape(pair.lmcache)}$", makefile, re.M)
+    assert dist(venv, "vllm").version == pair.vllm and dist(venv, "lmcache").version == pair.lmcache
+    torch = dist(venv, "torch").version
+    assert torch_pin(dist(venv, "vllm")) == torch, "vLLM pins the torch it was built for"
+    lmcache_pin = torch_pin(dist(venv, "lmcache"))
+    assert lmcache_pin in (None, torch), f"LMCache pins torch {lmcache_pin}, vLLM {torch}"

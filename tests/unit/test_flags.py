@@ -1,0 +1,100 @@
+"""engine/flags.py: extra vLLM arguments read as vLLM 0.26.0's parser reads them (its generated flag table)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvoffload.api import crd
+from kvoffload.api.errors import ConfigError
+from kvoffload.api.settings import Settings
+from kvoffload.controller import pipeline
+from kvoffload.engine import flags, images
+
+from .helpers import spec
+
+V = images.KNOWN_IMAGES[images.DEFAULT_IMAGE].vllm
+
+
+@pytest.mark.parametrize("args, needle", [
+    # allow_abbrev: prefixes of flags the operator sets, or that change GPUs / memory
+    (["--kv-transfer", "{}"], "abbreviates --kv-transfer-config"),
+    (["--kv-offloading-s", "10"], "abbreviates --kv-offloading-size"),
+    (["-t", "2"], "abbreviates -tp (--tensor-parallel-size)"),
+    (["--tensor-parallel", "2"], "abbreviates --tensor-parallel-size"),
+    (["--max-model", "1"], "abbreviates --max-model-len"),
+    (["--gpu-memory", "0.5"], "abbreviates --gpu-memory-utilization"),
+    (["--served-model", "x"], "abbreviates --served-model-name"),
+    (["--max_model", "1"], "abbreviates --max-model-len"),
+    # managed, by any alias or spelling
+    (["-tp", "2"], "sets --tensor-parallel-size"),
+    (["--max_model_len=9"], "sets --max-model-len"),
+    (["--kv-transfer-config.kv_connector=X"], "sets --kv-transfer-config"),
+    # GPU count and memory budget
+    (["-pp", "2"], "GPU count"), (["-dp", "2"], "GPU count"), (["-pcp", "2"], "GPU count"), (["-dpl", "2"], "GPU count"),
+    (["--cpu-offload-gb", "4"], "memory budget"), (["--kv-cache-memory-bytes", "1G"], "memory budget"),
+    (["--kv-offloading-backend", "native"], "memory budget"), (["--num-gpu-blocks-override", "10"], "memory budget"),
+    (["--no-disable-hybrid-kv-cache-manager"], "hybrid"),
+    (["--config", "f.yaml"], "file"),
+    # what vLLM 0.26.0 refuses
+    (["--disable-log-requests"], "not a flag of vLLM"), (["--swap-space", "4"], "not a flag of vLLM"),
+    (["--enable-prefix-caching=False"], "takes no value"),
+    (["--block-size", "big"], "takes an integer"), (["--gpu-memory-utilization-x"], "not a flag"),
+    (["--collect-detailed-traces", "bogus"], "allowed:"),
+    (["--seed"], "needs a value"), (["stray"], "not a flag"), (["--enable"], "ambiguous"), (["--enforce"], "abbreviates --enforce-eager"),
+])
+def test_refused(args, needle):
+    with pytest.raises(ConfigError) as err:
+        flags.check_args(args, V)
+    assert err.value.field == "spec.engine.extraArgs"
+    assert needle in err.value.message and f"vLLM {V}" in err.value.message and repr(args[0]) in err.value.message
+
+
+@pytest.mark.parametrize("args", [
+    [], ["--enforce-eager"], ["--enable-prefix-caching"], ["--no-enable-prefix-caching"], ["--max-num-batched-tokens", "8192"],
+    ["--max_num_batched_tokens=8192"], ["--seed", "-1"], ["-O3"], ["--compilation-config.mode=3"], ["--load-format", "dummy"],
+    ["--disable-hybrid-kv-cache-manager"], ["--trust-remote-code", "--enforce-eager"],
+])
+def test_accepted(args):
+    flags.check_args(args, V)
+
+
+def test_a_vllm_without_a_table_takes_no_extra_args():
+    flags.check_args([], "0.29.0")
+    with pytest.raises(ConfigError, match="no flag table"):
+        flags.check_args(["--enforce-eager"], "0.29.0")
+
+
+def test_expandable_segments_refused():
+    flags.check_env([{"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "max_split_size_mb:512"}], V)
+    with pytest.raises(ConfigError, match="expandable_segments") as err:
+        flags.check_env([{"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True"}], V)
+    assert err.value.field == "spec.engine.env"
+
+
+def test_every_refused_dest_exists_in_the_table():
+    """A refusal for a dest vLLM does not have would be dead code (or a renamed flag slipping through)."""
+    table = flags.table(V)
+    dests = {o.dest for o in table.options.values()}
+    assert set(flags.REFUSED_DESTS) <= dests, set(flags.REFUSED_DESTS) - dests
+    for prefix in flags.REFUSED_DEST_PREFIXES:
+        assert any(d.startswith(prefix) for d in dests), prefix
+    assert set(flags.REFUSED_SPELLINGS) <= set(table.options)
+
+
+def test_cel_prefix_rule_refuses_no_allowed_flag():
+    """The API server refuses an argument that is a prefix of a refused spelling: no allowed flag may be one."""
+    for v in flags.supported_versions():
+        table = flags.table(v)
+        allowed = [s for s, o in table.options.items() if not flags.refusal(o, s)]
+        assert not [(a, r) for a in allowed for r in crd.REFUSED_FLAGS if r.startswith(a)]
+    assert "-tp" in crd.REFUSED_FLAGS and "--kv-transfer-config" in crd.REFUSED_FLAGS and "-pp" in crd.REFUSED_FLAGS
+
+
+def test_the_operator_renders_only_refused_flags():
+    """Every flag the operator renders is one users may not set, so it can appear only once."""
+    d = pipeline.desired("x", "ns", "uid", spec(), Settings())
+    sts = next(c for c in d.children if c["kind"] == "StatefulSet")
+    args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+    table = flags.table(V)
+    rendered = [a for a in args if a.startswith("-")]
+    assert rendered and all(flags.refusal(table.options[a], a) for a in rendered), rendered
