@@ -15,6 +15,7 @@ from kvoffload.cli.render import dump_all
 from kvoffload.controller import pipeline
 from kvoffload.rendering import render
 
+from kvoffload.engine import images
 from kvoffload.engine import versions as engine_versions
 
 from .helpers import EXAMPLES, ROOT, spec
@@ -176,7 +177,7 @@ def _start_vllm_container(container, fake_bin, multiproc, record):
 def test_vllm_prelude_empties_the_multiproc_dir_at_every_start(path, tmp_path):
     doc = yaml.safe_load(path.read_text())
     s = doc["spec"]
-    s.setdefault("engine", {})["extraArgs"] = ["--override-generation-config", '{"temperature": 0.5}', "--x=a b"]
+    s.setdefault("engine", {})["extraArgs"] = ["--override-generation-config", '{"temperature": 0.5}', "--chat-template=a b"]
     children = pipeline.desired(doc["metadata"]["name"], "ns", "", s, Settings()).children
     container = pod_of(children)["containers"][0]
     assert container["command"][:3] == ["/bin/sh", "-c", render.VLLM_PRELUDE]
@@ -209,8 +210,8 @@ def test_vllm_prelude_empties_the_multiproc_dir_at_every_start(path, tmp_path):
 # --- the versions init container --------------------------------------------------------------
 
 def test_versions_script_reports_what_the_environment_holds(tmp_path):
-    """REPORT_SCRIPT, run as the init container runs it, in this venv: LMCache 0.5.6 is installed
-    (its config loader, --no-deps), vLLM and torch are not."""
+    """REPORT_SCRIPT, run as the init container runs it, in this venv: the operator's venv holds
+    neither vLLM nor LMCache (they live in the engine venv, tests/engine/), so both read "not installed"."""
     from importlib import metadata
 
     def installed(name):
@@ -225,8 +226,23 @@ def test_versions_script_reports_what_the_environment_holds(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
     doc = json.loads(out.read_text())
     assert doc == {name: installed(name) for name in engine_versions.PACKAGES}
-    assert doc["lmcache"] == "0.5.6"
+    assert doc["lmcache"] is None and doc["vllm"] is None
     assert "kvoffload: engine versions" in done.stdout
     found = engine_versions.parse(out.read_text())
-    assert found.lmcache == "0.5.6" and found.vllm == (doc["vllm"] or engine_versions.NOT_INSTALLED)
+    assert found.lmcache == found.vllm == engine_versions.NOT_INSTALLED
     assert not (tmp_path / "versions.json.tmp").exists()
+
+
+@pytest.mark.parametrize("engine, expected", [
+    ({}, "0"),  # the default image: vLLM 0.26.0 + LMCache 0.5.3, whose V2 runner skips LMCache's loads
+    ({"image": "lmcache/vllm-openai:v0.5.4", "vllmVersion": "0.27.1"}, None),  # no known quirk: nothing rendered
+])
+def test_connector_env_follows_the_engine_pair(engine, expected):
+    s = spec()
+    s["engine"].update(engine)
+    d = pipeline.desired("svc", "ns", "u", s, Settings())
+    vllm = pod_of(d.children)["containers"][0]
+    env = {e["name"]: e.get("value") for e in vllm["env"]}
+    assert env.get("VLLM_USE_V2_MODEL_RUNNER") == expected
+    pair = images.EnginePair(d.spec.engine.vllm_version, d.spec.engine.lmcache_version)
+    assert images.connector_env(pair) == ({"VLLM_USE_V2_MODEL_RUNNER": expected} if expected else {})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from ..engine import flags
+from ..engine import flags, images
 
 GROUP = "kvoffload.io"
 VERSION = "v1alpha1"
@@ -25,8 +25,9 @@ SHORT_NAMES = ["kvs"]
 # refuses these and their abbreviations; the operator also refuses unknown flags per vLLM version.
 REFUSED_FLAGS = flags.refused_spellings()
 # POD_NAME / POD_NAMESPACE expand the disk tier's subPathExpr: a user value would mount another pod's directory.
+# VLLM_USE_V2_MODEL_RUNNER: set per engine pair (engine/images.CONNECTOR_ENV): a user value could turn LMCache's loads off.
 MANAGED_ENV = ("LMCACHE_CONFIG_FILE", "PYTHONHASHSEED", "PROMETHEUS_MULTIPROC_DIR", "LMCACHE_USE_EXPERIMENTAL",
-               "POD_NAME", "POD_NAMESPACE")
+               "POD_NAME", "POD_NAMESPACE", *images.CONNECTOR_ENV_WHY)
 MANAGED_ENV_PREFIX = "LMCACHE_"
 # vLLM's FlexibleArgumentParser reads `--max_model_len` as `--max-model-len` and `--kv-transfer-config.x=y` as a
 # sub-key of `--kv-transfer-config`, and (allow_abbrev) any unambiguous prefix as the whole flag: `--max-model`
@@ -182,7 +183,8 @@ def _engine() -> Schema:
                     "rule": "self.all(e, !(e.name in " + _cel_list(MANAGED_ENV) + ") && !e.name.startsWith('" + MANAGED_ENV_PREFIX + "'))",
                     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is refused by the operator only: a CEL rule over
                     # env values (no maxLength) exceeds the API server's cost budget.
-                    "message": "env may not set a variable the operator manages: " + ", ".join(MANAGED_ENV) + " or LMCACHE_*"}]},
+                    "message": "env may not set a variable the operator manages: " + ", ".join(MANAGED_ENV) + " or LMCACHE_* ("
+                               + "; ".join(f"{k}: {v}" for k, v in images.CONNECTOR_ENV_WHY.items()) + ")"}]},
         },
         required=["maxModelLen"],
     )

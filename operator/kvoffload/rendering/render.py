@@ -19,7 +19,9 @@ from ..api.errors import ConfigError
 from ..api.quantity import format_bytes, gib
 from ..api.settings import Settings
 from ..api.spec import Spec
+from ..engine import images
 from ..engine import versions as engine_versions
+from ..engine.images import EnginePair
 from ..planning.sizing import Budget
 
 HTTP_PORT = 8000
@@ -131,6 +133,9 @@ def _vllm_env(spec: Spec, settings: Settings) -> list[dict[str, Any]]:
         {"name": "PROMETHEUS_MULTIPROC_DIR", "value": MULTIPROC_DIR},
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
+        # What this engine pair needs for LMCache to really load KV (e.g. vLLM 0.26.0: the V1 model runner).
+        *({"name": k, "value": v} for k, v in sorted(images.connector_env(EnginePair(spec.engine.vllm_version,
+                                                                                    spec.engine.lmcache_version)).items())),
     ]
     if spec.model.cache_claim:
         env.append({"name": "HF_HOME", "value": MODELS_DIR})
