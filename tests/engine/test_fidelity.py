@@ -25,6 +25,7 @@ from kvoffload.api.quantity import GiB
 from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
 from kvoffload.planning import catalog
+from kvoffload.rendering import render
 
 sys.path.insert(0, str(engine_venv.ROOT / "tests"))
 from unit.test_fuzz import valid_specs  # noqa: E402  (the fuzz tests' generator of well-formed specs)
@@ -56,7 +57,7 @@ def case(case_id: str, d: pipeline.Desired) -> tuple[dict, dict]:
     vllm = sts["spec"]["template"]["spec"]["containers"][0]
     cm = next(c for c in d.children if c["kind"] == "ConfigMap")
     env = {e["name"]: e["value"] for e in vllm["env"] if "value" in e}
-    return ({"id": case_id, "argv": vllm["command"] + vllm["args"], "env": env, "model_config": model_config(d.spec)},
+    return ({"id": case_id, "argv": render.vllm_argv(vllm), "env": env, "model_config": model_config(d.spec)},
             {"id": case_id, "text": cm["data"]["lmcache.yaml"], "keys": list(LMCACHE_KEYS)})
 
 

@@ -13,10 +13,9 @@ from kvoffload.api.quantity import to_bytes
 from kvoffload.api.settings import Settings
 from kvoffload.cli.render import dump_all
 from kvoffload.controller import pipeline
-from kvoffload.rendering import render
-
 from kvoffload.engine import images
 from kvoffload.engine import versions as engine_versions
+from kvoffload.rendering import render
 
 from .helpers import EXAMPLES, ROOT, spec
 

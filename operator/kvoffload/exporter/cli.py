@@ -54,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest wait for vLLM during one scrape (default %(default)s)")
     p.add_argument("--disk-rescan-interval", type=float, default=30.0, metavar="SECONDS",
                    help="seconds between background rescans of --disk-dir (default %(default)s)")
+    p.add_argument("--unloaded-grace-seconds", type=float, default=25.0, metavar="SECONDS",
+                   help="how long vLLM's external hits may go without an LMCache retrieve before "
+                        "kvoffload_external_hits_unloaded_tokens reports them (LMCache publishes its "
+                        "counters every 10 s; default %(default)s)")
 
 
 def build(args: argparse.Namespace) -> tuple[CollectorRegistry, TierCollector, tuple[str, int]]:
@@ -67,6 +71,8 @@ def build(args: argparse.Namespace) -> tuple[CollectorRegistry, TierCollector, t
         raise ConfigError("--scrape-timeout", "must be > 0 seconds")
     if not args.disk_rescan_interval > 0:
         raise ConfigError("--disk-rescan-interval", "must be > 0 seconds")
+    if not args.unloaded_grace_seconds >= 0:
+        raise ConfigError("--unloaded-grace-seconds", "must be >= 0 seconds")
     config = ExporterConfig(
         vllm_metrics_url=args.vllm_metrics_url,
         multiproc_dir=args.multiproc_dir,
@@ -74,6 +80,7 @@ def build(args: argparse.Namespace) -> tuple[CollectorRegistry, TierCollector, t
         kv_bytes_per_token=args.kv_bytes_per_token,
         engine_versions_file=args.engine_versions_file,
         capacity=load_capacity(args.lmcache_config, args.tensor_parallel_size),
+        unloaded_grace_s=args.unloaded_grace_seconds,
     )
     disk = None
     if args.disk_dir:
