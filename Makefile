@@ -11,7 +11,7 @@ VLLM_VERSION := 0.26.0
 LMCACHE_VERSION := 0.5.3
 ENGINE_VENV := $(HOME)/.cache/kvoffload/engine-vllm-$(VLLM_VERSION)-lmcache-$(LMCACHE_VERSION)
 
-.PHONY: venv engine-venv engine-tables system-deps cluster-build cluster-up cluster-down cluster-status generate lint unit integration test demo demo-down bench clean
+.PHONY: venv engine-venv engine-tables system-deps cluster-build gitops-tools cluster-up cluster-down cluster-status generate lint unit integration test demo demo-down bench clean
 
 venv: $(VENV)/.done
 $(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
@@ -40,6 +40,10 @@ system-deps:
 cluster-build:
 	tests/cluster/build.sh
 
+# Argo CD's Lua health runner (gopher-lua) and the kstatus checker (Helm v4's kstatus), cached.
+gitops-tools:
+	tests/gitops/build.sh
+
 cluster-up: venv cluster-build
 	$(CLUSTER) up
 
@@ -56,15 +60,15 @@ generate: venv
 lint: venv
 	$(BIN)/ruff check --config operator/pyproject.toml operator tests benchmarks
 
-unit: venv
+unit: venv gitops-tools
 	$(BIN)/python -m pytest tests/unit -q
 
-integration: venv system-deps cluster-build
+integration: venv system-deps cluster-build gitops-tools
 	KVO_REQUIRE_CLUSTER=1 $(BIN)/python -m pytest tests/integration -q
 
 # Lint, the generated files, unit tests, the engine fidelity tests, then everything on the real control plane
 # (started from the cached build, stopped after).
-test: venv lint engine-venv system-deps cluster-build
+test: venv lint engine-venv system-deps cluster-build gitops-tools
 	$(BIN)/python -m kvoffload.cli.generate --check
 	KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_ENGINE=1 $(BIN)/python -m pytest tests -q
 

@@ -21,6 +21,10 @@ def show(item: dict) -> None:
     memory = budget["memory"]
     print(f"  memory request = limit {human(memory['limit'])}: "
           + " + ".join(f"{x['name']} {human(x['bytes'])}" for x in memory["terms"]))
+    weights = budget.get("weights")
+    if weights:
+        print(f"  weights {human(weights['bytes'])}: ephemeral-storage request {human(weights['ephemeralStorage'])} "
+              f"(weights volume {human(weights['volume'])}), start-up budget {weights['startupSeconds']} s")
     for r in budget.get("reload", []):
         flag = "  SLOWER than recompute" if r["slowerThanRecompute"] else ""
         print(f"  reload {r['tier']:<5} {r['reloadSeconds']:.3f}s vs recompute {r['recomputeSeconds']:.3f}s{flag}")

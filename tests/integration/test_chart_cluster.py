@@ -29,7 +29,7 @@ pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvoffload-operator"
-SCENARIOS = ("default", "namespaced", "no-crds", "monitoring", "custom-roots", "leader-election")
+SCENARIOS = ("default", "namespaced", "no-crds", "monitoring", "custom-roots", "leader-election", "janitor")
 EXAMPLE = ROOT / "examples" / "cpu-tier-qwen25-7b.yaml"
 
 
@@ -143,7 +143,8 @@ def test_ci_scenario_server_dry_run(cluster, namespace, scenario, request):
         docs = docs_of(rendered)
         kinds = {d["kind"] for d in docs}
         assert ("PodMonitor" in kinds) == (scenario == "monitoring")
-        assert ("Role" in kinds) == (scenario in ("namespaced", "leader-election"))
+        assert ("Role" in kinds) == (scenario in ("namespaced", "leader-election", "janitor"))
+        assert ("DaemonSet" in kinds) == (scenario == "janitor")
         cp = cluster.kubectl("apply", "--dry-run=server", "--validate=strict", "-f", "-", input=rendered, check=False)
         assert cp.returncode == 0, f"server refused the {scenario} scenario:\n{cp.stderr}\n{cp.stdout}"
         applied = [line for line in cp.stdout.splitlines() if line.endswith("(server dry run)")]

@@ -23,7 +23,7 @@ from kvoffload.engine import images
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvoffload-operator"
-SCENARIOS = ("default", "namespaced", "no-crds", "monitoring", "custom-roots", "leader-election")
+SCENARIOS = ("default", "namespaced", "no-crds", "monitoring", "custom-roots", "leader-election", "janitor")
 STANDARD_LABELS = ("helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io/instance",
                    "app.kubernetes.io/version", "app.kubernetes.io/managed-by")
 # Free-form string maps: the only objects whose keys the schema cannot list.
@@ -36,6 +36,7 @@ EXPECTED_RULES = {
     ("", "services"): {"list", "watch", "create", "patch", "delete"},
     ("apps", "statefulsets"): {"list", "watch", "create", "patch", "delete"},
     ("policy", "poddisruptionbudgets"): {"list", "watch", "create", "patch", "delete"},
+    ("networking.k8s.io", "networkpolicies"): {"list", "watch", "create", "patch", "delete"},
     ("", "pods"): {"list", "watch"},
     ("", "events"): {"create"},
 }
@@ -128,6 +129,7 @@ def test_every_scenario_renders(helm, scenario):
     assert {"ServiceAccount", "ConfigMap", "Deployment"} <= kinds
     assert ("CustomResourceDefinition" in kinds) == (scenario != "no-crds")
     assert ("ClusterRole" in kinds) == (scenario != "namespaced")
+    assert ("DaemonSet" in kinds) == (scenario == "janitor")
     assert ("PodMonitor" in kinds) == (scenario == "monitoring")
 
 
@@ -187,7 +189,7 @@ def test_schema_covers_every_value_and_nothing_else():
                 out |= value_keys(v, f"{prefix}{k}.")
         return out
 
-    optional = {"global", "operator.resources.limits.cpu"}  # allowed, deliberately unset (no CPU limit)
+    optional = {"global", "operator.resources.limits.cpu", "janitor.resources.limits.cpu"}  # allowed, deliberately unset (no CPU limit)
     assert keys(schema) - optional == value_keys(values)
 
 
@@ -233,14 +235,16 @@ def test_more_than_one_replica_needs_leader_election(helm):
 def test_default_config_is_exactly_the_operators_defaults(helm):
     cfg = operator_config(helm.render())
     assert set(cfg) == camel_settings_keys()
-    assert settings.from_dict(cfg) == settings.Settings()
+    # The chart adds the release namespace (for the serving pods' NetworkPolicy); the rest are the defaults.
+    assert settings.from_dict(cfg) == dataclasses.replace(settings.Settings(), operator_namespace="kvo-system")
 
 
 def test_config_keys_in_values_and_schema_are_the_settings_keys():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     schema = json.loads((CHART / "values.schema.json").read_text())
-    assert set(values["operator"]["config"]) == camel_settings_keys()
-    assert set(schema["properties"]["operator"]["properties"]["config"]["properties"]) == camel_settings_keys()
+    # operatorNamespace is the release namespace, set by the chart itself, never a value.
+    assert set(values["operator"]["config"]) == camel_settings_keys() - {"operatorNamespace"}
+    assert set(schema["properties"]["operator"]["properties"]["config"]["properties"]) == camel_settings_keys() - {"operatorNamespace"}
 
 
 def test_custom_roots_scenario_reaches_the_operator(helm):
@@ -608,3 +612,77 @@ def test_leader_election_for_several_replicas(helm):
     assert _rules(role) == {("coordination.k8s.io", "leases"): {"get", "create", "update"}}
     assert one(docs, "ClusterRole")  # the reconcile rules are unchanged
 
+
+
+# --------------------------------------------------------------------------- several replicas, janitor
+def test_several_replicas_get_a_pdb_and_anti_affinity(helm):
+    assert not find(helm.render(), "PodDisruptionBudget")
+    assert "affinity" not in one(helm.render(), "Deployment")["spec"]["template"]["spec"]
+    docs = helm.render("-f", values_file("leader-election"))
+    pdb = one(docs, "PodDisruptionBudget")
+    pod = one(docs, "Deployment")["spec"]["template"]
+    assert pdb["spec"] == {"minAvailable": 1, "selector": {"matchLabels": {
+        "app.kubernetes.io/name": "kvoffload-operator", "app.kubernetes.io/instance": "kvo"}}}
+    (term,) = pod["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    labels = pod["metadata"]["labels"]
+    assert all(labels[k] == v for k, v in term["podAffinityTerm"]["labelSelector"]["matchLabels"].items())
+    assert all(labels[k] == v for k, v in pdb["spec"]["selector"]["matchLabels"].items())
+
+
+def _janitor(docs: list[dict]) -> dict:
+    return one(docs, "DaemonSet")
+
+
+def test_janitor_is_opt_in(helm):
+    docs = helm.render()
+    assert not find(docs, "DaemonSet")
+    assert [r["metadata"]["name"] for r in find(docs, "ClusterRole")] == ["kvo-kvoffload-operator"]
+
+
+def test_janitor_least_privilege(helm):
+    docs = helm.render("-f", values_file("janitor"))
+    ds = _janitor(docs)
+    pod = ds["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    # API: get/list KVOffloadServes, through its own ServiceAccount and ClusterRole.
+    role = [r for r in find(docs, "ClusterRole") if r["metadata"]["name"].endswith("-janitor")]
+    assert len(role) == 1 and _rules(role[0]) == {("kvoffload.io", "kvoffloadserves"): {"get", "list"}}
+    (binding,) = [b for b in find(docs, "ClusterRoleBinding") if b["metadata"]["name"].endswith("-janitor")]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": "kvo-system"}]
+    assert pod["serviceAccountName"] != one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"]
+    # Node: only the configured paths, each a hostPath below an allowed root; root with DAC_OVERRIDE only.
+    host = sorted(v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v)
+    assert host == ["/mnt/nvme/lmcache", "/var/lib/kvoffload/kv"]
+    sc = c["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True and sc["privileged"] is False
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["nodeSelector"] == {"kvoffload.io/nvme": "true"}
+    # The loop, dry-run and metrics on the pod IP.
+    args = c["args"]
+    assert args[:2] == ["clean-disk", "--in-cluster"] and "--dry-run" in args
+    assert {"--root=/host/mnt/nvme/lmcache", "--root=/host/var/lib/kvoffload/kv"} <= set(args)
+    assert "--metrics-listen=$(POD_IP):9401" in args and "--interval=600" in args
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9401, "protocol": "TCP"}]
+
+
+def test_janitor_cli_accepts_the_rendered_arguments(helm):
+    from kvoffload.cli import main as cli_main
+
+    (c,) = _janitor(helm.render("-f", values_file("janitor")))["spec"]["template"]["spec"]["containers"]
+    args = cli_main.build_parser("clean-disk").parse_args(c["args"])
+    assert args.in_cluster and args.dry_run and args.interval == 600 and args.min_age == 600
+    assert args.root == ["/host/mnt/nvme/lmcache", "/host/var/lib/kvoffload/kv"]
+
+
+@pytest.mark.parametrize("path", ["/etc/kv", "/mnt/nvme", "/mnt/nvme2/kv", "/mnt/nvme/../etc"])
+def test_janitor_refuses_paths_outside_the_allowed_roots(helm, path):
+    cp = helm("template", "kvo", CHART, "--set", "janitor.enabled=true", "--set", f"janitor.paths={{{path}}}", check=False)
+    assert cp.returncode != 0 and "janitor.paths" in cp.stderr, cp.stderr
+
+
+def test_janitor_follows_the_nvme_label(helm):
+    ds = _janitor(helm.render("-f", values_file("janitor"), "-f", values_file("custom-roots"),
+                              "--set", "janitor.paths={/mnt/fast-nvme/kv}"))
+    assert ds["spec"]["template"]["spec"]["nodeSelector"] == {"node.example.com/local-nvme": "present"}

@@ -217,3 +217,92 @@ def test_status_versions_show_what_runs_and_what_was_rendered_for():
 def test_invalid_spec_leaves_engine_verified_unknown():
     st = conditions.status(body(), None, ConfigError("spec.engine.image", "bad"), conditions.Observed(None, []), T0)
     assert by_type(st)["EngineVerified"]["status"] == "Unknown"
+    assert offload({"svc-0": 1.0}, metrics={"enabled": False})["reason"] == "MetricsDisabled"
+
+
+# --- kstatus' pair: Reconciling and Stalled, derived from Ready and ConfigValid ------------------
+
+def kstatus_pair(st):
+    c = by_type(st)
+    return (c["Reconciling"]["status"], c["Reconciling"]["reason"]), (c["Stalled"]["status"], c["Stalled"]["reason"])
+
+
+def failing_pod(reason="CrashLoopBackOff"):
+    p = pod()
+    p["status"]["containerStatuses"] = [{"name": "vllm", "state": {"waiting": {"reason": reason, "message": "back-off 5m0s"}}}]
+    return p
+
+
+PAIRS = [  # (what was read, Ready, (Reconciling), (Stalled))
+    ("ready", lambda: conditions.status(body(), desired(), None, conditions.Observed(sts(), [pod()]), T0),
+     ("True", "AllReplicasReady"), ("False", "Converged"), ("False", "SpecAccepted")),
+    ("invalid", lambda: conditions.status(body(3), None, ConfigError("spec.offload.disk.path", "'/etc' is outside"),
+                                          conditions.Observed(None, []), T0),
+     ("False", "ConfigInvalid"), ("False", "Stalled"), ("True", "InvalidSpec")),
+    ("rolling out", lambda: conditions.status(body(2), desired(), None,
+                                              conditions.Observed(sts(gen=2, observed=2, updated=0, update="r2"), [pod()]), T0),
+     ("False", "RollingOut"), ("True", "RollingOut"), ("False", "SpecAccepted")),
+    ("no StatefulSet yet", lambda: conditions.status(body(), desired(), None, conditions.Observed(None, []), T0),
+     ("False", "ReplicasNotReady"), ("True", "ReplicasNotReady"), ("False", "SpecAccepted")),
+    ("unschedulable", lambda: conditions.status(body(), desired(), None,
+                                                conditions.Observed(sts(ready=0), [pod(scheduled=False, message="0/4 nodes")]), T0),
+     ("False", "Unschedulable"), ("True", "Unschedulable"), ("False", "SpecAccepted")),
+    ("crash loop", lambda: conditions.status(body(), desired(), None, conditions.Observed(sts(ready=0), [failing_pod()]), T0),
+     ("False", "PodsFailing"), ("True", "PodsFailing"), ("False", "SpecAccepted")),
+    ("image pull", lambda: conditions.status(body(), desired(), None,
+                                             conditions.Observed(sts(ready=0), [failing_pod("ImagePullBackOff")]), T0),
+     ("False", "PodsFailing"), ("True", "PodsFailing"), ("False", "SpecAccepted")),
+    ("zero replicas", lambda: conditions.status(body(), desired(replicas=0), None,
+                                                conditions.Observed(sts(replicas=0, ready=0, updated=0), []), T0),
+     ("True", "AllReplicasReady"), ("False", "Converged"), ("False", "SpecAccepted")),
+]
+
+
+@pytest.mark.parametrize("case,make,ready,reconciling,stalled", PAIRS, ids=[p[0] for p in PAIRS])
+def test_reconciling_and_stalled_follow_ready_and_config_valid(case, make, ready, reconciling, stalled):
+    st = make()
+    c = by_type(st)
+    assert (c["Ready"]["status"], c["Ready"]["reason"]) == ready
+    assert kstatus_pair(st) == (reconciling, stalled)
+    # Exactly one verdict for kstatus: converged, converging, or stuck on the spec.
+    assert [c["Ready"]["status"] == "True", c["Reconciling"]["status"] == "True", c["Stalled"]["status"] == "True"].count(True) == 1
+    if stalled[0] == "True":  # the reason and message come from ConfigValid
+        assert c["Stalled"]["message"] == c["ConfigValid"]["message"] and c["ConfigValid"]["status"] == "False"
+        assert st["observedGeneration"] == 3  # the verdict is about this generation: kstatus reads Failed
+    if reconciling[0] == "True":
+        assert c["Reconciling"]["message"] == c["Ready"]["message"]
+
+
+def test_crash_loop_names_the_pod_and_the_container_state():
+    c = by_type(conditions.status(body(), desired(), None, conditions.Observed(sts(ready=0), [failing_pod()]), T0))
+    assert c["Ready"]["message"] == "1 pod(s) failing; svc-0: container vllm: CrashLoopBackOff (back-off 5m0s)"
+
+
+def test_first_status_says_working_on_it():
+    st = conditions.initial(body(4), T0)
+    c = by_type(st)
+    assert [x["type"] for x in st["conditions"]] == list(conditions.TYPES)
+    assert c["Reconciling"]["status"] == "True" and c["Ready"]["status"] == "Unknown"
+    assert all(x["observedGeneration"] == 4 and x["lastTransitionTime"] == "2026-01-01T00:00:00Z" for x in st["conditions"])
+    assert st["observedGeneration"] == 0  # nothing rolled out yet: kstatus reads InProgress either way
+    assert "generation 4" in c["Reconciling"]["message"]
+    # The next status keeps lastTransitionTime of conditions that stayed Unknown.
+    nxt = conditions.status(body(4, st), desired(), None, conditions.Observed(None, []), T1)
+    assert by_type(nxt)["DiskTierReady"]["lastTransitionTime"] == "2026-01-02T00:00:00Z"  # Unknown -> False
+    assert by_type(nxt)["Reconciling"]["lastTransitionTime"] == "2026-01-01T00:00:00Z"  # True -> True
+
+
+def test_rollout_before_the_statefulset_controller_saw_the_template():
+    # Its counts still describe the old template: say so instead of "1/1 updated".
+    st = conditions.status(body(2), desired(), None, conditions.Observed(sts(gen=2, observed=1), [pod()]), T0)
+    c = by_type(st)
+    assert c["Ready"]["reason"] == "RollingOut" and "not yet picked up by the StatefulSet controller" in c["Ready"]["message"]
+    assert c["Reconciling"]["status"] == "True" and st["observedGeneration"] == 0
+def test_pods_not_created_point_at_the_statefulset_events():
+    from kvoffload.controller import conditions as c
+
+    cond = c._scheduled(2, [])
+    assert (cond.status, cond.reason) == ("Unknown", "PodsPending")
+    assert "2 pod(s) not created yet" in cond.message and "violates PodSecurity" in cond.message
+    created = {"metadata": {"name": "svc-0"}, "spec": {}, "status": {}}
+    assert "not created" not in c._scheduled(1, [created]).message

@@ -16,7 +16,8 @@ FULL_SPEC = {
     "replicas": 2,
     "engine": {"image": "registry.example/mirror/vllm-lmcache:1", "vllmVersion": "0.26.0", "lmcacheVersion": "0.5.3",
                "maxModelLen": 32768, "gpuMemoryUtilization": 0.9, "maxNumSeqs": 16, "tensorParallelSize": 2,
-               "dtype": "bfloat16", "extraArgs": ["--enable-prefix-caching"], "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "INFO"}]},
+               "dtype": "bfloat16", "extraArgs": ["--enable-prefix-caching"], "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "INFO"}],
+               "apiKeySecretRef": {"name": "vllm-api-key", "key": "api-key"}},
     "offload": {"chunkSize": 256, "cpu": {"size": "40Gi", "evictionPolicy": "LFU"},
                 "disk": {"path": "/mnt/nvme/kv", "size": "100Gi", "reclaimPolicy": "Retain",
                          "nodeSelector": {"kvoffload.io/nvme": "true"}}},
@@ -24,8 +25,11 @@ FULL_SPEC = {
                   "engineBaseline": "4Gi", "perWorkerOverhead": "2Gi", "stagingPerWorker": "1Gi", "shm": "4Gi",
                   "headroomPercent": 10},
     "scheduling": {"nodeSelector": {"pool": "gpu"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
-                   "affinity": {}, "priorityClassName": "serving"},
+                   "affinity": {}, "priorityClassName": "serving",
+                   "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                                  "whenUnsatisfiable": "DoNotSchedule"}]},
     "metrics": {"enabled": True, "port": 9400},
+    "networkPolicy": {"servingFrom": ["gateway"], "metricsFrom": ["monitoring"]},
 }
 
 # The disk tier is either a hostPath or an ephemeral volume: one spec cannot set both.

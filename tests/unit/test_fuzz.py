@@ -137,8 +137,12 @@ def valid_specs(draw) -> dict[str, Any]:
         maybe(draw, "tolerations", st.just([{"key": "gpu", "operator": "Exists"}]), scheduling)
         maybe(draw, "affinity", st.just({"nodeAffinity": {}}), scheduling)
         maybe(draw, "priorityClassName", st.sampled_from(["serving", "high.priority"]), scheduling)
+        maybe(draw, "topologySpreadConstraints", st.sampled_from([[], [{"maxSkew": 1, "topologyKey": "zone",
+                                                                        "whenUnsatisfiable": "DoNotSchedule"}]]), scheduling)
         spec["scheduling"] = scheduling
     maybe(draw, "metrics", st.fixed_dictionaries({}, optional={"enabled": st.booleans(), "port": st.integers(1024, 65535)}), spec, 3)
+    namespaces = st.lists(st.sampled_from(["gateway", "apps", "monitoring", "team-a"]), max_size=3, unique=True)
+    maybe(draw, "networkPolicy", st.fixed_dictionaries({}, optional={"servingFrom": namespaces, "metricsFrom": namespaces}), spec, 3)
     return spec
 
 
@@ -228,7 +232,8 @@ def check_children(name: str, spec_dict: dict[str, Any], d: pipeline.Desired) ->
     spec, kids = d.spec, d.children
     kinds = [c["kind"] for c in kids]
     assert set(kinds) <= CHILD_KINDS and sorted(kinds) == sorted(["ConfigMap", "Service", "Service", "StatefulSet",
-                                                                   "PodDisruptionBudget"])
+                                                                   "PodDisruptionBudget"]
+                                                                  + (["NetworkPolicy"] if spec.network_policy else []))
     for child in kids:
         meta = child["metadata"]
         assert len(meta["name"]) <= 63 and DNS_LABEL.fullmatch(meta["name"]), meta["name"]

@@ -159,3 +159,19 @@ def test_every_planning_input_has_an_option() -> None:
     assert set(PLAN_FIELDS) <= set(plan_cli.OPTION_FOR_INPUT)
     for key, names in plan_cli.OPTION_FOR_INPUT.items():
         assert set(names.split("/")) <= options, key
+
+
+def test_weights_storage_and_startup_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(capsys, *LLAMA, "--context", "8192", "-o", "json")
+    w = json.loads(out)["weights"]
+    assert rc == 0 and w["bytes"] == 8_030_261_248 * 2
+    assert w["volume"] == 19 * GiB and w["ephemeralStorage"] == 31 * GiB
+    assert {t["name"]: t["seconds"] for t in w["startupTerms"]} == {"download": 322, "load": 18, "engine": 600}
+    assert w["startupSeconds"] == 940
+    rc, out, _ = run(capsys, *LLAMA, "--context", "8192", "--weights-on-pvc", "--download-mbps", "500")
+    assert rc == 0
+    assert "local disk (ephemeral-storage request): 12Gi" in out
+    assert "on the model cache PVC" in out and "at 500 MB/s (assumed)" in out
+    assert "start-up probe budget: 660 s" in out  # 33 + 18 + 600, rounded up to the probe period
+    rc, _, err = run(capsys, *LLAMA, "--download-mbps", "0")
+    assert rc == 2 and "--download-mbps" in err

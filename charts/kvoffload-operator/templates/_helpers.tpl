@@ -74,6 +74,7 @@ The operator settings file (kvoffload/api/settings.py keys). exporterImage defau
 {{- if not $cfg.exporterImage }}
 {{- $_ := set $cfg "exporterImage" (include "kvoffload-operator.image" .) }}
 {{- end }}
+{{- $_ := set $cfg "operatorNamespace" .Release.Namespace }}
 {{- if hasKey $cfg "pythonHashSeed" }}
 {{- $_ := set $cfg "pythonHashSeed" (toString $cfg.pythonHashSeed) }}
 {{- end }}
@@ -115,6 +116,10 @@ wildcards, no Secrets (a Hugging Face token is referenced by name in the pod spe
   verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+# spec.networkPolicy: one NetworkPolicy per KVOffloadServe that asks for it.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
   verbs: ["list", "watch", "create", "patch", "delete"]
 # Pods drive the Scheduled and Ready conditions.
 - apiGroups: [""]

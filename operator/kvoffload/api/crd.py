@@ -25,9 +25,10 @@ SHORT_NAMES = ["kvs"]
 # refuses these and their abbreviations; the operator also refuses unknown flags per vLLM version.
 REFUSED_FLAGS = flags.refused_spellings()
 # POD_NAME / POD_NAMESPACE expand the disk tier's subPathExpr: a user value would mount another pod's directory.
+# VLLM_API_KEY comes from spec.engine.apiKeySecretRef only (never a literal in the pod spec or command line).
 # VLLM_USE_V2_MODEL_RUNNER: set per engine pair (engine/images.CONNECTOR_ENV): a user value could turn LMCache's loads off.
 MANAGED_ENV = ("LMCACHE_CONFIG_FILE", "PYTHONHASHSEED", "PROMETHEUS_MULTIPROC_DIR", "LMCACHE_USE_EXPERIMENTAL",
-               "POD_NAME", "POD_NAMESPACE", *images.CONNECTOR_ENV_WHY)
+               "POD_NAME", "POD_NAMESPACE", "VLLM_API_KEY", *images.CONNECTOR_ENV_WHY)
 MANAGED_ENV_PREFIX = "LMCACHE_"
 # vLLM's FlexibleArgumentParser reads `--max_model_len` as `--max-model-len` and `--kv-transfer-config.x=y` as a
 # sub-key of `--kv-transfer-config`, and (allow_abbrev) any unambiguous prefix as the whole flag: `--max-model`
@@ -131,7 +132,9 @@ def _model() -> Schema:
                  "key": _s("Key in the Secret.", default="token", minLength=1, maxLength=253, pattern=r"^[-._a-zA-Z0-9]+$")},
                 required=["name"]),
             "cache": _o(
-                "A PersistentVolumeClaim that holds downloaded weights, mounted as the Hugging Face cache so restarts skip the download.",
+                "A PersistentVolumeClaim that holds downloaded weights, mounted as the Hugging Face cache (HF_HOME) so restarts skip "
+                "the download. Without it the weights go to an emptyDir sized from the model's weight bytes (+10% + 2Gi), counted in "
+                "the pod's ephemeral-storage request and kept across container restarts, not pod restarts (status.budget.weights).",
                 {"claimName": _s("PVC name, in the same namespace.", minLength=1, maxLength=253, pattern=DNS_SUBDOMAIN),
                  "readOnly": {"type": "boolean", "description": "Mount the claim read-only (weights already present).", "default": False}},
                 required=["claimName"]),
@@ -185,6 +188,13 @@ def _engine() -> Schema:
                     # env values (no maxLength) exceeds the API server's cost budget.
                     "message": "env may not set a variable the operator manages: " + ", ".join(MANAGED_ENV) + " or LMCACHE_* ("
                                + "; ".join(f"{k}: {v}" for k, v in images.CONNECTOR_ENV_WHY.items()) + ")"}]},
+            "apiKeySecretRef": _o(
+                "Secret holding the API key clients must send (Authorization: Bearer KEY) for vLLM's /v1 endpoints; exposed to vLLM "
+                "as VLLM_API_KEY (vLLM's --api-key, which is refused in extraArgs so the key never appears in the pod spec). "
+                "/health and /metrics stay open, so probes and scrapes need no key.",
+                {"name": _s("Secret name, in the same namespace.", minLength=1, maxLength=253, pattern=DNS_SUBDOMAIN),
+                 "key": _s("Key in the Secret.", default="api-key", minLength=1, maxLength=253, pattern=r"^[-._a-zA-Z0-9]+$")},
+                required=["name"]),
         },
         required=["maxModelLen"],
     )
@@ -208,14 +218,16 @@ def _offload() -> Schema:
     )
     disk = _o(
         "Cold tier: node-local NVMe. Needs the CPU tier. Either a hostPath under a root the cluster admin allowed "
-        "(path), or a generic ephemeral volume from a StorageClass (storageClassName) for namespaces that forbid hostPath. "
+        "(path; its pods are admitted only in namespaces at Pod Security \"privileged\"), or a generic ephemeral volume from a "
+        "StorageClass (storageClassName; admitted at \"restricted\", like pods without a disk tier). "
         "Each pod gets its own directory <path>/<namespace>/<name>/<pod>, emptied before the engine starts: LMCache never "
         "reads back files of an earlier process and does not count them against its budget. " + no_threshold,
         {"path": _s("Absolute node directory under one of the operator's allowed roots (not the root itself), e.g. /mnt/nvme/lmcache.",
                     maxLength=512, pattern=r"^/[A-Za-z0-9._/-]*$",
                     **{"x-kubernetes-validations": [{"rule": "!self.matches('(^|/)[.][.]?(/|$)') && !self.contains('//')",
                                                      "message": "path must be absolute and normalized: no '.', '..' or '//' segments"}]}),
-         "storageClassName": _s("StorageClass of a generic ephemeral volume used instead of a hostPath (PSS-restricted namespaces).",
+         "storageClassName": _s("StorageClass of a generic ephemeral volume used instead of a hostPath (Pod Security \"restricted\" and "
+                                "\"baseline\" namespaces refuse hostPath pods).",
                                 maxLength=253, pattern=DNS_SUBDOMAIN),
          "size": _q("Disk budget per replica (split over the tensor-parallel ranks; LMCache's max_local_disk_size is this ÷ "
                     "tensorParallelSize, in GiB). LMCache never writes more than this."),
@@ -262,7 +274,25 @@ def _scheduling() -> Schema:
         {"nodeSelector": _labels("Node labels pods require."),
          "tolerations": _free("Pod tolerations (Kubernetes Toleration list).", "array"),
          "affinity": _free("Pod affinity (Kubernetes Affinity)."),
-         "priorityClassName": _s("PriorityClass of the pods.", maxLength=253, pattern=DNS_SUBDOMAIN)},
+         "priorityClassName": _s("PriorityClass of the pods.", maxLength=253, pattern=DNS_SUBDOMAIN),
+         "topologySpreadConstraints": {**_free(
+             "Pod topology spread constraints (Kubernetes TopologySpreadConstraint list). Unset: replicas spread softly over nodes "
+             "(maxSkew 1 over kubernetes.io/hostname, whenUnsatisfiable ScheduleAnyway). An empty list turns spreading off.",
+             "array"), "maxItems": 8}},
+    )
+
+
+def _network_policy() -> Schema:
+    namespaces = {"type": "array", "maxItems": 64, "x-kubernetes-list-type": "set",
+                  "items": _s("Namespace name.", minLength=1, maxLength=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")}
+    return _o(
+        "A NetworkPolicy for the serving pods: when set, only pods in servingFrom namespaces reach the serving port (8000, the "
+        "OpenAI API and vLLM's own /metrics), only pods in metricsFrom namespaces (and the operator's, for the OffloadActive "
+        "probe) reach the exporter's metrics port, and nothing else reaches the pods. Egress is not restricted. Needs a network "
+        "plugin that enforces NetworkPolicy.",
+        {"servingFrom": {**namespaces, "description": "Namespaces whose pods may call the serving port. Empty: none."},
+         "metricsFrom": {**namespaces, "default": ["monitoring"],
+                         "description": "Namespaces whose pods may scrape the exporter's metrics port (Prometheus)."}},
     )
 
 
@@ -283,7 +313,8 @@ def spec_schema() -> Schema:
          "offload": _offload(),
          "resources": _resources(),
          "scheduling": _scheduling(),
-         "metrics": _metrics()},
+         "metrics": _metrics(),
+         "networkPolicy": _network_policy()},
         required=["model", "engine", "offload"],
         rules=[{"rule": "!has(self.offload.disk) || !has(self.offload.disk.nodeSelector) || !has(self.scheduling) "
                         "|| !has(self.scheduling.nodeSelector) "
@@ -301,7 +332,7 @@ def spec_schema() -> Schema:
 def _condition() -> Schema:
     return _o(
         "A condition (Kubernetes API conventions).",
-        {"type": _s("Ready, ConfigValid, Scheduled, OffloadActive, EngineVerified or DiskTierReady."),
+        {"type": _s("Ready, ConfigValid, Scheduled, OffloadActive, EngineVerified, DiskTierReady, Reconciling or Stalled."),
          "status": _s("True, False or Unknown.", enum=["True", "False", "Unknown"]),
          "reason": _s("CamelCase reason."),
          "message": _s("Human-readable detail."),
@@ -312,10 +343,15 @@ def _condition() -> Schema:
 
 
 def status_schema() -> Schema:
+    # The default status makes a resource the operator has not seen yet read "generation not
+    # observed" (observedGeneration 0 < generation) to kstatus (Helm --wait, Flux) and Argo CD,
+    # instead of "no status: current". The API server applies it when it serves the object.
     return _o(
         "Observed state, written by the operator.",
-        {"observedGeneration": _i("Generation of the spec the operator last acted on.", format="int64"),
-         "conditions": {"type": "array", "description": "Ready, ConfigValid, Scheduled, OffloadActive, EngineVerified, DiskTierReady.",
+        {"observedGeneration": _i("Generation of the spec the operator last rolled out (0: none yet).", format="int64"),
+         "conditions": {"type": "array", "description": "Ready, ConfigValid, Scheduled, OffloadActive, EngineVerified, DiskTierReady; and "
+                                                        "Reconciling (True while converging) and Stalled (True while the spec "
+                                                        "cannot be acted on), which kstatus (Helm --wait, Flux) reads.",
                         "items": _condition(), "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
          "replicas": _i("Pods that exist.", format="int32"),
          "readyReplicas": _i("Pods that are Ready.", format="int32"),
@@ -345,6 +381,7 @@ def status_schema() -> Schema:
          "budget": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
                     "description": "The computed budget: KV bytes per token, tokens and sequences per tier, memory terms, "
                                    "/dev/shm, reload vs recompute."}},
+        default={"observedGeneration": 0},
     )
 
 

@@ -36,6 +36,9 @@ class Settings:
     # Seconds between level-based resyncs of every resource (also refreshes OffloadActive).
     resync_seconds: int = 300
     labels: dict[str, str] = field(default_factory=dict)
+    # The operator's namespace (the chart sets it): a KVOffloadServe's NetworkPolicy lets it reach the
+    # exporters' metrics port when probe_exporters is on.
+    operator_namespace: str = ""
 
     def nvme_selector(self) -> dict[str, str]:
         key, _, value = self.nvme_node_label.partition("=")

@@ -105,6 +105,7 @@ class EngineSpec:
     dtype: str
     extra_args: tuple[str, ...]
     env: tuple[dict[str, Any], ...]
+    api_key_secret: tuple[str, str] | None = None  # (secret name, key) -> VLLM_API_KEY
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,13 @@ class SchedulingSpec:
     tolerations: tuple[dict[str, Any], ...]
     affinity: dict[str, Any] | None
     priority_class_name: str | None
+    topology_spread_constraints: tuple[dict[str, Any], ...] | None = None  # None: the default spread
+
+
+@dataclass(frozen=True)
+class NetworkPolicySpec:
+    serving_from: tuple[str, ...]
+    metrics_from: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -155,6 +163,7 @@ class Spec:
     scheduling: SchedulingSpec
     metrics_enabled: bool
     metrics_port: int
+    network_policy: NetworkPolicySpec | None = None
 
 
 def _int(r: _Reader, path: str, lo: int, hi: int) -> int:
@@ -293,6 +302,8 @@ def _engine(r: _Reader, settings: Settings) -> EngineSpec:
         dtype=_enum(r, "engine.dtype"),
         extra_args=tuple(str(a) for a in extra),
         env=env,
+        api_key_secret=(_str(r, "engine.apiKeySecretRef.name"), _str(r, "engine.apiKeySecretRef.key"))
+        if r.has("engine.apiKeySecretRef.name") else None,
     )
 
 
@@ -367,8 +378,30 @@ def _scheduling(r: _Reader) -> SchedulingSpec:
         raise ConfigError("spec.scheduling.tolerations", "must be a list of Kubernetes Tolerations")
     if affinity is not None and not isinstance(affinity, dict):
         raise ConfigError("spec.scheduling.affinity", "must be a Kubernetes Affinity object")
+    spread = r.get("scheduling.topologySpreadConstraints")
+    if spread is not None and (not isinstance(spread, list) or len(spread) > 8 or not all(isinstance(c, dict) for c in spread)):
+        raise ConfigError("spec.scheduling.topologySpreadConstraints",
+                          "must be a list of at most 8 Kubernetes TopologySpreadConstraints (an empty list turns spreading off)")
     return SchedulingSpec(node_selector=_str_map(r, "scheduling.nodeSelector"), tolerations=tuple(tolerations),
-                          affinity=affinity, priority_class_name=_str(r, "scheduling.priorityClassName"))
+                          affinity=affinity, priority_class_name=_str(r, "scheduling.priorityClassName"),
+                          topology_spread_constraints=None if spread is None else tuple(spread))
+
+
+def _namespaces(r: _Reader, path: str) -> tuple[str, ...]:
+    values = _list(r, path)
+    for v in values:
+        if not isinstance(v, str) or not _matches(_node(path)["items"]["pattern"], v) or len(v) > 63:
+            raise ConfigError(f"spec.{path}", f"{v!r} is not a namespace name (a DNS-1123 label)")
+    if len(set(values)) != len(values):
+        raise ConfigError(f"spec.{path}", "lists a namespace twice")
+    return tuple(values)
+
+
+def _network_policy(r: _Reader) -> NetworkPolicySpec | None:
+    if r.get("networkPolicy", None) is None:
+        return None
+    return NetworkPolicySpec(serving_from=_namespaces(r, "networkPolicy.servingFrom"),
+                             metrics_from=_namespaces(r, "networkPolicy.metricsFrom"))
 
 
 def parse(spec: dict[str, Any], settings: Settings) -> Spec:
@@ -384,6 +417,7 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
         scheduling=_scheduling(r),
         metrics_enabled=_bool(r, "metrics.enabled"),
         metrics_port=_int(r, "metrics.port", 1024, 65535),
+        network_policy=_network_policy(r),
     )
     if parsed.resources.memory is not None and parsed.resources.memory < parsed.offload.cpu_size:
         raise ConfigError("spec.resources.memory",

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import logging
+import signal
 import sys
-import tempfile
+import threading
 from typing import Any
 
 from ..api import crd
 from ..api.errors import ConfigError
 from ..api.quantity import human
-from ..node.disk_cleaner import POLICIES, RETAIN, clean, live_from_json, load_state, next_state
+from ..node.disk_cleaner import POLICIES, RETAIN, Report, live_from_json
+from ..node.janitor import JanitorMetrics, SweepConfig, loop, sweep
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,6 +41,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="leave pod directories modified less than this long ago (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="report what would be removed and the bytes freed; change nothing")
     p.add_argument("--output", "-o", choices=("text", "json"), default="text")
+    janitor = p.add_argument_group("janitor mode (the chart's DaemonSet)")
+    janitor.add_argument("--interval", type=float, default=0, metavar="SECONDS",
+                         help="sweep again every SECONDS until SIGTERM (default: once); a failed sweep is retried, never fatal")
+    janitor.add_argument("--metrics-listen", metavar="HOST:PORT",
+                         help="serve kvoffload_janitor_* metrics (bytes reclaimed, sweeps, errors) on HOST:PORT, with --interval")
     p.set_defaults(func=run)
 
 
@@ -61,35 +68,57 @@ def live_from_api(kubeconfig: str | None, in_cluster: bool) -> dict[tuple[str, s
         api = client.ApiClient()
     else:
         api = config.new_client_from_config(config_file=kubeconfig)
+    source = "--in-cluster" if in_cluster else "--kubeconfig"
     with api:
-        body = client.CustomObjectsApi(api).list_cluster_custom_object(crd.GROUP, crd.VERSION, crd.PLURAL)
-    return live_from_json(body, "--kubeconfig")
+        try:
+            body = client.CustomObjectsApi(api).list_cluster_custom_object(crd.GROUP, crd.VERSION, crd.PLURAL)
+        except client.ApiException as exc:
+            raise ConfigError(source, f"cannot list {crd.PLURAL}.{crd.GROUP} ({exc.status} {exc.reason}); "
+                                      "nothing was removed (the janitor needs get/list on them)") from None
+    return live_from_json(body, source)
 
 
-def _write_state(path: str, state: dict[str, Any]) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".kvoffload-cleaner-", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(state, fh, indent=1, sort_keys=True)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+def _live(args: argparse.Namespace) -> dict[tuple[str, str], str]:
+    if args.live_json:
+        return live_from_json(_read_json(args.live_json, "--live-json"))
+    return live_from_api(args.kubeconfig, args.in_cluster)
+
+
+def _serve_metrics(listen: str, metrics: JanitorMetrics) -> None:
+    from prometheus_client import start_http_server
+
+    host, sep, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError("--metrics-listen", f"{listen!r} is not HOST:PORT (e.g. 127.0.0.1:9401)")
+    start_http_server(int(port), addr=host, registry=metrics.registry)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.live_json:
-        live = live_from_json(_read_json(args.live_json, "--live-json"))
-    else:
-        live = live_from_api(args.kubeconfig, args.in_cluster)
-    remembered = load_state(_read_json(args.state, "--state")) if args.state and os.path.exists(args.state) else {}
-    reports = [clean(root, live, remembered=remembered, unknown_policy=args.unknown_policy, dry_run=args.dry_run,
-                     min_age=args.min_age) for root in args.root]
-    if args.state and not args.dry_run:
-        _write_state(args.state, next_state(remembered, live, set().union(*(r.present for r in reports))))
+    cfg = SweepConfig(roots=tuple(args.root), state=args.state, unknown_policy=args.unknown_policy,
+                      min_age=args.min_age, dry_run=args.dry_run)
+    if args.interval > 0:
+        if args.live_json == "-":
+            raise ConfigError("--live-json", "cannot read stdin again at every --interval; give a file or the API")
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        metrics = JanitorMetrics()
+        if args.metrics_listen:
+            _serve_metrics(args.metrics_listen, metrics)
+        stop = threading.Event()
+        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            loop(cfg, lambda: _live(args), metrics, args.interval, stop, lambda reports: _print(args, reports))
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return 0
+    if args.metrics_listen:
+        raise ConfigError("--metrics-listen", "needs --interval (a single run exits before anything scrapes it)")
+    reports = sweep(cfg, _live(args))
+    return _print(args, reports)
+
+
+def _print(args: argparse.Namespace, reports: list[Report]) -> int:
     errors = sum(len(r.errors) for r in reports)
     if args.output == "json":
         print(json.dumps({"dryRun": args.dry_run, "bytesFreed": sum(r.bytes_freed for r in reports),
@@ -108,5 +137,5 @@ def run(args: argparse.Namespace) -> int:
         freed = sum(r.bytes_freed for r in reports)
         pods = sum(len(r.removed) for r in reports)
         print(f"{'would free' if args.dry_run else 'freed'} {human(freed)} ({freed} bytes) in {pods} pod directories"
-              f"{f'; {errors} errors' if errors else ''}")
+              f"{f'; {errors} errors' if errors else ''}", flush=True)
     return 1 if errors else 0

@@ -47,6 +47,8 @@ OPTION_FOR_INPUT = {
     "cpu_read": "--cpu-read-gbps",
     "disk_read": "--disk-read-gbps",
     "chunk_size": "--chunk-size",
+    "weight_download": "--download-mbps",
+    "weight_load": "--disk-read-gbps",
 }
 
 
@@ -104,6 +106,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bw.add_argument("--cpu-read-gbps", type=number, help="pinned host->GPU copy, GB/s per GPU")
     bw.add_argument("--disk-read-gbps", type=number, help="disk read, GB/s")
     bw.add_argument("--prefill-tokens-per-s", type=number, help="prefill rate of one replica")
+    st = p.add_argument_group("weights and start-up")
+    st.add_argument("--download-mbps", type=number, help="weight download rate in MB/s for the start-up budget (default 50)")
+    st.add_argument("--weights-on-pvc", action="store_true", help="a PVC holds the weights (spec.model.cache): no pod volume for them")
     p.add_argument("--output", "-o", choices=("table", "json", "yaml"), default="table")
     p.set_defaults(func=run)
 
@@ -127,7 +132,9 @@ def build_input(args: argparse.Namespace) -> PlanInput:
     bandwidths = Bandwidths(
         cpu_read=b.cpu_read if args.cpu_read_gbps is None else args.cpu_read_gbps * 1e9,
         disk_read=b.disk_read if args.disk_read_gbps is None else args.disk_read_gbps * 1e9,
-        prefill_tokens_per_s=args.prefill_tokens_per_s)
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        weight_download=b.weight_download if args.download_mbps is None else args.download_mbps * 1e6,
+        weight_load=b.weight_load if args.disk_read_gbps is None else args.disk_read_gbps * 1e9)
     return PlanInput(
         model=model,
         max_model_len=args.context if args.context is not None else model.max_context or DEFAULT_CONTEXT,
@@ -140,7 +147,7 @@ def build_input(args: argparse.Namespace) -> PlanInput:
         disk_size=to_bytes(args.disk_tier, "--disk-tier"),
         chunk_size=args.chunk_size,
         activation_reserve=to_bytes(args.activation_reserve, "--activation-reserve"),
-        memory=memory, bandwidths=bandwidths)
+        memory=memory, bandwidths=bandwidths, weights_on_pvc=args.weights_on_pvc)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -193,6 +200,11 @@ def render_table(inp: PlanInput, b: Budget) -> str:
         lines.append(f"{t.name:<6}{human(t.bytes):>14}{human(t.bytes_per_worker):>14}{t.tokens:>14,}{t.sequences:>11,}")
     lines += ["", f"memory request = limit: {format_bytes(b.memory_limit)} ({human(b.memory_limit)}), /dev/shm {format_bytes(b.shm)}"]
     lines += [f"  {t.name:<16}{human(t.bytes):>12}  {t.note}" for t in b.memory_terms]
+    w = b.weights
+    lines += ["", f"local disk (ephemeral-storage request): {format_bytes(w.ephemeral_storage)} ({human(w.ephemeral_storage)})"]
+    lines += [f"  {t.name:<16}{human(t.value):>12}  {t.note}" for t in w.storage_terms]
+    lines += [f"start-up probe budget: {w.startup_seconds} s ({w.startup_seconds / 60:.3g} min)"]
+    lines += [f"  {t.name:<16}{t.value:>10} s  {t.note}" for t in w.startup_terms]
     if b.reload:
         lines += ["", f"reload a {L}-token prefix vs recompute it:"]
         lines += [f"  {r.tier:<6}{human(r.bytes):>12}  reload {r.reload_s:8.3f} s  recompute {r.recompute_s:8.3f} s  "

@@ -2,6 +2,10 @@
 
 Kubernetes API conventions: type/status/reason/message/lastTransitionTime/observedGeneration;
 lastTransitionTime only moves when status changes; the full list is always written.
+
+Reconciling and Stalled are the two conditions kstatus reads (Helm v4 `--wait`, Flux, Config Sync),
+derived from the others so they can never disagree: Stalled=True exactly when the spec cannot be
+acted on (ConfigValid=False, with its reason), Reconciling=True while a valid spec is not yet Ready.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from ..rendering import render
 from .pipeline import Desired
 from .probe import Probes, Reading
 
-TYPES = ("Ready", "ConfigValid", "Scheduled", "OffloadActive", "EngineVerified", "DiskTierReady")
+TYPES = ("Ready", "ConfigValid", "Scheduled", "OffloadActive", "EngineVerified", "DiskTierReady", "Reconciling", "Stalled")
+# Container states that do not heal by waiting: the pod needs a new image, config or node.
+FAILING = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
+           "CreateContainerError", "RunContainerError")
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,23 @@ def _unschedulable(pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return out
 
 
+def _failing(pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(pod, why) for pods that failed or whose containers wait in a state that does not heal by itself."""
+    out = []
+    for pod in pods:
+        st = pod.get("status", {}) or {}
+        if st.get("phase") == "Failed":
+            out.append((pod["metadata"]["name"], f"pod failed: {st.get('reason') or ''} {st.get('message') or ''}".strip()))
+            continue
+        for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in FAILING:
+                out.append((pod["metadata"]["name"], f"container {cs.get('name')}: {waiting['reason']}"
+                            + (f" ({waiting['message']})" if waiting.get("message") else "")))
+                break
+    return out
+
+
 def rolled_out(sts: dict[str, Any] | None, replicas: int) -> bool:
     """The StatefulSet controller has seen the newest template and every pod runs it and is ready."""
     if not sts:
@@ -80,7 +104,10 @@ def _scheduled(replicas: int, pods: list[dict[str, Any]]) -> Cond:
     if bound >= replicas:
         nodes = sorted({p["spec"]["nodeName"] for p in pods if p.get("spec", {}).get("nodeName")})
         return Cond("Scheduled", "True", "AllPodsScheduled", f"{bound}/{replicas} pods on nodes {', '.join(nodes)}")
-    return Cond("Scheduled", "Unknown", "PodsPending", f"{bound}/{replicas} pods bound to a node")
+    missing = replicas - len(pods)
+    hint = (f"; {missing} pod(s) not created yet: the StatefulSet's events say why (a hostPath disk tier in a namespace "
+            "at Pod Security baseline or restricted is refused: FailedCreate ... violates PodSecurity)") if missing > 0 else ""
+    return Cond("Scheduled", "Unknown", "PodsPending", f"{bound}/{replicas} pods bound to a node{hint}")
 
 
 def _ready(replicas: int, obs: Observed, scheduled: Cond) -> Cond:
@@ -90,8 +117,15 @@ def _ready(replicas: int, obs: Observed, scheduled: Cond) -> Cond:
         return Cond("Ready", "True", "AllReplicasReady", f"{ready}/{replicas} replicas ready and up to date")
     if scheduled.status == "False":
         return Cond("Ready", "False", "Unschedulable", scheduled.message)
+    failing = _failing(obs.pods)
+    if failing:
+        return Cond("Ready", "False", "PodsFailing", f"{len(failing)} pod(s) failing; {failing[0][0]}: {failing[0][1]}")
     updated = st.get("updatedReplicas") or 0
-    if obs.statefulset and (updated < replicas or st.get("observedGeneration", 0) < obs.statefulset["metadata"].get("generation", 1)):
+    if obs.statefulset and st.get("observedGeneration", 0) < obs.statefulset["metadata"].get("generation", 1):
+        # Its replica counts are about the old template until the StatefulSet controller has seen the new one.
+        return Cond("Ready", "False", "RollingOut", f"new pod template applied, not yet picked up by the StatefulSet "
+                                                    f"controller; {ready}/{replicas} replicas ready")
+    if obs.statefulset and updated < replicas:
         return Cond("Ready", "False", "RollingOut", f"{updated}/{replicas} replicas updated, {ready} ready")
     return Cond("Ready", "False", "ReplicasNotReady", f"{ready}/{replicas} replicas ready")
 
@@ -198,21 +232,47 @@ def running_versions(probes: Probes | None) -> list[dict[str, Any]]:
             for key, pods in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
 
 
+def progress(ready: Cond, valid: Cond) -> list[Cond]:
+    """Reconciling and Stalled (kstatus' abnormal-true pair) from Ready and ConfigValid."""
+    if valid.status == "False":
+        return [Cond("Reconciling", "False", "Stalled", "nothing to converge to until the spec changes"),
+                Cond("Stalled", "True", valid.reason, valid.message)]
+    stalled = Cond("Stalled", "False", "SpecAccepted", "the spec can be acted on")
+    if ready.status == "True":
+        return [Cond("Reconciling", "False", "Converged", ready.message), stalled]
+    return [Cond("Reconciling", "True", ready.reason, ready.message), stalled]
+
+
 def evaluate(desired: Desired | None, error: ConfigError | None, obs: Observed) -> list[Cond]:
     if error is not None or desired is None:
         msg = str(error) if error else "not evaluated"
-        return [Cond("Ready", "False", "ConfigInvalid", msg), Cond("ConfigValid", "False", "InvalidSpec", msg),
+        ready, valid = Cond("Ready", "False", "ConfigInvalid", msg), Cond("ConfigValid", "False", "InvalidSpec", msg)
+        return [ready, valid,
                 Cond("Scheduled", "Unknown", "ConfigInvalid", "no children created or changed while the spec is invalid"),
                 Cond("OffloadActive", "Unknown", "ConfigInvalid", msg),
                 Cond("EngineVerified", "Unknown", "ConfigInvalid", msg),
-                Cond("DiskTierReady", "Unknown", "ConfigInvalid", msg)]
+                Cond("DiskTierReady", "Unknown", "ConfigInvalid", msg), *progress(ready, valid)]
     replicas = desired.spec.replicas
     scheduled = _scheduled(replicas, obs.pods)
     ready = _ready(replicas, obs, scheduled)
     warnings = "; ".join(desired.budget.warnings)
     valid = Cond("ConfigValid", "True", "Valid", "spec is valid" + (f"; warnings: {warnings}" if warnings else ""))
     return [ready, valid, scheduled, _offload(desired, ready, obs.pods, obs.probes), _engine(desired, obs.probes),
-            _disk(desired, obs.pods)]
+            _disk(desired, obs.pods), *progress(ready, valid)]
+
+
+def initial(body: dict[str, Any], clock: datetime | None = None) -> dict[str, Any]:
+    """The first status, written as soon as the operator sees a new resource (before any child is
+    applied): Reconciling=True and every other condition Unknown, so no reader mistakes the gap
+    for success. observedGeneration stays as it was (0): nothing is rolled out yet."""
+    meta, previous = body["metadata"], body.get("status") or {}
+    generation = meta.get("generation", 1)
+    waiting = f"the operator has seen generation {generation} and is working on it"
+    conds = [Cond(t, "Unknown", "Pending", waiting) for t in TYPES if t not in ("Reconciling", "Stalled")]
+    conds += [Cond("Reconciling", "True", "Pending", waiting), Cond("Stalled", "Unknown", "Pending", waiting)]
+    return {"observedGeneration": previous.get("observedGeneration", 0),
+            "conditions": merge(previous.get("conditions"), conds, generation, clock),
+            "replicas": 0, "readyReplicas": 0, "selector": f"{render.OWNER_LABEL}={meta['name']}"}
 
 
 def merge(previous: list[dict[str, Any]] | None, new: list[Cond], generation: int, clock: datetime | None = None) -> list[dict[str, Any]]:

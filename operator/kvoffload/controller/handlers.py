@@ -26,7 +26,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: objec
     # No cluster-wide CRD/namespace scanning: the chart's least-privilege RBAC (a Role per watched
     # namespace) grants neither, and the operator knows its one resource and its namespaces.
     settings.scanning.disabled = True
-    settings.posting.enabled = False  # conditions carry the story; no event per reconcile
+    settings.posting.enabled = False  # no kopf event per handler run; ours are per transition (events.py)
     settings.execution.max_workers = 8
     memo.runtime = Runtime(Kube(load_api_client()), load())
     lease = leader.config_from_env()  # `run --leader-election`: act only while holding the Lease
@@ -56,5 +56,5 @@ async def _child_event(labels: dict[str, str], namespace: str | None, memo: kopf
 # Handlers are async: they only kick the Runtime, on the event loop. Child events: pods drive
 # Scheduled/Ready; the rest catches drift (a child deleted or edited by hand).
 for _resource in (("v1", "pods"), ("apps", "v1", "statefulsets"), ("v1", "configmaps"), ("v1", "services"),
-                  ("policy", "v1", "poddisruptionbudgets")):
+                  ("policy", "v1", "poddisruptionbudgets"), ("networking.k8s.io", "v1", "networkpolicies")):
     kopf.on.event(*_resource, labels={render.OWNER_LABEL: kopf.PRESENT})(_child_event)

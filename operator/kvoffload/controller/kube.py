@@ -36,6 +36,7 @@ def load_api_client(kubeconfig: str | None = None) -> client.ApiClient:
 _PATHS = {
     ("v1", "ConfigMap"): "configmaps", ("v1", "Service"): "services", ("v1", "Pod"): "pods",
     ("apps/v1", "StatefulSet"): "statefulsets", ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
 }
 
 

@@ -46,6 +46,7 @@ def plan_for(spec: Spec) -> sizing.Budget:
             memory=sizing.MemoryDefaults(engine_baseline=r.engine_baseline, per_worker_overhead=r.per_worker_overhead,
                                          staging_per_worker=r.staging_per_worker, shm=r.shm,
                                          headroom_percent=r.headroom_percent),
+            weights_on_pvc=spec.model.cache_claim is not None,
         )).named(PLAN_FIELDS)
     except InputError as exc:
         raise exc.named(PLAN_FIELDS) from None

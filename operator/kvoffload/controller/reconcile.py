@@ -1,6 +1,7 @@
 """One idempotent, level-based reconcile of a KVOffloadServe: I/O at the two ends of the pure pipeline.
 
-read CR -> desired (pure) -> apply what differs -> prune -> read children -> status (pure) -> write if changed.
+read CR -> (first status) -> desired (pure) -> apply what differs -> prune -> read children -> status (pure)
+-> write if changed -> events for what changed (pure transitions, rate-limited).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from ..api import crd
 from ..api.errors import ConfigError
 from ..api.settings import Settings
 from ..rendering import render
-from . import conditions, pipeline, probe
+from . import conditions, events, pipeline, probe
 from .kube import ApiError, Kube, collection
 
 log = logging.getLogger("kvoffload.reconcile")
@@ -65,8 +66,10 @@ def _dry_run(kube: Kube, children: list[dict[str, Any]]) -> None:
                                       "(spec.scheduling and spec.engine.env are passed to the pod unchanged)") from None
 
 
-def sync_children(kube: Kube, namespace: str, name: str, uid: str, children: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Apply children that differ from the cluster, prune ours that are no longer wanted; return the StatefulSet."""
+def sync_children(kube: Kube, namespace: str, name: str, uid: str,
+                  children: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, list[str]]:
+    """Apply children that differ from the cluster, prune ours that are no longer wanted; return the
+    StatefulSet and what was applied ("Kind name")."""
     live = _live_children(kube, namespace, name)
     wanted = {_key(c) for c in children}
     changed = [c for c in children if _key(c) not in live or not covers(c, live[_key(c)])]
@@ -82,14 +85,30 @@ def sync_children(kube: Kube, namespace: str, name: str, uid: str, children: lis
         if key not in wanted and _owned_by(obj, uid):
             log.info("prune %s %s/%s", key[1], namespace, key[2])
             kube.delete(f"{collection(key[0], key[1], namespace)}/{key[2]}")
-    return sts
+    return sts, [f"{c['kind']} {c['metadata']['name']}" for c in changed]
 
 
-def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: datetime | None = None) -> str:
+def _write_status(kube: Kube, namespace: str, name: str, status: dict[str, Any], resource_version: str) -> dict[str, Any] | None:
+    """The object after the write, or None when it is gone or changed under us (the next event reconciles again)."""
+    try:
+        return kube.replace_status(cr_path(namespace, name), status, resource_version)
+    except ApiError as exc:
+        if exc.status in (404, 409, 422):
+            return None
+        raise
+
+
+def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: datetime | None = None,
+              recorder: events.Recorder | None = None) -> str:
     """Bring one KVOffloadServe's children and status in line with its spec. Returns a short outcome."""
     body = kube.get(cr_path(namespace, name))
     if body is None or body["metadata"].get("deletionTimestamp"):
         return "gone"  # children go through garbage collection (ownerReferences)
+    if not (body.get("status") or {}).get("conditions"):
+        # First sight: say "working on it" before the slow part, so no reader takes silence for success.
+        body = _write_status(kube, namespace, name, conditions.initial(body, clock), body["metadata"]["resourceVersion"])
+        if body is None:
+            return "conflict"
     meta = body["metadata"]
     desired: pipeline.Desired | None = None
     error: ConfigError | None = None
@@ -97,10 +116,10 @@ def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: 
         desired = pipeline.desired(name, namespace, meta["uid"], body.get("spec") or {}, settings)
     except ConfigError as exc:
         error = exc  # no child is created or changed while the spec is invalid
-    sts, pods, probes = None, [], None
+    sts, pods, probes, applied = None, [], None, []
     if desired is not None:
         try:
-            sts = sync_children(kube, namespace, name, meta["uid"], desired.children)
+            sts, applied = sync_children(kube, namespace, name, meta["uid"], desired.children)
         except ConfigError as exc:
             desired, error = None, exc
     if desired is not None:
@@ -109,12 +128,14 @@ def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: 
         if settings.probe_exporters and desired.spec.metrics_enabled:
             probes = probe.probe_exporters(pods, desired.spec.metrics_port)
     new_status = conditions.status(body, desired, error, conditions.Observed(sts, pods, probes), clock)
+    previous = (body.get("status") or {}).get("conditions")
     if new_status == (body.get("status") or {}):
+        if applied and recorder is not None:  # drift repaired: children changed, status did not
+            recorder.record(body, events.transitions(previous, new_status["conditions"], applied))
         return "unchanged"
-    try:
-        kube.replace_status(cr_path(namespace, name), new_status, meta["resourceVersion"])
-    except ApiError as exc:
-        if exc.status in (404, 409, 422):  # gone, or changed under us: the next event reconciles again
-            return "conflict"
-        raise
+    written = _write_status(kube, namespace, name, new_status, meta["resourceVersion"])
+    if written is None:
+        return "conflict"
+    if recorder is not None:
+        recorder.record(written, events.transitions(previous, new_status["conditions"], applied))
     return "invalid" if error else "updated"

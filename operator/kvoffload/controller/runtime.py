@@ -11,14 +11,15 @@ everything seen.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 from collections.abc import Callable
 
 from ..api.settings import Settings
-from . import leader
+from . import events, leader
 from .kube import Kube
-from .reconcile import reconcile
+from .reconcile import reconcile as reconcile_one
 
 log = logging.getLogger("kvoffload.operator")
 
@@ -28,8 +29,11 @@ Key = tuple[str, str]  # (namespace, name)
 class Runtime:
     """At most one reconcile per resource in flight; kicks during one mark it dirty for one more pass."""
 
-    def __init__(self, kube: Kube, settings: Settings, reconcile: Callable[..., str] = reconcile) -> None:
-        self.kube, self.settings, self.reconcile = kube, settings, reconcile
+    def __init__(self, kube: Kube, settings: Settings, reconcile: Callable[..., str] | None = None) -> None:
+        # One Events recorder, and so one token bucket, for the whole operator.
+        recorder = events.Recorder(lambda ns, body: kube.request("POST", f"/api/v1/namespaces/{ns}/events", body))
+        self.kube, self.settings = kube, settings
+        self.reconcile = reconcile or functools.partial(reconcile_one, recorder=recorder)
         self.running: dict[Key, bool] = {}  # key -> dirty
         self.tasks: set[asyncio.Task[None]] = set()
         self.known: set[Key] = set()  # resources seen in watch events, for the resync and a new leader

@@ -28,6 +28,14 @@ Conventions
   that rank's own host link in parallel (bytes / tp / cpu_read); the disk tier is one node-local
   device shared by all ranks (bytes / disk_read); recompute = tokens / prefill rate. Measured
   figures: /work/shared/reference/h200-tier-physics.json.
+- Local storage (ephemeral-storage request, counted by the scheduler and kubelet's eviction):
+  weights (params × dtype bytes × 1.1 + 2 GiB for tokenizer, config and download bookkeeping,
+  rounded up to GiB) on a pod volume unless a PVC holds them, the engine's compile caches
+  (torch.compile, Triton, FlashInfer: 10 GiB) and /tmp (2 GiB).
+- Start-up budget: downloading the weights at an assumed 50 MB/s (400 Mbit/s, a conservative
+  Hugging Face Hub rate) + reading them at the measured 0.94 GB/s disk rate + 600 s of engine
+  start (torch.compile, CUDA graph capture), rounded up to the probe period. A PVC that holds the
+  weights still gets the download term: it may be cold.
 - Vocabulary: errors are InputErrors keyed by PlanInput's own names (`tp`, `cpu_size`), and
   messages and warnings name other inputs as `{key}`. The operator maps keys to CRD paths
   (spec.PLAN_FIELDS), `kvoffload plan` to its options (OPTION_FOR_INPUT).
@@ -53,6 +61,10 @@ MEASURED_PREFILL_TOKENS = 32768
 MEASURED_PREFILL_S = 1.3815045919999989
 MEASURED_PARAMS = 8_030_261_248  # the Llama-3.1-8B shape that was measured
 
+# Assumed weight download rate (bytes/s): 400 Mbit/s, a conservative Hugging Face Hub rate.
+WEIGHT_DOWNLOAD_BPS = 50e6
+ENGINE_START_S = 600  # torch.compile and CUDA graph capture before /health answers, beyond the weights
+
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
 KV_DTYPES = ("auto", *DTYPE_BYTES)
 
@@ -68,12 +80,23 @@ class MemoryDefaults:
 
 
 @dataclass(frozen=True)
+class StorageDefaults:
+    """Pod-local disk terms (the ephemeral-storage request), overridable."""
+    weights_percent: int = 10  # headroom on the weight bytes
+    weights_extra: int = 2 * GiB  # tokenizer, config, download bookkeeping
+    compile_cache: int = 10 * GiB  # HOME: vLLM/torch.compile, Triton and FlashInfer caches
+    tmp: int = 2 * GiB
+
+
+@dataclass(frozen=True)
 class Bandwidths:
     """Bytes/s. Defaults: h200-tier-physics.json (h2d_pinned_GBps, disk_read_GBps)."""
     cpu_read: float = H2D_PINNED_BPS
     disk_read: float = DISK_READ_BPS
     # None = derive: measured 8B on H200 (32768 tokens / 1.3815 s) scaled by 8B/params × TP
     prefill_tokens_per_s: float | None = None
+    weight_download: float = WEIGHT_DOWNLOAD_BPS
+    weight_load: float = DISK_READ_BPS
 
 
 @dataclass(frozen=True)
@@ -93,6 +116,8 @@ class PlanInput:
     activation_reserve: int = 2 * GiB  # per GPU: activations, CUDA context, graphs
     memory: MemoryDefaults = field(default_factory=MemoryDefaults)
     bandwidths: Bandwidths = field(default_factory=Bandwidths)
+    weights_on_pvc: bool = False  # a PersistentVolumeClaim holds the weights (spec.model.cache): no pod volume for them
+    storage: StorageDefaults = field(default_factory=StorageDefaults)
 
 
 @dataclass(frozen=True)
@@ -109,6 +134,27 @@ class MemoryTerm:
     name: str
     bytes: int
     note: str
+
+
+@dataclass(frozen=True)
+class Term:
+    """A named figure with its reason (storage bytes, start-up seconds)."""
+    name: str
+    value: int
+    note: str
+
+
+@dataclass(frozen=True)
+class WeightBudget:
+    bytes: int  # params × dtype bytes
+    volume: int  # size of the pod volume that holds them; 0 when a PVC does
+    storage_terms: tuple[Term, ...]  # bytes: weights, compile_cache, tmp
+    ephemeral_storage: int  # the vLLM container's ephemeral-storage request: sum of storage_terms
+    startup_terms: tuple[Term, ...]  # seconds: download, load, engine
+    startup_seconds: int  # the start-up probe's budget
+
+    def storage(self, name: str) -> int:
+        return next(t.value for t in self.storage_terms if t.name == name)
 
 
 @dataclass(frozen=True)
@@ -133,6 +179,7 @@ class Budget:
     shm: int
     reload: tuple[ReloadEstimate, ...]  # per offload tier that is on
     warnings: tuple[str, ...]
+    weights: WeightBudget
 
     def named(self, names: Mapping[str, str]) -> Budget:
         """This budget with its warnings in the caller's vocabulary (see InputError.named)."""
@@ -158,6 +205,11 @@ class Budget:
             "reload": [{"tier": r.tier, "tokens": r.tokens, "bytes": r.bytes,
                         "reloadSeconds": round(r.reload_s, 4), "recomputeSeconds": round(r.recompute_s, 4),
                         "slowerThanRecompute": r.slower_than_recompute} for r in self.reload],
+            "weights": {"bytes": self.weights.bytes, "volume": self.weights.volume,
+                        "ephemeralStorage": self.weights.ephemeral_storage,
+                        "storageTerms": [{"name": t.name, "bytes": t.value, "note": t.note} for t in self.weights.storage_terms],
+                        "startupSeconds": self.weights.startup_seconds,
+                        "startupTerms": [{"name": t.name, "seconds": t.value, "note": t.note} for t in self.weights.startup_terms]},
             "warnings": list(self.warnings),
         }
 
@@ -207,6 +259,8 @@ def check(inp: PlanInput) -> None:
         raise InputError("headroom_percent", f"must be an integer in [0, 100], got {mem.headroom_percent!r}")
     _number(inp.bandwidths.cpu_read, "cpu_read")
     _number(inp.bandwidths.disk_read, "disk_read")
+    _number(inp.bandwidths.weight_download, "weight_download")
+    _number(inp.bandwidths.weight_load, "weight_load")
     if inp.bandwidths.prefill_tokens_per_s is not None:
         _number(inp.bandwidths.prefill_tokens_per_s, "prefill_tokens_per_s")
 
@@ -287,6 +341,30 @@ def _memory(inp: PlanInput, offload: bool) -> tuple[tuple[MemoryTerm, ...], int,
     return tuple(terms), total, shm
 
 
+STARTUP_PROBE_PERIOD_S = 10
+
+
+def _weights(inp: PlanInput) -> WeightBudget:
+    st, bw = inp.storage, inp.bandwidths
+    weights = inp.model.params * DTYPE_BYTES[inp.weight_dtype]
+    volume = 0 if inp.weights_on_pvc else -(-(math.ceil(weights * (100 + st.weights_percent) / 100) + st.weights_extra) // GiB) * GiB
+    storage = (
+        Term("weights", volume, "on the model cache PVC (spec.model.cache): none here" if inp.weights_on_pvc else
+             f"{human(weights)} {inp.weight_dtype} weights + {st.weights_percent}% + {human(st.weights_extra)}, whole GiB: "
+             "emptyDir HF_HOME, kept across container restarts"),
+        Term("compile_cache", st.compile_cache, "HOME: vLLM/torch.compile, Triton and FlashInfer caches"),
+        Term("tmp", st.tmp, "/tmp"),
+    )
+    startup = (
+        Term("download", math.ceil(weights / bw.weight_download), f"{human(weights)} at {bw.weight_download / 1e6:.3g} MB/s (assumed)"),
+        Term("load", math.ceil(weights / bw.weight_load), f"read back at {bw.weight_load / 1e9:.3g} GB/s"),
+        Term("engine", ENGINE_START_S, "torch.compile and CUDA graph capture"),
+    )
+    seconds = sum(t.value for t in startup)
+    seconds = -(-seconds // STARTUP_PROBE_PERIOD_S) * STARTUP_PROBE_PERIOD_S
+    return WeightBudget(weights, volume, storage, sum(t.value for t in storage), startup, seconds)
+
+
 def plan(inp: PlanInput) -> Budget:
     """Size every tier and the pod for `inp`, whose bounds hold (`check`, or the CRD's in spec.parse).
 
@@ -348,4 +426,5 @@ def plan(inp: PlanInput) -> Budget:
         shm=shm,
         reload=tuple(reload),
         warnings=tuple(warnings),
+        weights=_weights(inp),
     )

@@ -23,13 +23,16 @@ from ..engine import images
 from ..engine import versions as engine_versions
 from ..engine.images import EnginePair
 from ..planning.sizing import Budget
+from . import pod_security
+from .network_policy import network_policy
+from .placement import topology_spread
 
 HTTP_PORT = 8000
 CONFIG_DIR = "/etc/lmcache"
 CONFIG_FILE = f"{CONFIG_DIR}/lmcache.yaml"
 DISK_DIR = "/kvcache"
 MULTIPROC_DIR = "/var/run/kvoffload/prometheus"
-MODELS_DIR = "/models"
+MODELS_DIR = pod_security.MODELS_DIR
 # The vLLM container's command: empty the multiprocess dir at EVERY start of the container (it is an
 # emptyDir that outlives a crashed vLLM, and prometheus_client would add a dead process's files to
 # the new one's), then exec vLLM. sh -c SCRIPT vllm serve ARGS... runs with $0=vllm, $@=serve ARGS,
@@ -42,7 +45,8 @@ OWNER_LABEL = "kvoffload.io/serve"
 CONFIG_HASH_ANNOTATION = "kvoffload.io/config-hash"
 KV_DTYPE_FLAG = {"bf16": "bfloat16", "fp8": "fp8"}
 # Kinds the operator owns, in apply order (config before the pods that mount it).
-CHILD_KINDS = (("v1", "ConfigMap"), ("v1", "Service"), ("apps/v1", "StatefulSet"), ("policy/v1", "PodDisruptionBudget"))
+CHILD_KINDS = (("v1", "ConfigMap"), ("v1", "Service"), ("apps/v1", "StatefulSet"), ("policy/v1", "PodDisruptionBudget"),
+               ("networking.k8s.io/v1", "NetworkPolicy"))
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ class Owner:
 
 def names(owner_name: str) -> dict[str, str]:
     return {"statefulset": owner_name, "configmap": f"{owner_name}-lmcache", "service": owner_name,
-            "headless": f"{owner_name}-pods", "pdb": owner_name}
+            "headless": f"{owner_name}-pods", "pdb": owner_name, "networkpolicy": owner_name}
 
 
 def selector_labels(owner: Owner) -> dict[str, str]:
@@ -137,8 +141,10 @@ def _vllm_env(spec: Spec, settings: Settings) -> list[dict[str, Any]]:
         *({"name": k, "value": v} for k, v in sorted(images.connector_env(EnginePair(spec.engine.vllm_version,
                                                                                     spec.engine.lmcache_version)).items())),
     ]
-    if spec.model.cache_claim:
-        env.append({"name": "HF_HOME", "value": MODELS_DIR})
+    env += pod_security.engine_env(spec)
+    if spec.engine.api_key_secret:
+        secret, key = spec.engine.api_key_secret
+        env.append({"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
     if spec.model.hf_token_secret:
         secret, key = spec.model.hf_token_secret
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
@@ -149,10 +155,7 @@ def _probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 5}
 
 
-def _restricted(**extra: Any) -> dict[str, Any]:
-    """A fresh restricted security context (fresh: children must share no mutable parts)."""
-    return {"allowPrivilegeEscalation": False, "privileged": False, "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"}, **extra}
+_restricted = pod_security.restricted
 
 
 def _vllm_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> dict[str, Any]:
@@ -163,8 +166,7 @@ def _vllm_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings
               {"name": "prometheus-multiproc", "mountPath": MULTIPROC_DIR}]
     if spec.offload.disk:
         mounts.append(_disk_mount(owner, spec, read_only=False))
-    if spec.model.cache_claim:
-        mounts.append({"name": "model-cache", "mountPath": MODELS_DIR, **({"readOnly": True} if spec.model.cache_read_only else {})})
+    mounts += pod_security.engine_mounts(spec)
     return {
         "name": "vllm",
         "image": spec.engine.image,
@@ -173,15 +175,16 @@ def _vllm_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings
         "env": _vllm_env(spec, settings),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "resources": {
-            "requests": {"cpu": spec.resources.cpu, "memory": memory, spec.resources.gpu_resource_name: tp},
+            "requests": {"cpu": spec.resources.cpu, "memory": memory, spec.resources.gpu_resource_name: tp,
+                         "ephemeral-storage": pod_security.ephemeral_storage(budget)},
             "limits": {"memory": memory, spec.resources.gpu_resource_name: tp},
         },
         "volumeMounts": mounts,
-        # Loading weights can take many minutes: the startup budget is 30 minutes before liveness applies.
-        "startupProbe": _probe("/health", "http", 10, 180),
+        # Downloading and loading weights: the Budget's start-up seconds before liveness applies.
+        "startupProbe": _probe("/health", "http", 10, budget.weights.startup_seconds // 10),
         "readinessProbe": _probe("/health", "http", 5, 3),
         "livenessProbe": _probe("/health", "http", 10, 6),
-        "securityContext": _restricted(),
+        "securityContext": pod_security.vllm_security_context(),
     }
 
 
@@ -205,7 +208,7 @@ def _disk_init_container(owner: Owner, spec: Spec) -> dict[str, Any]:
     # LMCache 0.5.6 starts with an empty index and never counts old files: empty the directory
     # first or the disk fills past its budget after every restart.
     script = ('set -eu; d="' + DISK_DIR + '"; '
-              'find "$d" -xdev -mindepth 1 -delete; '
+              'find "$d" -xdev -mindepth 1 -delete; ' + pod_security.disk_init_handover(spec) +
               'echo "kvoffload: emptied $d ($POD_NAMESPACE/' + owner.name + '/$POD_NAME)"')
     return {
         "name": "prepare-disk-tier",
@@ -214,7 +217,7 @@ def _disk_init_container(owner: Owner, spec: Spec) -> dict[str, Any]:
         "env": [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace")],
         "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
         "volumeMounts": [_disk_mount(owner, spec, read_only=False)],
-        "securityContext": _restricted(readOnlyRootFilesystem=True),
+        "securityContext": pod_security.disk_init_security_context(spec),
     }
 
 
@@ -277,10 +280,7 @@ def _volumes(owner: Owner, spec: Spec, budget: Budget) -> list[dict[str, Any]]:
             "metadata": {"labels": selector_labels(owner)},
             "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": disk.storage_class,
                      "resources": {"requests": {"storage": format_bytes(budget.tier("disk").bytes)}}}}}})
-    if spec.model.cache_claim:
-        claim = {"claimName": spec.model.cache_claim, **({"readOnly": True} if spec.model.cache_read_only else {})}
-        volumes.append({"name": "model-cache", "persistentVolumeClaim": claim})
-    return volumes
+    return volumes + pod_security.engine_volumes(spec, budget)
 
 
 def statefulset(owner: Owner, spec: Spec, budget: Budget, settings: Settings, config_hash: str) -> dict[str, Any]:
@@ -291,7 +291,7 @@ def statefulset(owner: Owner, spec: Spec, budget: Budget, settings: Settings, co
         "automountServiceAccountToken": False,  # vLLM never talks to the API server
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
-        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": pod_security.pod_security_context(),
         "containers": containers,
         "volumes": _volumes(owner, spec, budget),
     }
@@ -308,6 +308,9 @@ def statefulset(owner: Owner, spec: Spec, budget: Budget, settings: Settings, co
         pod["affinity"] = spec.scheduling.affinity
     if spec.scheduling.priority_class_name:
         pod["priorityClassName"] = spec.scheduling.priority_class_name
+    spread = topology_spread(spec, selector_labels(owner))
+    if spread:
+        pod["topologySpreadConstraints"] = spread
     n = names(owner.name)
     return {
         "apiVersion": "apps/v1", "kind": "StatefulSet",
@@ -361,5 +364,7 @@ def check_name(name: str) -> None:
 def children(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> list[dict[str, Any]]:
     """Every child, in apply order (owner.name passed check_name: pipeline.desired checks it first)."""
     cm = configmap(owner, spec, budget, settings)
+    policy = network_policy(_meta(names(owner.name)["networkpolicy"], owner, settings), spec, settings,
+                            selector_labels(owner), HTTP_PORT)
     return [cm, *services(owner, spec, settings), statefulset(owner, spec, budget, settings, _hash(cm["data"])),
-            pdb(owner, settings)]
+            pdb(owner, settings), *([policy] if policy else [])]

@@ -9,6 +9,7 @@
   kvtest.operator    the operator as a subprocess (`kvoffload run`), the CRD installed
   kvtest.exporter    stand-ins for vLLM and LMCache, the exporter as a subprocess
   kvtest.readme      the commands the README shows
+  kvtest.gitops      Argo CD's Lua health runner and the kstatus checker (tests/gitops/build.sh), fixture helpers
   python -m kvtest up|down|status   the CLI behind `make cluster-up/down/status`
 """
 

@@ -1,0 +1,146 @@
+"""`kubectl kvs why NAME`: a KVOffloadServe's state in plain words.
+
+`explain` is pure: it reads the resource, its StatefulSet, its pods and recent events (as the API
+returns them) and says what is going on, what Helm --wait / Flux make of it, and what to do next.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from ..api.quantity import format_bytes
+
+HINTS = {  # Ready/Stalled reason -> what a person does next
+    "InvalidSpec": "Fix the field named above and apply again; nothing was created or changed while the spec is refused.",
+    "Unschedulable": "No node can take the pod: add nodes with that capacity, or lower spec.offload.cpu.size / "
+                     "spec.resources (see `kubectl kvs plan`).",
+    "PodsFailing": "Look at the pod: `kubectl describe pod` and `kubectl logs` (image, engine arguments, GPU memory).",
+    "RollingOut": "The StatefulSet is replacing pods with the new spec; wait, or watch `kubectl get pods -w`.",
+    "ReplicasNotReady": "Pods are starting (model download and load can take minutes); watch `kubectl get pods -w`.",
+    "Pending": "The operator has just seen this resource; look again in a few seconds.",
+}
+
+
+def _conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c.get("type", ""): c for c in (obj.get("status") or {}).get("conditions") or []}
+
+
+def kstatus(obj: dict[str, Any]) -> tuple[str, str]:
+    """What kstatus (Helm v4 --wait, Flux) computes for this object, by its generic rules."""
+    meta, st = obj["metadata"], obj.get("status") or {}
+    if meta.get("deletionTimestamp"):
+        return "Terminating", "being deleted"
+    if "observedGeneration" in st and st["observedGeneration"] != meta.get("generation"):
+        return "InProgress", f"generation {meta.get('generation')} not yet rolled out (status is at {st['observedGeneration']})"
+    conds = _conditions(obj)
+    if conds.get("Reconciling", {}).get("status") == "True":
+        return "InProgress", conds["Reconciling"].get("reason", "")
+    if conds.get("Stalled", {}).get("status") == "True":
+        return "Failed", conds["Stalled"].get("reason", "")
+    if conds.get("Ready", {}).get("status") in ("False", "Unknown"):
+        return "InProgress", conds["Ready"].get("reason", "")
+    return "Current", "ready" if conds.get("Ready", {}).get("status") == "True" else "no conditions"
+
+
+def verdict(obj: dict[str, Any]) -> list[str]:
+    meta, st = obj["metadata"], obj.get("status") or {}
+    conds, gen = _conditions(obj), meta.get("generation")
+    if meta.get("deletionTimestamp"):
+        held = ", ".join(meta.get("finalizers") or []) or "nothing"
+        return [f"Being deleted (since {meta['deletionTimestamp']}); finalizers holding it: {held}."]
+    if not conds:
+        return ["No status from the operator yet. Is the kvoffload operator running, and does it watch this namespace?"]
+    ready, stalled = conds.get("Ready", {}), conds.get("Stalled", {})
+    if ready.get("observedGeneration") not in (None, gen):
+        return [f"The operator has not looked at generation {gen} yet (the conditions below are about generation "
+                f"{ready.get('observedGeneration')}). Is the operator running?"]
+    if stalled.get("status") == "True" or conds.get("ConfigValid", {}).get("status") == "False":
+        c = stalled if stalled.get("status") == "True" else conds["ConfigValid"]
+        return ["Refused: the operator cannot act on this spec.", f"  {c.get('message', '')}", HINTS["InvalidSpec"]]
+    if ready.get("status") == "True" and st.get("observedGeneration") == gen:
+        return [f"Ready: {ready.get('message', '')}."]
+    reason = ready.get("reason", "")
+    lines = [f"Not ready yet ({reason}): {ready.get('message', '')}."]
+    if reason in HINTS:
+        lines.append(HINTS[reason])
+    return lines
+
+
+def _ago(stamp: str | None, now: datetime) -> str:
+    if not stamp:
+        return ""
+    try:
+        then = datetime.strptime(stamp[:19], "%Y-%m-%dT%H:%M:%S").replace(tzinfo=now.tzinfo)
+    except ValueError:
+        return stamp
+    s = max(0, int((now - then).total_seconds()))
+    return f"{s}s ago" if s < 120 else f"{s // 60}m ago" if s < 7200 else f"{s // 3600}h ago"
+
+
+def _budget(st: dict[str, Any]) -> list[str]:
+    b = st.get("budget") or {}
+    if not b:
+        return ["  (not computed: the spec has not been accepted yet)"]
+    tiers = [f"{t['name']} {t['tokens']:,} tokens ({format_bytes(t['bytes'])}, {t['sequences']} full-context sequences)"
+             for t in b.get("tiers", [])]
+    mem = b.get("memory") or {}
+    out = ["  KV cache per replica: " + "; ".join(tiers)]
+    out.append(f"  Pod memory request = limit: {format_bytes(mem.get('limit', 0))}; /dev/shm {format_bytes(b.get('shm', 0))}")
+    out += [f"  warning: {w}" for w in b.get("warnings", [])]
+    return out
+
+
+def _children(sts: dict[str, Any] | None, pods: list[dict[str, Any]]) -> list[str]:
+    if sts is None:
+        return ["  No StatefulSet (none is created while the spec is refused)."]
+    s = sts.get("status") or {}
+    want = (sts.get("spec") or {}).get("replicas", 0)
+    out = [f"  StatefulSet {sts['metadata']['name']}: {s.get('readyReplicas', 0)}/{want} ready, "
+           f"{s.get('updatedReplicas', 0)} on the newest revision"]
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        ps = pod.get("status") or {}
+        ready = next((c.get("status") for c in ps.get("conditions") or [] if c.get("type") == "Ready"), "False")
+        where = (pod.get("spec") or {}).get("nodeName") or "no node"
+        why = ""
+        for c in ps.get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False":
+                why = f" — unschedulable: {c.get('message', '')}"
+        for cs in ps.get("containerStatuses") or []:
+            waiting = (cs.get("state") or {}).get("waiting")
+            if waiting:
+                why = f" — {cs.get('name')} waiting: {waiting.get('reason', '')}"
+        out.append(f"  pod {pod['metadata']['name']}: {ps.get('phase', 'Unknown')} on {where}, "
+                   f"{'ready' if ready == 'True' else 'not ready'}{why}")
+    return out
+
+
+def _events(events: list[dict[str, Any]], now: datetime, limit: int = 10) -> list[str]:
+    def stamp(e: dict[str, Any]) -> str:
+        return e.get("lastTimestamp") or e.get("eventTime") or e.get("firstTimestamp") or ""
+    recent = sorted(events, key=stamp)[-limit:]
+    if not recent:
+        return ["  none (events expire after an hour)"]
+    return [f"  {_ago(stamp(e), now):>8}  {e.get('type', ''):7}  {e.get('reason', '')}: "
+            f"{(e.get('involvedObject') or {}).get('kind', '')} {(e.get('involvedObject') or {}).get('name', '')}: "
+            f"{e.get('message', '')}" for e in recent]
+
+
+def explain(obj: dict[str, Any], sts: dict[str, Any] | None, pods: list[dict[str, Any]],
+            events: list[dict[str, Any]], now: datetime) -> str:
+    meta, st = obj["metadata"], obj.get("status") or {}
+    ks, why = kstatus(obj)
+    lines = [f"KVOffloadServe {meta['name']} in namespace {meta['namespace']} (generation {meta.get('generation')})", ""]
+    lines += verdict(obj)
+    lines += [f"Helm --wait / Flux (kstatus) read: {ks} ({why}).", "", "Conditions:"]
+    for c in (st.get("conditions") or []):
+        lines.append(f"  {c.get('type', ''):14} {c.get('status', ''):8} {c.get('reason', ''):20} {c.get('message', '')} "
+                     f"(since {_ago(c.get('lastTransitionTime'), now)})")
+    if not st.get("conditions"):
+        lines.append("  none")
+    lines += ["", "Budget:"] + _budget(st)
+    if st.get("endpoint"):
+        lines.append(f"  Endpoint: {st['endpoint']}")
+    lines += ["", "Children:"] + _children(sts, pods)
+    lines += ["", "Recent events:"] + _events(events, now)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,34 @@
+"""The optional NetworkPolicy of a KVOffloadServe (spec.networkPolicy): only the named namespaces reach
+the serving port, only the monitoring namespaces (and the operator's own, for the OffloadActive probe)
+reach the exporter's metrics port; nothing else reaches the pods. Egress is not restricted: vLLM
+downloads weights from the Hugging Face Hub."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..api.settings import Settings
+from ..api.spec import Spec
+
+NAMESPACE_NAME = "kubernetes.io/metadata.name"  # set by the API server on every namespace
+
+
+def _from(namespaces: list[str]) -> list[dict[str, Any]]:
+    return [{"namespaceSelector": {"matchExpressions": [{"key": NAMESPACE_NAME, "operator": "In", "values": namespaces}]}}]
+
+
+def network_policy(meta: dict[str, Any], spec: Spec, settings: Settings, selector: dict[str, str],
+                   http_port: int) -> dict[str, Any] | None:
+    policy = spec.network_policy
+    if policy is None:
+        return None
+    ingress: list[dict[str, Any]] = []
+    if policy.serving_from:
+        ingress.append({"from": _from(sorted(policy.serving_from)), "ports": [{"protocol": "TCP", "port": http_port}]})
+    metrics_from = set(policy.metrics_from)
+    if settings.probe_exporters and settings.operator_namespace:
+        metrics_from.add(settings.operator_namespace)
+    if spec.metrics_enabled and metrics_from:
+        ingress.append({"from": _from(sorted(metrics_from)), "ports": [{"protocol": "TCP", "port": spec.metrics_port}]})
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta,
+            "spec": {"podSelector": {"matchLabels": dict(selector)}, "policyTypes": ["Ingress"], "ingress": ingress}}

@@ -1,0 +1,386 @@
+"""Serving pods as a cluster admin wants them, judged by the real kube-apiserver, scheduler and controllers.
+
+- Pod Security: kube-apiserver's own PodSecurity admission plugin (enabled by default, checked
+  here) admits every example without a hostPath in a namespace that enforces "restricted"; the
+  hostPath ones are refused there and at "baseline", and admitted at "privileged".
+- Spread: replicas of one KVOffloadServe land on distinct kwok nodes, where the scheduler's
+  resource scoring alone would stack them on the one big node (the control case proves it).
+- NetworkPolicy: rendered, applied and pruned by the operator.
+- The node janitor: its manifest is admitted only at "privileged"; its ServiceAccount can get/list
+  KVOffloadServes and nothing else, and with that token alone it removes a deleted resource's
+  directory, keeps a live one, and in dry-run removes nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvoffload.api import crd
+from kvoffload.api.settings import Settings
+from kvoffload.controller import pipeline
+from kvtest import ROOT, OperatorProcess
+
+pytestmark = pytest.mark.cluster
+
+CHART = ROOT / "charts" / "kvoffload-operator"
+EXAMPLES = ROOT / "examples"
+LEVELS = ("restricted", "baseline", "privileged")
+
+
+def token_kubeconfig(cluster, path: Path, token: str, namespace: str) -> Path:
+    """A kubeconfig that authenticates with `token` alone (a ServiceAccount's, from `kubectl create token`)."""
+    server = yaml.safe_load(Path(cluster.kubeconfig).read_text())["clusters"][0]["cluster"]
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "kvoffload", "cluster": {"server": server["server"],
+                                                       "certificate-authority-data": server["certificate-authority-data"]}}],
+        "users": [{"name": "janitor", "user": {"token": token}}],
+        "contexts": [{"name": "janitor", "context": {"cluster": "kvoffload", "user": "janitor", "namespace": namespace}}],
+        "current-context": "janitor",
+    }))
+    path.chmod(0o600)
+    return path
+
+
+def enforce(cluster, namespace: str, level: str) -> None:
+    cluster.kubectl("label", "namespace", namespace, "--overwrite", f"pod-security.kubernetes.io/enforce={level}",
+                    "pod-security.kubernetes.io/enforce-version=latest")
+
+
+def make_namespace(cluster, base: str, level: str | None = None) -> str:
+    name = f"{base[:50]}-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", name)
+    cluster.kubectl("label", "namespace", name, "kvoffload.io/test=true")
+    if level:
+        enforce(cluster, name, level)
+    return name
+
+
+def get_json(cluster, *args: str) -> dict:
+    return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
+
+
+def example(file: str, namespace: str, name: str | None = None) -> dict:
+    doc = yaml.safe_load((EXAMPLES / file).read_text())
+    doc["metadata"]["namespace"] = namespace
+    doc["metadata"]["name"] = name or doc["metadata"]["name"]
+    return doc
+
+
+def with_ephemeral_disk(doc: dict, name: str) -> dict:
+    """The same serve with its disk tier on a generic ephemeral volume instead of a hostPath."""
+    doc = copy.deepcopy(doc)
+    doc["metadata"]["name"] = name
+    disk = doc["spec"]["offload"]["disk"]
+    doc["spec"]["offload"]["disk"] = {"storageClassName": "local-nvme", "size": disk["size"]}
+    return doc
+
+
+def pod_dry_run(cluster, namespace: str, pod_spec: dict, name: str = "probe") -> subprocess.CompletedProcess:
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace}, "spec": pod_spec}
+    return cluster.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(pod), check=False)
+
+
+def rendered_pod(doc: dict) -> dict:
+    d = pipeline.desired(doc["metadata"]["name"], doc["metadata"]["namespace"], "", doc["spec"], Settings())
+    return next(c for c in d.children if c["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+
+
+# --------------------------------------------------------------------------- Pod Security
+def test_pod_security_admission_is_enforced_by_the_api_server(cluster, namespace):
+    """The harness runs kube-apiserver with its default admission plugins, PodSecurity among them, and
+    does not disable it; a namespace label is all it takes to enforce a level."""
+    args = cluster.cluster.component_args("kube-apiserver")
+    assert not any(a.startswith("--disable-admission-plugins") and "PodSecurity" in a for a in args), args
+    assert not any(a.startswith("--admission-control-config-file") for a in args), args
+    root_pod = {"containers": [{"name": "c", "image": "busybox:1.36"}]}
+    assert pod_dry_run(cluster, namespace, root_pod).returncode == 0  # unlabelled: privileged
+    enforce(cluster, namespace, "restricted")
+    cp = pod_dry_run(cluster, namespace, root_pod)
+    assert cp.returncode != 0 and 'violates PodSecurity "restricted:latest"' in cp.stderr, cp.stderr
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_every_rendering_is_admitted_exactly_where_the_docs_say(cluster, namespace, level):
+    """Pod templates of every example (and the ephemeral-volume form of the hostPath ones) against one level."""
+    enforce(cluster, namespace, level)
+    cases = []
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        doc = example(path.name, namespace)
+        try:
+            pod = rendered_pod(doc)
+        except Exception:  # the example the operator refuses renders no pod
+            continue
+        cases.append((path.name, pod, bool(doc["spec"]["offload"].get("disk", {}).get("path"))))
+        if doc["spec"]["offload"].get("disk"):
+            eph = with_ephemeral_disk(doc, doc["metadata"]["name"])
+            cases.append((path.name + " (storageClassName)", rendered_pod(eph), False))
+    assert len(cases) == 5
+    for label, pod, host_path in cases:
+        cp = pod_dry_run(cluster, namespace, pod)
+        if host_path and level != "privileged":
+            assert cp.returncode != 0 and "violates PodSecurity" in cp.stderr and "hostPath" in cp.stderr, (label, cp.stderr)
+        else:
+            assert cp.returncode == 0, (label, level, cp.stderr)
+
+
+def _pods(cluster, namespace: str, name: str) -> list[dict]:
+    return get_json(cluster, "pods", "-n", namespace, "-l", f"kvoffload.io/serve={name}")["items"]
+
+
+def _refusals(cluster, namespace: str, name: str) -> list[str]:
+    return [e["message"] for e in get_json(cluster, "events", "-n", namespace)["items"]
+            if e.get("reason") == "FailedCreate" and e["involvedObject"]["name"] == name]
+
+
+def test_examples_through_the_operator_in_a_restricted_namespace(cluster, namespace, crd_installed):
+    """Every example without a hostPath, applied through the operator into a namespace enforcing
+    "restricted", gets its pods created; the hostPath example's pods are refused by PodSecurity."""
+    enforce(cluster, namespace, "restricted")
+    cpu = example("cpu-tier-qwen25-7b.yaml", namespace)
+    ws = with_ephemeral_disk(example("workstation-llama31-8b.yaml", namespace), "ws-ephemeral")
+    tp8 = with_ephemeral_disk(example("tp8-llama33-70b.yaml", namespace), "tp8-ephemeral")
+    host = example("tp8-llama33-70b.yaml", namespace, name="tp8-hostpath")
+    op = OperatorProcess(cluster.env, [namespace])
+    try:
+        for doc in (cpu, ws, tp8, host):
+            cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+        admitted = {d["metadata"]["name"]: d["spec"].get("replicas", 1) for d in (cpu, ws, tp8)}
+
+        def all_created():
+            counts = {n: len(_pods(cluster, namespace, n)) for n in admitted}
+            return counts if counts == admitted else None
+
+        cluster.wait_until(all_created, timeout=120, message=f"pods of {sorted(admitted)} created")
+        for name in admitted:
+            assert not _refusals(cluster, namespace, name), _refusals(cluster, namespace, name)
+            for pod in _pods(cluster, namespace, name):
+                assert pod["spec"]["securityContext"]["runAsUser"] == 1000
+        refusal = cluster.wait_until(lambda: _refusals(cluster, namespace, "tp8-hostpath"), timeout=60,
+                                     message="the hostPath StatefulSet's pod refused")
+        assert 'violates PodSecurity "restricted:latest"' in refusal[0] and "hostPath" in refusal[0], refusal
+        assert not _pods(cluster, namespace, "tp8-hostpath")
+        # The CPU-only pods are bound: their ephemeral-storage requests (weights + caches) fit a node.
+        cluster.wait_until(lambda: all(p["spec"].get("nodeName") for p in _pods(cluster, namespace, cpu["metadata"]["name"])),
+                           timeout=60, message="CPU-only pods scheduled")
+        pod = _pods(cluster, namespace, cpu["metadata"]["name"])[0]
+        vllm = pod["spec"]["containers"][0]
+        assert vllm["resources"]["requests"]["ephemeral-storage"] == "30Gi"
+    finally:
+        op.stop()
+        print(op.output()[-3000:])
+
+
+# --------------------------------------------------------------------------- spread
+SPREAD_SERVE = {
+    "apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe",
+    "spec": {"replicas": 3, "model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen": 8192},
+             "offload": {"cpu": {"size": "8Gi"}}, "resources": {"gpuMemory": "141Gi"}},
+}
+
+
+@pytest.fixture
+def spread_nodes(cluster):
+    """One big node and two that fit one replica each, tainted so that only this test's pods go there.
+    Resource scoring (LeastAllocated, BalancedAllocation) prefers the big node for every pod."""
+    tag = uuid.uuid4().hex[:6]
+    taint = {"key": "kvoffload.io/spread-test", "value": tag, "effect": "NoSchedule"}
+    labels = {"kvoffload.io/spread-test": tag}
+    pools = [
+        {"name": f"spread-big-{tag}", "count": 1, "labels": labels, "taints": [taint],
+         "capacity": {"cpu": "1000", "memory": "64Ti", "pods": "110", "ephemeral-storage": "100Ti", "nvidia.com/gpu": "64"}},
+        {"name": f"spread-small-{tag}", "count": 2, "labels": labels, "taints": [taint],
+         "capacity": {"cpu": "8", "memory": "64Gi", "pods": "110", "ephemeral-storage": "200Gi", "nvidia.com/gpu": "1"}},
+    ]
+    names = cluster.cluster.apply_fleet(pools)
+    try:
+        yield tag, names
+    finally:
+        cluster.cluster.delete_nodes(names)
+
+
+def _spread_serve(namespace: str, name: str, tag: str, spread: list | None) -> dict:
+    doc = copy.deepcopy(SPREAD_SERVE)
+    doc["metadata"] = {"name": name, "namespace": namespace}
+    doc["spec"]["scheduling"] = {"nodeSelector": {"kvoffload.io/spread-test": tag},
+                                 "tolerations": [{"key": "kvoffload.io/spread-test", "operator": "Equal", "value": tag,
+                                                  "effect": "NoSchedule"}]}
+    if spread is not None:
+        doc["spec"]["scheduling"]["topologySpreadConstraints"] = spread
+    return doc
+
+
+def _nodes_of(cluster, namespace: str, name: str, replicas: int):
+    def bound():
+        pods = _pods(cluster, namespace, name)
+        nodes = [p["spec"].get("nodeName") for p in pods]
+        return nodes if len(nodes) == replicas and all(nodes) else None
+    return cluster.wait_until(bound, timeout=90, message=f"{replicas} pods of {name} bound")
+
+
+def test_replicas_spread_over_nodes_by_default(cluster, namespace, crd_installed, spread_nodes):
+    tag, names = spread_nodes
+    op = OperatorProcess(cluster.env, [namespace])
+    try:
+        # Control, and the override: spread over a label every test node shares (one "zone") instead of
+        # hostnames. Any own constraint also replaces the scheduler's built-in default spread, so only
+        # the resource scores decide, and they stack every replica on the big node.
+        zone = [{"maxSkew": 1, "topologyKey": "kvoffload.io/spread-test", "whenUnsatisfiable": "ScheduleAnyway",
+                 "labelSelector": {"matchLabels": {"kvoffload.io/serve": "packed"}}}]
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(_spread_serve(namespace, "packed", tag, zone)))
+        packed = _nodes_of(cluster, namespace, "packed", 3)
+        assert packed == [f"spread-big-{tag}-0"] * 3, packed
+        cluster.kubectl("delete", "kvs", "packed", "-n", namespace, "--wait=true", "--timeout=60s")
+        cluster.wait_until(lambda: not _pods(cluster, namespace, "packed"), timeout=90, message="packed pods gone")
+        # Default: the soft spread over kubernetes.io/hostname puts each replica on its own node.
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(_spread_serve(namespace, "spread", tag, None)))
+        spread = _nodes_of(cluster, namespace, "spread", 3)
+        assert sorted(spread) == sorted(names), spread
+        sts = get_json(cluster, "statefulset", "spread", "-n", namespace)
+        (c,) = sts["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        assert c["whenUnsatisfiable"] == "ScheduleAnyway" and c["topologyKey"] == "kubernetes.io/hostname"
+    finally:
+        op.stop()
+        print(op.output()[-3000:])
+
+
+# --------------------------------------------------------------------------- NetworkPolicy
+def test_network_policy_is_applied_and_pruned(cluster, namespace, crd_installed):
+    doc = example("cpu-tier-qwen25-7b.yaml", namespace)
+    doc["spec"]["networkPolicy"] = {"servingFrom": ["gateway"], "metricsFrom": ["monitoring"]}
+    op = OperatorProcess(cluster.env, [namespace], config={"resyncSeconds": 20, "operatorNamespace": "kvoffload-system"})
+    name = doc["metadata"]["name"]
+    try:
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+        np = cluster.wait_until(lambda: cluster.kubectl("get", "networkpolicy", name, "-n", namespace, "-o", "json",
+                                                        check=False).stdout or None, timeout=60, message="NetworkPolicy")
+        np = json.loads(np)
+        rules = {r["ports"][0]["port"]: r["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"]
+                 for r in np["spec"]["ingress"]}
+        assert rules == {8000: ["gateway"], 9400: ["kvoffload-system", "monitoring"]}
+        assert np["metadata"]["ownerReferences"][0]["kind"] == crd.KIND
+        cluster.kubectl("patch", "kvs", name, "-n", namespace, "--type=json", "-p",
+                        json.dumps([{"op": "remove", "path": "/spec/networkPolicy"}]))
+        cluster.wait_until(lambda: cluster.kubectl("get", "networkpolicy", name, "-n", namespace, check=False).returncode != 0,
+                           timeout=60, message="NetworkPolicy pruned")
+    finally:
+        op.stop()
+        print(op.output()[-3000:])
+
+
+# --------------------------------------------------------------------------- the node janitor
+def _janitor_docs(cluster, release: str, namespace: str, *extra: str) -> list[dict]:
+    out = cluster.helm("template", release, CHART, "--namespace", namespace, "--set", "crds.enabled=false",
+                       "--set", "janitor.enabled=true", *extra).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_janitor_manifest_is_admitted_only_at_privileged(cluster, namespace):
+    docs = _janitor_docs(cluster, "kvo", namespace)
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    (sa,) = [d for d in docs if d["kind"] == "ServiceAccount" and d["metadata"]["name"].endswith("-janitor")]
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(sa))  # admission looks the pod's ServiceAccount up
+    pod = ds["spec"]["template"]["spec"]
+    for level in LEVELS:
+        enforce(cluster, namespace, level)
+        cp = pod_dry_run(cluster, namespace, pod, name=f"janitor-{level}")
+        if level == "privileged":
+            assert cp.returncode == 0, cp.stderr
+        else:
+            assert cp.returncode != 0 and "violates PodSecurity" in cp.stderr, (level, cp.stderr)
+            assert "hostPath" in cp.stderr, cp.stderr
+            if level == "baseline":  # baseline allows DAC_OVERRIDE: only the hostPath refuses it there
+                assert "DAC_OVERRIDE" not in cp.stderr, cp.stderr
+
+
+SERVE_STUB = {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe",
+              "spec": {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen": 8192},
+                       "offload": {"cpu": {"size": "8Gi"}, "disk": {"path": "/mnt/nvme/lmcache", "size": "10Gi"}}}}
+OLD = time.time() - 3600
+
+
+def _pod_dir(root: Path, ns: str, name: str, size: int) -> Path:
+    d = root / ns / name / f"{name}-0"
+    d.mkdir(parents=True)
+    (d / "chunk.pt").write_bytes(b"k" * size)
+    os.utime(d, (OLD, OLD))
+    return d
+
+
+def _clean(kubeconfig: Path, root: Path, state: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvoffload.cli", "clean-disk", "--kubeconfig", str(kubeconfig),
+                           "--root", str(root), "--state", str(state), "-o", "json", *extra],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def test_janitor_with_its_own_rbac_on_the_real_api_server(cluster, namespace, crd_installed, tmp_path):
+    release = f"kvo-{uuid.uuid4().hex[:6]}"
+    docs = _janitor_docs(cluster, release, namespace)
+    rbac = [d for d in docs if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "DaemonSet")
+            and d["metadata"]["name"].endswith("-janitor")]
+    assert len(rbac) == 4
+    cluster.kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(d) for d in rbac))
+    sa = f"{release}-kvoffload-operator-janitor"
+    try:
+        # Least privilege: get/list KVOffloadServes, nothing else.
+        who = f"system:serviceaccount:{namespace}:{sa}"
+        allowed = {(verb, res): cluster.kubectl("auth", "can-i", verb, res, "--all-namespaces", "--as", who, check=False).stdout.strip()
+                   for verb in ("get", "list", "watch", "delete", "patch") for res in ("kvoffloadserves.kvoffload.io", "secrets", "pods")}
+        assert {k for k, v in allowed.items() if v == "yes"} == {("get", "kvoffloadserves.kvoffload.io"),
+                                                                 ("list", "kvoffloadserves.kvoffload.io")}, allowed
+        # The DaemonSet runs on every NVMe-labelled node and on no other.
+        nvme = {n["metadata"]["name"] for n in get_json(cluster, "nodes", "-l", "kvoffload.io/nvme=true")["items"]}
+
+        def placed():
+            pods = get_json(cluster, "pods", "-n", namespace, "-l", "app.kubernetes.io/component=janitor")["items"]
+            nodes = {p["spec"].get("nodeName") for p in pods}
+            return nodes if nodes == nvme else None
+        cluster.wait_until(placed, timeout=90, message="a janitor pod on each NVMe node")
+
+        # Its logic with its own token: one live and one deleted resource, directories on a temp root.
+        token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=10m").stdout.strip()
+        kubeconfig = token_kubeconfig(cluster, tmp_path / "janitor.kubeconfig", token, namespace)
+        for name in ("live", "gone"):
+            cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(
+                {**SERVE_STUB, "metadata": {"name": name, "namespace": namespace}}))
+        root, state = tmp_path / "lmcache", tmp_path / "state.json"
+        live_dir, gone_dir = _pod_dir(root, namespace, "live", 100), _pod_dir(root, namespace, "gone", 4096)
+        learn = _clean(kubeconfig, root, state)
+        assert learn.returncode == 0, learn.stderr
+        assert json.loads(learn.stdout)["bytesFreed"] == 0 and gone_dir.exists()
+        assert f"{namespace}/gone" in json.loads(state.read_text())["policies"]
+
+        cluster.kubectl("delete", "kvs", "gone", "-n", namespace, "--wait=true")
+        dry = _clean(kubeconfig, root, state, "--dry-run")
+        assert dry.returncode == 0, dry.stderr
+        report = json.loads(dry.stdout)
+        assert report["dryRun"] and report["bytesFreed"] == 4096
+        assert gone_dir.exists() and (gone_dir / "chunk.pt").stat().st_size == 4096  # dry-run removes nothing
+
+        real = _clean(kubeconfig, root, state)
+        assert real.returncode == 0, real.stderr
+        assert json.loads(real.stdout)["bytesFreed"] == 4096
+        assert not (root / namespace / "gone").exists()
+        assert (live_dir / "chunk.pt").read_bytes() == b"k" * 100
+
+        # A token without the ClusterRole cannot list: the janitor stops with an error, removes nothing.
+        cluster.kubectl("delete", "clusterrolebinding", sa)
+        cluster.wait_until(lambda: cluster.kubectl("auth", "can-i", "list", "kvoffloadserves.kvoffload.io", "--all-namespaces",
+                                                   "--as", who, check=False).stdout.strip() == "no",
+                           timeout=30, message="the binding's removal seen by the authorizer")
+        _pod_dir(root, namespace, "gone", 10)
+        denied = _clean(kubeconfig, root, state, "--unknown-policy", "Delete")
+        assert denied.returncode == 2 and "403" in denied.stderr and "nothing was removed" in denied.stderr, denied.stderr
+        assert (root / namespace / "gone" / "gone-0" / "chunk.pt").exists()
+    finally:
+        cluster.kubectl("delete", "clusterrolebinding,clusterrole", sa, "--ignore-not-found", check=False)
