@@ -248,8 +248,8 @@ def test_lmcache_from_vllm_page_without_multiproc_dir() -> None:
 
 
 def test_lmcache_hit_counters_are_not_read(tmp_path: Path) -> None:
-    """LMCache's num_hit_tokens / num_requested_tokens stay 0 under vLLM; whatever they say, the
-    external hits are vLLM's."""
+    """Hit figures are vLLM's whatever LMCache's num_hit_tokens / num_requested_tokens say (they count
+    only LMCache's own loads: 0 under vLLM 0.26.0's V2 runner, 99,072 under the V1 runner)."""
     write_lmcache_metrics(str(tmp_path), counters={"lmcache:num_hit_tokens": 999, "lmcache:num_requested_tokens": 999})
     with FakeVllm(WITHOUT_CONNECTOR) as vllm:
         m = scrape(make(ExporterConfig(vllm_metrics_url=vllm.url, multiproc_dir=str(tmp_path)))[0])
