@@ -45,10 +45,10 @@ REFUSED_DESTS: dict[str, str] = {
     "cpu_offload_gb": "it changes the memory budget (weights in CPU memory the operator did not size)",
     "kv_cache_memory_bytes": "it changes the memory budget (overrides spec.engine.gpuMemoryUtilization's KV share)",
     "num_gpu_blocks_override": "it changes the memory budget (overrides the KV cache size vLLM measured)",
-    "api_key": "the key comes from spec.engine.apiKeySecretRef (VLLM_API_KEY): a literal would show in the pod spec",
     "config": "it reads more flags from a file the operator cannot check",
     "help": "vLLM prints help and exits: the pod would restart forever",
     "headless": "it starts no API server: the pod's probes and Service would never answer",
+    "api_key": "a literal key would sit in the pod spec: use spec.engine.apiKeySecretRef (VLLM_API_KEY from a Secret)",
 }
 REFUSED_DEST_PREFIXES: dict[str, str] = {
     "data_parallel_": "it changes the GPU count (data parallelism is spec.replicas: one pod per replica)",
