@@ -40,8 +40,9 @@ PY = engine_venv.site_packages(engine_venv.venv_path()).parent.name.removeprefix
 CANDIDATES = [("0.26.0", "0.5.4"), ("0.29.0", "0.5.4"), ("0.29.0", "0.5.6"), ("0.33.0", "0.5.6")]
 # Runs on real GPUs (evidence, not inference).
 GPU_RUNS = {
-    ("0.26.0", "0.5.3"): "yes: NVIDIA H200, 2026-11-30, the rendered workstation example: a 32,000-token prefix "
-                         "came back from the CPU tier in ~0.04 s (1.10 s recomputed)",
+    ("0.26.0", "0.5.3"): "yes: NVIDIA H200, 2026-11-30, the rendered workstation example with the V1 model runner: "
+                         "a 32,768-token prefix came back from the CPU tier in 0.074 s (1.096 s recomputed), from "
+                         "the disk tier in 1.405 s (docs/benchmarks.md)",
 }
 
 
@@ -183,6 +184,10 @@ def rows() -> list[dict[str, str]]:
             row["ext"] = extension_load(vllm, lmcache, venvs)
             row["parser"], row["loader"] = engine_checks((vllm, lmcache), venvs)
             row["gpu"] = GPU_RUNS.get((vllm, lmcache), "not run")
+        env = images.connector_env(images.EnginePair(vllm, lmcache)) if vllm and lmcache else {}
+        row["env"] = ("; ".join(f"`{k}={v}`" for k, v in sorted(env.items())) + ": " +
+                      "; ".join(images.CONNECTOR_ENV_WHY[k] for k in sorted(env))) if env else (
+            "none known" if (vllm, lmcache) in GPU_RUNS else "none known (never ran on a GPU: unproven)")
         out.append(row)
     return out
 
@@ -207,12 +212,21 @@ an unpinned vLLM, so the operator knows only its LMCache: a KVOffloadServe using
 `spec.engine.vllmVersion`, and extra vLLM arguments are checked only for a vLLM whose flag table the
 operator carries ({tables}).
 
+**vLLM's V2 model runner (vLLM 0.26.0 + LMCache 0.5.3).** vLLM 0.26.0's default V2 model runner
+calls LMCacheConnectorV1's `start_load_kv` without attention metadata when one token is left to
+compute; LMCache 0.5.3 then returns without loading, while vLLM counts the tokens as external hits
+and skips their prefill (wrong answers, silently; LMCache's retrieve counters stay 0). With
+`VLLM_USE_V2_MODEL_RUNNER=0` (the V1 runner) the loads happen. The operator renders the variable for
+this pair and refuses it in `spec.engine.env` (column "Connector environment"); the exporter's
+`kvoffload_external_hits_unloaded_tokens` and `OffloadActive=False/ExternalHitsNotLoaded` catch the
+same failure on any pair at run time (docs/metrics.md).
+
 {columns}
-|---|---|---|---|---|---|---|---|
+|---|---|---|---|---|---|---|---|---|
 """
 COLUMNS = ("Image", "vLLM", "LMCache", "torch pins (wheel metadata)", "LMCache extension loads on vLLM's torch (CPU)",
            "vLLM parser + create_engine_config() accept the rendered flags", "LMCache loader reads the rendered config",
-           "Ran on a GPU")
+           "Ran on a GPU", "Connector environment the operator renders")
 
 
 def render() -> str:
@@ -227,7 +241,8 @@ def render() -> str:
     # The prose above claims these for the default pair: refuse to publish it when a check says otherwise.
     assert all(default[k].startswith("yes") for k in ("ext", "parser", "loader", "gpu")), default
     for r in table:
-        text += "| " + " | ".join(r[k] for k in ("image", "vllm", "lmcache", "torch", "ext", "parser", "loader", "gpu")) + " |\n"
+        text += "| " + " | ".join(r[k] for k in ("image", "vllm", "lmcache", "torch", "ext", "parser", "loader", "gpu",
+                                                   "env")) + " |\n"
     text += ('\n"not checked": `make test` builds an engine venv for the default pair only (tests/engine/build-venv.sh;\n'
              "each venv is ~8 GB and ~10 minutes), so checks that need another pair's venv are not run.\n")
     return text

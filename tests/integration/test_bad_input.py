@@ -178,6 +178,8 @@ CASES = [
          "spec.engine.extraArgs", "--no-disable-hybrid-kv-cache-manager"),
     Case("env LMCACHE prefix", {"spec.engine.env": [{"name": "LMCACHE_LOCAL_DISK", "value": "True"}]}, API, "spec.engine.env", "LMCACHE_*"),
     Case("env PYTHONHASHSEED", {"spec.engine.env": [{"name": "PYTHONHASHSEED", "value": "1"}]}, API, "spec.engine.env"),
+    Case("env model runner", {"spec.engine.env": [{"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "1"}]}, API, "spec.engine.env",
+         "V2 runner skips LMCache's KV loads"),
     Case("env POD_NAMESPACE redirects disk", {"spec.engine.env": [{"name": "POD_NAMESPACE", "value": "victim"}]}, API,
          "spec.engine.env", "POD_NAMESPACE"),
     Case("flag api-key literal", {"spec.engine.extraArgs": ["--api-key=secret"]}, API, "spec.engine.extraArgs", "--api-key"),

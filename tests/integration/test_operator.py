@@ -90,6 +90,7 @@ def test_create_runs_on_gpu_nodes_and_reports_the_budget(cluster, namespace, ope
     assert cond(obj, "DiskTierReady")["status"] == "True"
     assert st["summary"]["cpuTokens"] > 0 and st["summary"]["diskTokens"] > st["summary"]["cpuTokens"]
     vllm = kids[("StatefulSet", "svc")]["spec"]["template"]["spec"]["containers"][0]
+    assert vllm["image"] == "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3"  # the default: the serving image
     pair = resolve(vllm["image"], None, None)  # the operator's table for the default image
     # Rendered for the table's pair; nothing reported what runs (no exporter listens on kwok pods).
     assert st["versions"] == {"image": vllm["image"], "renderedFor": {"vllm": pair.vllm, "lmcache": pair.lmcache},
@@ -225,10 +226,10 @@ def test_steady_state_writes_nothing(cluster, namespace, operator):
 
 def test_offload_active_and_engine_versions_come_from_the_pods_exporter(cluster, namespace, operator, tmp_path):
     """The proof path end to end: kwok pod IPs are loopback, so a real exporter bound to the pod's IP
-    answers the operator's probe. It reads the real /metrics page of vLLM 0.26.0 + LMCache 0.5.3 (served
-    on 127.0.0.1), LMCache 0.5.6's own multiprocess metric files, and a versions file like the one the
-    serving image's init container writes."""
-    import shutil
+    answers the operator's probe. It reads real /metrics pages of vLLM 0.26.0 + LMCache 0.5.3 from an
+    H200 (served on 127.0.0.1; LMCache's figures from vLLM's shared page): without the connector, with
+    it under vLLM's default V2 runner (LMCache never loaded), and with the V1 runner (LMCache loaded);
+    and a versions file like the one the serving image's init container writes."""
     import subprocess
     import sys
 
@@ -242,26 +243,31 @@ def test_offload_active_and_engine_versions_come_from_the_pods_exporter(cluster,
     pod = get(cluster, namespace, "pods")["items"][0]
     ip, pod_name = pod["status"]["podIP"], pod["metadata"]["name"]
     assert ip.startswith("127.")  # the network rule: kwok pod IPs are loopback
-    multiproc = tmp_path / "multiproc"
-    shutil.copytree(fixtures / "lmcache-0.5.6-metrics-sample/multiproc", multiproc)
     config = tmp_path / "lmcache.yaml"
     config.write_text(get(cluster, namespace, "configmap", "svc-lmcache")["data"]["lmcache.yaml"])
     versions = tmp_path / "versions.json"
     versions.write_text(json.dumps({**rendered, "torch": "2.11.0+cu130"}))
     with FakeVllm((fixtures / "vllm-0.26.0-lmcache-0.5.3-h200/vllm-metrics-without-connector.txt").read_text()) as vllm:
         exporter = subprocess.Popen([sys.executable, "-m", "kvoffload.cli", "exporter", "--listen", f"{ip}:9400",
-                                     "--vllm-metrics-url", vllm.url, "--multiproc-dir", str(multiproc),
+                                     "--vllm-metrics-url", vllm.url, "--unloaded-grace-seconds", "0",
                                      "--lmcache-config", str(config), "--tensor-parallel-size", "1",
                                      "--engine-versions-file", str(versions)],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            # vLLM never asked a KV connector: LMCache's files alone prove nothing. The operator
+            # vLLM never asked a KV connector and no LMCache figures: nothing proven. The operator
             # re-probes at its next reconcile (resyncSeconds: 20 in tests).
-            found = wait_cond(cluster, namespace, "svc", "OffloadActive", "False", timeout=60)
+            found = wait_cond(cluster, namespace, "svc", "OffloadActive", "False", timeout=60, reason="NoLMCacheActivity")
             assert cond(found, "EngineVerified")["reason"] == "EngineVersionsMatch"
             assert found["status"]["versions"]["running"] == [
                 {**rendered, "torch": "2.11.0+cu130", "podCount": 1, "pods": [pod_name]}]
+            # The reference run (V2 runner): vLLM counted 64,028 tokens loaded, LMCache retrieved none.
             vllm.body = (fixtures / "vllm-0.26.0-lmcache-0.5.3-h200/vllm-metrics-with-lmcache.txt").read_text()
+            found = wait_cond(cluster, namespace, "svc", "OffloadActive", "False", timeout=60, reason="ExternalHitsNotLoaded")
+            message = cond(found, "OffloadActive")["message"]
+            assert message.startswith("1/1 pods") and "vLLM counted 64,028 prompt tokens as loaded from LMCache" in message
+            assert "lmcache:num_retrieve_requests_total 0" in message
+            # The V1 runner (what the operator renders for this pair): LMCache retrieved 6 times.
+            vllm.body = (fixtures / "vllm-0.26.0-lmcache-0.5.3-h200-v1runner/vllm-metrics-with-lmcache.txt").read_text()
             found = wait_cond(cluster, namespace, "svc", "OffloadActive", "True", timeout=60)
             assert "1/1 pods" in cond(found, "OffloadActive")["message"]
 

@@ -130,6 +130,22 @@ def test_offload_active_needs_proof_from_every_exporter():
     assert offload({"svc-0": ON}, metrics={"enabled": False})["reason"] == "MetricsDisabled"
 
 
+def test_offload_active_is_false_when_vllm_counts_hits_lmcache_never_loaded():
+    """What the exporter reports for the H200 reference page (vLLM 0.26.0's V2 runner): 64,028 external
+    hits, 0 LMCache retrieves. Worse than idle, so it wins over NoLMCacheActivity and LMCacheActive."""
+    skipped = Reading(0.0, None, 64028.0)
+    c = offload({"svc-0": skipped})
+    assert (c["status"], c["reason"]) == ("False", "ExternalHitsNotLoaded")
+    for words in ("svc-0: vLLM counted 64,028 prompt tokens as loaded from LMCache", "vllm:external_prefix_cache_hits_total",
+                  "lmcache:num_retrieve_requests_total 0", "answers for those prompts are wrong",
+                  "Rendered for vLLM 0.26.0 + LMCache 0.5.3", "VLLM_USE_V2_MODEL_RUNNER=0", "EngineVerified"):
+        assert words in c["message"], words
+    obs = conditions.Observed(sts(replicas=2, ready=2, updated=2), [ready_pod(), ready_pod("svc-1")],
+                              {"svc-0": ON, "svc-1": skipped})
+    c = by_type(conditions.status(body(), desired(replicas=2), None, obs, T0))["OffloadActive"]
+    assert c["reason"] == "ExternalHitsNotLoaded" and c["message"].startswith("1/2 pods") and "svc-1:" in c["message"]
+
+
 def test_offload_active_counts_only_ready_pods():
     obs = conditions.Observed(sts(replicas=2, ready=2, updated=2), [ready_pod(), ready_pod("svc-1")],
                               {"svc-0": ON, "svc-1": "refused"})

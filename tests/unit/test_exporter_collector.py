@@ -28,6 +28,8 @@ VLLM_TEXT = (FIXTURES / "vllm-0.33.0-metrics-sample" / "exposition.txt").read_te
 H200 = FIXTURES / "vllm-0.26.0-lmcache-0.5.3-h200"
 WITH_LMCACHE = (H200 / "vllm-metrics-with-lmcache.txt").read_text()
 WITHOUT_CONNECTOR = (H200 / "vllm-metrics-without-connector.txt").read_text()
+# The same engine pair with VLLM_USE_V2_MODEL_RUNNER=0 (H200, benchmarks/gpu): LMCache really loads.
+V1_RUNNER = (FIXTURES / "vllm-0.26.0-lmcache-0.5.3-h200-v1runner" / "vllm-metrics-with-lmcache.txt").read_text()
 LMCACHE_SAMPLE = FIXTURES / "lmcache-0.5.6-metrics-sample"
 MULTIPROC = str(LMCACHE_SAMPLE / "multiproc")
 CACHE_CONFIG_INFO = (
@@ -54,8 +56,9 @@ def value(samples: Samples, name: str, **labels: str) -> float | None:
     return samples.get((name, tuple(sorted(labels.items()))))
 
 
-def make(config: ExporterConfig, disk: DiskTierMonitor | None = None) -> tuple[CollectorRegistry, TierCollector]:
-    collector = TierCollector(config, disk)
+def make(config: ExporterConfig, disk: DiskTierMonitor | None = None,
+         clock=time.monotonic) -> tuple[CollectorRegistry, TierCollector]:
+    collector = TierCollector(config, disk, clock)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     return registry, collector
@@ -68,12 +71,16 @@ def _closed_port() -> int:
 
 
 def test_figures_from_the_real_h200_page_with_lmcache() -> None:
-    """vLLM 0.26.0 + LMCache 0.5.3 after 2 x (cold, GPU hit, reset + reload) of 32,000 tokens: the
-    64,028 tokens vLLM loaded from LMCache are the external hits (LMCache's own num_hit_tokens on
-    the same page is 0). No --multiproc-dir: LMCache's figures come from vLLM's shared page."""
+    """vLLM 0.26.0 + LMCache 0.5.3 (default V2 model runner) after 2 x (cold, GPU hit, reset + reload)
+    of 32,000 tokens: vLLM counts 64,028 tokens as loaded from its connector, but LMCache never
+    retrieved (lmcache:num_retrieve_requests_total 0): the V2 runner gave it no attention metadata, so
+    vLLM skipped those tokens' prefill without their KV. Offload is NOT active. (This test used to
+    assert active == 1: that belief was false.) No --multiproc-dir: LMCache's figures come from
+    vLLM's shared page."""
     with FakeVllm(WITH_LMCACHE) as vllm:
         m = scrape(make(ExporterConfig(vllm_metrics_url=vllm.url, kv_bytes_per_token=KV_BYTES_PER_TOKEN,
-                                       capacity=capacity_from_config({"max_local_cpu_size": 2}, 1)))[0])
+                                       capacity=capacity_from_config({"max_local_cpu_size": 2}, 1),
+                                       unloaded_grace_s=0))[0])
 
     assert value(m, "kvoffload_tier_hit_tokens_total", tier="external") == 64028
     assert value(m, "kvoffload_tier_requested_tokens_total", tier="external") == 128544
@@ -90,10 +97,51 @@ def test_figures_from_the_real_h200_page_with_lmcache() -> None:
     assert value(m, "kvoffload_tier_used_bytes", tier="cpu") == 2 * GiB  # full: 124 evictions
     assert value(m, "kvoffload_tier_used_bytes", tier="disk") == 4227858432
     assert value(m, "kvoffload_tier_evictions_total", tier="cpu") == 124
-    assert value(m, "kvoffload_offload_active") == 1
+    assert value(m, "kvoffload_offload_active") == 0
+    assert value(m, "kvoffload_external_hits_unloaded_tokens") == 64028
     for source in ("vllm", "lmcache"):
         assert value(m, "kvoffload_source_up", source=source) == 1
         assert value(m, "kvoffload_scrape_errors_total", source=source) == 0
+
+
+def test_figures_from_the_real_h200_page_with_the_v1_runner() -> None:
+    """The same pair with VLLM_USE_V2_MODEL_RUNNER=0 (what the operator renders), H200: cold, GPU hit,
+    reset + reload of a 32,768-token prompt, 3 times each. LMCache retrieved 6 times (99,072 tokens),
+    vLLM counted 98,346 external hits: offload is active, nothing unloaded."""
+    with FakeVllm(V1_RUNNER) as vllm:
+        m = scrape(make(ExporterConfig(vllm_metrics_url=vllm.url, unloaded_grace_s=0))[0])
+    assert value(m, "kvoffload_tier_hit_tokens_total", tier="external") == 98346
+    assert value(m, "kvoffload_tier_requested_tokens_total", tier="external") == 197168
+    assert value(m, "kvoffload_tier_hit_tokens_total", tier="gpu") == 98256
+    assert value(m, "kvoffload_tier_requested_tokens_total", tier="gpu") == 295424
+    assert value(m, "kvoffload_prompt_tokens_total", origin="external") == 98346
+    assert value(m, "kvoffload_prompt_tokens_total", origin="compute") == 98822
+    assert value(m, "kvoffload_tier_stored_tokens_total", tier="external") == 98816
+    assert value(m, "kvoffload_offload_active") == 1
+    assert value(m, "kvoffload_external_hits_unloaded_tokens") == 0
+
+
+def test_unloaded_hits_are_reported_after_lmcaches_publish_lag() -> None:
+    """LMCache publishes its counters every 10 s, vLLM counts hits at once: hits without a retrieve
+    are 'not yet proven' (active 0, unloaded 0) until they outlast the grace, then reported; a
+    retrieve clears them."""
+    now = [100.0]
+    with FakeVllm(WITH_LMCACHE) as vllm:
+        registry, _ = make(ExporterConfig(vllm_metrics_url=vllm.url), clock=lambda: now[0])
+        look = lambda: (value(m := scrape(registry), "kvoffload_offload_active"),  # noqa: E731
+                        value(m, "kvoffload_external_hits_unloaded_tokens"))
+        assert look() == (0, 0)
+        now[0] += 24.9
+        assert look() == (0, 0)
+        now[0] += 0.1  # 25 s: two LMCache publishes and a margin
+        assert look() == (0, 64028)
+        vllm.body = WITH_LMCACHE.replace('lmcache:num_retrieve_requests_total{model_name="/tmp/e2e_model",role="worker",'
+                                         'served_model_name="meta-llama/Llama-3.1-8B-Instruct",worker_id="0"} 0.0',
+                                         'lmcache:num_retrieve_requests_total{model_name="/tmp/e2e_model",role="worker",'
+                                         'served_model_name="meta-llama/Llama-3.1-8B-Instruct",worker_id="0"} 2.0')
+        assert look() == (1, 0)
+        vllm.status = 503
+        assert look() == (0, None)  # vLLM unreadable: nothing judged
 
 
 def test_figures_from_the_real_h200_page_without_connector() -> None:
@@ -106,6 +154,7 @@ def test_figures_from_the_real_h200_page_without_connector() -> None:
     assert value(m, "kvoffload_prompt_tokens_total", origin="compute") == 128544
     assert value(m, "kvoffload_tier_stored_tokens_total", tier="external") is None  # no LMCache: unknown
     assert value(m, "kvoffload_offload_active") == 0
+    assert value(m, "kvoffload_external_hits_unloaded_tokens") is None  # no LMCache: not judged
     assert value(m, "kvoffload_source_up", source="vllm") == 1
     assert value(m, "kvoffload_source_up", source="lmcache") == 0
 
@@ -199,8 +248,8 @@ def test_lmcache_from_vllm_page_without_multiproc_dir() -> None:
 
 
 def test_lmcache_hit_counters_are_not_read(tmp_path: Path) -> None:
-    """LMCache's num_hit_tokens / num_requested_tokens stay 0 under vLLM; whatever they say, the
-    external hits are vLLM's."""
+    """Hit figures are vLLM's whatever LMCache's num_hit_tokens / num_requested_tokens say (they count
+    only LMCache's own loads: 0 under vLLM 0.26.0's V2 runner, 99,072 under the V1 runner)."""
     write_lmcache_metrics(str(tmp_path), counters={"lmcache:num_hit_tokens": 999, "lmcache:num_requested_tokens": 999})
     with FakeVllm(WITHOUT_CONNECTOR) as vllm:
         m = scrape(make(ExporterConfig(vllm_metrics_url=vllm.url, multiproc_dir=str(tmp_path)))[0])
@@ -222,13 +271,17 @@ def test_offload_active_rule(tmp_path: Path) -> None:
         assert active() == 0  # LMCache loaded and even storing, but vLLM never asked a connector
         vllm.body = before_first_request
         assert active() == 0  # no external queries counted yet: not proven
-        vllm.body = WITH_LMCACHE  # vLLM asked its connector for 128,544 tokens
-        assert active() == 1
+        vllm.body = WITH_LMCACHE  # vLLM asked its connector for 128,544 tokens and counted 64,028 loaded
+        assert active() == 0  # ... but LMCache never retrieved (the V2-runner skip): not active
+        write_lmcache_metrics(str(mp), counters={"lmcache:num_retrieve_requests": 2})
+        assert active() == 1  # LMCache really loaded
         assert active() == 1  # monotone: no window to fall out of while vLLM runs
         shutil.rmtree(mp)
         assert active() == 0  # LMCache metrics gone: the connector answering is not LMCache
         mp.mkdir()
         write_lmcache_metrics(str(mp), counters={"lmcache:num_stored_tokens": 0})
+        assert active() == 0  # LMCache is back but has not retrieved since it started
+        write_lmcache_metrics(str(mp), counters={"lmcache:num_retrieve_requests": 1})
         assert active() == 1
         vllm.status = 503
         assert active() == 0  # vLLM unreadable: nothing proven
@@ -240,7 +293,7 @@ def test_offload_active_help_states_the_rule() -> None:
         text = generate_latest(registry).decode()
     help_line = next(ln for ln in text.splitlines() if ln.startswith("# HELP kvoffload_offload_active"))
     for words in ("vllm:external_prefix_cache_queries_total > 0", "LMCache's metrics are present",
-                  "0 before the first request"):
+                  "lmcache:num_retrieve_requests_total > 0", "0 before the first request"):
         assert words in help_line
 
 
@@ -382,7 +435,7 @@ def test_engine_info_from_the_versions_file(tmp_path: Path, caplog: pytest.LogCa
     from kvoffload.controller.probe import Reading, parse_page
 
     path = tmp_path / "versions.json"
-    with FakeVllm(WITH_LMCACHE) as vllm:
+    with FakeVllm(V1_RUNNER) as vllm:
         registry, _ = make(ExporterConfig(vllm_metrics_url=vllm.url, engine_versions_file=str(path)))
         m = scrape(registry)  # the init container has not written it (cannot happen in a pod; counted)
         assert value(m, "kvoffload_source_up", source="engine") == 0
@@ -395,7 +448,7 @@ def test_engine_info_from_the_versions_file(tmp_path: Path, caplog: pytest.LogCa
         assert value(m, "kvoffload_engine_info", vllm="0.26.0", lmcache="0.5.3", torch="2.11.0+cu130") == 1
         assert value(m, "kvoffload_source_up", source="engine") == 1
         # What the operator's probe makes of the same page.
-        assert parse_page(text) == Reading(1.0, {"vllm": "0.26.0", "lmcache": "0.5.3", "torch": "2.11.0+cu130"})
+        assert parse_page(text) == Reading(1.0, {"vllm": "0.26.0", "lmcache": "0.5.3", "torch": "2.11.0+cu130"}, 0.0)
 
         path.write_text('{"vllm": "0.27.1", "lmcache": null}')
         m = scrape(registry)
@@ -406,6 +459,17 @@ def test_engine_info_from_the_versions_file(tmp_path: Path, caplog: pytest.LogCa
     assert value(m, "kvoffload_source_up", source="engine") == 0
     assert value(m, "kvoffload_scrape_errors_total", source="engine") == 2
     assert any("source engine failing" in r.getMessage() and "not JSON" in r.getMessage() for r in caplog.records)
+
+
+def test_probe_reads_the_unloaded_hits() -> None:
+    """What the operator's probe makes of the reference page (V2 runner, LMCache never retrieved)."""
+    from kvoffload.controller.probe import Reading, parse_page
+
+    with FakeVllm(WITH_LMCACHE) as vllm:
+        registry, _ = make(ExporterConfig(vllm_metrics_url=vllm.url, unloaded_grace_s=0))
+        assert parse_page(generate_latest(registry).decode()) == Reading(0.0, None, 64028.0)
+        vllm.body = V1_RUNNER
+        assert parse_page(generate_latest(registry).decode()) == Reading(1.0, None, 0.0)
 
 
 def test_no_versions_file_flag_no_engine_source() -> None:

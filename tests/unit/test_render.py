@@ -13,6 +13,7 @@ from kvoffload.api.quantity import to_bytes
 from kvoffload.api.settings import Settings
 from kvoffload.cli.render import dump_all
 from kvoffload.controller import pipeline
+from kvoffload.engine import images
 from kvoffload.engine import versions as engine_versions
 from kvoffload.rendering import render
 
@@ -229,3 +230,29 @@ def test_versions_script_reports_what_the_environment_holds(tmp_path):
     assert found.lmcache == (doc["lmcache"] or engine_versions.NOT_INSTALLED)
     assert found.vllm == (doc["vllm"] or engine_versions.NOT_INSTALLED)
     assert not (tmp_path / "versions.json.tmp").exists()
+
+
+@pytest.mark.parametrize("engine, expected", [
+    ({}, "0"),  # the default image: vLLM 0.26.0 + LMCache 0.5.3, whose V2 runner skips LMCache's loads
+    ({"image": "lmcache/vllm-openai:v0.5.4", "vllmVersion": "0.27.1"}, None),  # no known quirk: nothing rendered
+])
+def test_connector_env_follows_the_engine_pair(engine, expected):
+    s = spec()
+    s["engine"].update(engine)
+    d = pipeline.desired("svc", "ns", "u", s, Settings())
+    vllm = pod_of(d.children)["containers"][0]
+    env = {e["name"]: e.get("value") for e in vllm["env"]}
+    assert env.get("VLLM_USE_V2_MODEL_RUNNER") == expected
+    pair = images.EnginePair(d.spec.engine.vllm_version, d.spec.engine.lmcache_version)
+    assert images.connector_env(pair) == ({"VLLM_USE_V2_MODEL_RUNNER": expected} if expected else {})
+
+
+@pytest.mark.parametrize("backend", ["lmcache-server", "vllm-native"])
+def test_connector_env_only_for_the_in_process_connector(backend):
+    # LMCacheMPConnector and vLLM's OffloadingConnector do not have LMCacheConnectorV1's V2-runner early return.
+    s = spec()
+    s["offload"]["backend"] = backend
+    if backend == "vllm-native":
+        s["offload"].pop("disk", None)
+    vllm = pod_of(pipeline.desired("svc", "ns", "u", s, Settings()).children)["containers"][0]
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in {e["name"] for e in vllm["env"]}

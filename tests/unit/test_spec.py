@@ -79,6 +79,21 @@ def test_bad_input_names_the_field(patch, field):
     assert err.value.field == field, err.value
 
 
+@pytest.mark.parametrize("image", [None, "lmcache/vllm-openai:v0.5.4"])
+def test_model_runner_env_is_managed_on_every_pair(image):
+    """The operator picks vLLM's model runner for the pair (vLLM 0.26.0's V2 runner skips LMCache's loads):
+    a user value is refused on every pair, with the reason."""
+    patch = {"engine__env": [{"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "1"}]}
+    if image:
+        patch.update(engine__image=image, engine__vllmVersion="0.27.1")
+    with pytest.raises(ConfigError) as err:
+        parse(spec(**patch), S)
+    assert err.value.field == "spec.engine.env"
+    assert "VLLM_USE_V2_MODEL_RUNNER is managed by the operator" in str(err.value)
+    assert "V2 runner skips LMCache's KV loads" in str(err.value)
+    assert "VLLM_USE_V2_MODEL_RUNNER" in crd.MANAGED_ENV
+
+
 @pytest.mark.parametrize("path, ok", [
     ("/mnt/nvme/lmcache", True),
     ("/mnt/nvme/a/b/c", True),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from ..engine import flags
+from ..engine import flags, images
 
 GROUP = "kvoffload.io"
 VERSION = "v1alpha1"
@@ -26,8 +26,9 @@ SHORT_NAMES = ["kvs"]
 REFUSED_FLAGS = flags.refused_spellings()
 # POD_NAME / POD_NAMESPACE expand the disk tier's subPathExpr: a user value would mount another pod's directory.
 # VLLM_API_KEY comes from spec.engine.apiKeySecretRef only (never a literal in the pod spec or command line).
+# VLLM_USE_V2_MODEL_RUNNER: set per engine pair (engine/images.CONNECTOR_ENV): a user value could turn LMCache's loads off.
 MANAGED_ENV = ("LMCACHE_CONFIG_FILE", "PYTHONHASHSEED", "PROMETHEUS_MULTIPROC_DIR", "LMCACHE_USE_EXPERIMENTAL",
-               "POD_NAME", "POD_NAMESPACE", "VLLM_API_KEY")
+               "POD_NAME", "POD_NAMESPACE", "VLLM_API_KEY", *images.CONNECTOR_ENV_WHY)
 MANAGED_ENV_PREFIX = "LMCACHE_"
 # spec.offload.backend: who holds the offload tiers (docs/backends.md).
 BACKENDS = ("lmcache", "lmcache-server", "vllm-native")
@@ -187,7 +188,8 @@ def _engine() -> Schema:
                     "rule": "self.all(e, !(e.name in " + _cel_list(MANAGED_ENV) + ") && !e.name.startsWith('" + MANAGED_ENV_PREFIX + "'))",
                     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is refused by the operator only: a CEL rule over
                     # env values (no maxLength) exceeds the API server's cost budget.
-                    "message": "env may not set a variable the operator manages: " + ", ".join(MANAGED_ENV) + " or LMCACHE_*"}]},
+                    "message": "env may not set a variable the operator manages: " + ", ".join(MANAGED_ENV) + " or LMCACHE_* ("
+                               + "; ".join(f"{k}: {v}" for k, v in images.CONNECTOR_ENV_WHY.items()) + ")"}]},
             "apiKeySecretRef": _o(
                 "Secret holding the API key clients must send (Authorization: Bearer KEY) for vLLM's /v1 endpoints; exposed to vLLM "
                 "as VLLM_API_KEY (vLLM's --api-key, which is refused in extraArgs so the key never appears in the pod spec). "

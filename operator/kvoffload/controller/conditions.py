@@ -180,9 +180,21 @@ def _offload(desired: Desired, ready: Cond, pods: list[dict[str, Any]], probes: 
     probes = {pod: v for pod, v in probes.items() if pod in ready_pods}
     failed = sorted((pod, v) for pod, v in probes.items() if isinstance(v, str))
     idle = sorted(pod for pod, v in probes.items() if isinstance(v, Reading) and v.active < 1)
+    unloaded = sorted((pod, v.unloaded) for pod, v in probes.items() if isinstance(v, Reading) and v.unloaded > 0)
     if not probes or len(failed) == len(probes):
         detail = f"; {failed[0][0]}: {failed[0][1]}" if failed else ""
         return Cond("OffloadActive", "Unknown", "ExporterUnreachable", f"{configured}; no exporter answered{detail}")
+    if unloaded:
+        pod, tokens = unloaded[0]
+        engine = desired.spec.engine
+        return Cond("OffloadActive", "False", "ExternalHitsNotLoaded",
+                    f"{len(unloaded)}/{len(probes)} pods skip prefill for KV that LMCache never loaded ({pod}: vLLM counted "
+                    f"{tokens:,.0f} prompt tokens as loaded from LMCache, vllm:external_prefix_cache_hits_total, while "
+                    "LMCache retrieved nothing, lmcache:num_retrieve_requests_total 0): answers for those prompts are wrong. "
+                    f"Rendered for vLLM {engine.vllm_version} + LMCache {engine.lmcache_version}; vLLM 0.26.0's V2 model "
+                    "runner does this (the operator renders VLLM_USE_V2_MODEL_RUNNER=0 for the pairs it knows need it). "
+                    "Check that the image holds the rendered pair (EngineVerified) and the vllm container's environment; "
+                    "for an image the operator does not know, report the pair (docs/compatibility.md)")
     if idle:
         return Cond("OffloadActive", "False", idle_reason,
                     f"{len(idle)}/{len(probes)} pods show no offload activity ({', '.join(idle[:3])}): {missing}; normal "

@@ -1,5 +1,6 @@
-"""Proof from the pods: ask each running pod's exporter for kvoffload_offload_active and
-kvoffload_engine_info (the versions the serving image really holds).
+"""Proof from the pods: ask each running pod's exporter for kvoffload_offload_active,
+kvoffload_external_hits_unloaded_tokens and kvoffload_engine_info (the versions the serving image
+really holds).
 
 The I/O half of the OffloadActive and EngineVerified conditions; conditions.py turns the answers
 into the verdicts.
@@ -21,6 +22,7 @@ class Reading:
     """What one pod's exporter answered."""
     active: float  # kvoffload_offload_active
     engine: dict[str, str] | None = None  # kvoffload_engine_info's labels (vllm, lmcache, torch); None: not served
+    unloaded: float = 0.0  # kvoffload_external_hits_unloaded_tokens (0 when absent: not judged)
 
 
 # pod name -> the exporter's answer, or an error string.
@@ -35,16 +37,18 @@ def _running(pod: dict[str, Any]) -> bool:
 
 
 def parse_page(text: str) -> Reading | str:
-    """The two families the operator reads from an exporter's /metrics page."""
-    active, engine = None, None
+    """The families the operator reads from an exporter's /metrics page."""
+    active, engine, unloaded = None, None, 0.0
     for family in text_string_to_metric_families(text):
         if family.name == "kvoffload_offload_active" and family.samples:
             active = float(family.samples[0].value)
         elif family.name == "kvoffload_engine_info" and family.samples:
             engine = dict(family.samples[0].labels)
+        elif family.name == "kvoffload_external_hits_unloaded_tokens" and family.samples:
+            unloaded = float(family.samples[0].value)
     if active is None:
         return "kvoffload_offload_active missing from the exporter's /metrics"
-    return Reading(active, engine)
+    return Reading(active, engine, unloaded)
 
 
 def _read(url: str, timeout: float) -> Reading | str:

@@ -37,6 +37,32 @@ KNOWN_IMAGES: dict[str, KnownImage] = {
                                              why="it installs an unpinned vLLM; set spec.engine.vllmVersion to the one it holds"),
 }
 
+# Environment the vllm container needs for LMCacheConnectorV1 (in-process LMCache) to really load KV,
+# per known pair. vLLM 0.26.0's default V2 model runner calls the connector's start_load_kv without
+# attention metadata when one token is left to compute; LMCache 0.5.3 then returns without loading
+# ("attn_metadata is None", lmcache/integration/vllm/vllm_v1_adapter.py:787) while vLLM counts the
+# tokens as external hits and skips their prefill: wrong answers, silently. With the V1 runner the
+# loads happen (H200 run, docs/benchmarks.md "GPU": CPU tier 0.074 s vs 1.096 s recompute, disk tier
+# 1.405 s read from disk; LMCache's retrieve counters count). vLLM 0.26.0 reads the variable in
+# vllm/envs.py ("VLLM_USE_V2_MODEL_RUNNER": maybe_convert_bool(...), line 1922) and
+# vllm/config/vllm.py (use_v2_model_runner, line 551). Only this pair ran on a GPU; other pairs get
+# nothing here until a run shows what they need (the exporter's kvoffload_external_hits_unloaded_tokens
+# catches the same failure at run time).
+CONNECTOR_ENV: dict[EnginePair, dict[str, str]] = {
+    EnginePair(vllm="0.26.0", lmcache="0.5.3"): {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+}
+# Why the operator owns each of these variables (a user value would undo the fix).
+CONNECTOR_ENV_WHY = {
+    "VLLM_USE_V2_MODEL_RUNNER": "the operator picks vLLM's model runner for the engine pair: vLLM 0.26.0's "
+                                "default V2 runner skips LMCache's KV loads (docs/compatibility.md)",
+}
+
+
+def connector_env(pair: EnginePair) -> dict[str, str]:
+    """Variables the in-process LMCache connector needs on this pair ({} for pairs without a known quirk)."""
+    return dict(CONNECTOR_ENV.get(pair, {}))
+
+
 # LMCacheConnectorV1 with the in-process config file exists from these versions on.
 MIN_VLLM = (0, 10, 0)
 MIN_LMCACHE = (0, 3, 0)

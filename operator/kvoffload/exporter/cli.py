@@ -63,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest wait for vLLM during one scrape (default %(default)s)")
     p.add_argument("--disk-rescan-interval", type=float, default=30.0, metavar="SECONDS",
                    help="seconds between background rescans of --disk-dir (default %(default)s)")
+    p.add_argument("--unloaded-grace-seconds", type=float, default=25.0, metavar="SECONDS",
+                   help="how long vLLM's external hits may go without an LMCache retrieve before "
+                        "kvoffload_external_hits_unloaded_tokens reports them (LMCache publishes its "
+                        "counters every 10 s; default %(default)s)")
 
 
 def build(args: argparse.Namespace) -> tuple[CollectorRegistry, TierCollector, tuple[str, int]]:
@@ -85,6 +89,8 @@ def build(args: argparse.Namespace) -> tuple[CollectorRegistry, TierCollector, t
     if args.cpu_capacity_bytes or args.disk_capacity_bytes:
         capacity = TierCapacity(cpu_bytes=args.cpu_capacity_bytes or capacity.cpu_bytes,
                                 disk_bytes=args.disk_capacity_bytes or capacity.disk_bytes)
+    if not args.unloaded_grace_seconds >= 0:
+        raise ConfigError("--unloaded-grace-seconds", "must be >= 0 seconds")
     config = ExporterConfig(
         vllm_metrics_url=args.vllm_metrics_url,
         multiproc_dir=args.multiproc_dir,
@@ -94,6 +100,7 @@ def build(args: argparse.Namespace) -> tuple[CollectorRegistry, TierCollector, t
         capacity=capacity,
         backend=args.backend,
         server_status_url=args.lmcache_server_url,
+        unloaded_grace_s=args.unloaded_grace_seconds,
     )
     disk = None
     if args.disk_dir:

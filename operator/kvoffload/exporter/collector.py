@@ -8,7 +8,9 @@ knows them); disk files from the directory itself."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -28,8 +30,19 @@ OFFLOAD_ACTIVE_HELP = (
     "AND vllm:external_prefix_cache_queries_total > 0 (vLLM's scheduler has asked its KV connector "
     "for prompt tokens since vLLM started; vLLM counts these only when a KV connector is configured) "
     "AND LMCache's metrics are present (lmcache:* in the multiprocess dir, or on vLLM's page without "
-    "--multiproc-dir: the connector is LMCache and its engine started). 0 before the first request "
-    "(not yet proven); 0 while vLLM serves traffic means offloading is not wired."
+    "--multiproc-dir: the connector is LMCache and its engine started) AND, once "
+    "vllm:external_prefix_cache_hits_total > 0, lmcache:num_retrieve_requests_total > 0 (LMCache "
+    "really loaded; see kvoffload_external_hits_unloaded_tokens). 0 before the first request "
+    "(not yet proven); 0 while vLLM serves traffic means offloading is not wired or not loading."
+)
+UNLOADED_HELP = (
+    "Prompt tokens vLLM counted as loaded from its KV connector (vllm:external_prefix_cache_hits_total) "
+    "while LMCache has retrieved nothing since it started (lmcache:num_retrieve_requests_total summed "
+    "over TP workers is 0), once this has lasted the exporter's --unloaded-grace-seconds (LMCache "
+    "publishes its counters every 10 s). vLLM skipped these tokens' prefill without their KV being "
+    "loaded: answers are wrong. Seen with vLLM 0.26.0's V2 model runner and LMCache 0.5.3 (the operator "
+    "renders VLLM_USE_V2_MODEL_RUNNER=0 for that pair). 0 otherwise; absent while vLLM or LMCache "
+    "cannot be read."
 )
 
 # What proves offloading per backend (spec.offload.backend); the common part is that vLLM has asked its
@@ -56,14 +69,21 @@ class ExporterConfig:
     capacity: TierCapacity = TierCapacity()
     backend: str = "lmcache"  # spec.offload.backend
     server_status_url: str | None = None  # the LMCache server's /status (backend lmcache-server)
+    # LMCache publishes its counters every 10 s (LMCacheStatsLogger, log_interval=10) while vLLM counts
+    # hits at once: external hits without a retrieve are reported only after they outlast this.
+    unloaded_grace_s: float = 25.0
 
 
 class TierCollector(Collector):
     """prometheus_client custom collector; each collect() is one bounded look at every source."""
 
-    def __init__(self, config: ExporterConfig, disk: DiskTierMonitor | None = None) -> None:
+    def __init__(self, config: ExporterConfig, disk: DiskTierMonitor | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.disk = disk
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._unloaded_since: float | None = None  # when hits without a retrieve were first seen
         self.health = {name: SourceHealth(name) for name in (("vllm",) if config.backend == "vllm-native" else ("vllm", "lmcache"))}
         if disk is not None:
             self.health["disk"] = disk.health
@@ -90,7 +110,7 @@ class TierCollector(Collector):
                   "lmcache-server": lambda: server_active(vllm, server),
                   "vllm-native": lambda: native_active(vllm)}[backend]()
         engine = self._look_engine()
-        families = _families(self.config, vllm, lmc, disk, active, self.health, server)
+        families = _families(self.config, vllm, lmc, disk, active, self._settled(unloaded_tokens(vllm, lmc)), self.health, server)
         return families + ([engine_info(engine)] if engine is not None else [])
 
     def _look_server(self) -> ServerSnapshot | None:
@@ -103,6 +123,17 @@ class TierCollector(Collector):
             return None
         self.health["lmcache"].ok()
         return snap
+
+    def _settled(self, unloaded: float | None) -> float | None:
+        """`unloaded` once it has lasted unloaded_grace_s (LMCache's counters lag vLLM's), else 0."""
+        with self._lock:
+            if not unloaded:
+                self._unloaded_since = None
+                return unloaded
+            now = self.clock()
+            if self._unloaded_since is None:
+                self._unloaded_since = now
+            return unloaded if now - self._unloaded_since >= self.config.unloaded_grace_s else 0.0
 
     def _look_vllm(self) -> VllmSnapshot | None:
         try:
@@ -157,10 +188,19 @@ def engine_info(found: engine_versions.EngineVersions) -> Metric:
     return info
 
 
+def unloaded_tokens(vllm: VllmSnapshot | None, lmc: LmcacheSnapshot | None) -> float | None:
+    """vLLM's external hits if LMCache has retrieved nothing, else 0; None when a source is down."""
+    if vllm is None or lmc is None:
+        return None
+    hits = vllm.external_hits or 0.0
+    return hits if hits > 0 and lmc.retrieve_requests == 0 else 0.0
+
+
 def offload_active(vllm: VllmSnapshot | None, lmc: LmcacheSnapshot | None) -> bool:
-    """The rule in OFFLOAD_ACTIVE_HELP: vLLM has consulted its KV connector, and that connector is
-    LMCache. Monotone while vLLM runs (its counters only rise), so the verdict does not flicker."""
-    return vllm is not None and lmc is not None and (vllm.external_queries or 0) > 0
+    """The rule in OFFLOAD_ACTIVE_HELP: vLLM has consulted its KV connector, that connector is
+    LMCache, and what vLLM counted as loaded LMCache really retrieved. Monotone while vLLM runs (the
+    counters only rise), so the verdict does not flicker."""
+    return vllm is not None and lmc is not None and (vllm.external_queries or 0) > 0 and unloaded_tokens(vllm, lmc) == 0
 
 
 def server_active(vllm: VllmSnapshot | None, server: ServerSnapshot | None) -> bool:
@@ -175,7 +215,7 @@ def native_active(vllm: VllmSnapshot | None) -> bool:
 
 
 def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSnapshot | None,
-              disk: DiskScan | None, active: bool, health: dict[str, SourceHealth],
+              disk: DiskScan | None, active: bool, unloaded: float | None, health: dict[str, SourceHealth],
               server: ServerSnapshot | None = None) -> list[Metric]:
     """Pure: figures in, families out. A figure whose source is down is left out, never zeroed."""
     capacity = GaugeMetricFamily(
@@ -294,6 +334,8 @@ def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSna
         f"1 if KV offloading (backend {config.backend}) is proven at work, else 0. Rule: vLLM's /metrics was read AND "
         f"vllm:external_prefix_cache_queries_total > 0 AND {OFFLOAD_ACTIVE_BY_BACKEND[config.backend]}.")
     families.append(GaugeMetricFamily("kvoffload_offload_active", help_, value=int(active)))
+    if unloaded is not None:
+        families.append(GaugeMetricFamily("kvoffload_external_hits_unloaded_tokens", UNLOADED_HELP, value=unloaded))
     errors = CounterMetricFamily(
         "kvoffload_scrape_errors",
         "Failed reads of a source: vllm and lmcache per scrape, disk per background rescan.",

@@ -1,9 +1,11 @@
 """Read LMCache's metrics: the prometheus_client multiprocess files LMCache writes (or the
 `lmcache:*` families vLLM re-exports when both share PROMETHEUS_MULTIPROC_DIR).
 
-Only what LMCache alone knows is taken from here: tier bytes, CPU evictions, stored tokens. Hits
-come from vLLM: under vLLM, LMCache's lmcache:num_hit_tokens / num_requested_tokens stay 0 (seen
-on vLLM 0.26.0 + LMCache 0.5.3 while LMCache served 64,028 tokens), so they are not read."""
+Only what LMCache alone knows is taken from here: tier bytes, CPU evictions, stored tokens, and
+whether it has retrieved anything at all. Hits come from vLLM (what the engine served). LMCache's
+retrieve counters (lmcache:num_retrieve_requests / num_hit_tokens) count only real loads: they
+stayed 0 under vLLM 0.26.0's V2 model runner, which never let LMCache load (while vLLM counted
+64,028 tokens as loaded), and counted under the V1 runner (6 retrieves, 99,072 tokens on the H200)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from ..api.fetch import SourceError
 
 _USED = frozenset({
     "lmcache:num_stored_tokens_total",
+    "lmcache:num_retrieve_requests_total",
     "lmcache:local_cache_usage",
     "lmcache:local_storage_usage",
     "lmcache:local_cpu_evict_keys_count_total",
@@ -37,6 +40,9 @@ class LmcacheSnapshot:
     cpu_used_bytes: float  # lmcache:local_cache_usage
     disk_used_bytes: float  # lmcache:local_storage_usage
     cpu_evicted_chunks: float  # lmcache:local_cpu_evict_keys_count (keys = chunks)
+    # lmcache:num_retrieve_requests summed over workers: loads LMCache really started into vLLM's GPU
+    # buffers since it started (0 when absent: nothing proves a load).
+    retrieve_requests: float = 0.0
 
 
 def read_multiproc_dir(path: str) -> list[Metric]:
@@ -82,4 +88,5 @@ def parse_lmcache(families: Iterable[Metric]) -> LmcacheSnapshot:
         cpu_used_bytes=total("lmcache:local_cache_usage"),
         disk_used_bytes=total("lmcache:local_storage_usage"),
         cpu_evicted_chunks=total("lmcache:local_cpu_evict_keys_count_total"),
+        retrieve_requests=total("lmcache:num_retrieve_requests_total"),
     )

@@ -19,7 +19,9 @@ from ..api.errors import ConfigError
 from ..api.quantity import format_bytes, gib
 from ..api.settings import Settings
 from ..api.spec import Spec
+from ..engine import images
 from ..engine import versions as engine_versions
+from ..engine.images import EnginePair
 from ..planning.sizing import Budget
 from . import pod_security
 from .network_policy import network_policy
@@ -169,6 +171,11 @@ def _vllm_env(spec: Spec, settings: Settings) -> list[dict[str, Any]]:
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
     ]
+    if spec.offload.backend == "lmcache":
+        # What this pair needs for the in-process connector to really load KV (vLLM 0.26.0: the V1 model
+        # runner; LMCacheConnectorV1 skips loads under V2). LMCacheMPConnector has no such early return.
+        pair = EnginePair(spec.engine.vllm_version, spec.engine.lmcache_version)
+        env += [{"name": k, "value": v} for k, v in sorted(images.connector_env(pair).items())]
     env += pod_security.engine_env(spec)
     if spec.engine.api_key_secret:
         secret, key = spec.engine.api_key_secret
