@@ -11,7 +11,7 @@ VLLM_VERSION := 0.26.0
 LMCACHE_VERSION := 0.5.3
 ENGINE_VENV := $(HOME)/.cache/kvoffload/engine-vllm-$(VLLM_VERSION)-lmcache-$(LMCACHE_VERSION)
 
-.PHONY: venv engine-venv engine-tables system-deps cluster-build gitops-tools cluster-up cluster-down cluster-status generate lint unit integration test demo demo-down bench clean
+.PHONY: venv operator-wheels engine-venv engine-metadata engine-tables system-deps cluster-build gitops-tools cluster-up cluster-down cluster-status generate lint unit integration test demo demo-down bench clean
 
 venv: $(VENV)/.done
 $(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
@@ -22,10 +22,20 @@ $(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
 	$(BIN)/pip install -q -e tests/support
 	touch $@
 
+# The operator's dependencies as wheels (cached), so the test that installs ./operator in a clean venv
+# like the operator image does runs offline (tests never reach the network).
+operator-wheels: venv
+	$(BIN)/pip download -q -d $(HOME)/.cache/kvoffload/wheelhouse ./operator 'setuptools>=68' wheel
+
 # vLLM + LMCache of the serving image in their own cached venv (several GB, ~10 min the first time):
 # the fidelity tests run vLLM's real parser and create_engine_config() and LMCache's real loader there.
 engine-venv:
 	PY=$(PY) tests/engine/build-venv.sh $(VLLM_VERSION) $(LMCACHE_VERSION) >/dev/null
+
+# What the compatibility matrix reads from PyPI (wheel metadata, LMCache wheels), fetched here at
+# install time and cached: tests never reach the network.
+engine-metadata: venv engine-venv
+	$(BIN)/python tests/engine/compatibility.py --fetch
 
 # Regenerate the operator's vLLM flag table from vLLM's own parser (a test checks it is current).
 engine-tables: engine-venv
@@ -60,7 +70,7 @@ generate: venv
 lint: venv
 	$(BIN)/ruff check --config operator/pyproject.toml operator tests benchmarks
 
-unit: venv gitops-tools
+unit: venv operator-wheels gitops-tools
 	$(BIN)/python -m pytest tests/unit -q
 
 integration: venv system-deps cluster-build gitops-tools
@@ -68,7 +78,7 @@ integration: venv system-deps cluster-build gitops-tools
 
 # Lint, the generated files, unit tests, the engine fidelity tests, then everything on the real control plane
 # (started from the cached build, stopped after).
-test: venv lint engine-venv system-deps cluster-build gitops-tools
+test: venv lint operator-wheels engine-venv engine-metadata system-deps cluster-build gitops-tools
 	$(BIN)/python -m kvoffload.cli.generate --check
 	KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_ENGINE=1 $(BIN)/python -m pytest tests -q
 

@@ -2,6 +2,10 @@
 
     python tests/engine/compatibility.py           rewrite docs/compatibility.md
     python tests/engine/compatibility.py --check   fail if it is not what the checks give now
+    python tests/engine/compatibility.py --fetch   only fetch what the checks read from PyPI (`make engine-metadata`)
+
+Tests never reach the network: what comes from PyPI (wheel metadata, LMCache wheels) is fetched by
+`--fetch` (a `make test` install step) or by a rewrite, and read from the cache otherwise.
 
 Checks per pair (run with the operator's venv; the engine's code runs in the engine venvs):
 - torch pins: each wheel's own Requires-Dist (PEP 658 metadata via `pip install --dry-run --report`:
@@ -46,10 +50,19 @@ GPU_RUNS = {
 }
 
 
+FETCH = False  # True for --fetch and a rewrite; tests read the cache only
+
+
+def _fetching(what: str) -> None:
+    if not FETCH:
+        raise AssertionError(f"{what} is not in {engine_venv.CACHE}: run `make engine-metadata` (tests never reach the network)")
+
+
 def metadata(name: str, version: str) -> dict:
     """The wheel's core metadata, fetched once with pip's ordinary client (PEP 658: no wheel download)."""
     path = META / f"{name}-{version}.json"
     if not path.is_file():
+        _fetching(f"{name} {version}'s wheel metadata")
         META.mkdir(parents=True, exist_ok=True)
         report = META / f".{name}-{version}.report"
         cp = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed", "--quiet",
@@ -92,6 +105,7 @@ def lmcache_tree(lmcache: str, venvs: dict[tuple[str, str], Path]) -> Path | Non
             return engine_venv.site_packages(venv)
     pattern = f"lmcache-{lmcache}-cp{PY.replace('.', '')}-*.whl"
     if not list(WHEELS.glob(pattern)):  # fetched once with pip's ordinary client (~16 MB), then cached
+        _fetching(f"the LMCache {lmcache} wheel")
         cp = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
                              "--python-version", PY, "--platform", "manylinux_2_28_x86_64", "-d", str(WHEELS),
                              f"lmcache=={lmcache}"], capture_output=True, text=True, timeout=600)
@@ -248,7 +262,20 @@ def render() -> str:
     return text
 
 
+def fetch() -> None:
+    """Everything rows() reads from PyPI, into the cache."""
+    venvs = engine_venvs()
+    pairs = [(k.vllm, k.lmcache) for k in images.KNOWN_IMAGES.values()] + CANDIDATES
+    for vllm, lmcache in pairs:
+        if vllm and lmcache:
+            metadata("vllm", vllm), metadata("lmcache", lmcache), lmcache_tree(lmcache, venvs)
+
+
 def main() -> None:
+    global FETCH
+    FETCH = sys.argv[1:] != ["--check"]
+    if sys.argv[1:] == ["--fetch"]:
+        return fetch()
     text = render()
     if sys.argv[1:] == ["--check"]:
         if DOC.read_text() != text:
