@@ -24,6 +24,7 @@ import engine_venv
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from unit.helpers import spec  # noqa: E402  (the unit tests' base spec with dotted-path overrides)
 
 from kvoffload.api.fetch import SourceError
 from kvoffload.api.quantity import gib
@@ -38,24 +39,6 @@ ROOT = engine_venv.ROOT
 VLLM_VERSION, LMCACHE_VERSION = engine_venv.PAIR.vllm, engine_venv.PAIR.lmcache
 PAIR = {"engine__image": f"ghcr.io/kvoffload/vllm-lmcache:{VLLM_VERSION}-{LMCACHE_VERSION}",
         "engine__vllmVersion": VLLM_VERSION, "engine__lmcacheVersion": LMCACHE_VERSION}
-BASE = {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "engine": {"maxModelLen": 32768},
-        "offload": {"cpu": {"size": "40Gi"}, "disk": {"path": "/mnt/nvme/lmcache", "size": "200Gi"}},
-        "resources": {"gpuMemory": "80Gi"}}
-
-
-def spec(**patch):
-    """BASE with dotted-path (__) overrides; None deletes the key."""
-    out = json.loads(json.dumps(BASE))
-    for dotted, value in patch.items():
-        *parents, leaf = dotted.split("__")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        if value is None:
-            node.pop(leaf, None)
-        else:
-            node[leaf] = value
-    return out
 # Llama-3.1-8B's published config.json, the fields vLLM reads (no weights, no tokenizer needed).
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
          "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32, "head_dim": 128,
