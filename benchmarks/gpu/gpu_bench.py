@@ -379,10 +379,32 @@ class Engine:
                 "lmcache_retrieved_tokens": sum(got), "lmcache_retrieve_lines": len(got),
                 "lmcache_load_skipped_lines": text.count("start_load_kv, but the attn_metadata is None")}
 
-    def reset_prefix_cache(self) -> None:
-        status, body = http_req(self.port, "POST", "/reset_prefix_cache", timeout=60)
-        if status != 200:
-            raise RuntimeError(f"/reset_prefix_cache: HTTP {status}: {body[:300]}")
+    def reset_prefix_cache(self, deadline_s: float = 180) -> dict[str, Any]:
+        """Until vLLM says the GPU prefix cache is empty. vLLM 0.26.0 answers 200 with
+        {"success": false} while blocks are held, e.g. by in-flight asynchronous KV stores (the
+        lmcache-server connector holds a prompt's blocks until the server has it): we retry, and the
+        time waited is how long the store took to drain."""
+        t0 = time.monotonic()
+        attempts = 0
+        while True:
+            attempts += 1
+            status, body = http_req(self.port, "POST", "/reset_prefix_cache", timeout=60)
+            if status != 200:
+                raise RuntimeError(f"/reset_prefix_cache: HTTP {status}: {body[:300]}")
+            if reset_succeeded(body):
+                return {"reset_wait_s": round(time.monotonic() - t0, 3), "reset_attempts": attempts}
+            if time.monotonic() - t0 > deadline_s:
+                raise RuntimeError(f"/reset_prefix_cache: still {body[:100]} after {attempts} attempts in {deadline_s:.0f} s")
+            time.sleep(0.1)
+
+
+def reset_succeeded(body: str) -> bool:
+    """vLLM's answer to POST /reset_prefix_cache: {"success": bool} (0.26.0); an empty body (older
+    vLLM, no verdict) counts as success."""
+    try:
+        return bool(json.loads(body).get("success", True)) if body.strip() else True
+    except (ValueError, AttributeError):
+        return True
 
 
 def output_tokens(body: str) -> list[int] | None:
@@ -617,8 +639,8 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
                 p = prompt(seed + r, n)
                 phases.setdefault("cold", []).append(eng.complete(p))
                 phases.setdefault("gpu", []).append(eng.complete(p))
-                eng.reset_prefix_cache()
-                phases.setdefault("after_reset", []).append(eng.complete(p))
+                reset = eng.reset_prefix_cache()
+                phases.setdefault("after_reset", []).append({**eng.complete(p), **reset})
                 log(f"{tag}: rep {r}: " + ", ".join(f"{k} {v[-1]['ttft_s']:.3f}s (LMCache retrieved {v[-1]['lmcache_retrieved_tokens']}, "
                                                     f"load skipped {v[-1]['lmcache_load_skipped_lines']}x)" for k, v in phases.items()))
         else:

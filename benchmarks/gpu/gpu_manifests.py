@@ -197,9 +197,14 @@ class LocalRun:
 
 def _volume_dirs(r: Rendered, layout: Layout) -> dict[str, str]:
     out = {}
+    tmp = {m.volume for m in r.vllm.mounts if m.path.rstrip("/") == "/tmp"}
     for name, source in r.volumes.items():
         if "hostPath" in source:
             out[name] = layout.disk_dir
+        elif name in tmp:
+            # TMPDIR: LMCache binds ZMQ ipc sockets under it, whose paths may not exceed 107 characters
+            # (sockaddr_un); a long work dir made LMCache's init fail at TP 2 on the H200.
+            out[name] = f"/tmp/kvb-{layout.port}"
         elif (source.get("emptyDir") or {}).get("medium") == "Memory":
             out[name] = "/dev/shm"
         else:
@@ -327,6 +332,9 @@ def localize(r: Rendered, layout: Layout, *, connector: bool = True, model_confi
         elif a in OFFLOAD_FLAGS and not connector:
             changes.append(f"baseline: dropped {a} {args[i + 1]}")
             i += 2
+        elif i == 0:  # the local model dir: a host path already (it may lie under a mounted /tmp)
+            out.append(a)
+            i += 1
         else:
             out.append(host(_expand(a, env)) if a.startswith("/") else _expand(a, env))
             i += 1
