@@ -634,6 +634,7 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
         n, reps = args.prompt_tokens, args.reps
         seed = {"connector": 100, "baseline": 200, "disk": 300}[kind] + 1000 * rendered.tp
         phases: dict[str, list[dict[str, Any]]] = {}
+        res["phases"] = phases  # filled as it goes: what was measured before an error is kept
         if kind in ("connector", "baseline"):
             for r in range(reps):
                 p = prompt(seed + r, n)
