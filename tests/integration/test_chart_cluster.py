@@ -1,6 +1,7 @@
 """The Helm chart against the real local control plane (tests/cluster).
 
-- every ci/*-values.yaml scenario: `helm template` | `kubectl apply --dry-run=server`;
+- every ci/*-values.yaml scenario: `helm template`, each document applied as a server-side dry run
+  with strict field validation;
 - a real `helm install`, `helm upgrade` with a CRD change, `helm uninstall` keeping the CRD and
   a user's KVOffloadServe (crds.keep);
 - the operator pod is admitted in a namespace enforcing Pod Security "restricted";
@@ -13,6 +14,8 @@ never touches the kvoffloadserves.kvoffload.io CRD that other tests use.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import re
 import shutil
@@ -24,6 +27,7 @@ import yaml
 
 from kvoffload.api import crd
 from kvoffload.cli import generate
+from kvtest import ApiError
 
 pytestmark = pytest.mark.cluster
 
@@ -37,24 +41,23 @@ def uid() -> str:
     return uuid.uuid4().hex[:6]
 
 
-def get_json(cluster, *args, check: bool = True):
-    cp = cluster.kubectl("get", *args, "-o", "json", check=check)
-    return json.loads(cp.stdout) if cp.returncode == 0 else None
-
-
 def docs_of(text: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(text) if d]
 
 
+def dry_run_strict(client, docs: list[dict], namespace: str | None = None) -> list[dict]:
+    """Each document applied as a server-side dry run with strict field validation (dryRun=All,
+    fieldValidation=Strict: what `kubectl apply --dry-run=server --validate=strict` asks of the API
+    server). An unknown field raises ApiError; nothing is stored."""
+    return [client.apply(d, namespace, dry_run=True, field_validation="Strict") for d in docs]
+
+
 def make_namespace(cluster, name: str, labels: dict[str, str] | None = None) -> str:
-    cluster.kubectl("create", "namespace", name)
-    cluster.kubectl("label", "namespace", name, "kvoffload.io/test=true", *[f"{k}={v}" for k, v in (labels or {}).items()],
-                    "--overwrite")
-    return name
+    return cluster.client.namespace(name, labels={"kvoffload.io/test": "true", **(labels or {})})
 
 
 def delete_namespace(cluster, name: str) -> None:
-    cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+    cluster.client.delete("namespace", name, missing_ok=True)
 
 
 # Stand-ins for the Prometheus Operator's PodMonitor/ServiceMonitor CRDs: structural schemas with
@@ -109,20 +112,21 @@ MONITOR_CRDS = [
 @pytest.fixture(scope="module")
 def monitoring_api(cluster):
     created = []
+    client = cluster.client
     for c in MONITOR_CRDS:
         name = c["metadata"]["name"]
-        if cluster.kubectl("get", "crd", name, check=False).returncode != 0:
-            cp = cluster.kubectl("create", "-f", "-", input=json.dumps(c), check=False)
-            if cp.returncode == 0:
-                created.append(name)
-            elif "AlreadyExists" not in cp.stderr:
-                raise AssertionError(cp.stderr)
-        cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+        try:
+            client.create(c)
+            created.append(name)
+        except ApiError as exc:
+            if exc.reason != "AlreadyExists":  # a real Prometheus Operator's (or another test's) stays
+                raise
+        client.established(name, timeout=60)
     try:
         yield
     finally:
         for name in created:
-            cluster.kubectl("delete", "crd", name, "--ignore-not-found", "--wait=false", check=False)
+            client.delete("crd", name, missing_ok=True)
 
 
 # --------------------------------------------------------------------------- ci scenarios
@@ -145,12 +149,18 @@ def test_ci_scenario_server_dry_run(cluster, namespace, scenario, request):
         assert ("PodMonitor" in kinds) == (scenario == "monitoring")
         assert ("Role" in kinds) == (scenario in ("namespaced", "leader-election", "janitor"))
         assert ("DaemonSet" in kinds) == (scenario == "janitor")
-        cp = cluster.kubectl("apply", "--dry-run=server", "--validate=strict", "-f", "-", input=rendered, check=False)
-        assert cp.returncode == 0, f"server refused the {scenario} scenario:\n{cp.stderr}\n{cp.stdout}"
-        applied = [line for line in cp.stdout.splitlines() if line.endswith("(server dry run)")]
-        assert len(applied) == len(docs), cp.stdout
+        try:
+            applied = dry_run_strict(cluster.client, docs)
+        except ApiError as exc:
+            raise AssertionError(f"server refused the {scenario} scenario: {exc}") from None
+        assert [(a["kind"], a["metadata"]["name"]) for a in applied] == [(d["kind"], d["metadata"]["name"]) for d in docs]
+        # Control: validation is strict (a misspelt field is refused, not silently dropped).
+        bad = copy.deepcopy(next(d for d in docs if d["kind"] == "Deployment"))
+        bad["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+        with pytest.raises(ApiError, match="imagePullPolicyy"):
+            dry_run_strict(cluster.client, [bad])
         # Dry run: nothing of it exists afterwards.
-        assert cluster.kubectl("get", "clusterrole", f"{release}-kvoffload-operator", check=False).returncode != 0
+        assert cluster.client.exists("clusterrole", f"{release}-kvoffload-operator") is False
     finally:
         for ns in extra:
             delete_namespace(cluster, ns)
@@ -160,9 +170,12 @@ def test_notes_example_is_accepted_by_the_api_server(cluster, namespace, crd_ins
     out = cluster.helm("install", "kvo", CHART, "--namespace", namespace, "--dry-run=client").stdout
     m = re.search(r"^kubectl apply -n \S+ -f - <<'EOF'\n(.*?)^EOF$", out, re.M | re.S)
     assert m, out
-    cp = cluster.kubectl("apply", "--dry-run=server", "--validate=strict", "-n", namespace, "-f", "-",
-                         input=m.group(1), check=False)
-    assert cp.returncode == 0, cp.stderr
+    docs = docs_of(m.group(1))
+    assert docs, m.group(1)
+    try:
+        dry_run_strict(cluster.client, docs, namespace)
+    except ApiError as exc:
+        raise AssertionError(f"server refused the NOTES.txt example: {exc}") from None
 
 
 # --------------------------------------------------------------------------- install / upgrade / uninstall
@@ -203,21 +216,22 @@ def test_install_upgrade_uninstall(cluster, namespace, tmp_path, monkeypatch):
     serve = yaml.safe_load(EXAMPLE.read_text())
     serve["apiVersion"] = f"{group}/{crd.VERSION}"
     serve["metadata"]["namespace"] = namespace
+    client = cluster.client
     try:
         # -- install (Helm 4: server-side apply; --wait: the Deployment becomes Available on kwok)
         cluster.helm("install", release, chart, "--namespace", namespace, "--wait", "--timeout", "180s")
-        cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd_name}", "--timeout=60s")
-        live = get_json(cluster, "crd", crd_name)
+        client.established(crd_name, timeout=60)
+        live = client.get("crd", crd_name)
         assert live["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
         assert live["metadata"]["annotations"]["meta.helm.sh/release-name"] == release
-        dep = get_json(cluster, "deployment", fullname, "-n", namespace, "--show-managed-fields")
+        dep = client.get("deployment", fullname, namespace)  # the API always returns managedFields
         assert dep["status"].get("availableReplicas") == 1
         assert any(f.get("manager") == "helm" and f.get("operation") == "Apply"
                    for f in dep["metadata"]["managedFields"]), "Helm 4 applies server-side"
-        assert get_json(cluster, "clusterrole", fullname)["rules"]
-        crb = get_json(cluster, "clusterrolebinding", fullname)
+        assert client.get("clusterrole", fullname)["rules"]
+        crb = client.get("clusterrolebinding", fullname)
         assert crb["subjects"] == [{"kind": "ServiceAccount", "name": fullname, "namespace": namespace}]
-        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(serve))  # a user's KVOffloadServe
+        client.apply(serve)  # a user's KVOffloadServe
 
         # -- upgrade: a CRD change (new printer column, new description) and a settings change
         column = {"name": "Upgraded", "type": "string", "jsonPath": ".spec.model.name"}
@@ -225,41 +239,46 @@ def test_install_upgrade_uninstall(cluster, namespace, tmp_path, monkeypatch):
                                description="Changed by the chart upgrade test.")
         cluster.helm("upgrade", release, chart, "--namespace", namespace, "--wait", "--timeout", "180s",
                      "--set", "operator.config.headroomPercent=20")
-        live = get_json(cluster, "crd", crd_name)
+        live = client.get("crd", crd_name)
         version = live["spec"]["versions"][0]
         assert column in version["additionalPrinterColumns"]
         assert version["schema"]["openAPIV3Schema"]["description"] == "Changed by the chart upgrade test."
+        # kubectl under test: the printer columns a user sees
         table = cluster.kubectl("get", f"{crd.PLURAL}.{group}", "-n", namespace).stdout
         assert "UPGRADED" in table.splitlines()[0] and "Qwen/Qwen2.5-7B-Instruct" in table, table
-        cm = get_json(cluster, "configmap", f"{fullname}-config", "-n", namespace)
+        cm = client.get("configmap", f"{fullname}-config", namespace)
         assert yaml.safe_load(cm["data"]["config.yaml"])["headroomPercent"] == 20
         history = json.loads(cluster.helm("history", release, "--namespace", namespace, "-o", "json").stdout)
         assert [h["revision"] for h in history] == [1, 2] and history[-1]["status"] == "deployed"
 
         # -- uninstall: the release's objects go, the CRD and the user's KVOffloadServe stay
         cluster.helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "120s")
-        assert cluster.kubectl("get", "deployment", fullname, "-n", namespace, check=False).returncode != 0
-        assert cluster.kubectl("get", "clusterrole", fullname, check=False).returncode != 0
-        assert cluster.kubectl("get", "serviceaccount", fullname, "-n", namespace, check=False).returncode != 0
-        assert get_json(cluster, "crd", crd_name)["spec"]["group"] == group
-        kept = get_json(cluster, f"{crd.PLURAL}.{group}", serve["metadata"]["name"], "-n", namespace)
+        assert client.exists("deployment", fullname, namespace) is False
+        assert client.exists("clusterrole", fullname) is False
+        assert client.exists("serviceaccount", fullname, namespace) is False
+        assert client.get("crd", crd_name)["spec"]["group"] == group
+        kept = client.get(f"{crd.PLURAL}.{group}", serve["metadata"]["name"], namespace)
         assert kept["spec"]["model"]["name"] == "Qwen/Qwen2.5-7B-Instruct"
     finally:
         cluster.helm("uninstall", release, "--namespace", namespace, check=False)
-        cluster.kubectl("delete", f"{crd.PLURAL}.{group}", "--all", "-n", namespace, "--ignore-not-found",
-                        "--wait=false", check=False)
-        cluster.kubectl("delete", "crd", crd_name, "--ignore-not-found", "--wait=false", check=False)
+        with contextlib.suppress(KeyError, ApiError):  # KeyError: the CRD was never served
+            for obj in client.list(f"{crd.PLURAL}.{group}", namespace):
+                client.delete(f"{crd.PLURAL}.{group}", obj["metadata"]["name"], namespace, missing_ok=True)
+        client.delete("crd", crd_name, missing_ok=True)
 
 
 # --------------------------------------------------------------------------- Pod Security
 def test_operator_pod_admitted_under_restricted_pod_security(cluster, namespace):
-    cluster.kubectl("label", "namespace", namespace, "--overwrite",
-                    "pod-security.kubernetes.io/enforce=restricted",
-                    "pod-security.kubernetes.io/enforce-version=latest")
-    # Control: this namespace really enforces "restricted" (a plain pod is refused).
-    cp = cluster.kubectl("run", "plain", "--image=busybox:1.36", "--restart=Never", "-n", namespace,
-                         "--dry-run=server", check=False)
-    assert cp.returncode != 0 and "violates PodSecurity" in cp.stderr, cp.stdout + cp.stderr
+    client = cluster.client
+    client.label("namespace", namespace, {"pod-security.kubernetes.io/enforce": "restricted",
+                                          "pod-security.kubernetes.io/enforce-version": "latest"})
+    # Control: this namespace really enforces "restricted" (a plain pod is refused). The pod is the
+    # one `kubectl run plain --image=busybox:1.36 --restart=Never` would create.
+    plain = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "plain", "labels": {"run": "plain"}},
+             "spec": {"containers": [{"name": "plain", "image": "busybox:1.36"}], "restartPolicy": "Never"}}
+    with pytest.raises(ApiError) as refused:
+        client.create(plain, namespace, dry_run=True)
+    assert "violates PodSecurity" in refused.value.message, refused.value
 
     release = f"kvo-{uid()}"
     try:
@@ -268,11 +287,11 @@ def test_operator_pod_admitted_under_restricted_pod_security(cluster, namespace)
 
         def outcome():
             """(refusals, pods): refusals show as FailedCreate events / a ReplicaFailure condition."""
-            refusals = [e["message"] for e in get_json(cluster, "events", "-n", namespace)["items"]
-                        if e.get("reason") == "FailedCreate"]
-            for r in get_json(cluster, "replicasets", "-n", namespace, "-l", f"app.kubernetes.io/instance={release}")["items"]:
+            labels = {"app.kubernetes.io/instance": release}
+            refusals = [e["message"] for e in client.list("events", namespace) if e.get("reason") == "FailedCreate"]
+            for r in client.list("replicasets", namespace, labels=labels):
                 refusals += [c["message"] for c in r["status"].get("conditions", []) if c["type"] == "ReplicaFailure"]
-            pods = get_json(cluster, "pods", "-n", namespace, "-l", f"app.kubernetes.io/instance={release}")["items"]
+            pods = client.list("pods", namespace, labels=labels)
             return (refusals, pods) if refusals or pods else None
 
         refusals, pods = cluster.wait_until(outcome, timeout=60, message="the operator's ReplicaSet to create its pod")

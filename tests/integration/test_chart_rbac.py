@@ -2,13 +2,12 @@
 
 The chart's ServiceAccount + (Cluster)Role + binding are rendered with `helm template` into a
 test namespace; the operator runs as a local subprocess (`python -m kvoffload.cli run`) with a
-kubeconfig holding only that ServiceAccount's token (`kubectl create token`), and its settings
+kubeconfig holding only that ServiceAccount's token (a TokenRequest), and its settings
 file is the chart's own operator ConfigMap. It must bring examples/cpu-tier-qwen25-7b.yaml to
 ConfigValid=True with a StatefulSet, without one 403, and let the resource be deleted.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 import uuid
@@ -54,11 +53,6 @@ def condition(obj: dict, ctype: str) -> dict | None:
     return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == ctype), None)
 
 
-def can_i(cluster, kubeconfig: Path, *args: str) -> bool:
-    cp = cluster.kubectl("--kubeconfig", str(kubeconfig), "auth", "can-i", *args, check=False)
-    return cp.stdout.strip() == "yes"
-
-
 @pytest.mark.parametrize("mode", ["cluster-role", "namespaced-role"])
 def test_operator_runs_under_exactly_the_charts_rbac(cluster, namespace, crd_installed, tmp_path, mode):
     release = f"rbac-{uuid.uuid4().hex[:6]}"
@@ -74,29 +68,35 @@ def test_operator_runs_under_exactly_the_charts_rbac(cluster, namespace, crd_ins
     assert kinds == (["ClusterRole", "ClusterRoleBinding", "ConfigMap", "ServiceAccount"] if mode == "cluster-role"
                      else ["ConfigMap", "Role", "RoleBinding", "ServiceAccount"])
     (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
-    rbac = "---\n".join(yaml.safe_dump(d) for d in docs if d["kind"] != "ConfigMap")
+    rbac = [d for d in docs if d["kind"] != "ConfigMap"]
+    client = cluster.client
 
     op = None
     log_path = tmp_path / "operator.log"
     cr_name = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
     try:
-        cluster.kubectl("apply", "-f", "-", input=rbac)
-        token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=1h").stdout.strip()
+        for d in rbac:
+            client.apply(d)
+        # What `kubectl create token --duration=1h` asks for: a TokenRequest on the ServiceAccount.
+        token_request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 3600}}
+        token = client.request("POST", client.resource("serviceaccounts").path(namespace, sa, "token"),
+                               token_request)["status"]["token"]
         kubeconfig = token_kubeconfig(cluster, tmp_path / "operator.kubeconfig", token, namespace)
         # The token is the chart's identity: what the operator needs, and no Secrets.
-        assert can_i(cluster, kubeconfig, "patch", "statefulsets.apps", "-n", namespace)
-        assert can_i(cluster, kubeconfig, "patch", f"{crd.PLURAL}.{crd.GROUP}", "--subresource=status", "-n", namespace)
-        assert not can_i(cluster, kubeconfig, "get", "secrets", "-n", namespace)
+        as_sa = client.as_token(token)
+        assert as_sa.can_i("patch", "statefulsets.apps", namespace)
+        assert as_sa.can_i("patch", f"{crd.PLURAL}.{crd.GROUP}", namespace, subresource="status")
+        assert not as_sa.can_i("get", "secrets", namespace)
         # Its caches: list + watch of everything a reconcile reads, and no GET of a KVOffloadServe (it reads the cache).
         for resource in (f"{crd.PLURAL}.{crd.GROUP}", "pods", "configmaps", "services", "statefulsets.apps",
                          "poddisruptionbudgets.policy", "networkpolicies.networking.k8s.io"):
-            assert can_i(cluster, kubeconfig, "list", resource, "-n", namespace), resource
-            assert can_i(cluster, kubeconfig, "watch", resource, "-n", namespace), resource
-        assert not can_i(cluster, kubeconfig, "get", f"{crd.PLURAL}.{crd.GROUP}", "-n", namespace)
-        assert not can_i(cluster, kubeconfig, "patch", f"{crd.PLURAL}.{crd.GROUP}", "-n", namespace)
-        assert not can_i(cluster, kubeconfig, "create", "pods", "-n", namespace)
+            assert as_sa.can_i("list", resource, namespace), resource
+            assert as_sa.can_i("watch", resource, namespace), resource
+        assert not as_sa.can_i("get", f"{crd.PLURAL}.{crd.GROUP}", namespace)
+        assert not as_sa.can_i("patch", f"{crd.PLURAL}.{crd.GROUP}", namespace)
+        assert not as_sa.can_i("create", "pods", namespace)
         if mode == "namespaced-role":
-            assert not can_i(cluster, kubeconfig, "list", "configmaps", "-n", "default")
+            assert not as_sa.can_i("list", "configmaps", "default")
 
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
         env["KUBECONFIG"] = str(kubeconfig)
@@ -105,15 +105,14 @@ def test_operator_runs_under_exactly_the_charts_rbac(cluster, namespace, crd_ins
 
         serve = yaml.safe_load(EXAMPLE.read_text())
         serve["metadata"]["namespace"] = namespace
-        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(serve))
+        client.apply(serve)
         started = time.monotonic()
 
         def reconciled():
             assert op.proc.poll() is None, f"operator exited {op.proc.returncode}:\n{op.output()[-4000:]}"
-            obj = json.loads(cluster.kubectl("get", f"{crd.PLURAL}.{crd.GROUP}", cr_name, "-n", namespace,
-                                             "-o", "json").stdout)
+            obj = client.get(f"{crd.PLURAL}.{crd.GROUP}", cr_name, namespace)
             ok = (condition(obj, "ConfigValid") or {}).get("status") == "True"
-            sts = cluster.kubectl("get", "statefulset", cr_name, "-n", namespace, check=False).returncode == 0
+            sts = client.exists("statefulset", cr_name, namespace)
             return obj if ok and sts else None
 
         try:
@@ -125,10 +124,10 @@ def test_operator_runs_under_exactly_the_charts_rbac(cluster, namespace, crd_ins
             condition(obj, "ConfigValid").get("observedGeneration") == obj["metadata"]["generation"]
         # Its other children exist too (applied under the same identity).
         for kind, name in (("configmap", f"{cr_name}-lmcache"), ("service", cr_name), ("poddisruptionbudget", cr_name)):
-            assert cluster.kubectl("get", kind, name, "-n", namespace, check=False).returncode == 0, f"{kind}/{name}"
+            assert client.exists(kind, name, namespace), f"{kind}/{name}"
 
         # A user can delete it while the operator runs: no finalizer of ours holds it.
-        cluster.kubectl("delete", f"{crd.PLURAL}.{crd.GROUP}", cr_name, "-n", namespace, "--timeout=60s")
+        client.delete(f"{crd.PLURAL}.{crd.GROUP}", cr_name, namespace, wait=True, timeout=60)
 
         log = log_path.read_text()
         denied = [line[:400] for line in log.splitlines() if "403" in line or "orbidden" in line]
@@ -139,6 +138,6 @@ def test_operator_runs_under_exactly_the_charts_rbac(cluster, namespace, crd_ins
     finally:
         if op is not None:
             op.stop()
-        cluster.kubectl("delete", f"{crd.PLURAL}.{crd.GROUP}", cr_name, "-n", namespace, "--ignore-not-found",
-                        "--wait=false", check=False)
-        cluster.kubectl("delete", "-f", "-", "--ignore-not-found", "--wait=false", input=rbac, check=False)
+        client.delete(f"{crd.PLURAL}.{crd.GROUP}", cr_name, namespace, missing_ok=True)
+        for d in rbac:
+            client.delete(d["kind"], d["metadata"]["name"], d["metadata"].get("namespace"), missing_ok=True)

@@ -196,20 +196,24 @@ class Client:
         return self.request("GET", self.resource(resource).path(namespace),
                             params={"labelSelector": labels, "fieldSelector": fields})
 
-    def create(self, obj: Obj, namespace: str | None = None, dry_run: bool = False) -> Obj:
+    def create(self, obj: Obj, namespace: str | None = None, dry_run: bool = False,
+               field_validation: str | None = None) -> Obj:
+        """POST; `field_validation="Strict"` refuses unknown fields (what `kubectl --validate=strict` asks)."""
         ns = namespace or obj.get("metadata", {}).get("namespace")
-        return self.request("POST", self._for(obj).path(ns), obj, params={"dryRun": "All" if dry_run else None})
+        return self.request("POST", self._for(obj).path(ns), obj, params={"dryRun": "All" if dry_run else None,
+                                                                          "fieldValidation": field_validation})
 
     def apply(self, obj: Obj, namespace: str | None = None, manager: str = "kvtest", force: bool = True,
-              dry_run: bool = False) -> Obj:
-        """Server-side apply of one object (what `kubectl apply --server-side` sends)."""
+              dry_run: bool = False, field_validation: str | None = None) -> Obj:
+        """Server-side apply of one object (what `kubectl apply --server-side` sends); `field_validation`
+        as in create."""
         ns = namespace or obj.get("metadata", {}).get("namespace")
         if ns and self._for(obj).namespaced:
             obj = {**obj, "metadata": {**obj["metadata"], "namespace": ns}}
         return self.request("PATCH", self._for(obj).path(ns, obj["metadata"]["name"]), obj,
                             content_type="application/apply-patch+yaml",
                             params={"fieldManager": manager, "force": "true" if force else None,
-                                    "dryRun": "All" if dry_run else None})
+                                    "dryRun": "All" if dry_run else None, "fieldValidation": field_validation})
 
     def patch(self, resource: str, name: str, patch: Any, namespace: str | None = None, type: str = "merge",
               subresource: str | None = None) -> Obj:
