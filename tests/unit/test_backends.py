@@ -69,14 +69,23 @@ def test_native_needs_no_lmcache_in_the_image():
 
 def test_vllm_container_memory_is_the_same_and_the_server_adds_its_own():
     inproc, server, native = desired("lmcache"), desired("lmcache-server"), desired("vllm-native")
-    # The L1 is charged to vLLM's container in both LMCache modes (its workers touch it first).
+    # The L1 is requested by vLLM's container in both LMCache modes; the server's limit holds it too
+    # (LMCache faults it in from the server when the server sees a GPU), its request does not.
     assert server.budget.memory_limit == inproc.budget.memory_limit
     assert server.budget.server_memory == 3 * GiB and inproc.budget.server_memory == 0 == native.budget.server_memory
+    assert server.budget.server_memory_limit == 3 * GiB + 40 * GiB
+    assert inproc.budget.server_memory_limit == 0 == native.budget.server_memory_limit
     # The server's L1 is a /dev/shm segment: the volume grows by the CPU tier, never the container twice.
     assert server.budget.shm == inproc.budget.shm + 40 * GiB
     staging = {t.name: t.bytes for t in native.budget.memory_terms}["staging"]
     assert staging == 0  # vLLM copies directly between its GPU and pinned CPU blocks
-    assert native.budget.memory_limit < inproc.budget.memory_limit
+    # Measured on the H200: a 40 GiB native tier pins 64 GiB (32 per-layer tensors of 1.25 GiB → 2 GiB).
+    assert {t.name: t.bytes for t in native.budget.memory_terms}["cpu_tier"] == 64 * GiB
+    assert native.budget.memory_limit > 66.3 * GiB  # the vLLM container's measured cgroup peak
+    # A 32 GiB tier pins exactly 32 GiB: without staging buffers the pod is smaller than lmcache's.
+    native32, inproc32 = desired("vllm-native", offload__cpu__size="32Gi"), desired("lmcache", offload__cpu__size="32Gi")
+    assert {t.name: t.bytes for t in native32.budget.memory_terms}["cpu_tier"] == 32 * GiB
+    assert native32.budget.memory_limit < inproc32.budget.memory_limit
 
 
 def test_native_tier_counts_whole_vllm_blocks():
@@ -93,7 +102,8 @@ def test_server_pod():
     # The disk directory is emptied and the versions reported before the server starts.
     assert [i["name"] for i in pod(d)["initContainers"]] == ["prepare-disk-tier", "report-engine-versions", "lmcache-server"]
     assert "nvidia.com/gpu" not in server["resources"]["limits"]  # engine-driven: the server needs no GPU
-    assert to_bytes(server["resources"]["limits"]["memory"], "x") == d.budget.server_memory
+    assert to_bytes(server["resources"]["requests"]["memory"], "x") == d.budget.server_memory
+    assert to_bytes(server["resources"]["limits"]["memory"], "x") == d.budget.server_memory_limit == d.budget.server_memory + 40 * GiB
     assert to_bytes(vllm["resources"]["limits"]["memory"], "x") == d.budget.memory_limit
     for name in ("lmcache-server", "vllm"):
         assert {"name": "dshm", "mountPath": "/dev/shm"} in c[name]["volumeMounts"]  # the L1 is shared there
@@ -150,7 +160,7 @@ def test_offload_condition_names_the_backend(backend, reason):
         c = next(c for c in st["conditions"] if c["type"] == "OffloadActive")
         assert (c["reason"] == want) if want else c["status"] == "False"
     assert st["budget"]["backend"] == backend
-    assert ("serverMemory" in st["summary"]) == (backend == "lmcache-server")
+    assert ("serverMemory" in st["summary"]) == (backend == "lmcache-server") == ("serverMemoryLimit" in st["summary"])
 
 
 def test_plan_cli_backend():
@@ -158,6 +168,10 @@ def test_plan_cli_backend():
            "--context", "32768", "--cpu-tier", "40Gi"]
     out = subprocess.run(run + ["--backend", "lmcache-server", "-o", "json"], capture_output=True, text=True, check=True)
     doc = json.loads(out.stdout)
-    assert doc["backend"] == "lmcache-server" and doc["serverMemory"]["limit"] == 3 * GiB
+    assert doc["backend"] == "lmcache-server" and doc["serverMemory"]["request"] == 3 * GiB
+    assert doc["serverMemory"]["limit"] == 43 * GiB  # + the L1 (40 GiB), which the server faults in when it sees a GPU
+    native = subprocess.run(run + ["--backend", "vllm-native"], capture_output=True, text=True, check=True).stdout
+    assert "cpu_tier" in native and "64 GiB pinned for a 40 GiB tier" in native
+    assert "a 32 GiB or 64 GiB tier pins no more than its size for this model" in native
     bad = subprocess.run(run + ["--backend", "vllm-native", "--disk-tier", "100Gi"], capture_output=True, text=True)
     assert bad.returncode != 0 and "--disk-tier" in bad.stderr and "--backend vllm-native" in bad.stderr

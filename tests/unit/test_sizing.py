@@ -13,8 +13,19 @@ from kvoffload.api.errors import ConfigError
 from kvoffload.api.quantity import GiB, MiB
 from kvoffload.api.spec import PLAN_FIELDS
 from kvoffload.planning.catalog import ModelArch, lookup
-from kvoffload.planning.sizing import Bandwidths, MemoryDefaults, PlanInput, check, plan, validate_tp
+from kvoffload.planning.sizing import (
+    Bandwidths,
+    MemoryDefaults,
+    PlanInput,
+    check,
+    native_cpu_bytes,
+    native_pinned,
+    plan,
+    power_of_two_ceil,
+    validate_tp,
+)
 
+KiB = 1024
 L31_8B = lookup("meta-llama/Llama-3.1-8B-Instruct")
 L31_70B = lookup("meta-llama/Llama-3.1-70B-Instruct")
 
@@ -343,3 +354,85 @@ def test_concurrency_changes_only_warnings(inp: PlanInput, more: int) -> None:
 def test_memory_monotone_in_cpu_tier(inp: PlanInput, extra: int) -> None:
     base = dataclasses.replace(inp, cpu_size=max(inp.cpu_size, 1))
     assert plan(base).memory_limit <= plan(dataclasses.replace(base, cpu_size=base.cpu_size + extra)).memory_limit
+
+
+# ---- vllm-native: what vLLM 0.26.0 pins for --kv-offloading-size -----------------------------------
+# One torch.zeros((num_blocks, page), pin_memory=True) per attention layer and worker, rounded up to a
+# power of two by torch's CachingHostAllocator (tests/engine/test_native_pinned.py checks both against
+# the pinned vLLM and torch).
+
+def native(model: ModelArch, cpu_gib: float, tp: int = 1, kv_dtype: str = "auto"):
+    return plan(PlanInput(model, 8192, gpu_memory=141 * GiB, tp=tp, kv_dtype=kv_dtype,
+                          cpu_size=int(cpu_gib * GiB), backend="vllm-native"))
+
+
+def cpu_term(budget) -> int:
+    return next(t.bytes for t in budget.memory_terms if t.name == "cpu_tier")
+
+
+def test_native_measured_case_pins_64_gib_for_40():
+    # H200, Llama-3.1-8B, TP 1, --kv-offloading-size 40.0: 64.0 GiB pinned at start-up.
+    p = native_pinned(L31_8B, 1, 40 * GiB, 2 * 32 * 8 * 128 * 2)
+    assert p.num_blocks == 40 * GiB // (32 * 64 * KiB) == 20480  # 16 tokens × 4 KiB of K+V per layer = 64 KiB pages
+    assert p.tensor_bytes == 20480 * 64 * KiB == 1.25 * GiB and p.allocated_bytes == 2 * GiB
+    assert p.tensors == 32 and p.per_worker == p.total == 64 * GiB and p.exact
+    b = native(L31_8B, 40)
+    assert cpu_term(b) == 64 * GiB
+    assert b.memory_limit > 66.3 * GiB  # the vLLM container's measured peak now fits
+    assert any("pins 64 GiB" in w and "a 32 GiB or 64 GiB tier pins no more than its size" in w for w in b.warnings)
+
+
+@pytest.mark.parametrize("cpu_gib", [32, 64, 8])
+def test_native_power_of_two_tiers_pin_their_size(cpu_gib):
+    b = native(L31_8B, cpu_gib)
+    assert cpu_term(b) == cpu_gib * GiB and not any("vllm-native pins" in w for w in b.warnings)
+
+
+@pytest.mark.parametrize("cpu_gib, tp, per_tensor, pinned", [
+    (40, 2, 0.625 * GiB, 2 * 32 * GiB),  # each worker holds half the heads and pins its own 32 tensors
+    (33, 1, 33 * GiB / 32, 32 * 2 * GiB),  # just over a power of two: nearly double
+    (100, 4, 100 * GiB / 4 / 32, 4 * 32 * GiB),  # 0.78 GiB tensors → 1 GiB
+])
+def test_native_per_worker_tensors(cpu_gib, tp, per_tensor, pinned):
+    p = native_pinned(L31_8B, tp, cpu_gib * GiB, 2 * 32 * max(1, 8 // tp) * 128 * 2)
+    assert p.tensor_bytes == per_tensor and p.total == pinned == cpu_term(native(L31_8B, cpu_gib, tp))
+
+
+def test_native_fp8_kv_halves_pages_not_the_pinned_bytes():
+    p = native_pinned(L31_8B, 1, 40 * GiB, 2 * 32 * 8 * 128 * 1)
+    assert p.num_blocks == 2 * 20480 and p.tensor_bytes == 1.25 * GiB and p.total == 64 * GiB
+    assert cpu_term(native(L31_8B, 40, kv_dtype="fp8")) == 64 * GiB
+
+
+def test_native_hybrid_models_are_charged_the_bound():
+    hybrid = dataclasses.replace(L31_8B, sliding_window=4096, sliding_window_layers=16)
+    p = native_pinned(hybrid, 1, 40 * GiB, 2 * 32 * 8 * 128 * 2)
+    assert not p.exact and p.total == 80 * GiB  # 2 × the tier: a power-of-two ceiling is < 2 × its argument
+    everywhere = dataclasses.replace(L31_8B, sliding_window=4096, sliding_window_layers=32)  # Mistral v0.1: one group
+    assert native_pinned(everywhere, 1, 40 * GiB, 2 * 32 * 8 * 128 * 2).total == 64 * GiB
+
+
+def test_native_suggested_sizes_pin_no_more_than_their_size():
+    # The warning's lower and upper sizes for a 28-layer model (not a power of two of layers).
+    m = dataclasses.replace(L31_8B, layers=28)
+    bpt = 2 * 28 * 8 * 128 * 2
+    p = native_pinned(m, 1, 40 * GiB, bpt)
+    low, high = 28 * p.allocated_bytes // 2, 28 * p.allocated_bytes
+    assert (low, high) == (28 * GiB, 56 * GiB)
+    for size in (low, high):
+        assert native_pinned(m, 1, size, bpt).total == size
+
+
+def test_native_cpu_bytes_matches_the_rendered_flag():
+    # vLLM reads --kv-offloading-size as GiB (a float, 6 decimals as rendered) × 2**30.
+    assert native_cpu_bytes(40 * GiB) == 40 * GiB
+    assert native_cpu_bytes(int(1.5 * GiB) + 1) == int(round((1.5 * GiB + 1) / GiB, 6) * 2**30)
+    assert [power_of_two_ceil(n) for n in (0, 1, 2, 3, 1023, 1024, 1025)] == [0, 1, 2, 4, 1024, 1024, 2048]
+
+
+def test_server_limit_holds_the_l1_its_request_does_not():
+    b = plan(PlanInput(L31_8B, 8192, gpu_memory=141 * GiB, cpu_size=40 * GiB, backend="lmcache-server"))
+    assert b.server_memory == 3 * GiB and b.server_memory_limit == 43 * GiB
+    cpu = next(t.bytes for t in b.memory_terms if t.name == "cpu_tier")
+    assert cpu == 40 * GiB  # requested once, in the vLLM container
+    assert b.to_dict()["serverMemory"]["limit"] == 43 * GiB and b.to_dict()["serverMemory"]["request"] == 3 * GiB

@@ -395,7 +395,9 @@ def status_schema() -> Schema:
              "cpuTokens": _i("Tokens the CPU tier holds.", format="int64"),
              "diskTokens": _i("Tokens the disk tier holds.", format="int64"),
              "memory": _s("Memory request = limit of the vLLM container."),
-             "serverMemory": _s("Memory request = limit of the LMCache server container (backend lmcache-server).")}),
+             "serverMemory": _s("Memory request of the LMCache server container (backend lmcache-server)."),
+             "serverMemoryLimit": _s("Memory limit of the LMCache server container: its request + the L1, which it "
+                                     "faults in itself when it sees a GPU (backend lmcache-server).")}),
          "budget": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
                     "description": "The computed budget: KV bytes per token, tokens and sequences per tier, memory terms, "
                                    "/dev/shm, reload vs recompute."}},

@@ -214,7 +214,8 @@ def render_table(inp: PlanInput, b: Budget) -> str:
     lines += [f"start-up probe budget: {w.startup_seconds} s ({w.startup_seconds / 60:.3g} min)"]
     lines += [f"  {t.name:<16}{t.value:>10} s  {t.note}" for t in w.startup_terms]
     if b.server_memory:
-        lines += ["", f"LMCache server container request = limit: {format_bytes(b.server_memory)} ({human(b.server_memory)})"]
+        lines += ["", f"LMCache server container request: {format_bytes(b.server_memory)} ({human(b.server_memory)}), "
+                      f"limit: {format_bytes(b.server_memory_limit)} ({human(b.server_memory_limit)}, + the L1)"]
         lines += [f"  {t.name:<16}{human(t.bytes):>12}  {t.note}" for t in b.server_memory_terms]
     if b.reload:
         lines += ["", f"reload a {L}-token prefix vs recompute it:"]

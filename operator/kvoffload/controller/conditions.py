@@ -334,5 +334,6 @@ def status(body: dict[str, Any], desired: Desired | None, error: ConfigError | N
                       "diskTokens": b.tier("disk").tokens, "memory": format_bytes(b.memory_limit)}
     if b.server_memory:
         out["summary"]["serverMemory"] = format_bytes(b.server_memory)
+        out["summary"]["serverMemoryLimit"] = format_bytes(b.server_memory_limit)
     out["budget"] = b.to_dict()
     return out

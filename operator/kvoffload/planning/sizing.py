@@ -27,13 +27,24 @@ Conventions
 - Backends (spec.offload.backend; docs/backends.md). lmcache: the terms above. vllm-native: the
   CPU tier is torch pinned memory of each vLLM worker (--kv-offloading-size is the total over TP
   ranks), stored in whole vLLM KV blocks (16 tokens), no LMCache staging buffers, no disk tier.
+  vLLM 0.26.0 (CPUOffloadingSpec / CPUOffloadingWorker) pins one tensor per KV-cache tensor (one
+  per attention layer) of num_blocks × page bytes, num_blocks = cpu_bytes // (tp × per-worker KV
+  bytes of one block over all layers), and torch's CachingHostAllocator rounds every pinned
+  allocation up to a power of two: the cpu_tier term charges what is pinned (native_pinned), e.g.
+  64 GiB for a 40 GiB tier of a 32-layer model (1.25 GiB tensors → 2 GiB). Models with both
+  sliding-window and full layers keep vLLM's hybrid KV cache manager with this connector (it
+  supports HMA), which shares tensors between layer groups; their tensor count is not modelled,
+  so they are charged the bound: 2 × the tier (a power-of-two ceiling is < 2 × its argument).
   lmcache-server: one LMCache server per pod holds the whole replica's L1 (--l1-size-gb) as a
-  named /dev/shm segment, so /dev/shm = the NCCL/IPC share + L1. The server has no GPU; in its
-  engine-driven transfer mode the vLLM workers map that segment and pin it for DMA, which faults
-  every page in: the L1 is charged to the vLLM container's memory cgroup (the server never
-  touches it: its RSS stays ~0.7 GiB, /dev/shm shows 0 bytes used until a worker maps it). So the
-  vLLM container keeps the L1 in its limit, and the server container is sized from its own
-  process (server_baseline + headroom). The pod total holds the L1 once.
+  named /dev/shm segment, so /dev/shm = the NCCL/IPC share + L1. Who first faults the segment in
+  decides which container's cgroup is charged: LMCache 0.5.3 allocates it with c_ops'
+  alloc_shm_pinned_ptr when the server process sees a CUDA device (it writes one byte per page,
+  then cudaHostRegister: the server is charged), and with torch_ops' fallback when it sees none
+  (SharedMemory, untouched: the vLLM workers that map and pin it are charged). Which case a GPU
+  node gives is not measured, so both containers' LIMITS hold the L1 while only the vLLM
+  container's REQUEST does: scheduling and the pod total count it once, and neither container is
+  OOM-killed for pages it faulted. The server's request is its own process (server_baseline +
+  headroom).
 - Reload vs recompute for one max_model_len prefix: the CPU tier reloads each rank's slice over
   that rank's own host link in parallel (bytes / tp / cpu_read); the disk tier is one node-local
   device shared by all ranks (bytes / disk_read); recompute = tokens / prefill rate. Measured
@@ -61,7 +72,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..api.errors import InputError, name_inputs
-from ..api.quantity import GiB, MiB, human
+from ..api.quantity import GiB, MiB, gib, human
 from .catalog import ModelArch
 
 # h200-tier-physics.json: pinned host→GPU copy, disk read, and the 32K prefill of an 8B Llama.
@@ -192,7 +203,8 @@ class Budget:
     memory_request: int  # = limit, of the vLLM container
     memory_limit: int
     server_memory_terms: tuple[MemoryTerm, ...]  # the LMCache server container; () without one
-    server_memory: int  # its request = limit; 0 without one
+    server_memory: int  # its request; 0 without one
+    server_memory_limit: int  # its limit: the request + the L1 (see lmcache-server above); 0 without one
     shm: int  # the memory-backed /dev/shm volume, shared by the pod's containers
     reload: tuple[ReloadEstimate, ...]  # per offload tier that is on
     warnings: tuple[str, ...]
@@ -231,7 +243,7 @@ class Budget:
             "warnings": list(self.warnings),
         }
         if self.server_memory:
-            out["serverMemory"] = {"request": self.server_memory, "limit": self.server_memory,
+            out["serverMemory"] = {"request": self.server_memory, "limit": self.server_memory_limit,
                                    "terms": [{"name": m.name, "bytes": m.bytes, "note": m.note} for m in self.server_memory_terms]}
         return out
 
@@ -350,11 +362,75 @@ def _offload_tier(name: str, size: int, inp: PlanInput, per_gpu_bpt: int, unit: 
     return TierBudget(name, size, per_worker, tokens, tokens // inp.max_model_len)
 
 
+def native_offloading_size_gib(size: int) -> float:
+    """The rendered --kv-offloading-size: GiB over all TP ranks, 6 decimals."""
+    return round(gib(size), 6)
+
+
+def native_cpu_bytes(size: int) -> int:
+    """vLLM's cpu_bytes_to_use for that flag (VllmConfig: kv_offloading_size × 2**30, then int)."""
+    return int(native_offloading_size_gib(size) * (1 << 30))
+
+
+def power_of_two_ceil(n: int) -> int:
+    """c10::llvm::PowerOf2Ceil: torch's CachingHostAllocator rounds every pinned allocation to it."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class NativePinned:
+    """What vLLM 0.26.0's CPUOffloadingWorker pins for --kv-offloading-size (backend vllm-native)."""
+    tensors: int  # pinned CPU tensors per worker: one per KV-cache tensor (per attention layer)
+    num_blocks: int  # CPUOffloadingSpec.num_blocks: 16-token blocks each tensor holds
+    tensor_bytes: int  # num_blocks × one layer's block page: what vLLM asks torch for
+    allocated_bytes: int  # the same rounded up to a power of two: what torch pins
+    per_worker: int
+    total: int  # per_worker × tp
+    exact: bool  # False: a hybrid (sliding + full layers) model, charged the 2 × tier bound
+
+
+def native_pinned(model: ModelArch, tp: int, size: int, per_gpu_bpt: int) -> NativePinned:
+    """vLLM: num_blocks = cpu_bytes // (tp × per-worker KV bytes of one block, all layers)
+    (vllm/v1/kv_offload/cpu/spec.py, blocks_per_chunk 1: the operator sets no block_size), then each
+    worker pins torch.zeros((num_blocks, page), pin_memory=True) per KV-cache tensor
+    (vllm/v1/kv_offload/cpu/gpu_worker.py), which torch rounds up to a power of two."""
+    if not size:
+        return NativePinned(model.layers, 0, 0, 0, 0, 0, True)
+    page = per_gpu_bpt // model.layers * NATIVE_BLOCK_TOKENS  # K and V of one layer, one block, one worker
+    num_blocks = native_cpu_bytes(size) // (page * model.layers * tp)
+    tensor = num_blocks * page
+    allocated = power_of_two_ceil(tensor)
+    exact = not (model.sliding_window and model.sliding_window_layers and model.full_layers)
+    per_worker = allocated * model.layers if exact else 2 * -(-native_cpu_bytes(size) // tp)
+    return NativePinned(model.layers, num_blocks, tensor, allocated, per_worker, per_worker * tp, exact)
+
+
+def _native_waste(p: NativePinned, size: int, tp: int) -> str:
+    """The warning when vLLM pins noticeably more than the tier, with the nearest sizes that do not."""
+    if not p.exact:
+        return (f"{{cpu_size}} {human(size)} with {{backend}} vllm-native: this model's hybrid layers make vLLM's pinned "
+                f"tensor sizes unmodelled, so the pod is charged the {human(p.total)} bound (2 × the tier)")
+    low, high = p.tensors * tp * (p.allocated_bytes // 2), p.tensors * tp * p.allocated_bytes
+    return (f"{{cpu_size}} {human(size)} with {{backend}} vllm-native pins {human(p.total)}: each worker's "
+            f"{p.tensors} per-layer tensors of {human(p.tensor_bytes)} round up to a power of two "
+            f"({human(p.allocated_bytes)}); a {human(low)} or {human(high)} tier pins no more than its size for this model")
+
+
+def _native_note(p: NativePinned, size: int, tp: int) -> str:
+    if not p.exact:
+        return (f"vLLM native CPU tier (OffloadingConnector): {human(p.total)}, the bound for a {human(size)} tier: vLLM's "
+                "hybrid KV cache manager shares pinned tensors between sliding-window and full layers, each rounded "
+                "up to a power of two by torch's pinned allocator, so at most 2 × the tier")
+    return (f"vLLM native CPU tier (OffloadingConnector): {tp} worker(s) × {p.tensors} per-layer pinned tensors of "
+            f"{human(p.tensor_bytes)}, each rounded up to {human(p.allocated_bytes)} by torch's pinned allocator: "
+            f"{human(p.total)} pinned for a {human(size)} tier")
+
+
 _CPU_TIER_NOTE = {
     "lmcache": "LMCache CPU tier, pinned in full at start-up: {tp} rank(s) × {share}",
-    "vllm-native": "vLLM native CPU tier (OffloadingConnector), torch pinned memory of each worker: {tp} rank(s) × {share}",
-    "lmcache-server": "LMCache server's L1, a /dev/shm segment the {tp} vLLM worker(s) pin for DMA (engine-driven "
-                      "transfer): their first pin faults it in, so it is charged to this container",
+    "lmcache-server": "LMCache server's L1, a /dev/shm segment shared with the server: charged to whichever container "
+                      "faults it in first (the server when it sees a GPU, else the {tp} vLLM worker(s) that pin it), so "
+                      "both limits hold it; requested here only",
 }
 
 
@@ -365,7 +441,7 @@ def _with_headroom(terms: list[MemoryTerm], mem: MemoryDefaults) -> tuple[tuple[
     return tuple(terms), -(-(subtotal + headroom) // MiB) * MiB
 
 
-def _memory(inp: PlanInput, offload: bool) -> tuple[tuple[MemoryTerm, ...], int, int]:
+def _memory(inp: PlanInput, offload: bool, native: NativePinned) -> tuple[tuple[MemoryTerm, ...], int, int]:
     """The vLLM container's terms and total, and the /dev/shm volume."""
     mem, tp = inp.memory, inp.tp
     shm = mem.shm if mem.shm is not None else GiB + GiB * tp
@@ -374,6 +450,7 @@ def _memory(inp: PlanInput, offload: bool) -> tuple[tuple[MemoryTerm, ...], int,
         MemoryTerm("engine_baseline", mem.engine_baseline, "vLLM API server + engine core process"),
         MemoryTerm("worker_overhead", mem.per_worker_overhead * tp,
                    f"{tp} TP worker(s) × {human(mem.per_worker_overhead)}: torch/CUDA runtime"),
+        MemoryTerm("cpu_tier", native.total, _native_note(native, inp.cpu_size, tp)) if inp.backend == "vllm-native" else
         MemoryTerm("cpu_tier", inp.cpu_size, _CPU_TIER_NOTE[inp.backend].format(tp=tp, share=human(inp.cpu_size // tp))),
         MemoryTerm("staging", mem.staging_per_worker * tp if staging else 0,
                    f"pinned staging buffers, {tp} rank(s) × {human(mem.staging_per_worker)}" if staging else
@@ -386,13 +463,17 @@ def _memory(inp: PlanInput, offload: bool) -> tuple[tuple[MemoryTerm, ...], int,
     return terms_, total, shm
 
 
-def _server_memory(inp: PlanInput) -> tuple[tuple[MemoryTerm, ...], int]:
-    """The LMCache server container (backend lmcache-server): its own process; the L1 is charged to vLLM's."""
+def _server_memory(inp: PlanInput) -> tuple[tuple[MemoryTerm, ...], int, int]:
+    """The LMCache server container (backend lmcache-server): its terms, request and limit. The
+    request is its own process; the limit adds the L1, which it faults in itself when it sees a GPU."""
     if inp.backend != "lmcache-server":
-        return (), 0
-    return _with_headroom([MemoryTerm("server_baseline", inp.memory.server_baseline,
-                                      "LMCache server process (ZMQ + HTTP, torch); its L1 pages are charged to the vLLM "
-                                      "container, whose workers touch them first")], inp.memory)
+        return (), 0, 0
+    terms, request = _with_headroom([MemoryTerm("server_baseline", inp.memory.server_baseline,
+                                                "LMCache server process (ZMQ + HTTP, torch)")], inp.memory)
+    l1 = MemoryTerm("l1_limit_only", inp.cpu_size,
+                    "the L1 segment, in the limit only: LMCache's alloc_shm_pinned_ptr writes every page and pins it "
+                    "when the server sees a GPU, charging it here; the pod's requests count it once, in the vLLM container")
+    return (*terms, l1), request, request + -(-inp.cpu_size // MiB) * MiB
 
 
 STARTUP_PROBE_PERIOD_S = 10
@@ -433,8 +514,9 @@ def plan(inp: PlanInput) -> Budget:
     gpu, seq_per_gpu = _gpu_tier(inp, per_gpu_bpt, windowed)
     unit = NATIVE_BLOCK_TOKENS if inp.backend == "vllm-native" else inp.chunk_size
     tiers = (gpu, _offload_tier("cpu", inp.cpu_size, inp, per_gpu_bpt, unit), _offload_tier("disk", inp.disk_size, inp, per_gpu_bpt, unit))
-    terms, total, shm = _memory(inp, offload)
-    server_terms, server_total = _server_memory(inp)
+    native = native_pinned(m, tp, inp.cpu_size if inp.backend == "vllm-native" else 0, per_gpu_bpt)
+    terms, total, shm = _memory(inp, offload, native)
+    server_terms, server_total, server_limit = _server_memory(inp)
 
     warnings: list[str] = []
     if m.max_context and L > m.max_context:
@@ -456,6 +538,9 @@ def plan(inp: PlanInput) -> Budget:
         if t.bytes and not t.tokens:
             warnings.append(f"{t.name} tier: {human(t.bytes_per_worker)} per worker is less than one {unit}-token "
                             f"chunk ({human(unit * per_gpu_bpt)} per worker): it can hold nothing")
+
+    if native.total > inp.cpu_size * 1.05:
+        warnings.append(_native_waste(native, inp.cpu_size, tp))
 
     prefill = prefill_tokens_per_s(inp)
     prefix = L * per_gpu_bpt * tp
@@ -482,6 +567,7 @@ def plan(inp: PlanInput) -> Budget:
         memory_limit=total,
         server_memory_terms=server_terms,
         server_memory=server_total,
+        server_memory_limit=server_limit,
         shm=shm,
         reload=tuple(reload),
         warnings=tuple(warnings),

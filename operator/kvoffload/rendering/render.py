@@ -22,6 +22,7 @@ from ..api.spec import Spec
 from ..engine import images
 from ..engine import versions as engine_versions
 from ..engine.images import EnginePair
+from ..planning import sizing
 from ..planning.sizing import Budget
 from . import pod_security
 from .network_policy import network_policy
@@ -149,7 +150,8 @@ def _offload_args(spec: Spec, budget: Budget) -> list[str]:
     backend = spec.offload.backend
     if backend == "vllm-native":
         # GiB over all TP ranks (vLLM's CacheConfig.kv_offloading_size): OffloadingConnector, CPU tier only.
-        return ["--kv-offloading-backend", "native", "--kv-offloading-size", repr(round(gib(budget.tier("cpu").bytes), 6))]
+        size = sizing.native_offloading_size_gib(budget.tier("cpu").bytes)
+        return ["--kv-offloading-backend", "native", "--kv-offloading-size", repr(size)]
     return ["--kv-transfer-config", MP_KV_TRANSFER_CONFIG if backend == "lmcache-server" else KV_TRANSFER_CONFIG]
 
 
@@ -266,7 +268,9 @@ def _server_container(owner: Owner, spec: Spec, budget: Budget, settings: Settin
     """The LMCache server as a native sidecar (an init container that keeps running): it starts, and
     must answer /healthcheck, before vLLM starts, and it outlives vLLM container restarts, so the
     L1 in the pod's /dev/shm and the L2 directory stay warm. It needs no GPU (engine-driven transfer)."""
-    memory = format_bytes(budget.server_memory)
+    # Request: the server process. Limit: + the L1, which the server faults in itself when it sees a
+    # GPU (LMCache's alloc_shm_pinned_ptr); the vLLM container requests it, so the pod counts it once.
+    request, limit = format_bytes(budget.server_memory), format_bytes(budget.server_memory_limit)
     health = ("import urllib.request; urllib.request.urlopen("
               f"'http://127.0.0.1:{SERVER_HTTP_PORT}/healthcheck', timeout=4)")
     exec_probe = {"exec": {"command": ["python3", "-c", health]}, "timeoutSeconds": 5}
@@ -280,7 +284,7 @@ def _server_container(owner: Owner, spec: Spec, budget: Budget, settings: Settin
         "command": ["lmcache", "server"],
         "args": server_args(spec, budget),
         "env": [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace")],
-        "resources": {"requests": {"cpu": "1", "memory": memory}, "limits": {"memory": memory}},
+        "resources": {"requests": {"cpu": "1", "memory": request}, "limits": {"memory": limit}},
         "volumeMounts": mounts,
         # Importing LMCache takes seconds to tens of seconds; vLLM starts once this passes.
         "startupProbe": {**exec_probe, "periodSeconds": 5, "failureThreshold": 60},
