@@ -161,6 +161,8 @@ def check_vllm(case: dict, root_dir: str) -> dict:
             "connector_class": _connector_class(config),
             "host": args.host, "port": args.port,
         })
+        if case.get("native_pinned"):
+            out["native_pinned"] = native_pinned(config, case["native_pinned"]["gpu_kv_bytes"])
     except SystemExit as exc:  # argparse refused the command line
         out.update(ok=False, stage="parse", error=err.getvalue().strip().splitlines()[-1:] or [str(exc)])
     except Exception as exc:  # noqa: BLE001 - report every refusal, keep going
@@ -173,6 +175,36 @@ def check_vllm(case: dict, root_dir: str) -> dict:
             else:
                 os.environ[k] = v
     return out
+
+
+def native_pinned(config, gpu_kv_bytes: int) -> dict:
+    """What each worker's CPUOffloadingWorker would pin, from vLLM's own pieces: the layers' KV cache
+    specs (vLLM's head count per worker and head size for this config), vLLM's KV cache config for
+    them, build_offloading_config and CPUOffloadingSpec.num_blocks; the worker then allocates
+    torch.zeros((num_blocks, page × blocks_per_chunk), pin_memory=True) per KV cache tensor."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    model, parallel, cache = config.model_config, config.parallel_config, config.cache_config
+    cpu_block_size = cache.block_size
+    cache.block_size = 16  # the CUDA platform's default (the CPU platform picks its own)
+    dtype = kv_cache_dtype_str_to_dtype(cache.cache_dtype, model)  # as the GPU model runner does
+    spec = FullAttentionSpec(block_size=cache.block_size, num_kv_heads=model.get_num_kv_heads(parallel),
+                             head_size=model.get_head_size(), dtype=dtype)
+    layers = model.get_num_layers(parallel)
+    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(layers)}
+    (kv_cache_config,) = get_kv_cache_configs(config, [specs], [gpu_kv_bytes])
+    offloading = build_offloading_config(config, kv_cache_config)
+    cpu = CPUOffloadingSpec(offloading)
+    per_tensor_page = spec.page_size_bytes * cpu.blocks_per_chunk
+    return {"cpu_platform_block_size": cpu_block_size, "block_size": cache.block_size, "layers": layers,
+            "world_size": offloading.parallel.world_size, "kv_heads_per_worker": spec.num_kv_heads,
+            "kv_dtype": str(dtype), "page_size_bytes": spec.page_size_bytes, "blocks_per_chunk": cpu.blocks_per_chunk,
+            "gpu_kv_cache_tensors": len(kv_cache_config.kv_cache_tensors), "num_blocks": cpu.num_blocks,
+            "tensor_bytes": cpu.num_blocks * per_tensor_page}
 
 
 def _connector_class(config) -> str | None:

@@ -56,9 +56,17 @@ def test_each_backend_reconciles_with_its_conditions(cluster, namespace, operato
     server = pod_spec(cluster, namespace, "server")
     sidecar = next(c for c in server["initContainers"] if c["name"] == "lmcache-server")
     assert sidecar["restartPolicy"] == "Always"  # the API server accepted a native sidecar
-    assert got["server"]["status"]["summary"]["serverMemory"] == sidecar["resources"]["limits"]["memory"]
+    # The server requests its own process; its limit also holds the L1 (it faults the L1 in itself when it
+    # sees a GPU), which only the vLLM container requests: the pod's requests count the L1 once.
+    summary = got["server"]["status"]["summary"]
+    assert summary["serverMemory"] == sidecar["resources"]["requests"]["memory"]
+    assert summary["serverMemoryLimit"] == sidecar["resources"]["limits"]["memory"] != summary["serverMemory"]
     pods = {p["metadata"]["name"]: p for p in get(cluster, namespace, "pods")["items"]}
     assert pods["server-0"]["status"]["phase"] == "Running"
+    live = {c["name"]: c["resources"] for c in pods["server-0"]["spec"]["initContainers"] + pods["server-0"]["spec"]["containers"]}
+    assert live["lmcache-server"]["limits"]["memory"] == summary["serverMemoryLimit"]
+    # Request below limit in the sidecar: Burstable, as every backend's pod already is (no CPU limits).
+    assert pods["server-0"]["status"]["qosClass"] == pods["inproc-0"]["status"]["qosClass"] == "Burstable"
     table = cluster.kubectl("get", "kvs", "-n", namespace).stdout
     assert "BACKEND" in table and "lmcache-server" in table and "vllm-native" in table
 

@@ -375,7 +375,8 @@ def test_the_server_sidecar_runs_before_vllm_as_rendered():
     assert "--no-l1-use-lazy" in sc.argv
     assert json.loads(gm.flag(sc.argv, "--l2-adapter"))["base_path"] == LAYOUT.disk_dir  # /kvcache -> the disk dir
     assert sc.probe[0] == "py" and "http://127.0.0.1:8081/healthcheck" in sc.probe[-1]
-    assert sc.memory_limit == 3 * 2**30
+    # The server's own 3 GiB + the 40 GiB L1, which LMCache faults in from the server when it sees a GPU.
+    assert sc.memory_limit == (3 + 40) * 2**30
     base = gm.localize(r, LAYOUT, connector=False)
     assert base.sidecars == [] and "--kv-transfer-config" not in base.engine_argv
 
@@ -451,7 +452,7 @@ def test_driver_runs_the_server_and_native_backends_against_stand_ins(tmp_path):
     srv, nat = out["server"], out["native"]
     assert "error" not in srv and "error" not in nat, (srv.get("error"), nat.get("error"))
     assert srv["backend"] == "lmcache-server" and srv["sidecar_ready_s"]["lmcache-server"] < 30
-    assert srv["sidecar_memory"]["lmcache-server"]["limit"] == 3 * 2**30
+    assert srv["sidecar_memory"]["lmcache-server"]["limit"] == (3 + 40) * 2**30  # its process + the L1
     assert srv["sidecar_memory"]["lmcache-server"]["samples"] > 0
     assert srv["server_status_end"]["storage_manager"]["l1_manager"]["memory_total_bytes"] == 40 * 2**30
     row = srv["phases"]["after_reset"][0]
