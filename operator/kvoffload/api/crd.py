@@ -279,7 +279,7 @@ def _resources() -> Schema:
          "perWorkerOverhead": _q("Host memory of each tensor-parallel worker process (torch, CUDA runtime).", positive=False),
          "stagingPerWorker": _q("Pinned staging buffers per tensor-parallel worker for GPU/CPU/disk copies.", positive=False),
          "serverBaseline": _q("Host memory of the LMCache server process (backend lmcache-server), before its CPU tier: "
-                              "its container's memory request = limit is this plus headroom.", positive=False),
+                              "its container's memory request is this plus headroom; its limit adds the L1.", positive=False),
          "shm": _q("Size of the memory-backed /dev/shm (counts against the memory limit)."),
          "headroomPercent": _i("Headroom added on top of the sum, in percent.", minimum=0, maximum=100)},
     )

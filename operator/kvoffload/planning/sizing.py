@@ -21,7 +21,8 @@ Conventions
 - LMCache stores whole chunks of chunk_size tokens per worker: offload-tier tokens are rounded
   down to whole chunks, and sequences = tokens // max_model_len in every tier.
 - Pod memory: request = limit (pinned memory can never be reclaimed) = engine baseline
-  + per-worker overhead × tp + CPU tier (pinned in full at start-up, all ranks) + staging
+  + per-worker overhead × tp + CPU tier (pinned in full at start-up, all ranks; vllm-native: what
+  vLLM really pins, below) + staging
   buffers × tp (only with an offload tier) + /dev/shm (memory-backed, charged to the pod)
   + headroom, rounded up to whole MiB.
 - Backends (spec.offload.backend; docs/backends.md). lmcache: the terms above. vllm-native: the
