@@ -196,9 +196,12 @@ class Client:
         return self.request("GET", self.resource(resource).path(namespace),
                             params={"labelSelector": labels, "fieldSelector": fields})
 
-    def create(self, obj: Obj, namespace: str | None = None, dry_run: bool = False) -> Obj:
+    def create(self, obj: Obj, namespace: str | None = None, dry_run: bool = False,
+               field_validation: str | None = None) -> Obj:
+        """POST; `field_validation="Strict"` refuses unknown fields as kubectl does by default (the API's default warns)."""
         ns = namespace or obj.get("metadata", {}).get("namespace")
-        return self.request("POST", self._for(obj).path(ns), obj, params={"dryRun": "All" if dry_run else None})
+        return self.request("POST", self._for(obj).path(ns), obj, params={"dryRun": "All" if dry_run else None,
+                                                                        "fieldValidation": field_validation})
 
     def apply(self, obj: Obj, namespace: str | None = None, manager: str = "kvtest", force: bool = True,
               dry_run: bool = False) -> Obj:
