@@ -24,7 +24,8 @@ Targets: converged <= 120 s and <= 1.3x the floor; <= 8 requests per resource du
 Request accounting comes from kube-apiserver's own /metrics (apiserver_request_total by verb, resource,
 scope), so the operator is measured without changing it. Requests only the operator (or the floor
 client) makes: server-side APPLY of the child kinds (and with dryRun=All), PATCH kvoffloadserves/status,
-DELETE of the child kinds, namespace-scoped LISTs of them and pods. Reconciles (which, reading the
+DELETE of the child kinds, namespace-scoped LISTs of them and pods; and the Events the operator posted
+(counted by their source, since the apiserver's counters cannot tell whose an Event is). Reconciles (which, reading the
 operator's caches, make no request of their own) come from the operator's log line of its totals.
 Its informers' cluster-wide LIST + WATCH happen before the first create.
 
@@ -48,6 +49,7 @@ import platform
 import queue
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -184,6 +186,13 @@ def apiserver_summary(delta: Counter, operator: dict[str, Any]) -> dict[str, int
             "endpoints/endpointslices 422 retries": int(endpoint_retries), "events": int(events)}
 
 
+def operator_events(c: kvtest.Cluster) -> int:
+    """Events the operator posted (every namespace), each one request."""
+    from kvoffload.controller.events import COMPONENT
+
+    return sum(1 for e in c.client.list("events") if (e.get("source") or {}).get("component") == COMPONENT)
+
+
 def diff(after: Counter, before: Counter) -> Counter:
     return Counter({k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)})
 
@@ -195,10 +204,14 @@ def diff(after: Counter, before: Counter) -> Counter:
 ENDPOINTS_CONTROLLERS = ("endpoints-controller", "endpointslice-controller", "endpointslice-mirroring-controller")
 
 
-def fresh_cluster(state_dir: Path, gpu_nodes: int, endpoints_controllers: bool = True) -> kvtest.Cluster:
+def fresh_cluster(state_dir: Path, gpu_nodes: int, endpoints_controllers: bool = True,
+                  apiserver_profiling: bool = False) -> kvtest.Cluster:
     c = kvtest.Cluster(dir=state_dir)
     c.down()  # a left-over benchmark cluster in this dir: start from an empty etcd
     c.up(kvtest.make_fleet(gpu_nodes=gpu_nodes, workstations=0))
+    if apiserver_profiling:  # the harness runs it with --profiling=false; /debug/pprof needs it on
+        args = ["--profiling=true" if a == "--profiling=false" else a for a in c.component_args("kube-apiserver")]
+        c.restart("kube-apiserver", sig=15, args=args)
     if not endpoints_controllers:
         off = ",".join(f"-{name}" for name in ENDPOINTS_CONTROLLERS)
         args = [f"--controllers=*,{off}" if a.startswith("--controllers=") else a
@@ -410,6 +423,30 @@ class Tracker:
             return sorted(self.ready.values())
 
 
+# ------------------------------------------------------------------------------ profiles
+def profile(c: kvtest.Cluster, op: OperatorProcess | None, seconds: float, out_dir: Path, mode: str) -> None:
+    """CPU profiles over `seconds` of the rollout: kube-apiserver's own pprof (`go tool pprof -top`) and,
+    in the operator phase, py-spy of the operator (collapsed stacks). Files go to `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spy = None
+    if op is not None and shutil.which("py-spy"):
+        spy = subprocess.Popen(["py-spy", "record", "--pid", str(op.proc.pid), "--rate", "20", "--duration",
+                                str(int(seconds)), "--idle", "--threads", "--format", "raw",
+                                "-o", str(out_dir / "operator.pyspy.txt")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pki = c.dir / "pki"
+    pprof = out_dir / f"kube-apiserver.{mode}.pprof"
+    subprocess.run(["curl", "-sS", "--cacert", str(pki / "ca.crt"), "--cert", str(pki / "admin.crt"),
+                    "--key", str(pki / "admin.key"), "-o", str(pprof),
+                    f"{c.state()['server']}/debug/pprof/profile?seconds={int(seconds)}"],
+                   check=False, timeout=seconds + 60)
+    top = subprocess.run(["go", "tool", "pprof", "-top", "-nodecount=60", str(pprof)], capture_output=True,
+                         text=True, check=False)
+    (out_dir / f"kube-apiserver.{mode}.top.txt").write_text(top.stdout + top.stderr)
+    if spy is not None:
+        spy.wait(seconds + 60)
+
+
 # ------------------------------------------------------------------------------ the run
 def rollout(c: kvtest.Cluster, mode: str, keys: list[tuple[str, str]], args: argparse.Namespace,
             op: OperatorProcess | None, out: dict[str, Any]) -> None:
@@ -428,6 +465,8 @@ def rollout(c: kvtest.Cluster, mode: str, keys: list[tuple[str, str]], args: arg
     tracker = Tracker(c, t0)
     out["create_s"] = round(create_all(c, keys, on_created=floor.on_created if floor else None), 1)
     print(f"[{mode}] {len(keys)} created in {out['create_s']} s", flush=True)
+    if args.profile:
+        threading.Thread(target=profile, args=(c, op, args.profile, Path(args.profile_dir), mode), daemon=True).start()
     samples, loads = [], []
     converged = None
     while time.monotonic() - t0 < args.timeout:
@@ -474,6 +513,10 @@ def rollout(c: kvtest.Cluster, mode: str, keys: list[tuple[str, str]], args: arg
                     "whole machine": round(all1 - all0, 1),
                     "wall x cores": round((time.monotonic() - t0) * (os.cpu_count() or 1), 1)}
     reqs = client_requests(diff(m1, m0))
+    # The operator's Events are its requests too (one POST each; the apiserver's counters cannot tell
+    # whose they are): count the Events it wrote, by their source.
+    reqs["events"] = operator_events(c) if op else 0
+    reqs["requests"] += reqs["events"]
     reqs["per_resource"] = round(reqs["requests"] / len(keys), 2)
     if op:
         reqs["reconciles"] = reconcile_totals(op)
@@ -518,7 +561,7 @@ def phase(mode: str, args: argparse.Namespace, workdir: Path, state_dir: Path) -
     c = kvtest.Cluster(dir=state_dir)
     op: OperatorProcess | None = None
     try:
-        c = fresh_cluster(state_dir, args.gpu_nodes, not args.without_endpoints_controllers)
+        c = fresh_cluster(state_dir, args.gpu_nodes, not args.without_endpoints_controllers, bool(args.profile))
         out["cluster_start_s"] = round(time.monotonic() - t, 1)
         namespaces = [f"scale-{i:02d}" for i in range(args.namespaces)]
         make_namespaces(c, namespaces)
@@ -598,6 +641,10 @@ def main() -> int:
                     help="turn off kube-controller-manager's Endpoints/EndpointSlice controllers (see ENDPOINTS_CONTROLLERS)")
     ap.add_argument("--keep", action="store_true", help="leave the benchmark cluster running")
     ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--profile", type=float, default=0, metavar="SECONDS",
+                    help="profile kube-apiserver (pprof, profiling turned on) and the operator (py-spy, if on PATH) "
+                         "for SECONDS from the first create")
+    ap.add_argument("--profile-dir", default="benchmarks/results/scale-profiles", help="where the profiles go")
     args = ap.parse_args()
     out = run(args)
     text = json.dumps(out, indent=1)
