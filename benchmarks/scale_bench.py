@@ -59,8 +59,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kubernetes import client, watch
-
 import kvtest
 from kvtest import OperatorProcess
 
@@ -126,9 +124,7 @@ _METRIC = re.compile(r'^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\
 
 def request_totals(c: kvtest.Cluster) -> Counter:
     """apiserver_request_total: (verb, resource, subresource, scope, code) -> count; a dry run's verb gets " dry-run"."""
-    code, text = c.request("GET", "/metrics", timeout=30)
-    if code != 200:
-        raise RuntimeError(f"/metrics: {code}")
+    text = c.client.request("GET", "/metrics", timeout=30)
     out: Counter = Counter()
     for line in text.splitlines():
         m = _METRIC.match(line)
@@ -223,12 +219,10 @@ def fresh_cluster(state_dir: Path, gpu_nodes: int, endpoints_controllers: bool =
 
 def make_namespaces(c: kvtest.Cluster, names: list[str]) -> None:
     for ns in names:
-        code, body = c.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
-        if code not in (200, 201, 409):
-            raise RuntimeError(f"namespace {ns}: {code} {body}")
+        c.client.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
     # Pods are admitted only once the serviceaccount controller made `default` in each namespace.
-    kvtest.wait_until(lambda: all(c.request("GET", f"/api/v1/namespaces/{ns}/serviceaccounts/default")[0] == 200
-                                     for ns in names), timeout=60, message="default ServiceAccounts")
+    kvtest.wait_until(lambda: all(c.client.exists("serviceaccount", "default", ns) for ns in names),
+                      timeout=60, message="default ServiceAccounts")
 
 
 def create_all(c: kvtest.Cluster, items: list[tuple[str, str]], threads: int = 16,
@@ -238,13 +232,18 @@ def create_all(c: kvtest.Cluster, items: list[tuple[str, str]], threads: int = 1
         ns, name = item
         body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "KVOffloadServe", "metadata": {"name": name}, "spec": SPEC}
         for attempt in range(5):
-            code, resp = c.request("POST", f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURAL}", body, timeout=60)
-            if code in (200, 201) and on_created:
-                on_created(resp)
-            if code in (200, 201, 409):
-                return
-            time.sleep(0.5 * (attempt + 1))
-        raise RuntimeError(f"create {ns}/{name}: {code} {resp}")
+            try:
+                created = c.client.create(body, ns)
+            except kvtest.ApiError as exc:
+                if exc.status == 409:
+                    return
+                if attempt == 4:
+                    raise
+                time.sleep(0.5 * (attempt + 1))
+                continue
+            if on_created:
+                on_created(created)
+            return
 
     t0 = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
@@ -259,10 +258,7 @@ def current(obj: dict[str, Any]) -> bool:
 
 
 def serves(c: kvtest.Cluster) -> list[dict[str, Any]]:
-    code, body = c.request("GET", f"/apis/{GROUP}/{VERSION}/{PLURAL}", timeout=60)
-    if code != 200:
-        raise RuntimeError(f"list {PLURAL}: {code}")
-    return body["items"]
+    return c.client.list(f"{PLURAL}.{GROUP}")
 
 
 def children_complete(c: kvtest.Cluster, keys: set[tuple[str, str]]) -> tuple[int, list[str]]:
@@ -270,11 +266,7 @@ def children_complete(c: kvtest.Cluster, keys: set[tuple[str, str]]) -> tuple[in
     found: dict[tuple[str, str], Counter] = {k: Counter() for k in keys}
     problems = []
     for res, kind in zip(CHILD_RESOURCES, CHILD_KINDS):
-        group = {"statefulsets": "/apis/apps/v1", "poddisruptionbudgets": "/apis/policy/v1"}.get(res, "/api/v1")
-        code, body = c.request("GET", f"{group}/{res}?labelSelector={OWNER_LABEL}", timeout=60)
-        if code != 200:
-            raise RuntimeError(f"list {res}: {code}")
-        for item in body["items"]:
+        for item in c.client.list(res, labels=OWNER_LABEL):
             key = (item["metadata"]["namespace"], item["metadata"]["labels"][OWNER_LABEL])
             if key not in found:
                 problems.append(f"{kind} {key}: no such resource")
@@ -320,7 +312,7 @@ class Floor:
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._worker, daemon=True) for _ in range(runtime.WORKERS)]
         self.threads += [threading.Thread(target=self._watch, args=(c, path, store), daemon=True)
-                         for path, store in (("/apis/apps/v1/statefulsets", self.sts), ("/api/v1/pods", self.pods))]
+                         for path, store in (("statefulsets", self.sts), ("pods", self.pods))]
         for t in self.threads:
             t.start()
 
@@ -366,15 +358,11 @@ class Floor:
             self.written.add(key)
         self.work.put((0, next(self.seq), "status", key))
 
-    def _watch(self, c: kvtest.Cluster, path: str, store: dict[tuple[str, str], dict[str, Any]]) -> None:
+    def _watch(self, c: kvtest.Cluster, resource: str, store: dict[tuple[str, str], dict[str, Any]]) -> None:
         """Cluster-wide watch of our labelled objects; keeps the newest of each owner's (one pod per resource)."""
-        w = RawWatch()
-        fn = (client.AppsV1Api(c.api_client()).list_stateful_set_for_all_namespaces if "statefulsets" in path
-              else client.CoreV1Api(c.api_client()).list_pod_for_all_namespaces)
         while not self.stop.is_set():
             try:
-                for event in w.stream(fn, label_selector=OWNER_LABEL, timeout_seconds=60):
-                    obj = event["raw_object"]
+                for _, obj in c.client.watch(resource, labels=OWNER_LABEL, timeout=60):
                     key = (obj["metadata"]["namespace"], obj["metadata"]["labels"][OWNER_LABEL])
                     with self.lock:
                         store[key] = obj
@@ -385,13 +373,6 @@ class Floor:
                 time.sleep(0.2)
 
 
-class RawWatch(watch.Watch):
-    """A watch that hands out plain dicts: no model objects built (the floor client stays lean)."""
-
-    def get_return_type(self, func):  # type: ignore[no-untyped-def]
-        return None
-
-
 # ------------------------------------------------------------------------------ readiness, by watch
 class Tracker:
     """Watches every KVOffloadServe and stamps, per resource, when it first became current (status at its
@@ -399,16 +380,14 @@ class Tracker:
 
     def __init__(self, c: kvtest.Cluster, t0: float) -> None:
         self.t0, self.ready, self.lock, self.stop = t0, {}, threading.Lock(), threading.Event()
-        self.api = client.CustomObjectsApi(c.api_client())
+        self.client = c.client
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while not self.stop.is_set():
             try:
-                for event in watch.Watch().stream(self.api.list_cluster_custom_object, GROUP, VERSION, PLURAL,
-                                                  timeout_seconds=60):
-                    obj = event["object"]
+                for _, obj in self.client.watch(f"{PLURAL}.{GROUP}", timeout=60):
                     if current(obj):
                         with self.lock:
                             self.ready.setdefault((obj["metadata"]["namespace"], obj["metadata"]["name"]),
