@@ -197,14 +197,15 @@ class Client:
                             params={"labelSelector": labels, "fieldSelector": fields})
 
     def create(self, obj: Obj, namespace: str | None = None, dry_run: bool = False,
-               field_validation: str | None = None) -> Obj:
-        """POST; `field_validation="Strict"` refuses unknown fields (what `kubectl --validate=strict` asks)."""
+               field_validation: str | None = "Strict") -> Obj:
+        """POST. Unknown fields are refused (`fieldValidation=Strict`), as kubectl does by default; the API's
+        own default only warns. `field_validation=None` asks for the API's default."""
         ns = namespace or obj.get("metadata", {}).get("namespace")
         return self.request("POST", self._for(obj).path(ns), obj, params={"dryRun": "All" if dry_run else None,
                                                                           "fieldValidation": field_validation})
 
     def apply(self, obj: Obj, namespace: str | None = None, manager: str = "kvtest", force: bool = True,
-              dry_run: bool = False, field_validation: str | None = None) -> Obj:
+              dry_run: bool = False, field_validation: str | None = "Strict") -> Obj:
         """Server-side apply of one object (what `kubectl apply --server-side` sends); `field_validation`
         as in create."""
         ns = namespace or obj.get("metadata", {}).get("namespace")
