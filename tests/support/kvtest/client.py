@@ -16,7 +16,8 @@ only in tests about what kubectl itself shows a user (printer columns, describe,
     for kind, obj in c.watch("kvs", ns, resource_version=rv): ...
     c.as_token(token).can_i("list", "secrets", ns)
 
-Every failed call raises ApiError with the HTTP status and the API server's message.
+Every failed call raises ApiError with the HTTP status and the API server's message. Writes ask for
+strict field validation, as kubectl does: an unknown or duplicate field is refused (400), not dropped.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 from .procs import LOOPBACK, wait_until
 
 Obj = dict[str, Any]
+STRICT = "Strict"  # fieldValidation of every write: kubectl's default (the API server's own is Warn: drop and warn)
 
 
 class ApiError(RuntimeError):
@@ -198,7 +200,8 @@ class Client:
 
     def create(self, obj: Obj, namespace: str | None = None, dry_run: bool = False) -> Obj:
         ns = namespace or obj.get("metadata", {}).get("namespace")
-        return self.request("POST", self._for(obj).path(ns), obj, params={"dryRun": "All" if dry_run else None})
+        return self.request("POST", self._for(obj).path(ns), obj,
+                            params={"dryRun": "All" if dry_run else None, "fieldValidation": STRICT})
 
     def apply(self, obj: Obj, namespace: str | None = None, manager: str = "kvtest", force: bool = True,
               dry_run: bool = False) -> Obj:
@@ -209,14 +212,14 @@ class Client:
         return self.request("PATCH", self._for(obj).path(ns, obj["metadata"]["name"]), obj,
                             content_type="application/apply-patch+yaml",
                             params={"fieldManager": manager, "force": "true" if force else None,
-                                    "dryRun": "All" if dry_run else None})
+                                    "dryRun": "All" if dry_run else None, "fieldValidation": STRICT})
 
     def patch(self, resource: str, name: str, patch: Any, namespace: str | None = None, type: str = "merge",
               subresource: str | None = None) -> Obj:
         content = {"merge": "application/merge-patch+json", "json": "application/json-patch+json",
                    "strategic": "application/strategic-merge-patch+json"}[type]
         return self.request("PATCH", self.resource(resource).path(namespace, name, subresource), patch,
-                            content_type=content)
+                            content_type=content, params={"fieldValidation": STRICT})
 
     def delete(self, resource: str, name: str, namespace: str | None = None, wait: bool = False,
                timeout: float = 60, missing_ok: bool = False, propagation: str | None = None) -> None:
