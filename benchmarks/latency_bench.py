@@ -29,14 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import scale_bench as sb  # same directory: cluster helpers, the spec
-from kubernetes import client, watch
 
 import kvtest
 from kvtest import OperatorProcess
 
-CHILD_WATCHES = (("ConfigMap", "list_namespaced_config_map", "core"), ("Service", "list_namespaced_service", "core"),
-                 ("StatefulSet", "list_namespaced_stateful_set", "apps"),
-                 ("PodDisruptionBudget", "list_namespaced_pod_disruption_budget", "policy"))
+CHILD_WATCHES = (("ConfigMap", "configmaps"), ("Service", "services"), ("StatefulSet", "statefulsets"),
+                 ("PodDisruptionBudget", "poddisruptionbudgets"))
 EXPECTED = {"ConfigMap": 1, "Service": 2, "StatefulSet": 1, "PodDisruptionBudget": 1}
 
 
@@ -50,48 +48,43 @@ class Recorder:
         self.kids: dict[str, dict[str, set[str]]] = {}
         self.children: dict[str, float] = {}
         self.stop = threading.Event()
-        api_client = c.api_client()
-        self.apis = {"core": client.CoreV1Api(api_client), "apps": client.AppsV1Api(api_client),
-                     "policy": client.PolicyV1Api(api_client), "custom": client.CustomObjectsApi(api_client)}
+        self.client = c.client
         self.threads = [threading.Thread(target=self._serves, daemon=True)]
         self.threads += [threading.Thread(target=self._children, args=spec, daemon=True) for spec in CHILD_WATCHES]
         for t in self.threads:
             t.start()
 
-    def _loop(self, fn, handle, **kw) -> None:
+    def _loop(self, resource: str, handle, labels: str | None = None) -> None:
         while not self.stop.is_set():
             try:
-                for event in watch.Watch().stream(fn, timeout_seconds=60, **kw):
-                    handle(event, time.monotonic())
+                for kind, obj in self.client.watch(resource, self.ns, labels=labels, timeout=60):
+                    handle(kind, obj, time.monotonic())
                     if self.stop.is_set():
                         return
             except Exception:  # noqa: BLE001 - reconnect
                 time.sleep(0.1)
 
     def _serves(self) -> None:
-        def handle(event: dict[str, Any], now: float) -> None:
-            obj = event["object"]
+        def handle(_kind: str, obj: dict[str, Any], now: float) -> None:
             name, st = obj["metadata"]["name"], obj.get("status") or {}
             with self.lock:
                 if st.get("conditions"):
                     self.first_status.setdefault(name, now)
                 if sb.current(obj):
                     self.current.setdefault(name, now)
-        self._loop(self.apis["custom"].list_namespaced_custom_object, handle, group=sb.GROUP, version=sb.VERSION,
-                   namespace=self.ns, plural=sb.PLURAL)
+        self._loop(f"{sb.PLURAL}.{sb.GROUP}", handle)
 
-    def _children(self, kind: str, method: str, api: str) -> None:
-        def handle(event: dict[str, Any], now: float) -> None:
-            obj = event["object"]
-            owner = (obj.metadata.labels or {}).get(sb.OWNER_LABEL)
-            if not owner or event["type"] == "DELETED":
+    def _children(self, kind: str, resource: str) -> None:
+        def handle(event: str, obj: dict[str, Any], now: float) -> None:
+            owner = (obj["metadata"].get("labels") or {}).get(sb.OWNER_LABEL)
+            if not owner or event == "DELETED":
                 return
             with self.lock:
                 seen = self.kids.setdefault(owner, {}).setdefault(kind, set())
-                seen.add(obj.metadata.name)
+                seen.add(obj["metadata"]["name"])
                 if all(len(self.kids[owner].get(k, ())) == n for k, n in EXPECTED.items()):
                     self.children.setdefault(owner, now)
-        self._loop(getattr(self.apis[api], method), handle, namespace=self.ns, label_selector=sb.OWNER_LABEL)
+        self._loop(resource, handle, labels=sb.OWNER_LABEL)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -115,23 +108,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         op.wait_started()
         rec = Recorder(c, ns)
         time.sleep(2)  # watches established
-        custom, core = rec.apis["custom"], rec.apis["core"]
         results = []
         for i in range(args.runs):
             name = f"lat-{i:03d}"
             body = {"apiVersion": f"{sb.GROUP}/{sb.VERSION}", "kind": "KVOffloadServe", "metadata": {"name": name},
                     "spec": sb.SPEC}
             t0 = time.monotonic()
-            custom.create_namespaced_custom_object(sb.GROUP, sb.VERSION, ns, sb.PLURAL, body)
+            c.client.create(body, ns)
             kvtest.wait_until(lambda: name in rec.current and name in rec.children, timeout=60, interval=0.01,
                                  message=f"{name} current")
             with rec.lock:
                 results.append({"first_status": rec.first_status.get(name, rec.current[name]) - t0, "children": rec.children[name] - t0,
                                 "current": max(rec.current[name], rec.children[name]) - t0})
-            custom.delete_namespaced_custom_object(sb.GROUP, sb.VERSION, ns, sb.PLURAL, name)
-            kvtest.wait_until(lambda: not core.list_namespaced_pod(ns, label_selector=f"{sb.OWNER_LABEL}={name}").items
-                                 and not core.list_namespaced_config_map(ns, label_selector=f"{sb.OWNER_LABEL}={name}").items,
-                                 timeout=60, interval=0.1, message=f"{name} cleaned up")
+            c.client.delete(f"{sb.PLURAL}.{sb.GROUP}", name, ns)
+            kvtest.wait_until(lambda: not c.client.list("pods", ns, labels={sb.OWNER_LABEL: name})
+                              and not c.client.list("configmaps", ns, labels={sb.OWNER_LABEL: name}),
+                              timeout=60, interval=0.1, message=f"{name} cleaned up")
             if i % 10 == 0:
                 print(f"[latency] run {i}: {results[-1]}", flush=True)
         rec.stop.set()

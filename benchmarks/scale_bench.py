@@ -24,7 +24,8 @@ Targets: converged <= 120 s and <= 1.3x the floor; <= 8 requests per resource du
 Request accounting comes from kube-apiserver's own /metrics (apiserver_request_total by verb, resource,
 scope), so the operator is measured without changing it. Requests only the operator (or the floor
 client) makes: server-side APPLY of the child kinds (and with dryRun=All), PATCH kvoffloadserves/status,
-DELETE of the child kinds, namespace-scoped LISTs of them and pods. Reconciles (which, reading the
+DELETE of the child kinds, namespace-scoped LISTs of them and pods; and the Events the operator posted
+(counted by their source, since the apiserver's counters cannot tell whose an Event is). Reconciles (which, reading the
 operator's caches, make no request of their own) come from the operator's log line of its totals.
 Its informers' cluster-wide LIST + WATCH happen before the first create.
 
@@ -48,6 +49,7 @@ import platform
 import queue
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -56,8 +58,6 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-from kubernetes import client, watch
 
 import kvtest
 from kvtest import OperatorProcess
@@ -124,9 +124,7 @@ _METRIC = re.compile(r'^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\
 
 def request_totals(c: kvtest.Cluster) -> Counter:
     """apiserver_request_total: (verb, resource, subresource, scope, code) -> count; a dry run's verb gets " dry-run"."""
-    code, text = c.request("GET", "/metrics", timeout=30)
-    if code != 200:
-        raise RuntimeError(f"/metrics: {code}")
+    text = c.client.request("GET", "/metrics", timeout=30)
     out: Counter = Counter()
     for line in text.splitlines():
         m = _METRIC.match(line)
@@ -184,6 +182,13 @@ def apiserver_summary(delta: Counter, operator: dict[str, Any]) -> dict[str, int
             "endpoints/endpointslices 422 retries": int(endpoint_retries), "events": int(events)}
 
 
+def operator_events(c: kvtest.Cluster) -> int:
+    """Events the operator posted (every namespace), each one request."""
+    from kvoffload.controller.events import COMPONENT
+
+    return sum(1 for e in c.client.list("events") if (e.get("source") or {}).get("component") == COMPONENT)
+
+
 def diff(after: Counter, before: Counter) -> Counter:
     return Counter({k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)})
 
@@ -195,10 +200,14 @@ def diff(after: Counter, before: Counter) -> Counter:
 ENDPOINTS_CONTROLLERS = ("endpoints-controller", "endpointslice-controller", "endpointslice-mirroring-controller")
 
 
-def fresh_cluster(state_dir: Path, gpu_nodes: int, endpoints_controllers: bool = True) -> kvtest.Cluster:
+def fresh_cluster(state_dir: Path, gpu_nodes: int, endpoints_controllers: bool = True,
+                  apiserver_profiling: bool = False) -> kvtest.Cluster:
     c = kvtest.Cluster(dir=state_dir)
     c.down()  # a left-over benchmark cluster in this dir: start from an empty etcd
     c.up(kvtest.make_fleet(gpu_nodes=gpu_nodes, workstations=0))
+    if apiserver_profiling:  # the harness runs it with --profiling=false; /debug/pprof needs it on
+        args = ["--profiling=true" if a == "--profiling=false" else a for a in c.component_args("kube-apiserver")]
+        c.restart("kube-apiserver", sig=15, args=args)
     if not endpoints_controllers:
         off = ",".join(f"-{name}" for name in ENDPOINTS_CONTROLLERS)
         args = [f"--controllers=*,{off}" if a.startswith("--controllers=") else a
@@ -210,12 +219,10 @@ def fresh_cluster(state_dir: Path, gpu_nodes: int, endpoints_controllers: bool =
 
 def make_namespaces(c: kvtest.Cluster, names: list[str]) -> None:
     for ns in names:
-        code, body = c.request("POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
-        if code not in (200, 201, 409):
-            raise RuntimeError(f"namespace {ns}: {code} {body}")
+        c.client.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
     # Pods are admitted only once the serviceaccount controller made `default` in each namespace.
-    kvtest.wait_until(lambda: all(c.request("GET", f"/api/v1/namespaces/{ns}/serviceaccounts/default")[0] == 200
-                                     for ns in names), timeout=60, message="default ServiceAccounts")
+    kvtest.wait_until(lambda: all(c.client.exists("serviceaccount", "default", ns) for ns in names),
+                      timeout=60, message="default ServiceAccounts")
 
 
 def create_all(c: kvtest.Cluster, items: list[tuple[str, str]], threads: int = 16,
@@ -225,13 +232,18 @@ def create_all(c: kvtest.Cluster, items: list[tuple[str, str]], threads: int = 1
         ns, name = item
         body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "KVOffloadServe", "metadata": {"name": name}, "spec": SPEC}
         for attempt in range(5):
-            code, resp = c.request("POST", f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURAL}", body, timeout=60)
-            if code in (200, 201) and on_created:
-                on_created(resp)
-            if code in (200, 201, 409):
-                return
-            time.sleep(0.5 * (attempt + 1))
-        raise RuntimeError(f"create {ns}/{name}: {code} {resp}")
+            try:
+                created = c.client.create(body, ns)
+            except kvtest.ApiError as exc:
+                if exc.status == 409:
+                    return
+                if attempt == 4:
+                    raise
+                time.sleep(0.5 * (attempt + 1))
+                continue
+            if on_created:
+                on_created(created)
+            return
 
     t0 = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
@@ -246,10 +258,7 @@ def current(obj: dict[str, Any]) -> bool:
 
 
 def serves(c: kvtest.Cluster) -> list[dict[str, Any]]:
-    code, body = c.request("GET", f"/apis/{GROUP}/{VERSION}/{PLURAL}", timeout=60)
-    if code != 200:
-        raise RuntimeError(f"list {PLURAL}: {code}")
-    return body["items"]
+    return c.client.list(f"{PLURAL}.{GROUP}")
 
 
 def children_complete(c: kvtest.Cluster, keys: set[tuple[str, str]]) -> tuple[int, list[str]]:
@@ -257,11 +266,7 @@ def children_complete(c: kvtest.Cluster, keys: set[tuple[str, str]]) -> tuple[in
     found: dict[tuple[str, str], Counter] = {k: Counter() for k in keys}
     problems = []
     for res, kind in zip(CHILD_RESOURCES, CHILD_KINDS):
-        group = {"statefulsets": "/apis/apps/v1", "poddisruptionbudgets": "/apis/policy/v1"}.get(res, "/api/v1")
-        code, body = c.request("GET", f"{group}/{res}?labelSelector={OWNER_LABEL}", timeout=60)
-        if code != 200:
-            raise RuntimeError(f"list {res}: {code}")
-        for item in body["items"]:
+        for item in c.client.list(res, labels=OWNER_LABEL):
             key = (item["metadata"]["namespace"], item["metadata"]["labels"][OWNER_LABEL])
             if key not in found:
                 problems.append(f"{kind} {key}: no such resource")
@@ -307,7 +312,7 @@ class Floor:
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._worker, daemon=True) for _ in range(runtime.WORKERS)]
         self.threads += [threading.Thread(target=self._watch, args=(c, path, store), daemon=True)
-                         for path, store in (("/apis/apps/v1/statefulsets", self.sts), ("/api/v1/pods", self.pods))]
+                         for path, store in (("statefulsets", self.sts), ("pods", self.pods))]
         for t in self.threads:
             t.start()
 
@@ -353,15 +358,11 @@ class Floor:
             self.written.add(key)
         self.work.put((0, next(self.seq), "status", key))
 
-    def _watch(self, c: kvtest.Cluster, path: str, store: dict[tuple[str, str], dict[str, Any]]) -> None:
+    def _watch(self, c: kvtest.Cluster, resource: str, store: dict[tuple[str, str], dict[str, Any]]) -> None:
         """Cluster-wide watch of our labelled objects; keeps the newest of each owner's (one pod per resource)."""
-        w = RawWatch()
-        fn = (client.AppsV1Api(c.api_client()).list_stateful_set_for_all_namespaces if "statefulsets" in path
-              else client.CoreV1Api(c.api_client()).list_pod_for_all_namespaces)
         while not self.stop.is_set():
             try:
-                for event in w.stream(fn, label_selector=OWNER_LABEL, timeout_seconds=60):
-                    obj = event["raw_object"]
+                for _, obj in c.client.watch(resource, labels=OWNER_LABEL, timeout=60):
                     key = (obj["metadata"]["namespace"], obj["metadata"]["labels"][OWNER_LABEL])
                     with self.lock:
                         store[key] = obj
@@ -372,13 +373,6 @@ class Floor:
                 time.sleep(0.2)
 
 
-class RawWatch(watch.Watch):
-    """A watch that hands out plain dicts: no model objects built (the floor client stays lean)."""
-
-    def get_return_type(self, func):  # type: ignore[no-untyped-def]
-        return None
-
-
 # ------------------------------------------------------------------------------ readiness, by watch
 class Tracker:
     """Watches every KVOffloadServe and stamps, per resource, when it first became current (status at its
@@ -386,16 +380,14 @@ class Tracker:
 
     def __init__(self, c: kvtest.Cluster, t0: float) -> None:
         self.t0, self.ready, self.lock, self.stop = t0, {}, threading.Lock(), threading.Event()
-        self.api = client.CustomObjectsApi(c.api_client())
+        self.client = c.client
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while not self.stop.is_set():
             try:
-                for event in watch.Watch().stream(self.api.list_cluster_custom_object, GROUP, VERSION, PLURAL,
-                                                  timeout_seconds=60):
-                    obj = event["object"]
+                for _, obj in self.client.watch(f"{PLURAL}.{GROUP}", timeout=60):
                     if current(obj):
                         with self.lock:
                             self.ready.setdefault((obj["metadata"]["namespace"], obj["metadata"]["name"]),
@@ -408,6 +400,30 @@ class Tracker:
     def times(self) -> list[float]:
         with self.lock:
             return sorted(self.ready.values())
+
+
+# ------------------------------------------------------------------------------ profiles
+def profile(c: kvtest.Cluster, op: OperatorProcess | None, seconds: float, out_dir: Path, mode: str) -> None:
+    """CPU profiles over `seconds` of the rollout: kube-apiserver's own pprof (`go tool pprof -top`) and,
+    in the operator phase, py-spy of the operator (collapsed stacks). Files go to `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spy = None
+    if op is not None and shutil.which("py-spy"):
+        spy = subprocess.Popen(["py-spy", "record", "--pid", str(op.proc.pid), "--rate", "20", "--duration",
+                                str(int(seconds)), "--idle", "--threads", "--format", "raw",
+                                "-o", str(out_dir / "operator.pyspy.txt")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pki = c.dir / "pki"
+    pprof = out_dir / f"kube-apiserver.{mode}.pprof"
+    subprocess.run(["curl", "-sS", "--cacert", str(pki / "ca.crt"), "--cert", str(pki / "admin.crt"),
+                    "--key", str(pki / "admin.key"), "-o", str(pprof),
+                    f"{c.state()['server']}/debug/pprof/profile?seconds={int(seconds)}"],
+                   check=False, timeout=seconds + 60)
+    top = subprocess.run(["go", "tool", "pprof", "-top", "-nodecount=60", str(pprof)], capture_output=True,
+                         text=True, check=False)
+    (out_dir / f"kube-apiserver.{mode}.top.txt").write_text(top.stdout + top.stderr)
+    if spy is not None:
+        spy.wait(seconds + 60)
 
 
 # ------------------------------------------------------------------------------ the run
@@ -428,6 +444,8 @@ def rollout(c: kvtest.Cluster, mode: str, keys: list[tuple[str, str]], args: arg
     tracker = Tracker(c, t0)
     out["create_s"] = round(create_all(c, keys, on_created=floor.on_created if floor else None), 1)
     print(f"[{mode}] {len(keys)} created in {out['create_s']} s", flush=True)
+    if args.profile:
+        threading.Thread(target=profile, args=(c, op, args.profile, Path(args.profile_dir), mode), daemon=True).start()
     samples, loads = [], []
     converged = None
     while time.monotonic() - t0 < args.timeout:
@@ -474,6 +492,10 @@ def rollout(c: kvtest.Cluster, mode: str, keys: list[tuple[str, str]], args: arg
                     "whole machine": round(all1 - all0, 1),
                     "wall x cores": round((time.monotonic() - t0) * (os.cpu_count() or 1), 1)}
     reqs = client_requests(diff(m1, m0))
+    # The operator's Events are its requests too (one POST each; the apiserver's counters cannot tell
+    # whose they are): count the Events it wrote, by their source.
+    reqs["events"] = operator_events(c) if op else 0
+    reqs["requests"] += reqs["events"]
     reqs["per_resource"] = round(reqs["requests"] / len(keys), 2)
     if op:
         reqs["reconciles"] = reconcile_totals(op)
@@ -518,7 +540,7 @@ def phase(mode: str, args: argparse.Namespace, workdir: Path, state_dir: Path) -
     c = kvtest.Cluster(dir=state_dir)
     op: OperatorProcess | None = None
     try:
-        c = fresh_cluster(state_dir, args.gpu_nodes, not args.without_endpoints_controllers)
+        c = fresh_cluster(state_dir, args.gpu_nodes, not args.without_endpoints_controllers, bool(args.profile))
         out["cluster_start_s"] = round(time.monotonic() - t, 1)
         namespaces = [f"scale-{i:02d}" for i in range(args.namespaces)]
         make_namespaces(c, namespaces)
@@ -598,6 +620,10 @@ def main() -> int:
                     help="turn off kube-controller-manager's Endpoints/EndpointSlice controllers (see ENDPOINTS_CONTROLLERS)")
     ap.add_argument("--keep", action="store_true", help="leave the benchmark cluster running")
     ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--profile", type=float, default=0, metavar="SECONDS",
+                    help="profile kube-apiserver (pprof, profiling turned on) and the operator (py-spy, if on PATH) "
+                         "for SECONDS from the first create")
+    ap.add_argument("--profile-dir", default="benchmarks/results/scale-profiles", help="where the profiles go")
     args = ap.parse_args()
     out = run(args)
     text = json.dumps(out, indent=1)

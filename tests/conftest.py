@@ -4,9 +4,12 @@ Fixtures:
   cluster    session-scoped. Reuses a running healthy cluster in .cluster/ or starts one
              (never stops a cluster it reused; stops one it started unless
              KVO_KEEP_CLUSTER=1). Yields a ClusterHandle: .kubeconfig (Path), .env (dict),
-             .kubectl(*args, check=True, input=None) -> CompletedProcess (text),
-             .helm(...), .bin (Path of etcd/kube-*/kwok/helm), .api_client(),
-             .wait_until(fn, timeout, message), .cluster (the kvtest.Cluster).
+             .client (kvtest.client.Client: the one API client tests use),
+             .kubectl(*args, check=True, input=None) -> CompletedProcess (text; only for tests
+             about what kubectl shows), .helm(...), .bin (Path of etcd/kube-*/kwok/helm),
+             .api_client() (the kubernetes ApiClient the operator's own code takes, for tests that
+             run operator code in-process), .wait_until(fn, timeout, message), .cluster (the
+             kvtest.Cluster).
   crd_installed  module-scoped: the project's CRD applied (crds/, server-side) and Established.
   namespace  a fresh namespace per test (unique name, label kvoffload.io/test=true, its
              `default` ServiceAccount present), deleted after the test (not awaited).
@@ -16,6 +19,7 @@ those tests skip, unless KVO_REQUIRE_CLUSTER is set (CI), in which case they fai
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -42,6 +46,10 @@ class ClusterHandle:
         self.kubeconfig: Path = c.kubeconfig
         self.bin: Path = c.bin
         self.env: dict[str, str] = c.env
+
+    @property
+    def client(self) -> kvtest.Client:
+        return self.cluster.client
 
     def kubectl(self, *args, check: bool = True, input: str | None = None,
                 timeout: float = 120) -> subprocess.CompletedProcess:
@@ -86,17 +94,12 @@ def cluster():
 def namespace(cluster, request):
     base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")
     name = f"t-{base[:40].strip('-')}-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", name)
-    cluster.kubectl("label", "namespace", name, "kvoffload.io/test=true")
-    # Pods are admitted only once the serviceaccount controller made `default`.
-    cluster.wait_until(lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", name,
-                                               check=False).returncode == 0,
-                       timeout=30, message=f"ServiceAccount default in {name}")
+    cluster.client.namespace(name, labels={"kvoffload.io/test": "true"})
     try:
         yield name
     finally:
-        cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found",
-                        check=False)
+        with contextlib.suppress(Exception):
+            cluster.client.delete("namespace", name, missing_ok=True)
 
 
 @pytest.fixture(scope="module")

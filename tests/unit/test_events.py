@@ -98,3 +98,30 @@ def test_a_failed_post_never_fails_the_reconcile():
     rec = events.Recorder(refuse)
     rec.record(OWNER, [events.Event("Normal", "Ready", "")])
     assert rec.sent == 0
+
+
+def test_the_event_rate_is_the_admins_setting():
+    """eventsPerSecond / eventBurst shape the operator's one bucket; 0 per second turns Events off."""
+    from kvoffload.api.settings import Settings
+
+    posted: list[dict] = []
+    quiet = events.recorder(Settings(events_per_second=0), lambda ns, b: posted.append(b))
+    quiet.record(OWNER, [events.Event("Normal", "Ready", "y")] * 10)
+    assert posted == [] and quiet.dropped == 10
+    small = events.recorder(Settings(events_per_second=0.001, event_burst=3), lambda ns, b: posted.append(b))
+    small.record(OWNER, [events.Event("Normal", "Ready", "y")] * 10)
+    assert len(posted) == small.sent == 3 and small.dropped == 7
+
+
+def test_event_settings_are_checked_with_the_key_named():
+    import pytest
+
+    from kvoffload.api import settings
+    from kvoffload.api.errors import ConfigError
+
+    assert settings.from_dict({"eventsPerSecond": 0.5, "eventBurst": 5}).events_per_second == 0.5
+    for bad in ({"eventsPerSecond": -1}, {"eventsPerSecond": "fast"}, {"eventsPerSecond": True}, {"eventBurst": 0},
+                {"eventBurst": 2.5}):
+        with pytest.raises(ConfigError) as exc:
+            settings.from_dict(bad)
+        assert next(iter(bad)) in str(exc.value) and ">=" in str(exc.value)

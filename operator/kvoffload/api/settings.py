@@ -36,6 +36,11 @@ class Settings:
     probe_exporters: bool = True
     # Seconds between level-based resyncs of every resource (also refreshes OffloadActive).
     resync_seconds: int = 300
+    # Events on KVOffloadServes go through one token bucket for the whole operator, so a thousand
+    # resources changing at once cost at most event_burst + events_per_second x seconds Events.
+    # 0 events per second: no Events at all.
+    events_per_second: float = 5
+    event_burst: int = 50
     labels: dict[str, str] = field(default_factory=dict)
     # The operator's namespace (the chart sets it): a KVOffloadServe's NetworkPolicy lets it reach the
     # exporters' metrics port when probe_exporters is on.
@@ -63,6 +68,10 @@ def from_dict(data: dict[str, Any]) -> Settings:
             raise ConfigError(f"operator config {key}", f"unknown setting; allowed: {', '.join(sorted(by_camel))}")
         name = by_camel[key]
         kwargs[name] = tuple(value) if name == "allowed_disk_roots" else value
+    for name, kind, least in (("events_per_second", (int, float), 0), ("event_burst", int, 1)):
+        value = kwargs.get(name, getattr(Settings, name))
+        if isinstance(value, bool) or not isinstance(value, kind) or value < least:
+            raise ConfigError(f"operator config {_camel(name)}", f"must be a number >= {least}, got {value!r}")
     return Settings(**kwargs)
 
 

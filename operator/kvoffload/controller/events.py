@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable
 
+from ..api.settings import Settings
+
 log = logging.getLogger("kvoffload.events")
 
 COMPONENT = "kvoffload-operator"
@@ -93,6 +95,12 @@ class TokenBucket:
                 self.tokens -= 1
                 return True
             return False
+
+
+def recorder(settings: Settings, post: Callable[[str, dict[str, Any]], Any]) -> Recorder:
+    """The operator's one Recorder, its bucket from the settings (0 events per second: no Events)."""
+    rate = settings.events_per_second
+    return Recorder(post, TokenBucket(rate, settings.event_burst if rate > 0 else 0))
 
 
 def event_body(owner: dict[str, Any], event: Event, now: datetime) -> dict[str, Any]:

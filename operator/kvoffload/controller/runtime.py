@@ -52,7 +52,7 @@ class Runtime:
         if reconcile is None:
             # One Events recorder, and so one token bucket, for the whole operator (posts go to the API server, not the cache).
             assert kube is not None
-            recorder = events.Recorder(lambda ns, body: kube.request("POST", f"/api/v1/namespaces/{ns}/events", body))
+            recorder = events.recorder(settings, lambda ns, body: kube.request("POST", f"/api/v1/namespaces/{ns}/events", body))
             reconcile = functools.partial(reconcile_one, recorder=recorder)
         self.settings, self.reconcile, self.workers = settings, reconcile, workers
         self.cache = Cache(kube, namespaces, self._kicked)

@@ -34,7 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+import yaml
+
 from . import procs
+from .client import ApiError, Client
 from .components import BY_NAME, COMPONENTS, KWOK_POD_CIDR, SERVICE_CIDR, STAGES
 from .fleet import NODE_IP_BASE, load_fleet, node_addresses, node_pod_cidr, render_nodes
 from .paths import HELM_VERSION, K8S_VERSION, KWOK_VERSION, ROOT, bin_dir, kubectl_path, missing_binaries, state_dir
@@ -124,9 +127,20 @@ class Cluster:
                          input, check, timeout)
 
     def api_client(self):
+        """A kubernetes ApiClient: what the operator's own code takes (tests that run it in-process, benchmarks)."""
         from kubernetes import config
 
         return config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    @property
+    def client(self) -> Client:
+        """The tests' API client, as the admin (cached per apiserver port: discovery is kept)."""
+        port = self.state()["ports"]["kube-apiserver"]
+        cached = self.__dict__.get("_client")
+        if cached is None or cached.port != port:
+            cached = Client(port, self.pki / "ca.crt", (self.pki / "admin.crt", self.pki / "admin.key"))
+            self.__dict__["_client"] = cached
+        return cached
 
     def _ssl(self, client: bool = True) -> ssl.SSLContext:
         ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
@@ -136,7 +150,7 @@ class Cluster:
 
     def request(self, method: str, path: str, body: Any = None, port: int | None = None,
                 timeout: float = 10, client: bool = True) -> tuple[int, Any]:
-        """Raw HTTPS call to the apiserver (or another local component's port)."""
+        """Raw HTTPS call to a component's port (health checks; tests use `client`)."""
         port = port or self.state()["ports"]["kube-apiserver"]
         conn = http.client.HTTPSConnection(LOOPBACK, port, context=self._ssl(client), timeout=timeout)
         try:
@@ -153,8 +167,11 @@ class Cluster:
 
     def install_crd(self) -> None:
         """The project's CRD (crds/, server-side), Established."""
-        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-        self.kubectl("wait", "--for=condition=Established", "crd/kvoffloadserves.kvoffload.io", "--timeout=60s")
+        for path in sorted((ROOT / "crds").glob("*.yaml")):
+            for doc in yaml.safe_load_all(path.read_text()):
+                if doc:
+                    self.client.apply(doc)
+                    self.client.established(doc["metadata"]["name"])
 
     # ------------------------------------------------------------------------------------ health
     def component_health(self) -> dict[str, tuple[bool, str]]:
@@ -193,10 +210,7 @@ class Cluster:
 
     # ------------------------------------------------------------------------------------ nodes
     def nodes(self) -> list[dict]:
-        code, body = self.request("GET", "/api/v1/nodes")
-        if code != 200:
-            raise ClusterError(f"GET nodes: {code} {body}")
-        return body["items"]
+        return self.client.list("nodes")
 
     def ready_nodes(self) -> set[str]:
         ready = set()
@@ -225,9 +239,11 @@ class Cluster:
                 n["spec"]["podCIDRs"] = [node_pod_cidr(idx)]
                 n["status"]["addresses"] = node_addresses(n["metadata"]["name"], idx)
                 idx += 1
-                code, body = self.request("POST", "/api/v1/nodes", n)
-                if code not in (200, 201, 409):
-                    raise ClusterError(f"create node {n['metadata']['name']}: {code} {body}")
+                try:
+                    self.client.create(n)
+                except ApiError as exc:
+                    if exc.status != 409:
+                        raise ClusterError(f"create node {n['metadata']['name']}: {exc}") from exc
             fleet = {n["metadata"]["name"]: n for n in self.fleet_nodes()}
             fleet.update({n["metadata"]["name"]: n for n in new})
             (self.dir / "nodes.json").write_text(json.dumps(list(fleet.values()), indent=1))
@@ -240,9 +256,7 @@ class Cluster:
     def delete_nodes(self, names: Iterable[str]) -> None:
         names = list(names)
         for name in names:
-            code, body = self.request("DELETE", f"/api/v1/nodes/{name}")
-            if code not in (200, 202, 404):
-                raise ClusterError(f"delete node {name}: {code} {body}")
+            self.client.delete("nodes", name, missing_ok=True)
         keep = [n for n in self.fleet_nodes() if n["metadata"]["name"] not in set(names)]
         (self.dir / "nodes.json").write_text(json.dumps(keep, indent=1))
 
@@ -379,8 +393,8 @@ class Cluster:
                    timeout=BY_NAME["kwok"].start_timeout, interval=0.2, message=f"{len(node_names)} nodes Ready")
         timings["nodes_ready"] = round(time.monotonic() - t0, 2)
         # The serviceaccount and root-ca publisher controllers work: pods can be admitted.
-        wait_until(lambda: self.request("GET", "/api/v1/namespaces/default/serviceaccounts/default")[0] == 200
-                   and self.request("GET", "/api/v1/namespaces/default/configmaps/kube-root-ca.crt")[0] == 200,
+        wait_until(lambda: self.client.exists("serviceaccount", "default", "default")
+                   and self.client.exists("configmap", "kube-root-ca.crt", "default"),
                    timeout=60, interval=0.2, message="default ServiceAccount and kube-root-ca.crt")
         timings["ready"] = round(time.monotonic() - t0, 2)
         st["timings"] = timings
