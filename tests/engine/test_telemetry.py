@@ -7,6 +7,7 @@ a subprocess with exactly the container's rendered env; with the opt-out removed
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import tempfile
@@ -64,6 +65,12 @@ def container_env(container: dict) -> dict[str, str]:
 
 
 def probe(venv: Path, env: dict[str, str]) -> dict:
+    return dict(_probe(venv, tuple(sorted(env.items()))))
+
+
+@functools.cache  # identical envs (the vllm container of lmcache-server and vllm-native) run once: each run imports torch
+def _probe(venv: Path, items: tuple[tuple[str, str], ...]) -> dict:
+    env = dict(items)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         cp = subprocess.run([engine_venv.python(venv), "-c", PROBE, str(out)], env=env, cwd=tmp, capture_output=True,
