@@ -142,7 +142,7 @@ def test_crd_cel_rule_refuses_bad_object(cluster, namespace):
 
 
 def test_service_account_token_and_rbac(cluster, namespace):
-    token = cluster.client.token("default", namespace)
+    token = cluster.client.create_token("default", namespace)
     assert token.count(".") == 2
     sa = cluster.client.as_token(token)
     review = sa.create({"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"})  # `auth whoami`
@@ -189,8 +189,8 @@ def test_gpu_statefulset_pod_runs_on_gpu_node(cluster, namespace):
     assert int(node["status"]["allocatable"]["nvidia.com/gpu"]) >= 1
     assert is_loopback(pod["status"]["podIP"]), pod["status"]["podIP"]
     assert is_loopback(pod["status"]["hostIP"]), pod["status"]["hostIP"]
-    cluster.wait_until(
-        lambda: c.get("statefulset", "gpu", namespace)["status"].get("readyReplicas") == 1, timeout=60, message="StatefulSet gpu readyReplicas=1")
+    cluster.wait_until(lambda: c.get("statefulset", "gpu", namespace)["status"].get("readyReplicas") == 1,
+                       timeout=60, message="StatefulSet gpu readyReplicas=1")
 
 
 def test_pod_larger_than_any_node_stays_pending(cluster, namespace):
@@ -292,8 +292,8 @@ def test_service_endpoints_refused_for_loopback_pod_ips(cluster, namespace):
 
 # --------------------------------------------------------------------------- the tests' API client
 def configmap(name, namespace, data, labels=None):
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": name, "namespace": namespace, "labels": labels or {}}, "data": data}
+    meta = {"name": name, "namespace": namespace, **({"labels": labels} if labels else {})}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
 
 
 def test_client_resolves_names_as_kubectl_does(cluster, crd_installed):
@@ -336,7 +336,7 @@ def test_client_server_side_apply_is_idempotent_and_refuses_a_second_manager(clu
     with pytest.raises(ApiError) as conflict:
         c.apply(configmap("ssa", namespace, {"a": "2"}), manager="someone-else", force=False)
     assert conflict.value.status == 409 and conflict.value.reason == "Conflict"
-    assert 'conflict with "kvtest"' in conflict.value.message and ".data.a" in conflict.value.message
+    assert conflict.value.message == 'Apply failed with 1 conflict: conflict with "kvtest": .data.a', conflict.value
     assert c.get("configmap", "ssa", namespace)["data"] == {"a": "1"}
     taken = c.apply(configmap("ssa", namespace, {"a": "2"}), manager="someone-else", force=True)
     assert taken["data"] == {"a": "2"}
@@ -361,7 +361,7 @@ def test_client_watch_from_a_lists_resource_version(cluster, namespace):
 
 def test_client_can_i_matches_rbac(cluster, namespace):
     c = cluster.client
-    sa = c.as_token(c.token("default", namespace))
+    sa = c.as_token(c.create_token("default", namespace))
     assert sa.can_i("list", "configmaps", namespace) is False  # nothing grants it yet
     c.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
              "metadata": {"name": "cm-reader", "namespace": namespace},
