@@ -142,21 +142,13 @@ class Cluster:
             self.__dict__["_client"] = cached
         return cached
 
-    def _ssl(self, client: bool = True) -> ssl.SSLContext:
-        ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
-        if client:
-            ctx.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
-        return ctx
-
-    def request(self, method: str, path: str, body: Any = None, port: int | None = None,
-                timeout: float = 10, client: bool = True) -> tuple[int, Any]:
+    def request(self, method: str, path: str, port: int, timeout: float = 10) -> tuple[int, Any]:
         """Raw HTTPS call to a component's own port (kube-controller-manager's and kube-scheduler's
-        /healthz). The API server is reached through `client`."""
-        port = port or self.state()["ports"]["kube-apiserver"]
-        conn = http.client.HTTPSConnection(LOOPBACK, port, context=self._ssl(client), timeout=timeout)
+        /healthz, which need no client certificate). The API server is reached through `client`."""
+        ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        conn = http.client.HTTPSConnection(LOOPBACK, port, context=ctx, timeout=timeout)
         try:
-            data = json.dumps(body).encode() if body is not None else None
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
+            conn.request(method, path)
             resp = conn.getresponse()
             raw = resp.read()
         finally:

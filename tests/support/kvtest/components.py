@@ -150,7 +150,7 @@ def _apiserver_health(c: Cluster, p: Ports) -> Health:
 def _healthz(name: str) -> Callable[[Cluster, Ports], Health]:
     """A controller's own HTTPS port (not the API server's): a plain GET, no client certificate."""
     def health(c: Cluster, p: Ports) -> Health:
-        code, body = c.request("GET", "/healthz", port=p[name], timeout=3, client=False)
+        code, body = c.request("GET", "/healthz", p[name], timeout=3)
         return code == 200, f"/healthz {code} {str(body)[:60]}"
     return health
 
