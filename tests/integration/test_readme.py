@@ -26,7 +26,7 @@ def test_quick_start(cluster):
             "annotations": {"meta.helm.sh/release-name": "kvoffload", "meta.helm.sh/release-namespace": "kvoffload-system"}}})
     operator = OperatorProcess(cluster.env, ["kvoffload-demo"])  # kwok runs no container: the operator runs here
     try:
-        for command in QUICK_START:  # kubectl and helm under test: the README's commands, as written
+        for command in QUICK_START:  # kubectl under test (and helm): the README's commands, as written
             res = subprocess.run(shlex.split(command), cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
             assert res.returncode == 0, f"{command}\n{res.stdout}\n{res.stderr}\n{operator.output()[-3000:]}"
             if command.startswith("kubectl get kvs"):
