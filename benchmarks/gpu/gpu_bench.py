@@ -6,13 +6,18 @@ beside it, time to first token per tier, host memory, and every kvoffload_* figu
 
 `--rendered` is `kvoffload render -f examples/X.yaml` output, or a KVOffloadServe file (rendered
 with `python -m kvoffload.cli render`). Runs, each a fresh engine:
-  connector  the rendered command, args, env and LMCache config (changes: gpu_manifests.localize)
-  baseline   the same without --kv-transfer-config
+  connector  the rendered command, args, env and LMCache config (changes: gpu_manifests.localize),
+             whatever spec.offload.backend rendered: lmcache (in-process LMCache), lmcache-server
+             (the `lmcache server` native sidecar starts first, in its own cgroup, and must pass its
+             rendered startup probe) or vllm-native (vLLM's OffloadingConnector)
+  baseline   the same without the offload flags (--kv-transfer-config, --kv-offloading-*) and sidecars
   disk       the connector run with a CPU tier too small to keep the prompt (--disk-cpu-gib per
              rank) and LMCache O_DIRECT disk I/O (extra_config.use_odirect), LMCACHE_LOG_LEVEL=DEBUG
              so LMCache logs every disk read.
 Phases per prompt (fresh random token ids): cold; again (prefix in GPU memory); after POST
-/reset_prefix_cache (connector: LMCache CPU tier; baseline: recompute). The disk run stores the
+/reset_prefix_cache (connector: the CPU tier; baseline: recompute). Each request also records the
+token vLLM generated (return_token_ids): after a reload it must equal the token generated with the
+prefix still in GPU memory, else what came back from the CPU tier was not the KV that was stored. The disk run stores the
 prompt, pushes it out of the CPU tier with other prompts, resets, drops the page cache and reloads
 it; proof that bytes came from disk: LMCache's "Disk read size" lines, /proc/<pid>/io read_bytes
 of the engine's processes and /sys/block/*/stat sectors read, around that one request.
@@ -319,36 +324,96 @@ def sources(page: gpu_counters.Page) -> dict[str, float]:
         out[src] = page.sum("vllm:prompt_tokens_by_source_total", source=src) or 0.0
     out["external_hits"] = page.sum("vllm:external_prefix_cache_hits_total") or 0.0
     out["gpu_hits"] = page.sum("vllm:prefix_cache_hits_total") or 0.0
+    # vLLM's native offloading (OffloadingConnector) counts the bytes it moves; absent otherwise.
+    out["offload_store_bytes"] = page.sum("vllm:kv_offload_store_bytes_total") or 0.0
+    out["offload_load_bytes"] = page.sum("vllm:kv_offload_load_bytes_total") or 0.0
     return out
 
 
+def server_status(url: str | None) -> dict[str, Any] | None:
+    """The LMCache server's /status document (backend lmcache-server), None without one."""
+    if not url:
+        return None
+    m = re.match(r"http://([^:/]+):(\d+)(/.*)", url)
+    if not m or m.group(1) != "127.0.0.1":
+        raise RuntimeError(f"LMCache server URL {url} is not on 127.0.0.1")
+    status, body = http_req(int(m.group(2)), "GET", m.group(3), timeout=10)
+    if status != 200:
+        raise RuntimeError(f"LMCache server {url}: HTTP {status}")
+    return json.loads(body)
+
+
+def l1_used(doc: dict[str, Any] | None) -> float:
+    try:
+        return float(doc["storage_manager"]["l1_manager"]["memory_used_bytes"]) if doc else 0.0
+    except (KeyError, TypeError, ValueError):
+        return 0.0
+
+
 class Engine:
-    def __init__(self, port: int, model: str, proc: subprocess.Popen, logfile: Path) -> None:
+    def __init__(self, port: int, model: str, proc: subprocess.Popen, logfile: Path, status_url: str | None = None) -> None:
         self.port, self.model, self.proc, self.logfile = port, model, proc, logfile
+        self.status_url = status_url  # the LMCache server's /status (lmcache-server), read around each request
 
     def complete(self, ids: list[int]) -> dict[str, Any]:
         """One request, max_tokens 1: its latency is the time to first token. Token sources from vLLM;
         what LMCache logged meanwhile (did it really retrieve?)."""
         before = sources(gpu_counters.Page(vllm_page(self.port)))
+        l1_before = l1_used(server_status(self.status_url))
         off = self.logfile.stat().st_size
         t0 = time.perf_counter()
         status, body = http_req(self.port, "POST", "/v1/completions",
-                                {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0}, timeout=300)
+                                {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0,
+                                 "return_token_ids": True}, timeout=300)
         ttft = time.perf_counter() - t0
         if status != 200:
             raise RuntimeError(f"completion: HTTP {status}: {body[:500]}")
         time.sleep(STATS_WAIT_S)  # let the engine publish the request's stats
         after = sources(gpu_counters.Page(vllm_page(self.port)))
+        extra: dict[str, Any] = {"output_token_ids": output_tokens(body)}
+        if self.status_url:
+            extra["l1_used_bytes_delta"] = l1_used(server_status(self.status_url)) - l1_before
         text = log_lines_between(self.logfile, off)
         got = [int(x[0]) for x in RETRIEVED.findall(text)]
-        return {"ttft_s": round(ttft, 5), "tokens": len(ids), **{k: after[k] - before[k] for k in after},
+        return {"ttft_s": round(ttft, 5), "tokens": len(ids), **{k: after[k] - before[k] for k in after}, **extra,
                 "lmcache_retrieved_tokens": sum(got), "lmcache_retrieve_lines": len(got),
                 "lmcache_load_skipped_lines": text.count("start_load_kv, but the attn_metadata is None")}
 
-    def reset_prefix_cache(self) -> None:
-        status, body = http_req(self.port, "POST", "/reset_prefix_cache", timeout=60)
-        if status != 200:
-            raise RuntimeError(f"/reset_prefix_cache: HTTP {status}: {body[:300]}")
+    def reset_prefix_cache(self, deadline_s: float = 180) -> dict[str, Any]:
+        """Until vLLM says the GPU prefix cache is empty. vLLM 0.26.0 answers 200 with
+        {"success": false} while blocks are held, e.g. by in-flight asynchronous KV stores (the
+        lmcache-server connector holds a prompt's blocks until the server has it): we retry, and the
+        time waited is how long the store took to drain."""
+        t0 = time.monotonic()
+        attempts = 0
+        while True:
+            attempts += 1
+            status, body = http_req(self.port, "POST", "/reset_prefix_cache", timeout=60)
+            if status != 200:
+                raise RuntimeError(f"/reset_prefix_cache: HTTP {status}: {body[:300]}")
+            if reset_succeeded(body):
+                return {"reset_wait_s": round(time.monotonic() - t0, 3), "reset_attempts": attempts}
+            if time.monotonic() - t0 > deadline_s:
+                raise RuntimeError(f"/reset_prefix_cache: still {body[:100]} after {attempts} attempts in {deadline_s:.0f} s")
+            time.sleep(0.1)
+
+
+def reset_succeeded(body: str) -> bool:
+    """vLLM's answer to POST /reset_prefix_cache: {"success": bool} (0.26.0); an empty body (older
+    vLLM, no verdict) counts as success."""
+    try:
+        return bool(json.loads(body).get("success", True)) if body.strip() else True
+    except (ValueError, AttributeError):
+        return True
+
+
+def output_tokens(body: str) -> list[int] | None:
+    """The generated token ids of a /v1/completions answer (return_token_ids), None if absent."""
+    try:
+        ids = json.loads(body)["choices"][0].get("token_ids")
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    return [int(x) for x in ids] if isinstance(ids, list) else None
 
 
 def lmcache_text(multiproc_dir: str | None) -> str:
@@ -403,13 +468,31 @@ def wait_disk_quiet(path: str, deadline_s: float = 60, still_s: float | None = N
     return newest
 
 
-def engine_read(port: int, run: gpu_manifests.LocalRun, disk_dir: str | None) -> gpu_counters.EngineRead:
+def engine_read(port: int, run: gpu_manifests.LocalRun, disk_dir: str | None,
+                status_url: str | None = None) -> gpu_counters.EngineRead:
     v = vllm_page(port)
     lm = lmcache_text(run.multiproc_dir)
+    srv = server_status(status_url)
     if disk_dir and os.path.isdir(disk_dir):
         b, f, free = scan_disk(disk_dir)
-        return gpu_counters.EngineRead(v, lm, b, f, free)
-    return gpu_counters.EngineRead(v, lm)
+        return gpu_counters.EngineRead(v, lm, b, f, free, server=srv)
+    return gpu_counters.EngineRead(v, lm, server=srv)
+
+
+def start_sidecar(sc: gpu_manifests.Sidecar, tag: str, logdir: Path, deadline_s: float) -> tuple[subprocess.Popen, str | None, float]:
+    """A native sidecar as its own process group and cgroup; ready when its startup probe passes."""
+    cg = cgroup_make(f"kvbench-{tag}-{sc.name}")
+    p = spawn(sc.argv, {**os.environ, **BASE_ENV, **sc.env}, logdir / f"{tag}-{sc.name}.log", cg)
+    t0 = time.monotonic()
+    while sc.probe:
+        if p.poll() is not None:
+            raise RuntimeError(f"sidecar {sc.name} exited with {p.returncode} before its startup probe passed")
+        if subprocess.run(sc.probe, capture_output=True, timeout=30).returncode == 0:
+            break
+        if time.monotonic() - t0 > deadline_s:
+            raise RuntimeError(f"sidecar {sc.name}: startup probe still failing after {deadline_s:.0f} s")
+        time.sleep(0.5)
+    return p, cg, round(time.monotonic() - t0, 1)
 
 
 def log_lines_between(logfile: Path, start: int) -> str:
@@ -488,9 +571,11 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
         extra["LMCACHE_LOG_LEVEL"] = "DEBUG"
     run = gpu_manifests.localize(rendered, layout, connector=connector, model_config=cfg,
                                  lmcache_overrides=overrides, extra_env=extra)
-    res: dict[str, Any] = {"kind": kind, "tp": rendered.tp, "changes": run.changes, "argv": run.engine_argv,
-                           "env": run.engine_env, "lmcache": run.lmcache if connector else None,
-                           "exporter_argv": run.exporter_argv, "memory_limit": rendered.vllm.memory_limit}
+    res: dict[str, Any] = {"kind": kind, "tp": rendered.tp, "backend": rendered.backend, "changes": run.changes,
+                           "argv": run.engine_argv, "env": run.engine_env, "lmcache": run.lmcache if connector else None,
+                           "exporter_argv": run.exporter_argv, "memory_limit": rendered.vllm.memory_limit,
+                           "sidecars": [{"name": sc.name, "argv": sc.argv, "memory_limit": sc.memory_limit} for sc in run.sidecars]}
+    status_url = gpu_manifests.flag(run.exporter_argv or [], "--lmcache-server-url") if run.sidecars else None
     out["runs"][tag] = res
     for d in run.fresh_dirs:
         shutil.rmtree(d, ignore_errors=True)
@@ -515,10 +600,21 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
     xlog = Path(args.out) / "logs" / f"{tag}-exporter.log"
     env = {**os.environ, **BASE_ENV, **run.engine_env}
     t0 = time.monotonic()
-    log(f"{tag}: starting vLLM on 127.0.0.1:{layout.port}")
-    proc = spawn(run.engine_argv, env, elog, cg)
-    exporter = None
+    side: list[tuple[gpu_manifests.Sidecar, subprocess.Popen, str | None, MemSampler]] = []
+    proc = exporter = None
     try:
+        for sc in run.sidecars:
+            log(f"{tag}: starting sidecar {sc.name}")
+            p, scg, ready = start_sidecar(sc, tag, Path(args.out) / "logs", args.start_timeout / 2)
+            ms = MemSampler(scg)
+            ms.start()
+            side.append((sc, p, scg, ms))
+            res.setdefault("sidecar_ready_s", {})[sc.name] = ready
+            log(f"{tag}: sidecar {sc.name} ready after {ready} s")
+        if status_url:
+            res["server_status_start"] = server_status(status_url)
+        log(f"{tag}: starting vLLM on 127.0.0.1:{layout.port}")
+        proc = spawn(run.engine_argv, env, elog, cg)
         wait_http(layout.port, "/health", time.monotonic() + args.start_timeout, proc, f"vLLM ({tag})")
         res["start_s"] = round(time.monotonic() - t0, 1)
         log(f"{tag}: healthy after {res['start_s']} s")
@@ -532,19 +628,20 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
                 log(f"{tag}: EXPORTER ERROR {exc}")
                 stop(exporter, grace=5)
                 exporter = None
-        eng = Engine(layout.port, served_model, proc, elog)
+        eng = Engine(layout.port, served_model, proc, elog, status_url)
         res["memory_healthy"] = {"meminfo": meminfo(), "cgroup": cgroup_stat(cg), **rss_bytes(tree_pids(proc.pid))}
         eng.complete(prompt(1, 512))  # warm-up, not measured
         n, reps = args.prompt_tokens, args.reps
         seed = {"connector": 100, "baseline": 200, "disk": 300}[kind] + 1000 * rendered.tp
         phases: dict[str, list[dict[str, Any]]] = {}
+        res["phases"] = phases  # filled as it goes: what was measured before an error is kept
         if kind in ("connector", "baseline"):
             for r in range(reps):
                 p = prompt(seed + r, n)
                 phases.setdefault("cold", []).append(eng.complete(p))
                 phases.setdefault("gpu", []).append(eng.complete(p))
-                eng.reset_prefix_cache()
-                phases.setdefault("after_reset", []).append(eng.complete(p))
+                reset = eng.reset_prefix_cache()
+                phases.setdefault("after_reset", []).append({**eng.complete(p), **reset})
                 log(f"{tag}: rep {r}: " + ", ".join(f"{k} {v[-1]['ttft_s']:.3f}s (LMCache retrieved {v[-1]['lmcache_retrieved_tokens']}, "
                                                     f"load skipped {v[-1]['lmcache_load_skipped_lines']}x)" for k, v in phases.items()))
         else:
@@ -585,7 +682,9 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
         if os.path.isdir(disk_dir):
             wait_disk_quiet(disk_dir, deadline_s=20)
             res["disk_by_worker"] = disk_by_worker(disk_dir)
-        res["memory_after_phases"] = {"meminfo": meminfo(), "cgroup": cgroup_stat(cg), **rss_bytes(tree_pids(proc.pid))}
+        res["memory_after_phases"] = {"meminfo": meminfo(), "cgroup": cgroup_stat(cg), **rss_bytes(tree_pids(proc.pid)),
+                                      "sidecars": {sc.name: {"cgroup": cgroup_stat(scg), **rss_bytes(tree_pids(p.pid))}
+                                                   for sc, p, scg, _ms in side}}
 
         # Exporter vs engine, once the disk tier is quiet and the exporter has rescanned it.
         if exporter is not None:
@@ -598,18 +697,21 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
                 if ts is None or ts >= quiet + 0.5:
                     break
                 time.sleep(1)
-            before = engine_read(layout.port, run, disk_dir)
+            before = engine_read(layout.port, run, disk_dir, status_url)
             xtext = http_req(layout.exporter_port, "GET", "/metrics")[1]
-            after = engine_read(layout.port, run, disk_dir)
+            after = engine_read(layout.port, run, disk_dir, status_url)
             checks = gpu_counters.compare(xtext, before, after, kv_bytes_per_token=kv_bpt,
                                           lmcache_config=run.lmcache if connector else None, tp=rendered.tp,
-                                          connector=connector, served=True)
+                                          connector=connector, served=True, backend=rendered.backend)
             res["checks"] = [c.to_dict() for c in checks]
             res["per_worker"] = per_worker(after.lmcache)  # after LMCache's stats logger has flushed
             res["disagreements"] = [c.to_dict() for c in gpu_counters.disagreements(checks)]
             (Path(args.out) / "pages").mkdir(exist_ok=True)
             for name, text in (("exporter", xtext), ("vllm", after.vllm), ("lmcache", after.lmcache)):
                 Path(args.out, "pages", f"{tag}-{name}.txt").write_text(text)
+            if after.server is not None:
+                Path(args.out, "pages", f"{tag}-server-status.json").write_text(json.dumps(after.server, indent=1))
+                res["server_status_end"] = after.server
             log(f"{tag}: exporter checks: {sum(c.ok is True for c in checks)} agree, "
                 f"{len(res['disagreements'])} disagree: " + ", ".join(f"{c['metric']}{{{c['labels']}}}" for c in res["disagreements"]))
     except Exception as exc:  # recorded, then the next run (or the caller) decides
@@ -618,17 +720,24 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
     finally:
         if exporter is not None:
             stop(exporter, grace=5)
-        stop(proc, grace=30)
+        if proc is not None:
+            stop(proc, grace=30)
+        for sc, p, scg, ms in side:
+            stop(p, grace=10)
+            ms.halt.set()
+            ms.join(5)
+            res.setdefault("sidecar_memory", {})[sc.name] = {"limit": sc.memory_limit, **ms.summary()}
         res["gpu_free_wait_s"] = wait_gpus_free()
         sampler.halt.set()
         sampler.join(5)
         res["memory"] = sampler.summary()
         res["memory_trace"] = sampler.trace()
-        if cg:
-            try:
-                os.rmdir(cg)
-            except OSError:
-                pass
+        for c in [cg, *(scg for _sc, _p, scg, _ms in side)]:
+            if c:
+                try:
+                    os.rmdir(c)
+                except OSError:
+                    pass
         shutil.rmtree(f"{args.disk_root}/kvbench-{tag}", ignore_errors=True)
         res["wall_s"] = round(time.monotonic() - t0, 1)
         save(out, args)

@@ -4,7 +4,9 @@ Engine truth, read independently of the exporter's code:
 - vLLM's /metrics page (prefix-cache and external prefix-cache counters, KV usage, cache_config_info);
 - LMCache's multiprocess files (the lmcache:* families, as exposition text);
 - the disk-tier directory (bytes and regular files, statvfs free bytes), scanned by the benchmark;
-- the LMCache config the engine was started with (capacities) and the model's KV bytes per token.
+- the LMCache config the engine was started with (capacities) and the model's KV bytes per token;
+- backend lmcache-server: the LMCache server's own /status document (L1 bytes, registered engines);
+- backend vllm-native: vLLM's own offload counters (vllm:kv_offload_{store,load}_bytes_total).
 
 Counters move while we look, so the engine is read before and after the exporter: a figure agrees
 when it lies between the two engine reads (plus a small tolerance).
@@ -64,6 +66,7 @@ class EngineRead:
     disk_bytes: int | None = None
     disk_files: int | None = None
     disk_free: int | None = None
+    server: dict[str, Any] | None = None  # the LMCache server's /status (backend lmcache-server)
 
 
 @dataclass(frozen=True)
@@ -88,9 +91,21 @@ def _gpu_tokens(p: Page) -> float | None:
     return total
 
 
+def _server_figures(doc: dict[str, Any] | None) -> tuple[float | None, float | None, float | None]:
+    """L1 total and used bytes and registered engines from a server /status document (None: absent)."""
+    try:
+        l1 = doc["storage_manager"]["l1_manager"]  # type: ignore[index]
+        engines = len(doc.get("registered_gpu_ids") or []) + len(doc.get("registered_non_cuda_instance_ids") or [])  # type: ignore[union-attr]
+        return float(l1["memory_total_bytes"]), float(l1["memory_used_bytes"]), float(engines)
+    except (KeyError, TypeError, ValueError):
+        return None, None, None
+
+
 def engine_figures(read: EngineRead, *, kv_bytes_per_token: int, lmcache_config: dict[str, Any] | None,
-                   tp: int, connector: bool, served: bool) -> dict[tuple[str, str], tuple[float | None, str]]:
-    """(metric, labels) -> (engine value, where it comes from), for one engine read."""
+                   tp: int, connector: bool, served: bool,
+                   backend: str = "lmcache") -> dict[tuple[str, str], tuple[float | None, str]]:
+    """(metric, labels) -> (engine value, where it comes from), for one engine read. A label of the
+    form "k=v" is taken as is; any other is the tier label's value."""
     v, lm = Page(read.vllm), Page(read.lmcache)
     out: dict[tuple[str, str], tuple[float | None, str]] = {}
     tokens = _gpu_tokens(v)
@@ -102,7 +117,22 @@ def engine_figures(read: EngineRead, *, kv_bytes_per_token: int, lmcache_config:
     out[("kvoffload_tier_hit_tokens_total", "gpu")] = (v.sum("vllm:prefix_cache_hits_total"), "vllm:prefix_cache_hits_total")
     out[("kvoffload_tier_requested_tokens_total", "gpu")] = (v.sum("vllm:prefix_cache_queries_total"),
                                                              "vllm:prefix_cache_queries_total")
-    if connector:
+    if connector and backend == "lmcache-server":
+        total, used, engines = _server_figures(read.server)
+        out[("kvoffload_tier_capacity_bytes", "cpu")] = (total, "server /status l1_manager.memory_total_bytes")
+        out[("kvoffload_tier_used_bytes", "cpu")] = (used, "server /status l1_manager.memory_used_bytes")
+        out[("kvoffload_lmcache_server_engines", "")] = (engines, "server /status registered_gpu_ids + non_cuda ids")
+    if connector and backend == "vllm-native":
+        out[("kvoffload_offload_transfer_bytes_total", "direction=store")] = (
+            v.sum("vllm:kv_offload_store_bytes_total"), "vllm:kv_offload_store_bytes_total")
+        out[("kvoffload_offload_transfer_bytes_total", "direction=load")] = (
+            v.sum("vllm:kv_offload_load_bytes_total"), "vllm:kv_offload_load_bytes_total")
+    if connector and backend != "lmcache":
+        out[("kvoffload_tier_hit_tokens_total", "external")] = (v.sum("vllm:external_prefix_cache_hits_total"),
+                                                                "vllm:external_prefix_cache_hits_total")
+        out[("kvoffload_tier_requested_tokens_total", "external")] = (
+            v.sum("vllm:external_prefix_cache_queries_total"), "vllm:external_prefix_cache_queries_total")
+    if connector and backend == "lmcache":
         out[("kvoffload_tier_hit_tokens_total", "external")] = (v.sum("vllm:external_prefix_cache_hits_total"),
                                                                 "vllm:external_prefix_cache_hits_total")
         out[("kvoffload_tier_requested_tokens_total", "external")] = (
@@ -125,9 +155,10 @@ def engine_figures(read: EngineRead, *, kv_bytes_per_token: int, lmcache_config:
         out[("kvoffload_disk_free_bytes", "")] = (None if read.disk_free is None else float(read.disk_free),
                                                   "statvfs f_bavail x f_frsize")
         stored = lm.sum("lmcache:local_storage_usage")
-        out[("kvoffload_disk_orphaned_bytes", "")] = (
-            None if stored is None else float(max(0, read.disk_bytes - stored)),
-            "disk dir bytes - sum lmcache:local_storage_usage (floor 0)")
+        if backend == "lmcache":  # otherwise the exporter counts files older than vLLM: not an engine figure
+            out[("kvoffload_disk_orphaned_bytes", "")] = (
+                None if stored is None else float(max(0, read.disk_bytes - stored)),
+                "disk dir bytes - sum lmcache:local_storage_usage (floor 0)")
     out[("kvoffload_offload_active", "")] = (float(connector and served), "1 iff the connector is on and served traffic")
     return out
 
@@ -136,16 +167,24 @@ def engine_figures(read: EngineRead, *, kv_bytes_per_token: int, lmcache_config:
 TOLERANCE = {"kvoffload_disk_free_bytes": 256 * 2**20}
 
 
+def _labels(tier: str) -> dict[str, str]:
+    if not tier:
+        return {}
+    k, _, v = tier.partition("=")
+    return {k: v} if v else {"tier": tier}
+
+
 def _exporter_value(page: Page, metric: str, tier: str) -> float | None:
-    return page.get(metric, tier=tier) if tier else page.get(metric)
+    return page.get(metric, **_labels(tier))
 
 
 def compare(exporter_text: str, before: EngineRead, after: EngineRead, *, kv_bytes_per_token: int,
-            lmcache_config: dict[str, Any] | None, tp: int, connector: bool, served: bool) -> list[Check]:
+            lmcache_config: dict[str, Any] | None, tp: int, connector: bool, served: bool,
+            backend: str = "lmcache") -> list[Check]:
     """One Check per kvoffload_* figure: the exporter's value vs the engine's two reads around it."""
     page = Page(exporter_text)
     kw = dict(kv_bytes_per_token=kv_bytes_per_token, lmcache_config=lmcache_config, tp=tp, connector=connector,
-              served=served)
+              served=served, backend=backend)
     a, b = engine_figures(before, **kw), engine_figures(after, **kw)
     checks: list[Check] = []
     for (metric, tier), (va, source) in a.items():
@@ -160,7 +199,8 @@ def compare(exporter_text: str, before: EngineRead, after: EngineRead, *, kv_byt
         else:
             tol = TOLERANCE.get(metric, 0.0) + 1e-6 * max(abs(hi), 1.0) + 0.5
             ok = lo - tol <= got <= hi + tol
-        checks.append(Check(metric, f"tier={tier}" if tier else "", got, lo, hi, source, ok))
+        label = ",".join(f"{k}={x}" for k, x in _labels(tier).items())
+        checks.append(Check(metric, label, got, lo, hi, source, ok))
     # Whatever else the exporter publishes under kvoffload_*: reported, with the rule it must meet.
     seen = {(c.metric, c.labels) for c in checks}
     by_key: dict[tuple[str, str], float] = defaultdict(float)
@@ -172,7 +212,7 @@ def compare(exporter_text: str, before: EngineRead, after: EngineRead, *, kv_byt
             by_key[key] += value
     for (name, labels), value in sorted(by_key.items()):
         if name == "kvoffload_source_up":
-            want = 0.0 if labels == "source=lmcache" and not connector else 1.0
+            want = 0.0 if labels == "source=lmcache" and not connector else 1.0  # lmcache: LMCache or its server
             checks.append(Check(name, labels, value, want, want,
                                 "source read without error" if want else "no LMCache without the connector", value == want))
         elif name == "kvoffload_scrape_errors_total":

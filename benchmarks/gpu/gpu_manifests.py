@@ -15,7 +15,12 @@ change outside a cluster, and lists every change (`LocalRun.changes`) so the rep
 - `/dev/shm` (memory-backed emptyDir) is the host's /dev/shm;
 - `vllm`/`kvoffload` console scripts -> `python -m` of the same entry points;
 - VLLM_SERVER_DEV_MODE=1 (for POST /reset_prefix_cache) and the caller's extra env;
-- the baseline ("no connector") drops `--kv-transfer-config` and nothing else.
+- the baseline ("no connector") drops `--kv-transfer-config` (backends lmcache, lmcache-server) or
+  `--kv-offloading-backend`/`--kv-offloading-size` (vllm-native), runs no offload sidecar, and
+  changes nothing else;
+- native sidecars (init containers with restartPolicy Always: the lmcache-server backend's `lmcache
+  server`) run as local processes started before vLLM, with their startup probe as the readiness
+  check; `lmcache` -> `python -m lmcache.cli.main`; paths inside JSON arguments mapped too.
 """
 
 from __future__ import annotations
@@ -30,8 +35,11 @@ import yaml
 
 _UNITS = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 CONNECTOR_FLAG = "--kv-transfer-config"
+# Flags (with their value) that turn offloading on, per how the operator renders it; the baseline drops them.
+OFFLOAD_FLAGS = (CONNECTOR_FLAG, "--kv-offloading-backend", "--kv-offloading-size")
 VLLM_ENTRY = ["-m", "vllm.entrypoints.cli.main"]
 KVOFFLOAD_ENTRY = ["-m", "kvoffload.cli"]
+CONSOLE_ENTRY = {"lmcache": ["-m", "lmcache.cli.main"], "vllm": VLLM_ENTRY, "kvoffload": KVOFFLOAD_ENTRY}
 
 
 class ManifestError(ValueError):
@@ -62,6 +70,8 @@ class Container:
     env_fields: dict[str, str]  # name -> downward-API fieldPath
     mounts: tuple[Mount, ...]
     memory_limit: int | None
+    restart_policy: str | None = None  # "Always" on an init container: a native sidecar
+    startup_probe: tuple[str, ...] = ()  # exec probe argv, if any
 
 
 @dataclass(frozen=True)
@@ -73,7 +83,13 @@ class Rendered:
     volumes: dict[str, dict[str, Any]]  # name -> pod volume source
     config_maps: dict[str, dict[str, str]]  # ConfigMap name -> data
     tp: int
-    init: tuple[Container, ...] = ()
+    init: tuple[Container, ...] = ()  # run-to-completion init containers, in order
+    sidecars: tuple[Container, ...] = ()  # native sidecars (restartPolicy Always), started before vLLM
+
+    @property
+    def backend(self) -> str:
+        """spec.offload.backend, as the exporter sidecar is told (--backend); lmcache without one."""
+        return (flag(self.exporter.args, "--backend") if self.exporter else None) or "lmcache"
 
     def lmcache_config(self) -> dict[str, Any] | None:
         """The LMCache YAML the vLLM container would read (LMCACHE_CONFIG_FILE), parsed."""
@@ -100,10 +116,12 @@ def _container(c: dict[str, Any]) -> Container:
         else:
             raise ManifestError(f"container {c['name']}: env {e['name']} has a source this benchmark cannot resolve")
     limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")
+    probe = ((c.get("startupProbe") or {}).get("exec") or {}).get("command") or ()
     return Container(name=c["name"], command=tuple(c.get("command") or ()), args=tuple(str(a) for a in c.get("args") or ()),
                      env=env, env_fields=fields,
                      mounts=tuple(Mount(m["name"], m["mountPath"], bool(m.get("readOnly"))) for m in c.get("volumeMounts") or ()),
-                     memory_limit=None if limit is None else quantity(limit))
+                     memory_limit=None if limit is None else quantity(limit), restart_policy=c.get("restartPolicy"),
+                     startup_probe=tuple(str(a) for a in probe))
 
 
 def flag(args: tuple[str, ...] | list[str], name: str) -> str | None:
@@ -131,11 +149,13 @@ def parse_rendered(text: str) -> Rendered:
         raise ManifestError(f"no container named vllm (found {', '.join(containers)})")
     vllm = containers["vllm"]
     tp = int(flag(vllm_argv(vllm)[0], "--tensor-parallel-size") or 1)
+    inits = [_container(c) for c in pod.get("initContainers") or ()]
     return Rendered(name=sts["metadata"]["name"], namespace=sts["metadata"].get("namespace", "default"),
                     vllm=vllm, exporter=containers.get("exporter"),
                     volumes={v["name"]: {k: x for k, x in v.items() if k != "name"} for v in pod.get("volumes") or []},
                     config_maps={d["metadata"]["name"]: dict(d.get("data") or {}) for d in docs if d.get("kind") == "ConfigMap"},
-                    tp=tp, init=tuple(_container(c) for c in pod.get("initContainers") or ()))
+                    tp=tp, init=tuple(c for c in inits if c.restart_policy != "Always"),
+                    sidecars=tuple(c for c in inits if c.restart_policy == "Always"))
 
 
 @dataclass(frozen=True)
@@ -147,6 +167,16 @@ class Layout:
     port: int  # vLLM
     exporter_port: int
     python: str = "python3"
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    """A native sidecar as a local process: started before vLLM, ready when `probe` exits 0."""
+    name: str
+    argv: list[str]
+    env: dict[str, str]  # to add to the inherited environment
+    probe: list[str]  # its startupProbe's exec command (python3 -> layout.python); [] = none
+    memory_limit: int | None
 
 
 @dataclass
@@ -162,13 +192,19 @@ class LocalRun:
     lmcache_path: str | None
     multiproc_dir: str | None
     changes: list[str] = field(default_factory=list)
+    sidecars: list[Sidecar] = field(default_factory=list)
 
 
 def _volume_dirs(r: Rendered, layout: Layout) -> dict[str, str]:
     out = {}
+    tmp = {m.volume for m in r.vllm.mounts if m.path.rstrip("/") == "/tmp"}
     for name, source in r.volumes.items():
         if "hostPath" in source:
             out[name] = layout.disk_dir
+        elif name in tmp:
+            # TMPDIR: LMCache binds ZMQ ipc sockets under it, whose paths may not exceed 107 characters
+            # (sockaddr_un); a long work dir made LMCache's init fail at TP 2 on the H200.
+            out[name] = f"/tmp/kvb-{layout.port}"
         elif (source.get("emptyDir") or {}).get("medium") == "Memory":
             out[name] = "/dev/shm"
         else:
@@ -202,6 +238,41 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     for k, v in over.items():
         out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+def _map_json_paths(value: str, host) -> str:
+    """A JSON object argument (e.g. lmcache server --l2-adapter) with its absolute paths mapped."""
+    try:
+        doc = json.loads(value)
+    except ValueError:
+        return value
+    if not isinstance(doc, dict):
+        return value
+    mapped = {k: host(v) if isinstance(v, str) and v.startswith("/") else v for k, v in doc.items()}
+    return value if mapped == doc else json.dumps(mapped, sort_keys=True)
+
+
+def _sidecar(c: Container, dirs: dict[str, str], fields: dict[str, str], python: str,
+             changes: list[str]) -> Sidecar:
+    host = _mapper(c.mounts, dirs)
+    env = {k: host(v) if v.startswith("/") else v for k, v in c.env.items()}
+    env.update({k: fields[p] for k, p in c.env_fields.items() if p in fields})
+    cmd = list(c.command)
+    if not cmd or cmd[0] not in CONSOLE_ENTRY:
+        raise ManifestError(f"sidecar {c.name} runs {cmd[:1]}, expected one of {sorted(CONSOLE_ENTRY)}")
+    args = []
+    for a in [*cmd[1:], *c.args]:
+        x = _expand(a, env)
+        y = host(x) if x.startswith("/") else _map_json_paths(x, host) if x.startswith("{") else x
+        if y != a:
+            changes.append(f"sidecar {c.name}: {a} -> {y}")
+        args.append(y)
+    changes.append(f"sidecar {c.name}: {cmd[0]} -> python -m {CONSOLE_ENTRY[cmd[0]][1]}, started before vLLM")
+    probe = list(c.startup_probe)
+    if probe[:1] in (["python3"], ["python"]):
+        probe[0] = python
+    return Sidecar(name=c.name, argv=[python, *CONSOLE_ENTRY[cmd[0]], *args], env=env, probe=probe,
+                   memory_limit=c.memory_limit)
 
 
 def vllm_argv(c: Container) -> tuple[list[str], str | None]:
@@ -258,9 +329,12 @@ def localize(r: Rendered, layout: Layout, *, connector: bool = True, model_confi
             out += [a, str(layout.port)]
             changes.append(f"--port {args[i + 1]} -> {layout.port}")
             i += 2
-        elif a == CONNECTOR_FLAG and not connector:
-            changes.append(f"baseline: dropped {CONNECTOR_FLAG} {args[i + 1]}")
+        elif a in OFFLOAD_FLAGS and not connector:
+            changes.append(f"baseline: dropped {a} {args[i + 1]}")
             i += 2
+        elif i == 0:  # the local model dir: a host path already (it may lie under a mounted /tmp)
+            out.append(a)
+            i += 1
         else:
             out.append(host(_expand(a, env)) if a.startswith("/") else _expand(a, env))
             i += 1
@@ -310,6 +384,10 @@ def localize(r: Rendered, layout: Layout, *, connector: bool = True, model_confi
             changes.append(f"init container {c.name} not run ({' '.join(c.command)[:60]}...): "
                            "the benchmark empties every volume before the run")
 
+    sidecars = [_sidecar(c, dirs, fields, layout.python, changes) for c in r.sidecars] if connector else []
+    if r.sidecars and not connector:
+        changes.append(f"baseline: sidecars {', '.join(c.name for c in r.sidecars)} not run")
+
     exporter_argv, exporter_env = None, {}
     if r.exporter is not None:
         e = r.exporter
@@ -341,7 +419,7 @@ def localize(r: Rendered, layout: Layout, *, connector: bool = True, model_confi
 
     return LocalRun(engine_argv=engine_argv, engine_env=env, exporter_argv=exporter_argv, exporter_env=exporter_env,
                     files=files, fresh_dirs=fresh, init_argvs=init_argvs, lmcache=lmcache, lmcache_path=lmcache_path,
-                    multiproc_dir=env.get("PROMETHEUS_MULTIPROC_DIR"), changes=changes)
+                    multiproc_dir=env.get("PROMETHEUS_MULTIPROC_DIR"), changes=changes, sidecars=sidecars)
 
 
 # Hugging Face config.json fields the catalog does not carry (it holds what KV sizing needs). Each

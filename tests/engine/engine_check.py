@@ -219,6 +219,9 @@ def check_server(case: dict) -> dict:
             "host": mp.host, "port": mp.port, "chunk_size": mp.chunk_size,
             "supported_transfer_mode": mp.supported_transfer_mode,
             "l1_size_bytes": mem.size_in_bytes,
+            # As parsed, before LMCache's platform fallback (this CPU host cannot pin, so LMCache turns
+            # lazy L1 off here by itself; on a GPU host the parsed value is the one in force).
+            "l1_use_lazy": bool(args.l1_use_lazy), "shm_name": mem.shm_name,
             "eviction_policy": sm.eviction_config.eviction_policy,
             "http_host": http.http_host, "http_port": http.http_port,
             "l2_adapters": [{"class": type(a).__name__, **{k: v for k, v in vars(a).items() if isinstance(v, (str, int, float, bool))}}

@@ -112,6 +112,9 @@ def test_server_command_line_through_lmcaches_parser(engine, case_id):
     vllm_extra = engine["vllm"][case_id]["parsed"]["kv_connector_extra_config"]
     assert (p["host"], p["port"]) == ("127.0.0.1", vllm_extra["lmcache.mp.port"])  # vLLM dials what the server binds
     assert p["supported_transfer_mode"] == vllm_extra["lmcache.mp.mp_transfer_mode"]
+    # On a GPU host LMCache 0.5.3's default lazy L1 disables the /dev/shm transfer and falls back to
+    # pickled KV over ZMQ: a 4-GiB cap per message and ~144 MB/s (H200 run, docs/benchmarks.md).
+    assert p["l1_use_lazy"] is False and p["shm_name"].startswith("lmcache_l1_pool_")
     assert abs(p["l1_size_bytes"] - d.budget.tier("cpu").bytes) < 1024  # the whole replica's CPU tier, GiB to 6 places
     assert p["eviction_policy"] == "LRU" and p["chunk_size"] == d.spec.offload.chunk_size
     assert (p["http_host"], p["http_port"]) == ("127.0.0.1", 8081)

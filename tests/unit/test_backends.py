@@ -101,6 +101,8 @@ def test_server_pod():
     assert float(arg(args, "--l1-size-gb")) == pytest.approx(gib(d.budget.tier("cpu").bytes))
     assert arg(args, "--host") == "127.0.0.1" and arg(args, "--http-host") == "127.0.0.1"
     assert arg(args, "--supported-transfer-mode") == "engine_driven"
+    # Eager L1 (the H200 run: LMCache's default lazy L1 turned the /dev/shm transfer off).
+    assert "--no-l1-use-lazy" in args and "--l1-use-lazy" not in args
     l2 = json.loads(arg(args, "--l2-adapter"))
     assert l2 == {"type": "fs_native", "base_path": render.DISK_DIR, "max_capacity_gb": 200.0}
     kv = json.loads(arg(vllm["args"], "--kv-transfer-config"))

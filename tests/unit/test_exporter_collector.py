@@ -481,3 +481,49 @@ def test_no_versions_file_flag_no_engine_source() -> None:
     assert "kvoffload_engine_info" not in text and 'source="engine"' not in text
     assert parse_page(text) == Reading(0.0, None)
     assert parse_page("# nothing\n") == "kvoffload_offload_active missing from the exporter's /metrics"
+
+
+# ------------------------------------------------------------------ the other backends' real H200 pages
+# benchmarks/gpu/results/h200-backends.md: the rendered lmcache-server and vllm-native pods and the
+# lmcache pod at TP 2 on NVIDIA H200s (vLLM 0.26.0 + LMCache 0.5.3), pages captured by the benchmark.
+BACKENDS = FIXTURES / "h200-backends-vllm-0.26.0-lmcache-0.5.3"
+
+
+def test_lmcache_whose_init_failed_is_not_active() -> None:
+    """TP 2, V1 runner: LMCache's engine failed to start in both workers (a ZMQ ipc path over 107
+    characters) and vLLM served on: 197,168 external queries, 0 hits, LMCache's counters all 0. The
+    exporter said kvoffload_offload_active 1 on that page; it must say 0."""
+    page = (BACKENDS / "lmcache-tp2-init-failed-vllm.txt").read_text() + (BACKENDS / "lmcache-tp2-init-failed-lmcache.txt").read_text()
+    assert "kvoffload_offload_active 1.0" in (BACKENDS / "lmcache-tp2-init-failed-exporter.txt").read_text()  # as captured
+    with FakeVllm(page) as vllm:
+        m = scrape(make(ExporterConfig(vllm_metrics_url=vllm.url))[0])
+    assert value(m, "kvoffload_tier_requested_tokens_total", tier="external") == 197168
+    assert value(m, "kvoffload_tier_hit_tokens_total", tier="external") == 0
+    assert value(m, "kvoffload_tier_stored_tokens_total", tier="external") == 0
+    assert value(m, "kvoffload_source_up", source="lmcache") == 1  # LMCache's families are there, all zero
+    assert value(m, "kvoffload_offload_active") == 0
+
+
+def test_native_offload_figures_from_the_real_h200_page() -> None:
+    with FakeVllm((BACKENDS / "native-vllm.txt").read_text()) as vllm:
+        m = scrape(make(ExporterConfig(vllm_metrics_url=vllm.url, backend="vllm-native"))[0])
+    # 3 prompts x 32,768 tokens x 128 KiB stored, and loaded back after each reset (+16 tokens per GPU-hit phase).
+    assert value(m, "kvoffload_offload_transfer_bytes_total", direction="store") == 12952010752
+    assert value(m, "kvoffload_offload_transfer_bytes_total", direction="load") == 12891193344
+    assert value(m, "kvoffload_prompt_tokens_total", origin="external") == 3 * 32768 + 3 * 16
+    assert value(m, "kvoffload_offload_active") == 1
+    assert value(m, "kvoffload_source_up", source="lmcache") is None  # no LMCache source for this backend
+
+
+def test_server_status_from_the_real_h200_server() -> None:
+    """The GPU host's /status has no registered_gpu_ids key (engine-driven mode registers a non-CUDA
+    instance), unlike the CPU host's; the exporter reads it all the same."""
+    doc = (BACKENDS / "server-status-lazy-l1.json").read_text()
+    assert '"registered_gpu_ids"' not in doc
+    with FakeVllm((BACKENDS / "server-vllm.txt").read_text()) as vllm, FakeVllm(doc) as server:
+        m = scrape(make(ExporterConfig(vllm_metrics_url=vllm.url, backend="lmcache-server",
+                                       server_status_url=server.url))[0])
+    assert value(m, "kvoffload_lmcache_server_engines") == 1
+    assert value(m, "kvoffload_tier_capacity_bytes", tier="cpu") == 40 * GiB
+    assert value(m, "kvoffload_tier_used_bytes", tier="cpu") == 4362076160
+    assert value(m, "kvoffload_offload_active") == 1

@@ -352,3 +352,114 @@ def test_driver_runs_every_phase_against_a_stand_in_engine(tmp_path):
         names = tar.getnames()
     assert "logs/connector-tp1-engine.log" in names and "pages/connector-tp1-exporter.txt" in names
     assert not (out / "logs").exists()
+
+
+# ------------------------------------------------------------------ the other backends (H200 run of 2026-11-30)
+
+SERVER = ROOT / "examples" / "server-llama31-8b.yaml"
+NATIVE = ROOT / "benchmarks" / "gpu" / "native-llama31-8b.yaml"
+BACKENDS = ROOT / "tests" / "fixtures" / "h200-backends-vllm-0.26.0-lmcache-0.5.3"
+import gpu_bench  # noqa: E402
+
+
+def test_the_server_sidecar_runs_before_vllm_as_rendered():
+    r = gm.parse_rendered(render(SERVER))
+    assert r.backend == "lmcache-server" and [c.name for c in r.sidecars] == ["lmcache-server"]
+    assert "lmcache-server" not in [c.name for c in r.init]  # not a run-to-completion init container
+    run = gm.localize(r, LAYOUT)
+    (sc,) = run.sidecars
+    rendered = r.sidecars[0]
+    assert sc.argv[:4] == ["py", "-m", "lmcache.cli.main", "server"]
+    assert sc.argv[4:] == [a.replace("$(POD_NAME)", "server-llama31-8b-0") if not a.startswith("{") else sc.argv[4 + i]
+                           for i, a in enumerate(rendered.args)]  # every flag as rendered, --no-l1-use-lazy too
+    assert "--no-l1-use-lazy" in sc.argv
+    assert json.loads(gm.flag(sc.argv, "--l2-adapter"))["base_path"] == LAYOUT.disk_dir  # /kvcache -> the disk dir
+    assert sc.probe[0] == "py" and "http://127.0.0.1:8081/healthcheck" in sc.probe[-1]
+    assert sc.memory_limit == 3 * 2**30
+    base = gm.localize(r, LAYOUT, connector=False)
+    assert base.sidecars == [] and "--kv-transfer-config" not in base.engine_argv
+
+
+def test_native_baseline_drops_the_offloading_flags_only():
+    r = gm.parse_rendered(render(NATIVE))
+    assert r.backend == "vllm-native" and r.sidecars == ()
+    con, base = gm.localize(r, LAYOUT), gm.localize(r, LAYOUT, connector=False)
+    assert gm.flag(con.engine_argv, "--kv-offloading-size") == "40.0"
+    assert [a for a in con.engine_argv if a not in base.engine_argv] == ["--kv-offloading-backend", "native",
+                                                                         "--kv-offloading-size", "40.0"]
+
+
+def test_model_dir_and_tmpdir_stay_short_host_paths():
+    """The rendered pod mounts an emptyDir at /tmp: a model dir under the host's /tmp must not be
+    mapped into it (vLLM then looked the path up on the Hub), and TMPDIR must stay short (LMCache's
+    ZMQ ipc socket paths are capped at 107 characters)."""
+    r = gm.parse_rendered(render(WORKSTATION))
+    layout = gm.Layout(root="/root/kvbench/connector-tp2-v1runner", model_dir="/tmp/kvbench/model",
+                       disk_dir="/d/kv", port=45321, exporter_port=19400, python="py")
+    run = gm.localize(r, layout)
+    assert run.engine_argv[4] == "/tmp/kvbench/model"
+    assert run.engine_env["TMPDIR"] == "/tmp/kvb-45321"
+    sock = f"{run.engine_env['TMPDIR']}/engine_a988a81b-e3c5-47d6-bf58-cc24af45ae16_service_lookup_lmcache_rpc_port_0"
+    assert len(sock) <= 107
+
+
+def test_reset_and_token_answers_of_vllm_0_26():
+    assert not gpu_bench.reset_succeeded('{"success":false}')  # blocks held by in-flight stores
+    assert gpu_bench.reset_succeeded('{"success":true}') and gpu_bench.reset_succeeded("")
+    assert gpu_bench.output_tokens('{"choices":[{"text":"","token_ids":[125740]}]}') == [125740]
+    assert gpu_bench.output_tokens('{"choices":[{"text":""}]}') is None
+
+
+def test_exporter_agrees_with_the_real_server_and_native_engines():
+    status = json.loads((BACKENDS / "server-status-lazy-l1.json").read_text())
+    read = gpu_counters.EngineRead((BACKENDS / "server-vllm.txt").read_text(), "", server=status)
+    checks = gpu_counters.compare((BACKENDS / "server-exporter.txt").read_text(), read, read, kv_bytes_per_token=131072,
+                                  lmcache_config=None, tp=1, connector=True, served=True, backend="lmcache-server")
+    by = {(c.metric, c.labels): c for c in checks}
+    assert by[("kvoffload_lmcache_server_engines", "")].ok and by[("kvoffload_tier_used_bytes", "tier=cpu")].exporter == 4362076160
+    assert by[("kvoffload_tier_capacity_bytes", "tier=cpu")].ok and not gpu_counters.disagreements(checks)
+    read = gpu_counters.EngineRead((BACKENDS / "native-vllm.txt").read_text(), "")
+    checks = gpu_counters.compare((BACKENDS / "native-exporter.txt").read_text(), read, read, kv_bytes_per_token=131072,
+                                  lmcache_config=None, tp=1, connector=True, served=True, backend="vllm-native")
+    by = {(c.metric, c.labels): c for c in checks}
+    assert by[("kvoffload_offload_transfer_bytes_total", "direction=load")].engine_lo == 12891193344
+    assert by[("kvoffload_offload_transfer_bytes_total", "direction=store")].ok and not gpu_counters.disagreements(checks)
+    # A wrong figure is caught: the exporter's load bytes off by one block.
+    bad = (BACKENDS / "native-exporter.txt").read_text().replace("1.2891193344e+010", "1.2889096192e+010")
+    checks = gpu_counters.compare(bad, read, read, kv_bytes_per_token=131072, lmcache_config=None, tp=1,
+                                  connector=True, served=True, backend="vllm-native")
+    assert [(c.metric, c.labels) for c in gpu_counters.disagreements(checks)] == [
+        ("kvoffload_offload_transfer_bytes_total", "direction=load")]
+
+
+def test_driver_runs_the_server_and_native_backends_against_stand_ins(tmp_path):
+    """The driver with a stand-in `lmcache server` (tests/fixtures/fake_vllm/lmcache) and vLLM: the
+    sidecar starts first and passes its rendered startup probe, its memory is sampled, /status is read
+    around each request; the native run counts vLLM's offload bytes; reset answers are honoured."""
+    out = {}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fixtures" / "fake_vllm"), str(ROOT / "operator")])}
+    for name, spec in (("server", SERVER), ("native", NATIVE)):
+        rendered = tmp_path / f"{name}.yaml"
+        rendered.write_text(render(spec))
+        o = tmp_path / f"out-{name}"
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "gpu_bench.py"), "--rendered", str(rendered),
+                        "--out", str(o), "--work", str(tmp_path / "work"), "--disk-root", str(tmp_path / "disk"),
+                        "--runs", "connector", f"--tag-suffix=-{name}", "--no-smoke", "--no-probe", "--reps", "1",
+                        "--prompt-tokens", "64", "--rescan-wait", "2", "--start-timeout", "30", "--quiet-s", "0.3",
+                        "--stats-wait-s", "0.05"], env=env, check=True, timeout=240, capture_output=True)
+        out[name] = json.loads((o / "results.json").read_text())["runs"][f"connector-tp1-{name}"]
+    srv, nat = out["server"], out["native"]
+    assert "error" not in srv and "error" not in nat, (srv.get("error"), nat.get("error"))
+    assert srv["backend"] == "lmcache-server" and srv["sidecar_ready_s"]["lmcache-server"] < 30
+    assert srv["sidecar_memory"]["lmcache-server"]["limit"] == 3 * 2**30
+    assert srv["sidecar_memory"]["lmcache-server"]["samples"] > 0
+    assert srv["server_status_end"]["storage_manager"]["l1_manager"]["memory_total_bytes"] == 40 * 2**30
+    row = srv["phases"]["after_reset"][0]
+    assert row["external_kv_transfer"] == 63 and row["reset_attempts"] == 1 and row["output_token_ids"] == [1]
+    assert "l1_used_bytes_delta" in row
+    checks = {(c["metric"], c["labels"]): c for c in srv["checks"]}
+    assert checks[("kvoffload_lmcache_server_engines", "")]["ok"] and not srv["disagreements"]
+    assert nat["phases"]["cold"][0]["offload_store_bytes"] == 64 * 64
+    assert nat["phases"]["after_reset"][0]["offload_load_bytes"] == 63 * 64
+    checks = {(c["metric"], c["labels"]): c for c in nat["checks"]}
+    assert checks[("kvoffload_offload_transfer_bytes_total", "direction=load")]["ok"] and not nat["disagreements"]

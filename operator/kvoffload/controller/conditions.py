@@ -150,8 +150,9 @@ def _disk(desired: Desired, pods: list[dict[str, Any]]) -> Cond:
 _BACKEND = {
     "lmcache": ("LMCacheConnectorV1", "LMCacheActive", "NoLMCacheActivity",
                 "vLLM asks LMCache for prompt tokens and LMCache's metrics are present",
-                "vLLM has not asked LMCache for prompt tokens yet (vllm:external_prefix_cache_queries_total is 0) or "
-                "LMCache's metrics are absent"),
+                "vLLM has not asked LMCache for prompt tokens yet (vllm:external_prefix_cache_queries_total is 0), "
+                "LMCache's metrics are absent, or LMCache has stored nothing (its engine may have failed to start: "
+                "see the vllm container's log for 'LMCacheEngine marked as init failed')"),
     "lmcache-server": ("LMCacheMPConnector to the pod's LMCache server", "LMCacheServerConnected", "NoOffloadActivity",
                        "vLLM registered with the LMCache server and asks it for prompt tokens",
                        "vLLM has not asked the LMCache server for prompt tokens yet, or no vLLM worker registered with it "

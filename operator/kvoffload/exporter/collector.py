@@ -30,7 +30,9 @@ OFFLOAD_ACTIVE_HELP = (
     "AND vllm:external_prefix_cache_queries_total > 0 (vLLM's scheduler has asked its KV connector "
     "for prompt tokens since vLLM started; vLLM counts these only when a KV connector is configured) "
     "AND LMCache's metrics are present (lmcache:* in the multiprocess dir, or on vLLM's page without "
-    "--multiproc-dir: the connector is LMCache and its engine started) AND, once "
+    "--multiproc-dir: the connector is LMCache and its engine started) AND LMCache has stored or "
+    "retrieved something (lmcache:num_stored_tokens_total or lmcache:num_retrieve_requests_total > 0: "
+    "an LMCache engine whose init failed publishes zeros while vLLM serves on without it) AND, once "
     "vllm:external_prefix_cache_hits_total > 0, lmcache:num_retrieve_requests_total > 0 (LMCache "
     "really loaded; see kvoffload_external_hits_unloaded_tokens). 0 before the first request "
     "(not yet proven); 0 while vLLM serves traffic means offloading is not wired or not loading."
@@ -198,9 +200,12 @@ def unloaded_tokens(vllm: VllmSnapshot | None, lmc: LmcacheSnapshot | None) -> f
 
 def offload_active(vllm: VllmSnapshot | None, lmc: LmcacheSnapshot | None) -> bool:
     """The rule in OFFLOAD_ACTIVE_HELP: vLLM has consulted its KV connector, that connector is
-    LMCache, and what vLLM counted as loaded LMCache really retrieved. Monotone while vLLM runs (the
-    counters only rise), so the verdict does not flicker."""
-    return vllm is not None and lmc is not None and (vllm.external_queries or 0) > 0 and unloaded_tokens(vllm, lmc) == 0
+    LMCache, LMCache has stored or retrieved something (on the H200 at TP 2 LMCache's init failed, a
+    ZMQ socket path over 107 characters, and vLLM served on, its external queries counted, LMCache's
+    counters all 0), and what vLLM counted as loaded LMCache really retrieved. Monotone while vLLM runs
+    (the counters only rise), so the verdict does not flicker."""
+    return (vllm is not None and lmc is not None and (vllm.external_queries or 0) > 0
+            and (lmc.stored_tokens > 0 or lmc.retrieve_requests > 0) and unloaded_tokens(vllm, lmc) == 0)
 
 
 def server_active(vllm: VllmSnapshot | None, server: ServerSnapshot | None) -> bool:

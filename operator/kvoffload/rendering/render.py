@@ -95,11 +95,16 @@ def lmcache_gib(budget: Budget, tier: str) -> float:
 def server_args(spec: Spec, budget: Budget) -> list[str]:
     """`lmcache server` flags (LMCache 0.5.3's own parser, checked in the fidelity tests): the whole
     replica's L1 (one server serves every TP rank), LRU, and the disk tier as an `fs_native` L2 adapter
-    whose max_capacity_gb caps it (the plain `fs` adapter has no capacity limit)."""
+    whose max_capacity_gb caps it (the plain `fs` adapter has no capacity limit). The L1 is eager
+    (--no-l1-use-lazy) so that vLLM's workers and the server share it through /dev/shm."""
     args = ["--host", "127.0.0.1", "--port", str(SERVER_ZMQ_PORT),
             "--chunk-size", str(spec.offload.chunk_size),
             "--l1-size-gb", repr(round(gib(budget.tier("cpu").bytes), 6)),
             "--eviction-policy", spec.offload.eviction_policy,
+            # Eager L1: LMCache 0.5.3 defaults to a lazy L1 on GPU hosts, which turns the /dev/shm
+            # transfer off; KV then travels pickled over ZMQ (H200: ~144 MB/s stores, and a retrieve
+            # over 4 GiB fails msgpack's limit, hanging vLLM for mq_timeout and killing its engine).
+            "--no-l1-use-lazy",
             "--supported-transfer-mode", SERVER_TRANSFER_MODE,
             "--http-host", "127.0.0.1", "--http-port", str(SERVER_HTTP_PORT),
             "--instance-id", "$(POD_NAME)"]
