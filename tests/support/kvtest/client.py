@@ -14,7 +14,7 @@ only in tests about what kubectl itself shows a user (printer columns, describe,
     c.patch("kvs", "svc", {"spec": {...}}, ns)    # merge patch; type="json" / subresource="status"
     c.delete("kvs", "svc", ns, wait=True)
     for kind, obj in c.watch("kvs", ns, resource_version=rv): ...
-    c.as_token(token).can_i("list", "secrets", ns)
+    c.as_token(c.create_token("default", ns)).can_i("list", "secrets", ns)
 
 Every failed call raises ApiError with the HTTP status and the API server's message. Writes ask for
 strict field validation, as kubectl does: an unknown or duplicate field is refused (400), not dropped.
@@ -291,6 +291,14 @@ class Client:
         review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
                   "spec": {"resourceAttributes": attrs}}
         return bool(self.create(review)["status"].get("allowed"))
+
+    def create_token(self, service_account: str, namespace: str, seconds: int = 3600) -> str:
+        """A bound token for a ServiceAccount: a TokenRequest POSTed to its `token` subresource, which is
+        what `kubectl create token` sends."""
+        request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                   "spec": {"expirationSeconds": seconds}}
+        path = self.resource("serviceaccounts").path(namespace, service_account, "token")
+        return self.request("POST", path, request)["status"]["token"]
 
     def wait_for(self, resource: str, name: str, namespace: str | None, predicate, timeout: float = 60,
                  message: str | None = None) -> Obj:
