@@ -53,13 +53,6 @@ def token_kubeconfig(cluster, path: Path, token: str, namespace: str) -> Path:
     return path
 
 
-def sa_token(cluster, namespace: str, sa: str, seconds: int = 600) -> str:
-    """A ServiceAccount's token: a TokenRequest on its `token` subresource (what `kubectl create token` sends)."""
-    request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": seconds}}
-    c = cluster.client
-    return c.request("POST", c.resource("serviceaccounts").path(namespace, sa, "token"), request)["status"]["token"]
-
-
 def enforce(cluster, namespace: str, level: str) -> None:
     cluster.client.label("namespace", namespace, {"pod-security.kubernetes.io/enforce": level,
                                                   "pod-security.kubernetes.io/enforce-version": "latest"})
@@ -350,7 +343,7 @@ def test_janitor_with_its_own_rbac_on_the_real_api_server(cluster, namespace, cr
         cluster.wait_until(placed, timeout=90, message="a janitor pod on each NVMe node")
 
         # Its logic with its own token: one live and one deleted resource, directories on a temp root.
-        token = sa_token(cluster, namespace, sa, seconds=600)
+        token = cluster.client.create_token(sa, namespace, seconds=600)
         kubeconfig = token_kubeconfig(cluster, tmp_path / "janitor.kubeconfig", token, namespace)
         for name in ("live", "gone"):
             cluster.client.apply({**SERVE_STUB, "metadata": {"name": name, "namespace": namespace}})
