@@ -7,7 +7,9 @@ from __future__ import annotations
 import copy
 
 import pytest
-from test_operator import apply, children, cond, get, operator, wait_ready  # noqa: F401
+from test_operator import children, cond, operator, wait_ready  # noqa: F401
+
+from kvtest import ApiError
 
 pytestmark = pytest.mark.cluster
 
@@ -31,17 +33,19 @@ def serve(name: str, backend: str, disk: bool = True) -> dict:
     (serve("bad", "redis"), 'spec.offload.backend: Unsupported value: "redis"'),
 ])
 def test_api_server_refuses_what_a_backend_cannot_do(cluster, namespace, crd_installed, obj, needle):  # noqa: F811
-    res = apply(cluster, namespace, obj, check=False)
-    assert res.returncode != 0 and needle in res.stderr, res.stderr
+    with pytest.raises(ApiError) as refused:
+        cluster.client.apply(obj, namespace)
+    assert needle in refused.value.message, refused.value
+    assert not cluster.client.exists("kvs", "bad", namespace)
 
 
 def pod_spec(cluster, ns, name):
-    return get(cluster, ns, "statefulset", name)["spec"]["template"]["spec"]
+    return cluster.client.get("statefulset", name, ns)["spec"]["template"]["spec"]
 
 
 def test_each_backend_reconciles_with_its_conditions(cluster, namespace, operator):  # noqa: F811
     for name, backend, disk in (("inproc", "lmcache", True), ("server", "lmcache-server", True), ("native", "vllm-native", False)):
-        apply(cluster, namespace, serve(name, backend, disk))
+        cluster.client.apply(serve(name, backend, disk), namespace)
     got = {name: wait_ready(cluster, namespace, name, timeout=240) for name in ("inproc", "server", "native")}
     for name, obj in got.items():
         assert cond(obj, "ConfigValid")["status"] == "True" and cond(obj, "Scheduled")["status"] == "True"
@@ -61,31 +65,31 @@ def test_each_backend_reconciles_with_its_conditions(cluster, namespace, operato
     summary = got["server"]["status"]["summary"]
     assert summary["serverMemory"] == sidecar["resources"]["requests"]["memory"]
     assert summary["serverMemoryLimit"] == sidecar["resources"]["limits"]["memory"] != summary["serverMemory"]
-    pods = {p["metadata"]["name"]: p for p in get(cluster, namespace, "pods")["items"]}
+    pods = {p["metadata"]["name"]: p for p in cluster.client.list("pods", namespace)}
     assert pods["server-0"]["status"]["phase"] == "Running"
     live = {c["name"]: c["resources"] for c in pods["server-0"]["spec"]["initContainers"] + pods["server-0"]["spec"]["containers"]}
     assert live["lmcache-server"]["limits"]["memory"] == summary["serverMemoryLimit"]
     # Request below limit in the sidecar: Burstable, as every backend's pod already is (no CPU limits).
     assert pods["server-0"]["status"]["qosClass"] == pods["inproc-0"]["status"]["qosClass"] == "Burstable"
-    table = cluster.kubectl("get", "kvs", "-n", namespace).stdout
+    table = cluster.kubectl("get", "kvs", "-n", namespace).stdout  # kubectl under test: the printer columns
     assert "BACKEND" in table and "lmcache-server" in table and "vllm-native" in table
 
 
 def test_switching_backend_is_a_rolling_change(cluster, namespace, operator):  # noqa: F811
     obj = serve("svc", "lmcache")
-    apply(cluster, namespace, obj)
+    cluster.client.apply(obj, namespace)
     wait_ready(cluster, namespace, "svc", timeout=240)
-    before = get(cluster, namespace, "pods", "svc-0")
-    rev_before = get(cluster, namespace, "statefulset", "svc")["status"]["currentRevision"]
+    before = cluster.client.get("pods", "svc-0", namespace)
+    rev_before = cluster.client.get("statefulset", "svc", namespace)["status"]["currentRevision"]
 
     to_server = copy.deepcopy(obj)
     to_server["spec"]["offload"]["backend"] = "lmcache-server"
-    apply(cluster, namespace, to_server)
+    cluster.client.apply(to_server, namespace)
     after = wait_ready(cluster, namespace, "svc", generation=2, timeout=240)
-    sts = get(cluster, namespace, "statefulset", "svc")
+    sts = cluster.client.get("statefulset", "svc", namespace)
     assert sts["status"]["currentRevision"] != rev_before  # a new revision, rolled out
     assert sts["status"]["updateRevision"] == sts["status"]["currentRevision"]
-    pod = get(cluster, namespace, "pods", "svc-0")
+    pod = cluster.client.get("pods", "svc-0", namespace)
     # A rolling update replaces the pod object: same name (so the same per-pod disk directory
     # <root>/<ns>/svc/svc-0, emptied again by the init step), new UID (so a new memory-backed
     # /dev/shm emptyDir: an L1 in it starts cold). Only a vLLM container restart inside one pod
@@ -101,7 +105,7 @@ def test_switching_backend_is_a_rolling_change(cluster, namespace, operator):  #
     to_native = copy.deepcopy(to_server)
     to_native["spec"]["offload"]["backend"] = "vllm-native"
     del to_native["spec"]["offload"]["disk"]
-    apply(cluster, namespace, to_native)
+    cluster.client.apply(to_native, namespace)
     native = wait_ready(cluster, namespace, "svc", generation=3, timeout=240)
     spec = pod_spec(cluster, namespace, "svc")
     assert [c["name"] for c in spec["initContainers"]] == ["report-engine-versions"]  # no disk step, no server
@@ -112,6 +116,6 @@ def test_switching_backend_is_a_rolling_change(cluster, namespace, operator):  #
     assert native["status"]["budget"]["backend"] == "vllm-native"
 
     back = copy.deepcopy(obj)  # and back to the in-process default: the ConfigMap returns
-    apply(cluster, namespace, back)
+    cluster.client.apply(back, namespace)
     wait_ready(cluster, namespace, "svc", generation=4, timeout=240)
     assert ("ConfigMap", "svc-lmcache") in children(cluster, namespace, "svc")

@@ -17,6 +17,7 @@ One operator subprocess and one namespace serve the whole module.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
@@ -26,12 +27,12 @@ from typing import Any
 
 import pytest
 
-from kvtest import ROOT, OperatorProcess
+from kvtest import ApiError, OperatorProcess
 
 pytestmark = pytest.mark.cluster
 
 API, OPERATOR = "api", "operator"
-CHILD_KINDS = "configmaps,services,statefulsets,poddisruptionbudgets"
+CHILD_KINDS = ("configmaps", "services", "statefulsets", "poddisruptionbudgets")
 
 VALID: dict[str, Any] = {
     "apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe",
@@ -180,6 +181,10 @@ CASES = [
     Case("env PYTHONHASHSEED", {"spec.engine.env": [{"name": "PYTHONHASHSEED", "value": "1"}]}, API, "spec.engine.env"),
     Case("env model runner", {"spec.engine.env": [{"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "1"}]}, API, "spec.engine.env",
          "V2 runner skips LMCache's KV loads"),
+    Case("env DO_NOT_TRACK turns telemetry on", {"spec.engine.env": [{"name": "DO_NOT_TRACK", "value": "0"}]}, API,
+         "spec.engine.env", "usage telemetry off"),
+    Case("env VLLM_NO_USAGE_STATS turns telemetry on", {"spec.engine.env": [{"name": "VLLM_NO_USAGE_STATS", "value": "0"}]}, API,
+         "spec.engine.env", "VLLM_NO_USAGE_STATS"),
     Case("env POD_NAMESPACE redirects disk", {"spec.engine.env": [{"name": "POD_NAMESPACE", "value": "victim"}]}, API,
          "spec.engine.env", "POD_NAMESPACE"),
     Case("flag api-key literal", {"spec.engine.extraArgs": ["--api-key=secret"]}, API, "spec.engine.extraArgs", "--api-key"),
@@ -274,16 +279,11 @@ def test_catalogue_is_big_and_names_are_unique():
 
 
 @pytest.fixture(scope="module")
-def ns(cluster):
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/kvoffloadserves.kvoffload.io", "--timeout=60s")
-    name = f"t-bad-input-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", name)
-    cluster.kubectl("label", "namespace", name, "kvoffload.io/test=true")
-    cluster.wait_until(lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0,
-                       timeout=30, message=f"ServiceAccount default in {name}")
+def ns(cluster, crd_installed):
+    name = cluster.client.namespace(f"t-bad-input-{uuid.uuid4().hex[:6]}", labels={"kvoffload.io/test": "true"}, timeout=30)
     yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+    with contextlib.suppress(ApiError):  # not awaited; best effort
+        cluster.client.delete("namespace", name, missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -294,23 +294,31 @@ def operator(cluster, ns):
     print(proc.output()[-5000:])
 
 
-def apply(cluster, ns: str, obj: dict[str, Any], check: bool = False):
+def kubectl_apply(cluster, ns: str, obj: dict[str, Any]):
     # JSON, not YAML: PyYAML writes the string "1e18" unquoted and kubectl would read a number.
-    return cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj), check=check)
+    # kubectl under test: the error text `kubectl apply` prints for a refused KVOffloadServe
+    return cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj), check=False)
 
 
-def get_json(cluster, *args: str) -> dict[str, Any]:
-    return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
+def apply_error(cluster, ns: str, obj: dict[str, Any]) -> ApiError | None:
+    """Server-side apply (unknown fields refused, as by kubectl's default strict validation); the API server's
+    refusal, or None when it stored the object."""
+    try:
+        cluster.client.apply(obj, ns)
+    except ApiError as exc:
+        return exc
+    return None
 
 
 def serves(cluster, ns: str) -> dict[str, dict[str, Any]]:
-    return {o["metadata"]["name"]: o for o in get_json(cluster, "kvs", "-n", ns)["items"]}
+    return {o["metadata"]["name"]: o for o in cluster.client.list("kvs", ns)}
 
 
 def children(cluster, ns: str) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
-    for item in get_json(cluster, CHILD_KINDS, "-n", ns, "-l", "kvoffload.io/serve")["items"]:
-        out.setdefault(item["metadata"]["labels"]["kvoffload.io/serve"], []).append(item)
+    for kind in CHILD_KINDS:
+        for item in cluster.client.list(kind, ns, labels="kvoffload.io/serve"):
+            out.setdefault(item["metadata"]["labels"]["kvoffload.io/serve"], []).append(item)
     return out
 
 
@@ -329,7 +337,7 @@ def verdict_at_generation(obj: dict[str, Any], type_: str = "ConfigValid") -> di
 @pytest.fixture(scope="module")
 def api_results(cluster, ns):
     """Apply every API case once; nothing may be stored."""
-    results = {c.id: apply(cluster, ns, c.manifest()) for c in API_CASES}
+    results = {c.id: kubectl_apply(cluster, ns, c.manifest()) for c in API_CASES}
     return results, set(serves(cluster, ns)), children(cluster, ns)
 
 
@@ -349,8 +357,8 @@ def test_api_server_refuses(cluster, ns, api_results, case):
 @pytest.fixture(scope="module")
 def operator_verdicts(cluster, ns, operator):
     for c in OPERATOR_CASES:
-        res = apply(cluster, ns, c.manifest())
-        assert res.returncode == 0, f"{c.id}: the API server should store it: {res.stderr}"
+        err = apply_error(cluster, ns, c.manifest())
+        assert err is None, f"{c.id}: the API server should store it: {err}"
     names = {c.name for c in OPERATOR_CASES}
 
     def all_judged():
@@ -379,7 +387,7 @@ def test_operator_changes_nothing_when_a_running_serve_turns_bad(cluster, ns, op
     """A valid serve runs; invalid updates (refused by the API server or by the operator) leave its children alone."""
     name = "running"
     good = patched({"metadata.name": name})
-    assert apply(cluster, ns, good).returncode == 0
+    assert apply_error(cluster, ns, good) is None
 
     def ready():
         obj = serves(cluster, ns).get(name)
@@ -407,12 +415,13 @@ def test_operator_changes_nothing_when_a_running_serve_turns_bad(cluster, ns, op
         bad["metadata"]["name"] = name
         if case.id == "missing spec":
             continue
-        assert apply(cluster, ns, bad).returncode != 0, case.id
+        assert apply_error(cluster, ns, bad) is not None, case.id
     assert serves(cluster, ns)[name]["metadata"]["generation"] == generation
     for case in OPERATOR_CASES[:4] + OPERATOR_CASES[6:10]:
         bad = case.manifest()
         bad["metadata"]["name"] = name
-        assert apply(cluster, ns, bad).returncode == 0, case.id
+        err = apply_error(cluster, ns, bad)
+        assert err is None, (case.id, err)
 
         def judged(field=case.field):
             obj = serves(cluster, ns)[name]
@@ -423,7 +432,7 @@ def test_operator_changes_nothing_when_a_running_serve_turns_bad(cluster, ns, op
     assert fingerprint() == before
     assert len(applied.findall(operator.output())) == applies_before, "the operator applied a child while the spec was invalid"
     # Back to the valid spec: the same children, still untouched (nothing differs, so nothing is applied).
-    assert apply(cluster, ns, good).returncode == 0
+    assert apply_error(cluster, ns, good) is None
     cluster.wait_until(lambda: (verdict_at_generation(serves(cluster, ns)[name]) or {}).get("status") == "True",
                        timeout=60, message=f"{name} ConfigValid=True again")
     assert fingerprint() == before
@@ -434,7 +443,8 @@ def test_operator_changes_nothing_when_a_running_serve_turns_bad(cluster, ns, op
 
 @pytest.mark.parametrize("case", UNSCHEDULABLE, ids=[c.id for c in UNSCHEDULABLE])
 def test_scheduler_refuses_what_no_node_can_hold(cluster, ns, operator, case):
-    assert apply(cluster, ns, case.manifest()).returncode == 0
+    err = apply_error(cluster, ns, case.manifest())
+    assert err is None, err
 
     def unschedulable():
         obj = serves(cluster, ns).get(case.name)

@@ -77,10 +77,7 @@ def test_operator_runs_under_exactly_the_charts_rbac(cluster, namespace, crd_ins
     try:
         for d in rbac:
             client.apply(d)
-        # What `kubectl create token --duration=1h` asks for: a TokenRequest on the ServiceAccount.
-        token_request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 3600}}
-        token = client.request("POST", client.resource("serviceaccounts").path(namespace, sa, "token"),
-                               token_request)["status"]["token"]
+        token = client.create_token(sa, namespace, seconds=3600)  # what `kubectl create token --duration=1h` asks for
         kubeconfig = token_kubeconfig(cluster, tmp_path / "operator.kubeconfig", token, namespace)
         # The token is the chart's identity: what the operator needs, and no Secrets.
         as_sa = client.as_token(token)

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import time
 import uuid
 
 import pytest
 
 import kvtest
+from kvtest import ApiError
 
 pytestmark = pytest.mark.cluster
 
@@ -19,10 +21,6 @@ DEFAULT_FLEET = {
     "gpu-node-2": ("8", "NVIDIA-H200"),
     "workstation-0": ("1", "NVIDIA-GeForce-RTX-4090"),
 }
-
-
-def get_json(cluster, *args):
-    return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
 
 
 def condition(obj, ctype):
@@ -39,7 +37,7 @@ def is_loopback(ip: str) -> bool:
 # --------------------------------------------------------------------------- nodes, network
 def test_every_node_ready_with_gpu_shape(cluster):
     def all_ready():
-        nodes = get_json(cluster, "nodes")["items"]
+        nodes = cluster.client.list("nodes")
         names = {n["metadata"]["name"] for n in nodes}
         ok = set(DEFAULT_FLEET) <= names and all(
             (condition(n, "Ready") or {}).get("status") == "True" for n in nodes)
@@ -78,17 +76,20 @@ def test_network_rule_everything_is_loopback(cluster, namespace):
     expected = set(st["ports"].values())
     assert {port for _, port, _ in listeners} == expected
 
-    for n in get_json(cluster, "nodes")["items"]:
+    c = cluster.client
+    for n in c.list("nodes"):
         for a in n["status"].get("addresses", []):
             if a["type"] in ("InternalIP", "ExternalIP"):
                 assert is_loopback(a["address"]), (n["metadata"]["name"], a)
         for cidr in n["spec"].get("podCIDRs", []):
             assert ipaddress.ip_network(cidr).subnet_of(LOOPBACK_NET), cidr
 
-    svc = get_json(cluster, "service", "kubernetes", "-n", "default")
+    svc = c.get("service", "kubernetes", "default")
     assert is_loopback(svc["spec"]["clusterIP"]), svc["spec"]["clusterIP"]
-    cluster.kubectl("create", "service", "clusterip", "probe", "--tcp=80:8080", "-n", namespace)
-    ip = get_json(cluster, "service", "probe", "-n", namespace)["spec"]["clusterIP"]
+    c.create({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "probe", "namespace": namespace},
+              "spec": {"type": "ClusterIP", "selector": {"app": "probe"},
+                       "ports": [{"name": "80-8080", "port": 80, "targetPort": 8080}]}})
+    ip = c.get("service", "probe", namespace)["spec"]["clusterIP"]
     assert is_loopback(ip), ip
 
 
@@ -118,55 +119,42 @@ def test_crd_cel_rule_refuses_bad_object(cluster, namespace):
             }],
         },
     }
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(crd))
+    c = cluster.client
+    c.apply(crd)
     try:
-        cluster.kubectl("wait", "--for=condition=Established", f"crd/widgets.{group}",
-                        "--timeout=60s")
+        c.established(f"widgets.{group}", timeout=60)
 
         def obj(name, lo, hi):
-            return json.dumps({"apiVersion": f"{group}/v1", "kind": "Widget",
-                               "metadata": {"name": name, "namespace": namespace},
-                               "spec": {"minReplicas": lo, "maxReplicas": hi}})
+            return {"apiVersion": f"{group}/v1", "kind": "Widget",
+                    "metadata": {"name": name, "namespace": namespace},
+                    "spec": {"minReplicas": lo, "maxReplicas": hi}}
 
         # Discovery may lag Established by a moment: retry the good object until it lands.
-        cluster.wait_until(
-            lambda: cluster.kubectl("create", "-f", "-", input=obj("good", 1, 3),
-                                    check=False).returncode == 0,
-            timeout=30, message="good Widget accepted")
-        bad = cluster.kubectl("create", "-f", "-", input=obj("bad", 5, 2), check=False)
-        assert bad.returncode != 0
-        assert "minReplicas must not exceed maxReplicas" in bad.stderr, bad.stderr
-        assert "Invalid" in bad.stderr, bad.stderr
-        names = [i["metadata"]["name"] for i in
-                 get_json(cluster, f"widgets.{group}", "-n", namespace)["items"]]
+        cluster.wait_until(lambda: c.create(obj("good", 1, 3)), timeout=30, message="good Widget accepted")
+        with pytest.raises(ApiError) as bad:
+            c.create(obj("bad", 5, 2))
+        assert "minReplicas must not exceed maxReplicas" in bad.value.message, bad.value
+        assert bad.value.reason == "Invalid", bad.value
+        names = [i["metadata"]["name"] for i in c.list(f"widgets.{group}", namespace)]
         assert names == ["good"]
     finally:
-        cluster.kubectl("delete", "crd", f"widgets.{group}", "--wait=false", check=False)
+        c.delete("crd", f"widgets.{group}", missing_ok=True)
 
 
-def test_service_account_token_and_rbac(cluster, namespace, tmp_path):
-    token = cluster.kubectl("create", "token", "default", "-n", namespace).stdout.strip()
+def test_service_account_token_and_rbac(cluster, namespace):
+    token = cluster.client.create_token("default", namespace)
     assert token.count(".") == 2
-    server = cluster.cluster.state()["server"]
-    kc = tmp_path / "sa.kubeconfig"
-    kc.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
-        "clusters": [{"name": "c", "cluster": {
-            "server": server, "certificate-authority": str(cluster.cluster.pki / "ca.crt")}}],
-        "users": [{"name": "sa", "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": "c", "user": "sa"}}],
-    }))
-    who = cluster.kubectl("--kubeconfig", str(kc), "auth", "whoami", "-o",
-                          "jsonpath={.status.userInfo.username}").stdout
-    assert who == f"system:serviceaccount:{namespace}:default"
-    denied = cluster.kubectl("--kubeconfig", str(kc), "get", "secrets", "-n", namespace,
-                             check=False)
-    assert denied.returncode != 0 and "Forbidden" in denied.stderr, denied.stderr
+    sa = cluster.client.as_token(token)
+    review = sa.create({"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"})  # `auth whoami`
+    assert review["status"]["userInfo"]["username"] == f"system:serviceaccount:{namespace}:default"
+    with pytest.raises(ApiError) as denied:
+        sa.list("secrets", namespace)
+    assert denied.value.status == 403 and denied.value.reason == "Forbidden", denied.value
 
 
 # --------------------------------------------------------------------------- scheduling, kwok
 def statefulset(name, namespace, requests, limits=None):
-    return json.dumps({
+    return {
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": {"name": name, "namespace": namespace},
         "spec": {
@@ -182,40 +170,36 @@ def statefulset(name, namespace, requests, limits=None):
                 }]},
             },
         },
-    })
+    }
 
 
 def test_gpu_statefulset_pod_runs_on_gpu_node(cluster, namespace):
-    cluster.kubectl("apply", "-f", "-", input=statefulset(
-        "gpu", namespace, {"nvidia.com/gpu": "1", "cpu": "1", "memory": "1Gi"}))
+    c = cluster.client
+    c.apply(statefulset("gpu", namespace, {"nvidia.com/gpu": "1", "cpu": "1", "memory": "1Gi"}))
 
     def running():
-        cp = cluster.kubectl("get", "pod", "gpu-0", "-n", namespace, "-o", "json", check=False)
-        if cp.returncode:
+        pod = c.get_or_none("pod", "gpu-0", namespace)
+        if pod is None:
             return None
-        pod = json.loads(cp.stdout)
         ready = (condition(pod, "Ready") or {}).get("status") == "True"
         return pod if pod["status"].get("phase") == "Running" and ready else None
 
     pod = cluster.wait_until(running, timeout=60, message="pod gpu-0 Running and Ready")
-    node = get_json(cluster, "node", pod["spec"]["nodeName"])
+    node = c.get("node", pod["spec"]["nodeName"])
     assert int(node["status"]["allocatable"]["nvidia.com/gpu"]) >= 1
     assert is_loopback(pod["status"]["podIP"]), pod["status"]["podIP"]
     assert is_loopback(pod["status"]["hostIP"]), pod["status"]["hostIP"]
-    cluster.wait_until(
-        lambda: get_json(cluster, "statefulset", "gpu", "-n", namespace)["status"]
-        .get("readyReplicas") == 1, timeout=60, message="StatefulSet gpu readyReplicas=1")
+    cluster.wait_until(lambda: c.get("statefulset", "gpu", namespace)["status"].get("readyReplicas") == 1,
+                       timeout=60, message="StatefulSet gpu readyReplicas=1")
 
 
 def test_pod_larger_than_any_node_stays_pending(cluster, namespace):
-    cluster.kubectl("apply", "-f", "-", input=statefulset(
-        "huge", namespace, {"memory": "4Ti", "cpu": "1"}))
+    cluster.client.apply(statefulset("huge", namespace, {"memory": "4Ti", "cpu": "1"}))
 
     def unschedulable():
-        cp = cluster.kubectl("get", "pod", "huge-0", "-n", namespace, "-o", "json", check=False)
-        if cp.returncode:
+        pod = cluster.client.get_or_none("pod", "huge-0", namespace)
+        if pod is None:
             return None
-        pod = json.loads(cp.stdout)
         c = condition(pod, "PodScheduled")
         return pod if c and c["status"] == "False" and c.get("reason") == "Unschedulable" else None
 
@@ -227,28 +211,29 @@ def test_pod_larger_than_any_node_stays_pending(cluster, namespace):
 
 # --------------------------------------------------------------------------- controllers
 def test_garbage_collector_deletes_owned_configmap(cluster, namespace):
-    cluster.kubectl("create", "configmap", "owner", "-n", namespace, "--from-literal=a=1")
-    uid = get_json(cluster, "configmap", "owner", "-n", namespace)["metadata"]["uid"]
-    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+    c = cluster.client
+    c.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "owner", "namespace": namespace},
+              "data": {"a": "1"}})
+    uid = c.get("configmap", "owner", namespace)["metadata"]["uid"]
+    c.apply({
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": "child", "namespace": namespace, "ownerReferences": [{
             "apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": uid}]},
         "data": {"b": "2"},
-    }))
-    cluster.kubectl("delete", "configmap", "owner", "-n", namespace)
-    cluster.wait_until(
-        lambda: cluster.kubectl("get", "configmap", "child", "-n", namespace,
-                                check=False).returncode != 0,
-        timeout=60, message="garbage collection of ConfigMap child")
-    assert "NotFound" in cluster.kubectl("get", "configmap", "child", "-n", namespace,
-                                         check=False).stderr
+    })
+    c.delete("configmap", "owner", namespace)
+    cluster.wait_until(lambda: not c.exists("configmap", "child", namespace),
+                       timeout=60, message="garbage collection of ConfigMap child")
+    with pytest.raises(ApiError) as gone:
+        c.get("configmap", "child", namespace)
+    assert gone.value.status == 404 and gone.value.reason == "NotFound", gone.value
 
 
 # --------------------------------------------------------------------------- versions
 def test_versions(cluster):
     assert cluster.helm("version", "--template", "{{.Version}}").stdout.strip() == "v4.3.1"
     assert "v4.3.1" in cluster.helm("version").stdout
-    v = json.loads(cluster.kubectl("version", "-o", "json").stdout)
+    v = json.loads(cluster.kubectl("version", "-o", "json").stdout)  # kubectl under test: its version and the server's
     assert v["clientVersion"]["gitVersion"] == "v1.37.1"
     assert v["serverVersion"]["gitVersion"] == "v1.37.2"
     assert (v["serverVersion"]["major"], v["serverVersion"]["minor"]) == ("1", "37")
@@ -283,20 +268,116 @@ def test_service_endpoints_refused_for_loopback_pod_ips(cluster, namespace):
     """The price of the network rule: pod IPs are loopback, and the API server refuses
     loopback addresses in EndpointSlices, so a Service never gets endpoints and nothing
     (not even the apiserver resolving a webhook Service) can dial a pod."""
-    cluster.kubectl("create", "deployment", "web", "--image=registry.invalid/kvoffload/fake:0",
-                    "-n", namespace)
-    cluster.kubectl("expose", "deployment", "web", "--port=80", "-n", namespace)
+    c = cluster.client
+    web = {"app": "web"}
+    c.create({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web", "namespace": namespace,
+                                                                          "labels": web},
+              "spec": {"replicas": 1, "selector": {"matchLabels": web}, "template": {
+                  "metadata": {"labels": web},
+                  "spec": {"containers": [{"name": "fake", "image": "registry.invalid/kvoffload/fake:0"}]}}}})
+    c.create({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": namespace, "labels": web},
+              "spec": {"selector": web, "ports": [{"port": 80, "targetPort": 80, "protocol": "TCP"}]}})
     cluster.wait_until(
-        lambda: cluster.kubectl("get", "pods", "-n", namespace, "-l", "app=web", "-o",
-                                "jsonpath={.items[*].status.phase}").stdout == "Running",
+        lambda: [p["status"].get("phase") for p in c.list("pods", namespace, labels=web)] == ["Running"],
         timeout=60, message="web pod Running")
 
     def refused():
-        events = get_json(cluster, "events", "-n", namespace,
-                          "--field-selector", "reason=FailedToUpdateEndpointSlices")["items"]
+        events = c.list("events", namespace, fields="reason=FailedToUpdateEndpointSlices")
         return [e for e in events if "loopback" in e["message"]]
 
     cluster.wait_until(refused, timeout=60, message="FailedToUpdateEndpointSlices event")
-    slices = get_json(cluster, "endpointslices", "-n", namespace,
-                      "-l", "kubernetes.io/service-name=web")["items"]
+    slices = c.list("endpointslices", namespace, labels={"kubernetes.io/service-name": "web"})
     assert all(not s.get("endpoints") for s in slices), slices
+
+
+# --------------------------------------------------------------------------- the tests' API client
+def configmap(name, namespace, data, labels=None):
+    meta = {"name": name, "namespace": namespace, **({"labels": labels} if labels else {})}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
+
+
+def test_client_resolves_names_as_kubectl_does(cluster, crd_installed):
+    """Each kubectl-style name reaches the same collection kubectl lists (its own request log shows the
+    URL), and every name `kubectl api-resources -o name` prints resolves back to itself."""
+    c = cluster.client
+    # kubectl under test: the resource names it knows, and which URL it resolves a name to
+    listed = set(cluster.kubectl("api-resources", "-o", "name").stdout.split())
+    assert "kvoffloadserves.kvoffload.io" in listed
+    for full in sorted(listed):
+        r = c.resource(full)
+        assert (f"{r.plural}.{r.group}" if r.group else r.plural) == full
+    for name in ("kvs", "kvoffloadserve", "kvoffloadserves.kvoffload.io", "po", "pods", "no", "svc", "sa",
+                 "cm", "ev", "events", "deploy", "statefulset.apps", "sts", "pdb", "netpol", "crd",
+                 "leases"):
+        r = c.resource(name)
+        assert (f"{r.plural}.{r.group}" if r.group else r.plural) in listed, name
+        log = cluster.kubectl("get", name, "--all-namespaces", "-o", "name", "-v=6").stderr  # kubectl under test
+        urls = re.findall(r"https://127\.0\.0\.1:\d+(/[^?\"\s]+)", log)
+        assert r.path() in urls, (name, r.path(), urls)
+
+
+def test_client_missing_object_is_a_404_with_the_servers_message(cluster, namespace):
+    c = cluster.client
+    with pytest.raises(ApiError) as missing:
+        c.get("configmap", "absent", namespace)
+    assert missing.value.status == 404 and missing.value.reason == "NotFound"
+    assert missing.value.message == 'configmaps "absent" not found'
+    assert c.get_or_none("configmap", "absent", namespace) is None
+    assert c.exists("configmap", "absent", namespace) is False
+
+
+def test_client_server_side_apply_is_idempotent_and_refuses_a_second_manager(cluster, namespace):
+    c = cluster.client
+    obj = configmap("ssa", namespace, {"a": "1"})
+    first = c.apply(obj)
+    again = c.apply(obj)
+    assert again["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]  # nothing written
+    assert [m["manager"] for m in again["metadata"]["managedFields"]] == ["kvtest"]
+    with pytest.raises(ApiError) as conflict:
+        c.apply(configmap("ssa", namespace, {"a": "2"}), manager="someone-else", force=False)
+    assert conflict.value.status == 409 and conflict.value.reason == "Conflict"
+    assert conflict.value.message == 'Apply failed with 1 conflict: conflict with "kvtest": .data.a', conflict.value
+    assert c.get("configmap", "ssa", namespace)["data"] == {"a": "1"}
+    taken = c.apply(configmap("ssa", namespace, {"a": "2"}), manager="someone-else", force=True)
+    assert taken["data"] == {"a": "2"}
+
+
+def test_client_watch_from_a_lists_resource_version(cluster, namespace):
+    c = cluster.client
+    mine = {"kvtest.io/watch": "yes"}
+    c.create(configmap("before", namespace, {"a": "0"}, mine))
+    rv = c.list_raw("configmaps", namespace, labels="kvtest.io/watch=yes")["metadata"]["resourceVersion"]
+    c.create(configmap("after", namespace, {"a": "1"}, mine))
+    events = c.watch("configmaps", namespace, resource_version=rv, labels="kvtest.io/watch=yes", timeout=30)
+    try:
+        added = next(events)  # created after the list: replayed from its resourceVersion
+        c.patch("configmap", "after", {"data": {"a": "2"}}, namespace)
+        modified = next(events)  # changed while watching: delivered live
+    finally:
+        events.close()
+    assert (added[0], added[1]["metadata"]["name"], added[1]["data"]) == ("ADDED", "after", {"a": "1"})
+    assert (modified[0], modified[1]["metadata"]["name"], modified[1]["data"]) == ("MODIFIED", "after", {"a": "2"})
+
+
+def test_client_can_i_matches_rbac(cluster, namespace):
+    c = cluster.client
+    sa = c.as_token(c.create_token("default", namespace))
+    assert sa.can_i("list", "configmaps", namespace) is False  # nothing grants it yet
+    c.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+             "metadata": {"name": "cm-reader", "namespace": namespace},
+             "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list"]}]})
+    c.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+             "metadata": {"name": "cm-reader", "namespace": namespace},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "cm-reader"},
+             "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}]})
+    cluster.wait_until(lambda: sa.can_i("list", "configmaps", namespace), timeout=30, message="Role bound")
+    assert sa.can_i("get", "configmaps", namespace, name="kube-root-ca.crt") is True
+    assert sa.can_i("delete", "configmaps", namespace) is False
+    assert sa.can_i("list", "secrets", namespace) is False
+    assert sa.can_i("list", "configmaps", "default") is False  # a Role binds in its namespace only
+    assert c.as_user(f"system:serviceaccount:{namespace}:default").can_i("list", "configmaps", namespace) is True
+    # ... and the API server acts on the same decision.
+    assert isinstance(sa.list("configmaps", namespace), list)
+    with pytest.raises(ApiError) as denied:
+        sa.list("secrets", namespace)
+    assert denied.value.status == 403

@@ -23,14 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client
 
 import kvtest
 from kvtest import OperatorProcess
 
 pytestmark = pytest.mark.cluster
 
-GROUP, VERSION, PLURAL = "kvoffload.io", "v1alpha1", "kvoffloadserves"
+GROUP = "kvoffload.io"
 OWNER_LABEL = "kvoffload.io/serve"
 # CPU tier only, one replica of one GPU: 8 nodes x 8 GPUs hold every pod of these tests at once.
 SPEC = {"replicas": 1, "model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen": 4096},
@@ -69,62 +68,30 @@ def private_cluster(request):
         assert not problems, problems
 
 
-class Api:
-    """The typed clients for one cluster, and the few calls these tests make."""
+def create(c: kvtest.Cluster, ns: str, name: str) -> None:
+    body = {"apiVersion": f"{GROUP}/v1alpha1", "kind": "KVOffloadServe", "metadata": {"name": name},
+            "spec": copy.deepcopy(SPEC)}
+    c.client.create(body, ns)
 
-    def __init__(self, c: kvtest.Cluster) -> None:
-        self.cluster = c
-        api_client = c.api_client()
-        self.custom = client.CustomObjectsApi(api_client)
-        self.core = client.CoreV1Api(api_client)
-        self.apps = client.AppsV1Api(api_client)
-        self.policy = client.PolicyV1Api(api_client)
 
-    def create(self, ns: str, name: str, spec: dict[str, Any] | None = None) -> None:
-        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "KVOffloadServe", "metadata": {"name": name},
-                "spec": copy.deepcopy(spec or SPEC)}
-        self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body)
+def create_once(c: kvtest.Cluster, ns: str, name: str) -> bool:
+    """Create, counting "already exists" as done (a retried create whose first answer was lost)."""
+    try:
+        create(c, ns, name)
+    except kvtest.ApiError as exc:
+        if exc.status != 409:
+            raise
+    return True
 
-    def create_once(self, ns: str, name: str) -> bool:
-        """Create, counting "already exists" as done (a retried create whose first answer was lost)."""
-        try:
-            self.create(ns, name)
-        except client.ApiException as exc:
-            if exc.status != 409:
-                raise
-        return True
 
-    def patch_spec(self, ns: str, name: str, patch: dict[str, Any]) -> None:
-        self.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name, {"spec": patch})
+def patch_spec(c: kvtest.Cluster, ns: str, name: str, patch: dict[str, Any]) -> None:
+    c.client.patch("kvs", name, {"spec": patch}, ns)
 
-    def delete(self, ns: str, name: str) -> None:
-        self.custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
 
-    def serves(self, ns: str) -> list[dict[str, Any]]:
-        return self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]
-
-    def children(self, ns: str) -> list[dict[str, Any]]:
-        """Every ConfigMap, Service, StatefulSet and PDB in the namespace (labelled by us or not), as dicts."""
-        san = self.core.api_client.sanitize_for_serialization
-        out = []
-        for kind, call in (("ConfigMap", self.core.list_namespaced_config_map),
-                           ("Service", self.core.list_namespaced_service),
-                           ("StatefulSet", self.apps.list_namespaced_stateful_set),
-                           ("PodDisruptionBudget", self.policy.list_namespaced_pod_disruption_budget)):
-            for item in call(ns).items:
-                obj = san(item)
-                obj["kind"] = kind
-                out.append(obj)
-        return out
-
-    def pods(self, ns: str) -> list[dict[str, Any]]:
-        return self.core.api_client.sanitize_for_serialization(self.core.list_namespaced_pod(ns).items)
-
-    def namespace(self, name: str) -> str:
-        self.core.create_namespace({"metadata": {"name": name}})
-        kvtest.wait_until(lambda: self.core.read_namespaced_service_account("default", name), timeout=30,
-                             message=f"ServiceAccount default in {name}")
-        return name
+def children(c: kvtest.Cluster, ns: str) -> list[dict[str, Any]]:
+    """Every ConfigMap, Service, StatefulSet and PDB in the namespace (labelled by us or not)."""
+    return [obj for resource in ("configmaps", "services", "statefulsets", "poddisruptionbudgets")
+            for obj in c.client.list(resource, ns)]
 
 
 def ready(obj: dict[str, Any]) -> bool:
@@ -134,14 +101,14 @@ def ready(obj: dict[str, Any]) -> bool:
             and conds.get("Ready", {}).get("status") == "True")
 
 
-def problems(api: Api, ns: str, want: dict[str, dict[str, Any]] | None = None) -> list[str]:
+def problems(c: kvtest.Cluster, ns: str, want: dict[str, dict[str, Any]] | None = None) -> list[str]:
     """Everything that is not as it should be once the operator has converged ([] when all is well).
 
     want: name -> spec patch applied (to check the rollout reached the children), for every resource that
     should exist; None means "whatever exists".
     """
     out: list[str] = []
-    serves = {s["metadata"]["name"]: s for s in api.serves(ns)}
+    serves = {s["metadata"]["name"]: s for s in c.client.list("kvs", ns)}
     if want is not None and set(serves) != set(want):
         out.append(f"resources {sorted(set(serves) ^ set(want))} missing or unexpected")
     uids = {s["metadata"]["uid"]: name for name, s in serves.items()}
@@ -157,7 +124,7 @@ def problems(api: Api, ns: str, want: dict[str, dict[str, Any]] | None = None) -
     found: dict[str, set[tuple[str, str]]] = {name: set() for name in serves}
     sts_by_name: dict[str, dict[str, Any]] = {}
     cm_by_name: dict[str, dict[str, Any]] = {}
-    for child in api.children(ns):
+    for child in children(c, ns):
         meta = child["metadata"]
         refs = [r for r in meta.get("ownerReferences") or [] if r.get("kind") == "KVOffloadServe"]
         labelled = OWNER_LABEL in (meta.get("labels") or {})
@@ -199,7 +166,7 @@ def problems(api: Api, ns: str, want: dict[str, dict[str, Any]] | None = None) -
         if (s.get("status") or {}).get("summary", {}).get("memory") != mem:
             out.append(f"{name}: status memory {(s.get('status') or {}).get('summary', {}).get('memory')} != StatefulSet {mem}")
     pods_by_owner: dict[str, list[str]] = {}
-    for pod in api.pods(ns):
+    for pod in c.client.list("pods", ns):
         owner = (pod["metadata"].get("labels") or {}).get(OWNER_LABEL)
         if pod["metadata"].get("deletionTimestamp"):
             continue
@@ -214,12 +181,12 @@ def problems(api: Api, ns: str, want: dict[str, dict[str, Any]] | None = None) -
     return out
 
 
-def wait_converged(api: Api, ns: str, want: dict[str, dict[str, Any]] | None, timeout: float) -> list[str]:
+def wait_converged(c: kvtest.Cluster, ns: str, want: dict[str, dict[str, Any]] | None, timeout: float) -> list[str]:
     """Poll `problems` until it is empty or `timeout` passes; return what is still wrong ([] = converged)."""
     t0 = time.monotonic()
     while True:
         try:
-            last = problems(api, ns, want)
+            last = problems(c, ns, want)
         except Exception as exc:  # noqa: BLE001 - the API may be restarting
             last = [f"{type(exc).__name__}: {exc}"]
         if not last or time.monotonic() - t0 > timeout:
@@ -227,12 +194,12 @@ def wait_converged(api: Api, ns: str, want: dict[str, dict[str, Any]] | None, ti
         time.sleep(1)
 
 
-def assert_converged(api: Api, ns: str, want: dict[str, dict[str, Any]] | None, timeout: float) -> float:
+def assert_converged(c: kvtest.Cluster, ns: str, want: dict[str, dict[str, Any]] | None, timeout: float) -> float:
     """Wait until `problems` is empty; return the seconds it took. On timeout, fail with what is still wrong."""
     t0 = time.monotonic()
-    last = wait_converged(api, ns, want, timeout)
+    last = wait_converged(c, ns, want, timeout)
     if last:
-        health = {comp: detail for comp, (ok, detail) in api.cluster.component_health().items()}
+        health = {comp: detail for comp, (ok, detail) in c.component_health().items()}
         pytest.fail(f"not converged after {timeout:.0f}s (control plane: {health}):\n" +
                     "\n".join(p[:400] for p in last[:30]), pytrace=False)
     return time.monotonic() - t0
@@ -260,24 +227,24 @@ def test_sigkill_mid_rollout_ten_times(private_cluster, tmp_path):
     seed = int(os.environ.get("KVO_FAULT_SEED", time.time_ns() % 100_000))
     rng = random.Random(seed)
     print(f"KVO_FAULT_SEED={seed}")
-    api = Api(private_cluster)
-    ns = api.namespace(f"faults-kill-{seed}")
+    c = private_cluster
+    ns = c.client.namespace(f"faults-kill-{seed}")
     want: dict[str, dict[str, Any]] = {}
     kill_points = []
     for round_ in range(KILLS):
         for i in range(CREATE_PER_ROUND):
             name = f"s{round_:02d}-{i}"
-            api.create(ns, name)
+            create(c, ns, name)
             want[name] = {}
         older = sorted(n for n in want if not n.startswith(f"s{round_:02d}-"))
         for name in rng.sample(older, min(UPDATE_PER_ROUND, len(older))):
             want[name] = {"offload": {"cpu": {"size": f"{rng.randint(2, 8)}Gi"}}}
-            api.patch_spec(ns, name, want[name])
+            patch_spec(c, ns, name, want[name])
         if round_ in DELETE_ROUNDS and older:
             gone = rng.choice(older)
-            api.delete(ns, gone)
+            c.client.delete("kvs", gone, ns)
             del want[gone]
-        op = start_operator(private_cluster, ns, tmp_path / f"operator-{round_}.log")
+        op = start_operator(c, ns, tmp_path / f"operator-{round_}.log")
         # Kill somewhere between its first write and a couple of seconds later: mid-apply, between a
         # StatefulSet and its PDB, during a status write, or while pods roll.
         wait_log(op, "apply ", timeout=60)
@@ -287,9 +254,9 @@ def test_sigkill_mid_rollout_ten_times(private_cluster, tmp_path):
         op.kill()
         kill_points.append((round(delay, 2), applies))
     print(f"kills (seconds after the first apply, applies logged before the kill): {kill_points}")
-    op = start_operator(private_cluster, ns, tmp_path / "operator-final.log")
+    op = start_operator(c, ns, tmp_path / "operator-final.log")
     try:
-        took = assert_converged(api, ns, want, timeout=150)
+        took = assert_converged(c, ns, want, timeout=150)
         print(f"converged {took:.1f}s after the final restart; {len(want)} resources")
     finally:
         op.stop()
@@ -298,13 +265,13 @@ def test_sigkill_mid_rollout_ten_times(private_cluster, tmp_path):
 @pytest.mark.parametrize("component", ["kube-apiserver", "etcd"])
 def test_control_plane_restart_mid_rollout(private_cluster, tmp_path, component):
     """Restart kube-apiserver (or etcd) while the operator rolls out; the same operator process recovers."""
-    api = Api(private_cluster)
-    ns = api.namespace(f"faults-{component}-{time.time_ns() % 100_000}")
-    op = start_operator(private_cluster, ns, tmp_path / "operator.log")
+    c = private_cluster
+    ns = c.client.namespace(f"faults-{component}-{time.time_ns() % 100_000}")
+    op = start_operator(c, ns, tmp_path / "operator.log")
     try:
         want = {}
         for i in range(10):
-            api.create(ns, f"before-{i}")
+            create(c, ns, f"before-{i}")
             want[f"before-{i}"] = {}
         wait_log(op, "apply ", timeout=60)
         time.sleep(random.uniform(0.5, 2))
@@ -312,17 +279,16 @@ def test_control_plane_restart_mid_rollout(private_cluster, tmp_path, component)
         # writes it already acknowledged (seen: a pod binding), which a real etcd (fsync) never does.
         # kube-apiserver keeps no state of its own: SIGKILL.
         sig = signal.SIGTERM if component == "etcd" else signal.SIGKILL
-        healthy_after = private_cluster.restart(component, downtime=5, sig=sig)
+        healthy_after = c.restart(component, downtime=5, sig=sig)
         print(f"{component}: stopped ({sig.name}), down 5 s, healthy {healthy_after:.1f}s after its restart")
         # New work after the restart proves the watches came back, not only the retries of old work.
-        api = Api(private_cluster)
         for i in range(5):
-            kvtest.wait_until(lambda i=i: api.create_once(ns, f"after-{i}"), timeout=60, message=f"create after-{i}")
+            kvtest.wait_until(lambda i=i: create_once(c, ns, f"after-{i}"), timeout=60, message=f"create after-{i}")
             want[f"after-{i}"] = {}
-        api.patch_spec(ns, "before-0", {"offload": {"cpu": {"size": "3Gi"}}})
+        patch_spec(c, ns, "before-0", {"offload": {"cpu": {"size": "3Gi"}}})
         want["before-0"] = {"offload": {"cpu": {"size": "3Gi"}}}
         t0 = time.monotonic()
-        stuck = wait_converged(api, ns, want, timeout=60)
+        stuck = wait_converged(c, ns, want, timeout=60)
         if any(line.startswith("pod ") for line in stuck) and all(
                 line.startswith("pod ") or "not Ready" in line or "revisions" in line for line in stuck):
             # Only pods are behind: on this local control plane kube-scheduler now and then stops seeing new
@@ -332,8 +298,8 @@ def test_control_plane_restart_mid_rollout(private_cluster, tmp_path, component)
             print(f"control plane left pods behind after the {component} restart (not the operator):\n" +
                   "\n".join(stuck[:10]) + "\nrestarting kube-scheduler and kwok")
             for comp in ("kube-scheduler", "kwok"):
-                private_cluster.restart(comp)
-        assert_converged(api, ns, want, timeout=90)
+                c.restart(comp)
+        assert_converged(c, ns, want, timeout=90)
         print(f"converged {time.monotonic() - t0:.1f}s after the restart" + (" (with the heal above)" if stuck else ""))
         assert op.proc.poll() is None, "the operator process exited:\n" + op.output()[-3000:]
     finally:
@@ -365,40 +331,38 @@ def test_caches_cannot_serve_stale_decisions_after_an_apiserver_restart(private_
     deleted straight from etcd (the restarted API server's history has no DELETE for it: only a fresh
     LIST shows it is gone). Then every other resource's spec changes and new ones come. The same
     operator process must converge: new specs in every child, the lost ConfigMap re-created."""
-    api = Api(private_cluster)
-    ns = api.namespace(f"faults-cache-{time.time_ns() % 100_000}")
-    op = start_operator(private_cluster, ns, tmp_path / "operator.log")
+    c = private_cluster
+    ns = c.client.namespace(f"faults-cache-{time.time_ns() % 100_000}")
+    op = start_operator(c, ns, tmp_path / "operator.log")
     try:
         want: dict[str, dict[str, Any]] = {}
         for i in range(8):
-            api.create(ns, f"r-{i}")
+            create(c, ns, f"r-{i}")
             want[f"r-{i}"] = {}
         # The victim's children must exist before the restart (its ConfigMap is what gets lost).
-        kvtest.wait_until(lambda: any(c["metadata"]["name"] == "r-0-lmcache" for c in api.children(ns)), timeout=60,
-                             message="r-0's ConfigMap")
+        kvtest.wait_until(lambda: c.client.exists("configmap", "r-0-lmcache", ns), timeout=60, message="r-0's ConfigMap")
         time.sleep(random.uniform(0, 1))  # the others are mid-rollout
-        private_cluster.stop_component("kube-apiserver", signal.SIGKILL)
-        assert etcd_delete(private_cluster, f"/registry/configmaps/{ns}/r-0-lmcache") == 1
+        c.stop_component("kube-apiserver", signal.SIGKILL)
+        assert etcd_delete(c, f"/registry/configmaps/{ns}/r-0-lmcache") == 1
         time.sleep(3)
-        healthy_after = private_cluster.start_component("kube-apiserver")
+        healthy_after = c.start_component("kube-apiserver")
         print(f"kube-apiserver healthy {healthy_after:.1f}s after its restart")
-        api = Api(private_cluster)
         # r-0 is left alone: no event about it will come; only the relist can tell its ConfigMap is gone.
         for i in range(1, 8):
             want[f"r-{i}"] = {"offload": {"cpu": {"size": f"{2 + i % 4}Gi"}}}
-            kvtest.wait_until(lambda i=i: api.patch_spec(ns, f"r-{i}", want[f"r-{i}"]) or True, timeout=60,
-                                 message=f"patch r-{i}")
+            kvtest.wait_until(lambda i=i: patch_spec(c, ns, f"r-{i}", want[f"r-{i}"]) or True, timeout=60,
+                              message=f"patch r-{i}")
         for i in range(8, 10):
-            kvtest.wait_until(lambda i=i: api.create_once(ns, f"r-{i}"), timeout=60, message=f"create r-{i}")
+            kvtest.wait_until(lambda i=i: create_once(c, ns, f"r-{i}"), timeout=60, message=f"create r-{i}")
             want[f"r-{i}"] = {}
         t0 = time.monotonic()
-        stuck = wait_converged(api, ns, want, timeout=60)
+        stuck = wait_converged(c, ns, want, timeout=60)
         if stuck and all(line.startswith("pod ") or "not Ready" in line or "revisions" in line for line in stuck):
             # kube-scheduler now and then stops seeing new pods after an API server restart (see the test above).
             print("control plane left pods behind (not the operator):\n" + "\n".join(stuck[:10]))
             for comp in ("kube-scheduler", "kwok"):
-                private_cluster.restart(comp)
-        assert_converged(api, ns, want, timeout=90)
+                c.restart(comp)
+        assert_converged(c, ns, want, timeout=90)
         print(f"converged {time.monotonic() - t0:.1f}s after the restart")
         log = op.output()
         assert "relisted ConfigMap" in log, "the broken ConfigMap watch was not followed by a LIST"

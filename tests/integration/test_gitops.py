@@ -60,23 +60,13 @@ def serve(name: str, **spec_patch) -> dict:
     return obj
 
 
-def apply(cluster, ns, obj):
-    # JSON: PyYAML would write some strings unquoted that kubectl reads as numbers.
-    cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj))
-
-
-def get(cluster, ns, name):
-    cp = cluster.kubectl("get", "kvs", name, "-n", ns, "-o", "json", check=False)
-    return json.loads(cp.stdout) if cp.returncode == 0 else None
-
-
 def cond(obj, type_):
     return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
 
 
 def wait_for(cluster, ns, name, pred, message, timeout=120):
-    return cluster.wait_until(lambda: (o := get(cluster, ns, name)) is not None and pred(o) and o, timeout=timeout,
-                              message=f"{name}: {message}")
+    return cluster.wait_until(lambda: (o := cluster.client.get_or_none("kvs", name, ns)) is not None and pred(o) and o,
+                              timeout=timeout, message=f"{name}: {message}")
 
 
 def at_generation(o, type_, status, reason=None):
@@ -96,24 +86,16 @@ def kstatus(cluster, ns, *names) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def crd_installed(cluster):
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/kvoffloadserves.kvoffload.io", "--timeout=60s")
-
-
-@pytest.fixture(scope="module")
 def captured(cluster, crd_installed):
     """Live objects in every state a GitOps reader must tell apart, each read (object, kstatus,
     Argo CD health) at the moment it is in that state."""
     ns = f"t-gitops-capture-{os.getpid()}"
-    cluster.kubectl("create", "namespace", ns)
-    cluster.wait_until(lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", ns, check=False).returncode == 0,
-                       timeout=30, message="default ServiceAccount")
+    cluster.client.namespace(ns)  # and its default ServiceAccount
     states: dict[str, dict] = {}
 
     def snap(state: str, name: str) -> None:
         verdict = kstatus(cluster, ns, name)[name]
-        obj = get(cluster, ns, name)
+        obj = cluster.client.get("kvs", name, ns)
         states[state] = {"object": obj, "kstatus": verdict, "argocd": gt.lua_health([obj])[0], "namespace": ns}
 
     objects = {"ready": serve("ready"), "invalid": serve("invalid", offload__disk={"path": BAD_PATH, "size": "100Gi"}),
@@ -124,7 +106,7 @@ def captured(cluster, crd_installed):
     proc = None
     try:
         for obj in objects.values():  # the operator is not running yet: nothing writes a status
-            apply(cluster, ns, obj)
+            cluster.client.apply(obj, ns)
         snap("just-created", "just-created")
 
         proc = OperatorProcess(cluster.env, [ns])
@@ -136,8 +118,7 @@ def captured(cluster, crd_installed):
             snap(state, state)
 
         # Pods failing: kwok runs no container, so this test writes what kubelet would for a crash loop.
-        cluster.kubectl("patch", "pod", "pods-failing-0", "-n", ns, "--subresource=status", "--type=merge", "-p",
-                        json.dumps({"status": CRASH_LOOP}))
+        cluster.client.patch("pod", "pods-failing-0", {"status": CRASH_LOOP}, ns, subresource="status")
         wait_for(cluster, ns, "pods-failing", lambda o: at_generation(o, "Ready", "False", "PodsFailing"), "PodsFailing")
         snap("pods-failing", "pods-failing")
 
@@ -145,7 +126,7 @@ def captured(cluster, crd_installed):
         # the new template, so the operator reports the rollout pending for as long as we look.
         cluster.cluster.stop_component("kube-controller-manager")
         try:
-            apply(cluster, ns, serve("rolling-out", offload__cpu={"size": "24Gi"}))
+            cluster.client.apply(serve("rolling-out", offload__cpu={"size": "24Gi"}), ns)
             wait_for(cluster, ns, "rolling-out", lambda o: at_generation(o, "Ready", "False", "RollingOut"), "RollingOut")
             snap("rolling-out", "rolling-out")
         finally:
@@ -155,23 +136,22 @@ def captured(cluster, crd_installed):
         # Operator behind: a new generation the operator has not seen (it is stopped).
         proc.stop()
         proc = None
-        apply(cluster, ns, serve("operator-behind", offload__cpu={"size": "24Gi"}))
+        cluster.client.apply(serve("operator-behind", offload__cpu={"size": "24Gi"}), ns)
         snap("operator-behind", "operator-behind")
 
         # Being deleted: a finalizer of ours holds the object in deletion.
-        cluster.kubectl("patch", "kvs", "ready", "-n", ns, "--type", "merge", "-p",
-                        json.dumps({"metadata": {"finalizers": ["example.com/hold"]}}))
-        cluster.kubectl("delete", "kvs", "ready", "-n", ns, "--wait=false")
+        cluster.client.patch("kvs", "ready", {"metadata": {"finalizers": ["example.com/hold"]}}, ns)
+        cluster.client.delete("kvs", "ready", ns)
         wait_for(cluster, ns, "ready", lambda o: "deletionTimestamp" in o["metadata"], "deletionTimestamp")
         snap("being-deleted", "ready")
-        cluster.kubectl("patch", "kvs", "ready", "-n", ns, "--type", "merge", "-p", json.dumps({"metadata": {"finalizers": None}}))
-        cluster.wait_until(lambda: get(cluster, ns, "ready") is None, timeout=30, message="ready deleted")
+        cluster.client.patch("kvs", "ready", {"metadata": {"finalizers": None}}, ns)
+        cluster.wait_until(lambda: not cluster.client.exists("kvs", "ready", ns), timeout=30, message="ready deleted")
         yield states
     finally:
         if proc is not None:
             proc.stop()
             print(proc.output()[-3000:])
-        cluster.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
+        cluster.client.delete("namespace", ns, missing_ok=True)
 
 
 KSTATUS = {"pods-failing": "InProgress",
@@ -243,7 +223,7 @@ def test_helm_wait_returns_once_ready(cluster, namespace, operator):
     cp, took = helm_install(cluster, namespace, "good", 180, name="good")
     print(f"helm install --wait of a valid KVOffloadServe: exit {cp.returncode} after {took:.1f}s")
     assert cp.returncode == 0, cp.stderr
-    obj = get(cluster, namespace, "good")  # read right after helm returned
+    obj = cluster.client.get("kvs", "good", namespace)  # read right after helm returned
     assert ready(obj), obj.get("status")
 
 
@@ -261,32 +241,33 @@ def test_one_event_per_transition_none_for_a_no_op(cluster, namespace, crd_insta
     settings = dataclasses.replace(Settings(), probe_exporters=False)
 
     def ours():
-        uid = get(cluster, namespace, "svc")["metadata"]["uid"]
-        items = json.loads(cluster.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
+        uid = cluster.client.get("kvs", "svc", namespace)["metadata"]["uid"]
+        items = cluster.client.list("events", namespace)
         return [e["reason"] for e in items if e["involvedObject"].get("uid") == uid]
 
-    apply(cluster, namespace, serve("svc", offload__disk={"path": BAD_PATH, "size": "100Gi"}))
+    cluster.client.apply(serve("svc", offload__disk={"path": BAD_PATH, "size": "100Gi"}), namespace)
     assert reconcile(kube, namespace, "svc", settings, recorder=recorder) == "invalid"
     assert ours() == ["SpecRefused"]
     assert reconcile(kube, namespace, "svc", settings, recorder=recorder) == "unchanged"
     assert ours() == ["SpecRefused"]
 
-    apply(cluster, namespace, serve("svc"))
+    cluster.client.apply(serve("svc"), namespace)
     outcomes = [reconcile(kube, namespace, "svc", settings, recorder=recorder)]
     cluster.wait_until(lambda: outcomes.append(reconcile(kube, namespace, "svc", settings, recorder=recorder))
-                       or ready(get(cluster, namespace, "svc")), timeout=120, message="Ready")
+                       or ready(cluster.client.get("kvs", "svc", namespace)), timeout=120, message="Ready")
     story = ours()
     assert sorted(story) == sorted(["SpecRefused", "SpecAccepted", "Applied", "Scheduled", "Ready"]), story
     assert reconcile(kube, namespace, "svc", settings, recorder=recorder) == "unchanged"
     assert reconcile(kube, namespace, "svc", settings, recorder=recorder) == "unchanged"
     assert sorted(ours()) == sorted(story)
-    described = cluster.kubectl("describe", "kvs", "svc", "-n", namespace).stdout
+    described = cluster.kubectl("describe", "kvs", "svc", "-n", namespace).stdout  # kubectl under test: describe
     assert "SpecRefused" in described and "kvoffload-operator" in described
 
 
 # --- kubectl kvs ----------------------------------------------------------------------------------
 
 def kubectl_kvs(cluster, *args):
+    """kubectl under test: our plugin found and run through kubectl's plugin mechanism."""
     from kvtest.paths import kubectl_path
 
     env = {**cluster.env, "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}"}
@@ -294,8 +275,8 @@ def kubectl_kvs(cluster, *args):
 
 
 def test_kubectl_kvs_why_explains_in_plain_words(cluster, namespace, operator):
-    apply(cluster, namespace, serve("bad", offload__disk={"path": BAD_PATH, "size": "100Gi"}))
-    apply(cluster, namespace, serve("good"))
+    cluster.client.apply(serve("bad", offload__disk={"path": BAD_PATH, "size": "100Gi"}), namespace)
+    cluster.client.apply(serve("good"), namespace)
     wait_for(cluster, namespace, "bad", lambda o: at_generation(o, "Stalled", "True"), "Stalled")
     wait_for(cluster, namespace, "good", ready, "Ready")
 
@@ -325,22 +306,17 @@ def test_kubectl_kvs_why_explains_in_plain_words(cluster, namespace, operator):
 def test_first_status_says_reconciling_before_anything_is_applied(cluster, namespace, operator):
     """Every version of the object, from a watch: the operator's first write is Reconciling=True with
     Ready=Unknown, and it lands before the first child exists."""
-    from kubernetes import client, watch
-
-    api = client.CustomObjectsApi(cluster.api_client())
     versions: list[dict] = []
-    since = api.list_namespaced_custom_object("kvoffload.io", "v1alpha1", namespace, "kvoffloadserves")["metadata"]["resourceVersion"]
+    since = cluster.client.list_raw("kvs", namespace)["metadata"]["resourceVersion"]
     t0 = time.monotonic()
-    apply(cluster, namespace, serve("svc"))
-    stream = watch.Watch()  # from before the create: every version, none missed
-    for event in stream.stream(api.list_namespaced_custom_object, "kvoffload.io", "v1alpha1", namespace, "kvoffloadserves",
-                               resource_version=since, timeout_seconds=60):
-        obj = event["object"]
+    cluster.client.apply(serve("svc"), namespace)
+    # From before the create: every version, none missed.
+    for _type, obj in cluster.client.watch("kvs", namespace, resource_version=since, timeout=60):
         versions.append(obj)
         if (obj.get("status") or {}).get("conditions") and len([v for v in versions if v.get("status", {}).get("conditions")]) == 1:
-            print(f"first status {time.monotonic() - t0:.2f}s after kubectl apply started")
+            print(f"first status {time.monotonic() - t0:.2f}s after the apply started")
         if ready(obj):
-            stream.stop()
+            break
     written = [v for v in versions if (v.get("status") or {}).get("conditions")]
     assert versions[0]["status"] == {"observedGeneration": 0}  # as created: the CRD's default, no conditions
     first = written[0]
@@ -348,6 +324,6 @@ def test_first_status_says_reconciling_before_anything_is_applied(cluster, names
     assert first["status"]["observedGeneration"] == 0
     # etcd revisions order all writes. The ConfigMap is the first child applied and is never changed
     # after (the spec does not change here), so its resourceVersion is the revision that created it.
-    cm = json.loads(cluster.kubectl("get", "configmap", "svc-lmcache", "-n", namespace, "-o", "json").stdout)
+    cm = cluster.client.get("configmap", "svc-lmcache", namespace)
     assert int(first["metadata"]["resourceVersion"]) < int(cm["metadata"]["resourceVersion"])
     assert ready(versions[-1])

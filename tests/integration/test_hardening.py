@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -28,7 +29,7 @@ import yaml
 from kvoffload.api import crd
 from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
-from kvtest import ROOT, OperatorProcess
+from kvtest import ROOT, ApiError, OperatorProcess
 
 pytestmark = pytest.mark.cluster
 
@@ -38,7 +39,7 @@ LEVELS = ("restricted", "baseline", "privileged")
 
 
 def token_kubeconfig(cluster, path: Path, token: str, namespace: str) -> Path:
-    """A kubeconfig that authenticates with `token` alone (a ServiceAccount's, from `kubectl create token`)."""
+    """A kubeconfig that authenticates with `token` alone (a ServiceAccount's, from `sa_token`)."""
     server = yaml.safe_load(Path(cluster.kubeconfig).read_text())["clusters"][0]["cluster"]
     path.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config",
@@ -53,21 +54,8 @@ def token_kubeconfig(cluster, path: Path, token: str, namespace: str) -> Path:
 
 
 def enforce(cluster, namespace: str, level: str) -> None:
-    cluster.kubectl("label", "namespace", namespace, "--overwrite", f"pod-security.kubernetes.io/enforce={level}",
-                    "pod-security.kubernetes.io/enforce-version=latest")
-
-
-def make_namespace(cluster, base: str, level: str | None = None) -> str:
-    name = f"{base[:50]}-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", name)
-    cluster.kubectl("label", "namespace", name, "kvoffload.io/test=true")
-    if level:
-        enforce(cluster, name, level)
-    return name
-
-
-def get_json(cluster, *args: str) -> dict:
-    return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
+    cluster.client.label("namespace", namespace, {"pod-security.kubernetes.io/enforce": level,
+                                                  "pod-security.kubernetes.io/enforce-version": "latest"})
 
 
 def example(file: str, namespace: str, name: str | None = None) -> dict:
@@ -86,9 +74,15 @@ def with_ephemeral_disk(doc: dict, name: str) -> dict:
     return doc
 
 
-def pod_dry_run(cluster, namespace: str, pod_spec: dict, name: str = "probe") -> subprocess.CompletedProcess:
+def pod_dry_run(cluster, namespace: str, pod_spec: dict, name: str = "probe") -> str | None:
+    """The API server's refusal of the pod (admission, PodSecurity among it, and strict field validation as
+    `kubectl create --dry-run=server` asks for), or None when it would admit it. Nothing is stored."""
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace}, "spec": pod_spec}
-    return cluster.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(pod), check=False)
+    try:
+        cluster.client.create(pod, dry_run=True, field_validation="Strict")
+    except ApiError as exc:
+        return exc.message
+    return None
 
 
 def rendered_pod(doc: dict) -> dict:
@@ -104,10 +98,10 @@ def test_pod_security_admission_is_enforced_by_the_api_server(cluster, namespace
     assert not any(a.startswith("--disable-admission-plugins") and "PodSecurity" in a for a in args), args
     assert not any(a.startswith("--admission-control-config-file") for a in args), args
     root_pod = {"containers": [{"name": "c", "image": "busybox:1.36"}]}
-    assert pod_dry_run(cluster, namespace, root_pod).returncode == 0  # unlabelled: privileged
+    assert pod_dry_run(cluster, namespace, root_pod) is None  # unlabelled: privileged
     enforce(cluster, namespace, "restricted")
-    cp = pod_dry_run(cluster, namespace, root_pod)
-    assert cp.returncode != 0 and 'violates PodSecurity "restricted:latest"' in cp.stderr, cp.stderr
+    refusal = pod_dry_run(cluster, namespace, root_pod)
+    assert refusal is not None and 'violates PodSecurity "restricted:latest"' in refusal, refusal
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -127,19 +121,19 @@ def test_every_rendering_is_admitted_exactly_where_the_docs_say(cluster, namespa
             cases.append((path.name + " (storageClassName)", rendered_pod(eph), False))
     assert len(cases) == 8  # 5 examples render (the field one is refused); 3 have a hostPath disk, also tried as ephemeral volumes
     for label, pod, host_path in cases:
-        cp = pod_dry_run(cluster, namespace, pod)
+        refusal = pod_dry_run(cluster, namespace, pod)
         if host_path and level != "privileged":
-            assert cp.returncode != 0 and "violates PodSecurity" in cp.stderr and "hostPath" in cp.stderr, (label, cp.stderr)
+            assert refusal is not None and "violates PodSecurity" in refusal and "hostPath" in refusal, (label, refusal)
         else:
-            assert cp.returncode == 0, (label, level, cp.stderr)
+            assert refusal is None, (label, level, refusal)
 
 
 def _pods(cluster, namespace: str, name: str) -> list[dict]:
-    return get_json(cluster, "pods", "-n", namespace, "-l", f"kvoffload.io/serve={name}")["items"]
+    return cluster.client.list("pods", namespace, labels={"kvoffload.io/serve": name})
 
 
 def _refusals(cluster, namespace: str, name: str) -> list[str]:
-    return [e["message"] for e in get_json(cluster, "events", "-n", namespace)["items"]
+    return [e["message"] for e in cluster.client.list("events", namespace)
             if e.get("reason") == "FailedCreate" and e["involvedObject"]["name"] == name]
 
 
@@ -154,7 +148,7 @@ def test_examples_through_the_operator_in_a_restricted_namespace(cluster, namesp
     op = OperatorProcess(cluster.env, [namespace])
     try:
         for doc in (cpu, ws, tp8, host):
-            cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+            cluster.client.apply(doc)
         admitted = {d["metadata"]["name"]: d["spec"].get("replicas", 1) for d in (cpu, ws, tp8)}
 
         def all_created():
@@ -237,16 +231,16 @@ def test_replicas_spread_over_nodes_by_default(cluster, namespace, crd_installed
         # the resource scores decide, and they stack every replica on the big node.
         zone = [{"maxSkew": 1, "topologyKey": "kvoffload.io/spread-test", "whenUnsatisfiable": "ScheduleAnyway",
                  "labelSelector": {"matchLabels": {"kvoffload.io/serve": "packed"}}}]
-        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(_spread_serve(namespace, "packed", tag, zone)))
+        cluster.client.apply(_spread_serve(namespace, "packed", tag, zone))
         packed = _nodes_of(cluster, namespace, "packed", 3)
         assert packed == [f"spread-big-{tag}-0"] * 3, packed
-        cluster.kubectl("delete", "kvs", "packed", "-n", namespace, "--wait=true", "--timeout=60s")
+        cluster.client.delete("kvs", "packed", namespace, wait=True, timeout=60)
         cluster.wait_until(lambda: not _pods(cluster, namespace, "packed"), timeout=90, message="packed pods gone")
         # Default: the soft spread over kubernetes.io/hostname puts each replica on its own node.
-        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(_spread_serve(namespace, "spread", tag, None)))
+        cluster.client.apply(_spread_serve(namespace, "spread", tag, None))
         spread = _nodes_of(cluster, namespace, "spread", 3)
         assert sorted(spread) == sorted(names), spread
-        sts = get_json(cluster, "statefulset", "spread", "-n", namespace)
+        sts = cluster.client.get("statefulset", "spread", namespace)
         (c,) = sts["spec"]["template"]["spec"]["topologySpreadConstraints"]
         assert c["whenUnsatisfiable"] == "ScheduleAnyway" and c["topologyKey"] == "kubernetes.io/hostname"
     finally:
@@ -261,17 +255,15 @@ def test_network_policy_is_applied_and_pruned(cluster, namespace, crd_installed)
     op = OperatorProcess(cluster.env, [namespace], config={"resyncSeconds": 20, "operatorNamespace": "kvoffload-system"})
     name = doc["metadata"]["name"]
     try:
-        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
-        np = cluster.wait_until(lambda: cluster.kubectl("get", "networkpolicy", name, "-n", namespace, "-o", "json",
-                                                        check=False).stdout or None, timeout=60, message="NetworkPolicy")
-        np = json.loads(np)
+        cluster.client.apply(doc)
+        np = cluster.wait_until(lambda: cluster.client.get_or_none("networkpolicy", name, namespace), timeout=60,
+                                message="NetworkPolicy")
         rules = {r["ports"][0]["port"]: r["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"]
                  for r in np["spec"]["ingress"]}
         assert rules == {8000: ["gateway"], 9400: ["kvoffload-system", "monitoring"]}
         assert np["metadata"]["ownerReferences"][0]["kind"] == crd.KIND
-        cluster.kubectl("patch", "kvs", name, "-n", namespace, "--type=json", "-p",
-                        json.dumps([{"op": "remove", "path": "/spec/networkPolicy"}]))
-        cluster.wait_until(lambda: cluster.kubectl("get", "networkpolicy", name, "-n", namespace, check=False).returncode != 0,
+        cluster.client.patch("kvs", name, [{"op": "remove", "path": "/spec/networkPolicy"}], namespace, type="json")
+        cluster.wait_until(lambda: not cluster.client.exists("networkpolicy", name, namespace),
                            timeout=60, message="NetworkPolicy pruned")
     finally:
         op.stop()
@@ -289,18 +281,18 @@ def test_janitor_manifest_is_admitted_only_at_privileged(cluster, namespace):
     docs = _janitor_docs(cluster, "kvo", namespace)
     (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
     (sa,) = [d for d in docs if d["kind"] == "ServiceAccount" and d["metadata"]["name"].endswith("-janitor")]
-    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(sa))  # admission looks the pod's ServiceAccount up
+    cluster.client.apply(sa)  # admission looks the pod's ServiceAccount up
     pod = ds["spec"]["template"]["spec"]
     for level in LEVELS:
         enforce(cluster, namespace, level)
-        cp = pod_dry_run(cluster, namespace, pod, name=f"janitor-{level}")
+        refusal = pod_dry_run(cluster, namespace, pod, name=f"janitor-{level}")
         if level == "privileged":
-            assert cp.returncode == 0, cp.stderr
+            assert refusal is None, refusal
         else:
-            assert cp.returncode != 0 and "violates PodSecurity" in cp.stderr, (level, cp.stderr)
-            assert "hostPath" in cp.stderr, cp.stderr
+            assert refusal is not None and "violates PodSecurity" in refusal, (level, refusal)
+            assert "hostPath" in refusal, refusal
             if level == "baseline":  # baseline allows DAC_OVERRIDE: only the hostPath refuses it there
-                assert "DAC_OVERRIDE" not in cp.stderr, cp.stderr
+                assert "DAC_OVERRIDE" not in refusal, refusal
 
 
 SERVE_STUB = {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe",
@@ -329,30 +321,32 @@ def test_janitor_with_its_own_rbac_on_the_real_api_server(cluster, namespace, cr
     rbac = [d for d in docs if d["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "DaemonSet")
             and d["metadata"]["name"].endswith("-janitor")]
     assert len(rbac) == 4
-    cluster.kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(d) for d in rbac))
+    for d in rbac:
+        cluster.client.apply(d)
     sa = f"{release}-kvoffload-operator-janitor"
     try:
-        # Least privilege: get/list KVOffloadServes, nothing else.
+        # Least privilege: get/list KVOffloadServes, nothing else. can_i without a namespace asks about
+        # all namespaces (namespace "", as `kubectl auth can-i --all-namespaces` does).
         who = f"system:serviceaccount:{namespace}:{sa}"
-        allowed = {(verb, res): cluster.kubectl("auth", "can-i", verb, res, "--all-namespaces", "--as", who, check=False).stdout.strip()
+        janitor = cluster.client.as_user(who)
+        allowed = {(verb, res): janitor.can_i(verb, res)
                    for verb in ("get", "list", "watch", "delete", "patch") for res in ("kvoffloadserves.kvoffload.io", "secrets", "pods")}
-        assert {k for k, v in allowed.items() if v == "yes"} == {("get", "kvoffloadserves.kvoffload.io"),
-                                                                 ("list", "kvoffloadserves.kvoffload.io")}, allowed
+        assert {k for k, v in allowed.items() if v} == {("get", "kvoffloadserves.kvoffload.io"),
+                                                        ("list", "kvoffloadserves.kvoffload.io")}, allowed
         # The DaemonSet runs on every NVMe-labelled node and on no other.
-        nvme = {n["metadata"]["name"] for n in get_json(cluster, "nodes", "-l", "kvoffload.io/nvme=true")["items"]}
+        nvme = {n["metadata"]["name"] for n in cluster.client.list("nodes", labels={"kvoffload.io/nvme": "true"})}
 
         def placed():
-            pods = get_json(cluster, "pods", "-n", namespace, "-l", "app.kubernetes.io/component=janitor")["items"]
+            pods = cluster.client.list("pods", namespace, labels={"app.kubernetes.io/component": "janitor"})
             nodes = {p["spec"].get("nodeName") for p in pods}
             return nodes if nodes == nvme else None
         cluster.wait_until(placed, timeout=90, message="a janitor pod on each NVMe node")
 
         # Its logic with its own token: one live and one deleted resource, directories on a temp root.
-        token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=10m").stdout.strip()
+        token = cluster.client.create_token(sa, namespace, seconds=600)
         kubeconfig = token_kubeconfig(cluster, tmp_path / "janitor.kubeconfig", token, namespace)
         for name in ("live", "gone"):
-            cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(
-                {**SERVE_STUB, "metadata": {"name": name, "namespace": namespace}}))
+            cluster.client.apply({**SERVE_STUB, "metadata": {"name": name, "namespace": namespace}})
         root, state = tmp_path / "lmcache", tmp_path / "state.json"
         live_dir, gone_dir = _pod_dir(root, namespace, "live", 100), _pod_dir(root, namespace, "gone", 4096)
         learn = _clean(kubeconfig, root, state)
@@ -360,7 +354,7 @@ def test_janitor_with_its_own_rbac_on_the_real_api_server(cluster, namespace, cr
         assert json.loads(learn.stdout)["bytesFreed"] == 0 and gone_dir.exists()
         assert f"{namespace}/gone" in json.loads(state.read_text())["policies"]
 
-        cluster.kubectl("delete", "kvs", "gone", "-n", namespace, "--wait=true")
+        cluster.client.delete("kvs", "gone", namespace, wait=True)
         dry = _clean(kubeconfig, root, state, "--dry-run")
         assert dry.returncode == 0, dry.stderr
         report = json.loads(dry.stdout)
@@ -374,13 +368,14 @@ def test_janitor_with_its_own_rbac_on_the_real_api_server(cluster, namespace, cr
         assert (live_dir / "chunk.pt").read_bytes() == b"k" * 100
 
         # A token without the ClusterRole cannot list: the janitor stops with an error, removes nothing.
-        cluster.kubectl("delete", "clusterrolebinding", sa)
-        cluster.wait_until(lambda: cluster.kubectl("auth", "can-i", "list", "kvoffloadserves.kvoffload.io", "--all-namespaces",
-                                                   "--as", who, check=False).stdout.strip() == "no",
+        cluster.client.delete("clusterrolebinding", sa)
+        cluster.wait_until(lambda: not janitor.can_i("list", "kvoffloadserves.kvoffload.io"),
                            timeout=30, message="the binding's removal seen by the authorizer")
         _pod_dir(root, namespace, "gone", 10)
         denied = _clean(kubeconfig, root, state, "--unknown-policy", "Delete")
         assert denied.returncode == 2 and "403" in denied.stderr and "nothing was removed" in denied.stderr, denied.stderr
         assert (root / namespace / "gone" / "gone-0" / "chunk.pt").exists()
     finally:
-        cluster.kubectl("delete", "clusterrolebinding,clusterrole", sa, "--ignore-not-found", check=False)
+        for kind in ("clusterrolebinding", "clusterrole"):
+            with contextlib.suppress(ApiError):  # best effort, as the `--ignore-not-found`, unchecked kubectl delete was
+                cluster.client.delete(kind, sa, missing_ok=True)

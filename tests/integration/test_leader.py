@@ -6,12 +6,10 @@ with the Lease in that namespace.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from kvtest import OperatorProcess
 
@@ -40,8 +38,7 @@ def replicas(cluster, crd_installed, namespace, tmp_path):
 
 
 def lease(cluster, ns):
-    res = cluster.kubectl("get", "lease", LEASE, "-n", ns, "-o", "json", check=False)
-    return json.loads(res.stdout) if res.returncode == 0 else None
+    return cluster.client.get_or_none("lease", LEASE, ns)
 
 
 def holder(cluster, ns) -> str | None:
@@ -56,12 +53,12 @@ def leader_and_follower(cluster, ns, pair):
 
 
 def apply(cluster, ns, obj):
-    cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(obj))
+    cluster.client.apply(obj, ns)
 
 
 def wait_ready(cluster, ns, name, timeout=120):
     def check():
-        obj = json.loads(cluster.kubectl("get", "kvs", name, "-n", ns, "-o", "json").stdout)
+        obj = cluster.client.get("kvs", name, ns)
         st = obj.get("status") or {}
         ok = st.get("observedGeneration") == obj["metadata"]["generation"] and any(
             c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions", []))

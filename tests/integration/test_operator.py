@@ -8,10 +8,9 @@ import json
 import time
 
 import pytest
-import yaml
 
 from kvoffload.engine.images import resolve
-from kvtest import ROOT, OperatorProcess
+from kvtest import ROOT, ApiError, OperatorProcess
 
 pytestmark = pytest.mark.cluster
 
@@ -33,23 +32,13 @@ def operator(cluster, crd_installed, namespace):
     print(proc.output()[-5000:])
 
 
-def apply(cluster, ns, obj, check=True):
-    return cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(obj), check=check)
-
-
-def get(cluster, ns, kind, name=None, check=True):
-    args = ["get", kind] + ([name] if name else []) + ["-n", ns, "-o", "json"]
-    res = cluster.kubectl(*args, check=check)
-    return json.loads(res.stdout) if res.returncode == 0 else None
-
-
 def cond(obj, type_):
     return next((c for c in (obj or {}).get("status", {}).get("conditions", []) if c["type"] == type_), {})
 
 
 def wait_cond(cluster, ns, name, type_, status, timeout=90, reason=None):
     def check():
-        obj = get(cluster, ns, "kvs", name, check=False)
+        obj = cluster.client.get_or_none("kvs", name, ns)
         c = cond(obj, type_)
         return obj if c.get("status") == status and (reason is None or c.get("reason") == reason) else None
     return cluster.wait_until(check, timeout=timeout, message=f"{name} {type_}={status}")
@@ -57,7 +46,7 @@ def wait_cond(cluster, ns, name, type_, status, timeout=90, reason=None):
 
 def wait_ready(cluster, ns, name, generation=None, timeout=120):
     def check():
-        obj = get(cluster, ns, "kvs", name, check=False)
+        obj = cluster.client.get_or_none("kvs", name, ns)
         gen = generation or obj["metadata"]["generation"]
         ok = cond(obj, "Ready").get("status") == "True" and obj["status"].get("observedGeneration") == gen
         return obj if ok else None
@@ -67,14 +56,13 @@ def wait_ready(cluster, ns, name, generation=None, timeout=120):
 def children(cluster, ns, name):
     out = {}
     for kind in ("configmap", "service", "statefulset", "poddisruptionbudget"):
-        for item in get(cluster, ns, kind)["items"]:
-            if item["metadata"].get("labels", {}).get("kvoffload.io/serve") == name:
-                out[(item["kind"], item["metadata"]["name"])] = item
+        for item in cluster.client.list(kind, ns, labels={"kvoffload.io/serve": name}):
+            out[(item["kind"], item["metadata"]["name"])] = item
     return out
 
 
 def test_create_runs_on_gpu_nodes_and_reports_the_budget(cluster, namespace, operator):
-    apply(cluster, namespace, SMALL)
+    cluster.client.apply(SMALL, namespace)
     obj = wait_ready(cluster, namespace, "svc")
     kids = children(cluster, namespace, "svc")
     assert set(kids) == {("ConfigMap", "svc-lmcache"), ("Service", "svc"), ("Service", "svc-pods"),
@@ -82,7 +70,7 @@ def test_create_runs_on_gpu_nodes_and_reports_the_budget(cluster, namespace, ope
     for child in kids.values():
         (ref,) = child["metadata"]["ownerReferences"]
         assert ref["uid"] == obj["metadata"]["uid"] and ref["controller"]
-    pods = get(cluster, namespace, "pods")["items"]
+    pods = cluster.client.list("pods", namespace)
     assert len(pods) == 1 and pods[0]["status"]["phase"] == "Running"
     assert pods[0]["spec"]["nodeName"] in {"gpu-node-0", "gpu-node-1", "gpu-node-2"}  # NVMe nodes only
     st = obj["status"]
@@ -98,53 +86,53 @@ def test_create_runs_on_gpu_nodes_and_reports_the_budget(cluster, namespace, ope
     assert cond(obj, "EngineVerified")["reason"] == "VersionsNotReported"
     assert st["endpoint"] == f"http://svc.{namespace}.svc:8000/v1"
     assert vllm["resources"]["limits"]["memory"] == st["summary"]["memory"]
-    table = cluster.kubectl("get", "kvs", "-n", namespace).stdout
+    table = cluster.kubectl("get", "kvs", "-n", namespace).stdout  # kubectl under test: printer columns
     assert "GPU-TOKENS" in table and "True" in table and st["summary"]["memory"] in table
 
 
 def test_update_rolls_out_and_status_follows(cluster, namespace, operator):
-    apply(cluster, namespace, SMALL)
+    cluster.client.apply(SMALL, namespace)
     wait_ready(cluster, namespace, "svc")
     changed = copy.deepcopy(SMALL)
     changed["spec"]["offload"]["cpu"]["size"] = "24Gi"
-    apply(cluster, namespace, changed)
+    cluster.client.apply(changed, namespace)
     obj = wait_ready(cluster, namespace, "svc", generation=2)
-    cm = get(cluster, namespace, "configmap", "svc-lmcache")
+    cm = cluster.client.get("configmap", "svc-lmcache", namespace)
     assert "max_local_cpu_size: 24.0" in cm["data"]["lmcache.yaml"]
-    sts = get(cluster, namespace, "statefulset", "svc")
+    sts = cluster.client.get("statefulset", "svc", namespace)
     assert sts["status"]["updateRevision"] == sts["status"]["currentRevision"]
     assert obj["status"]["summary"]["memory"] == sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]
 
 
 def test_scale_subresource(cluster, namespace, operator):
-    apply(cluster, namespace, SMALL)
+    cluster.client.apply(SMALL, namespace)
     wait_ready(cluster, namespace, "svc")
-    cluster.kubectl("scale", "kvs/svc", "-n", namespace, "--replicas=2")
+    cluster.kubectl("scale", "kvs/svc", "-n", namespace, "--replicas=2")  # kubectl under test: kubectl scale
     obj = wait_ready(cluster, namespace, "svc")
     assert obj["status"]["readyReplicas"] == 2 and obj["spec"]["replicas"] == 2
-    assert get(cluster, namespace, "statefulset", "svc")["spec"]["replicas"] == 2
-    scale = json.loads(cluster.kubectl("get", "--raw",
-                                       f"/apis/kvoffload.io/v1alpha1/namespaces/{namespace}/kvoffloadserves/svc/scale").stdout)
+    assert cluster.client.get("statefulset", "svc", namespace)["spec"]["replicas"] == 2
+    scale = cluster.client.get("kvs", "svc", namespace, subresource="scale")
     assert scale["status"]["replicas"] == 2 and scale["status"]["selector"] == "kvoffload.io/serve=svc"
 
 
 def test_delete_garbage_collects_children(cluster, namespace, operator):
-    apply(cluster, namespace, SMALL)
+    cluster.client.apply(SMALL, namespace)
     wait_ready(cluster, namespace, "svc")
-    cluster.kubectl("delete", "kvs/svc", "-n", namespace, "--wait=true", "--timeout=60s")
+    cluster.client.delete("kvs", "svc", namespace, wait=True, timeout=60)
     cluster.wait_until(lambda: not children(cluster, namespace, "svc"), timeout=90, message="children garbage-collected")
 
 
 def test_drift_is_repaired(cluster, namespace, operator):
-    apply(cluster, namespace, SMALL)
+    cluster.client.apply(SMALL, namespace)
     wait_ready(cluster, namespace, "svc")
-    cluster.kubectl("delete", "configmap/svc-lmcache", "-n", namespace)
-    cluster.kubectl("patch", "statefulset/svc", "-n", namespace, "--type=json", "-p",
-                    json.dumps([{"op": "replace", "path": "/spec/template/spec/containers/0/image", "value": "evil:latest"}]))
-    cluster.wait_until(lambda: get(cluster, namespace, "configmap", "svc-lmcache", check=False), timeout=60,
+    cluster.client.delete("configmap", "svc-lmcache", namespace)
+    cluster.client.patch("statefulset", "svc",
+                         [{"op": "replace", "path": "/spec/template/spec/containers/0/image", "value": "evil:latest"}],
+                         namespace, type="json")
+    cluster.wait_until(lambda: cluster.client.exists("configmap", "svc-lmcache", namespace), timeout=60,
                        message="ConfigMap re-created")
     cluster.wait_until(
-        lambda: get(cluster, namespace, "statefulset", "svc")["spec"]["template"]["spec"]["containers"][0]["image"]
+        lambda: cluster.client.get("statefulset", "svc", namespace)["spec"]["template"]["spec"]["containers"][0]["image"]
         == "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", timeout=60, message="image restored")
 
 
@@ -165,33 +153,35 @@ def test_api_server_refuses_bad_specs_naming_the_field(cluster, namespace, crd_i
     obj = copy.deepcopy(SMALL)
     for key, value in patch.items():
         obj["spec"][key] = {**obj["spec"].get(key, {}), **value} if key == "engine" else value
-    res = apply(cluster, namespace, obj, check=False)
-    assert res.returncode != 0 and needle in res.stderr, res.stderr
-    assert get(cluster, namespace, "kvs", "svc", check=False) is None
+    with pytest.raises(ApiError) as refused:
+        cluster.client.apply(obj, namespace)
+    assert needle in refused.value.message, refused.value
+    assert cluster.client.exists("kvs", "svc", namespace) is False
 
 
 def test_api_server_refuses_long_names(cluster, namespace, crd_installed):
     obj = copy.deepcopy(SMALL)
     obj["metadata"]["name"] = "x" * 53
-    res = apply(cluster, namespace, obj, check=False)
-    assert res.returncode != 0 and "at most 52 characters" in res.stderr
+    with pytest.raises(ApiError) as refused:
+        cluster.client.apply(obj, namespace)
+    assert "at most 52 characters" in refused.value.message, refused.value
 
 
 def test_operator_refuses_what_only_it_can_see(cluster, namespace, operator):
     obj = copy.deepcopy(SMALL)
     obj["spec"]["offload"]["disk"]["path"] = "/etc/lmcache"  # well-formed, but outside the allowed roots
-    apply(cluster, namespace, obj)
+    cluster.client.apply(obj, namespace)
     found = wait_cond(cluster, namespace, "svc", "ConfigValid", "False")
     assert "spec.offload.disk.path" in cond(found, "ConfigValid")["message"]
     assert "allowed roots" in cond(found, "ConfigValid")["message"]
     assert children(cluster, namespace, "svc") == {}
     # Fixing it creates the children; breaking it again changes nothing that exists.
-    apply(cluster, namespace, SMALL)
+    cluster.client.apply(SMALL, namespace)
     wait_ready(cluster, namespace, "svc")
     before = {k: v["metadata"]["resourceVersion"] for k, v in children(cluster, namespace, "svc").items()}
     bad_tp = copy.deepcopy(SMALL)
     bad_tp["spec"]["engine"]["tensorParallelSize"] = 3  # Qwen2.5-7B: 28 heads, 4 KV heads; vLLM refuses TP 3
-    apply(cluster, namespace, bad_tp)
+    cluster.client.apply(bad_tp, namespace)
     found = wait_cond(cluster, namespace, "svc", "ConfigValid", "False")
     assert "spec.engine.tensorParallelSize" in cond(found, "ConfigValid")["message"]
     after = {k: v["metadata"]["resourceVersion"] for k, v in children(cluster, namespace, "svc").items()}
@@ -201,19 +191,19 @@ def test_operator_refuses_what_only_it_can_see(cluster, namespace, operator):
 def test_too_big_for_every_node_is_unschedulable(cluster, namespace, operator):
     obj = copy.deepcopy(SMALL)
     obj["spec"]["offload"]["cpu"]["size"] = "3Ti"  # nodes have at most 2 TiB
-    apply(cluster, namespace, obj)
+    cluster.client.apply(obj, namespace)
     found = wait_cond(cluster, namespace, "svc", "Scheduled", "False", reason="Unschedulable")
     assert "Insufficient memory" in cond(found, "Scheduled")["message"]
     assert cond(found, "Ready")["status"] == "False"
 
 
 def test_steady_state_writes_nothing(cluster, namespace, operator):
-    apply(cluster, namespace, SMALL)
+    cluster.client.apply(SMALL, namespace)
     wait_ready(cluster, namespace, "svc")
     time.sleep(5)  # let the last pod events settle before taking the baseline
 
     def versions():
-        kvs = get(cluster, namespace, "kvs", "svc")
+        kvs = cluster.client.get("kvs", "svc", namespace)
         return {("kvs", "svc"): kvs["metadata"]["resourceVersion"],
                 **{k: v["metadata"]["resourceVersion"] for k, v in children(cluster, namespace, "svc").items()}}
 
@@ -236,15 +226,15 @@ def test_offload_active_and_engine_versions_come_from_the_pods_exporter(cluster,
     from kvtest.exporter import FakeVllm
 
     fixtures = ROOT / "tests/fixtures"
-    apply(cluster, namespace, SMALL)
+    cluster.client.apply(SMALL, namespace)
     obj = wait_ready(cluster, namespace, "svc")
     assert cond(obj, "OffloadActive")["status"] == "Unknown"  # nothing listens on the pod IP yet
     rendered = obj["status"]["versions"]["renderedFor"]
-    pod = get(cluster, namespace, "pods")["items"][0]
+    pod = cluster.client.list("pods", namespace)[0]
     ip, pod_name = pod["status"]["podIP"], pod["metadata"]["name"]
     assert ip.startswith("127.")  # the network rule: kwok pod IPs are loopback
     config = tmp_path / "lmcache.yaml"
-    config.write_text(get(cluster, namespace, "configmap", "svc-lmcache")["data"]["lmcache.yaml"])
+    config.write_text(cluster.client.get("configmap", "svc-lmcache", namespace)["data"]["lmcache.yaml"])
     versions = tmp_path / "versions.json"
     versions.write_text(json.dumps({**rendered, "torch": "2.11.0+cu130"}))
     with FakeVllm((fixtures / "vllm-0.26.0-lmcache-0.5.3-h200/vllm-metrics-without-connector.txt").read_text()) as vllm:
@@ -293,10 +283,10 @@ def test_pass_through_fields_the_api_server_refuses_are_config_errors(cluster, n
     make, no child is half-applied: such a StatefulSet is dry-run before any other child is written."""
     obj = copy.deepcopy(SMALL)
     obj["spec"]["scheduling"] = {"tolerations": [{"key": "gpu", "operator": "Sometimes"}]}
-    apply(cluster, namespace, obj)
+    cluster.client.apply(obj, namespace)
     found = wait_cond(cluster, namespace, "svc", "ConfigValid", "False")
     msg = cond(found, "ConfigValid")["message"]
     assert "refused the rendered" in msg and "tolerations" in msg
     assert children(cluster, namespace, "svc") == {}
-    apply(cluster, namespace, SMALL)
+    cluster.client.apply(SMALL, namespace)
     wait_ready(cluster, namespace, "svc")

@@ -1,5 +1,6 @@
 """render: golden files for the examples, and invariants every rendering must keep."""
 
+import ast
 import json
 import os
 import subprocess
@@ -256,3 +257,45 @@ def test_connector_env_only_for_the_in_process_connector(backend):
         s["offload"].pop("disk", None)
     vllm = pod_of(pipeline.desired("svc", "ns", "u", s, Settings()).children)["containers"][0]
     assert "VLLM_USE_V2_MODEL_RUNNER" not in {e["name"] for e in vllm["env"]}
+
+
+def _program(container):
+    """What a container finally execs (the vllm container's shell prelude execs `vllm`)."""
+    if container["command"][:3] == render.VLLM_COMMAND[:3]:
+        return render.vllm_argv(container)[0]
+    return container["command"][0]
+
+
+@pytest.mark.parametrize("backend, engine_containers", [
+    ("lmcache", ["vllm"]), ("lmcache-server", ["lmcache-server", "vllm"]), ("vllm-native", ["vllm"])])
+def test_telemetry_is_off_in_every_container_that_runs_engine_code(backend, engine_containers):
+    """vLLM and LMCache phone home unless opted out (engine/images.TELEMETRY_OFF_ENV; the pinned engine's own
+    checks under this env: tests/engine/test_telemetry.py). The other containers run no engine code."""
+    s = spec(offload__backend=backend, **({"offload__disk": None} if backend == "vllm-native" else {}))
+    pod = pod_of(pipeline.desired("svc", "ns", "u", s, Settings()).children)
+    every = pod.get("initContainers", []) + pod["containers"]
+    assert sorted(c["name"] for c in every if _program(c) in ("vllm", "lmcache")) == engine_containers
+    for c in every:
+        names = [e["name"] for e in c.get("env", [])]
+        set_here = {e["name"]: e.get("value") for e in c.get("env", []) if e["name"] in images.TELEMETRY_OFF_ENV}
+        if c["name"] in engine_containers:
+            assert set_here == images.TELEMETRY_OFF_ENV and all(names.count(n) == 1 for n in set_here), c["name"]
+        else:
+            assert _program(c) in ("/bin/sh", "python3", "kvoffload"), c["name"]
+            if _program(c) == "python3":  # the versions reader: stdlib only (importlib.metadata), never vllm or lmcache
+                assert c["command"][2] == engine_versions.REPORT_SCRIPT
+                imports = {a.name for n in ast.walk(ast.parse(c["command"][2])) if isinstance(n, ast.Import) for a in n.names}
+                assert imports == {"importlib.metadata", "json", "os", "sys"}
+
+
+def test_the_operators_own_pods_never_import_the_engine():
+    """The chart's pods (operator, janitor) and the exporter run the kvoffload package, which imports neither vLLM
+    nor LMCache: no telemetry to turn off there."""
+    package = ROOT / "operator" / "kvoffload"
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            found += [f"{path.relative_to(package)}: {m}" for m in mods if m.split(".")[0] in ("vllm", "lmcache")]
+    assert not found

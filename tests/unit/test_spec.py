@@ -94,6 +94,35 @@ def test_model_runner_env_is_managed_on_every_pair(image):
     assert "VLLM_USE_V2_MODEL_RUNNER" in crd.MANAGED_ENV
 
 
+@pytest.mark.parametrize("name, value", [("DO_NOT_TRACK", "0"), ("VLLM_NO_USAGE_STATS", "0"), ("DO_NOT_TRACK", "1"),
+                                         ("LMCACHE_TRACK_USAGE", "true")])
+@pytest.mark.parametrize("backend", ["lmcache", "lmcache-server", "vllm-native"])
+def test_telemetry_env_is_managed(name, value, backend):
+    """The operator turns vLLM's and LMCache's usage telemetry off and it cannot be turned back on: the variables
+    are refused (even a value that agrees), naming the field and the reason."""
+    patch = {"engine__env": [{"name": name, "value": value}], "offload__backend": backend}
+    if backend == "vllm-native":
+        patch["offload__disk"] = None
+    with pytest.raises(ConfigError) as err:
+        parse(spec(**patch), S)
+    assert err.value.field == "spec.engine.env"
+    assert f"{name} is managed by the operator" in str(err.value)
+    (rule,) = crd.schema_at("engine.env")["x-kubernetes-validations"]  # the API server refuses it first
+    if name.startswith(crd.MANAGED_ENV_PREFIX):
+        assert f"startsWith('{crd.MANAGED_ENV_PREFIX}')" in rule["rule"]
+    else:
+        assert "usage telemetry off" in str(err.value) and "docs/security.md" in str(err.value)
+        assert f"'{name}'" in rule["rule"]
+        assert "DO_NOT_TRACK, VLLM_NO_USAGE_STATS: the operator turns vLLM's and LMCache's usage telemetry off" in rule["message"]
+
+
+def test_vllms_own_do_not_track_stays_free():
+    """VLLM_DO_NOT_TRACK and huggingface_hub's switches are not managed: VLLM_NO_USAGE_STATS=1 keeps vLLM's off
+    whatever they say (tests/engine/test_telemetry.py runs that)."""
+    env = [{"name": "VLLM_DO_NOT_TRACK", "value": "0"}, {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "0"}]
+    assert parse(spec(engine__env=env), S).engine.env == tuple(env)
+
+
 @pytest.mark.parametrize("path, ok", [
     ("/mnt/nvme/lmcache", True),
     ("/mnt/nvme/a/b/c", True),

@@ -27,8 +27,9 @@ REFUSED_FLAGS = flags.refused_spellings()
 # POD_NAME / POD_NAMESPACE expand the disk tier's subPathExpr: a user value would mount another pod's directory.
 # VLLM_API_KEY comes from spec.engine.apiKeySecretRef only (never a literal in the pod spec or command line).
 # VLLM_USE_V2_MODEL_RUNNER: set per engine pair (engine/images.CONNECTOR_ENV): a user value could turn LMCache's loads off.
+# DO_NOT_TRACK, VLLM_NO_USAGE_STATS: usage telemetry off (engine/images.TELEMETRY_OFF_ENV): a user value could turn it on.
 MANAGED_ENV = ("LMCACHE_CONFIG_FILE", "PYTHONHASHSEED", "PROMETHEUS_MULTIPROC_DIR", "LMCACHE_USE_EXPERIMENTAL",
-               "POD_NAME", "POD_NAMESPACE", "VLLM_API_KEY", *images.CONNECTOR_ENV_WHY)
+               "POD_NAME", "POD_NAMESPACE", "VLLM_API_KEY", *images.ENGINE_ENV_WHY)
 MANAGED_ENV_PREFIX = "LMCACHE_"
 # spec.offload.backend: who holds the offload tiers (docs/backends.md).
 BACKENDS = ("lmcache", "lmcache-server", "vllm-native")
@@ -189,7 +190,7 @@ def _engine() -> Schema:
                     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is refused by the operator only: a CEL rule over
                     # env values (no maxLength) exceeds the API server's cost budget.
                     "message": "env may not set a variable the operator manages: " + ", ".join(MANAGED_ENV) + " or LMCACHE_* ("
-                               + "; ".join(f"{k}: {v}" for k, v in images.CONNECTOR_ENV_WHY.items()) + ")"}]},
+                               + managed_env_reasons() + ")"}]},
             "apiKeySecretRef": _o(
                 "Secret holding the API key clients must send (Authorization: Bearer KEY) for vLLM's /v1 endpoints; exposed to vLLM "
                 "as VLLM_API_KEY (vLLM's --api-key, which is refused in extraArgs so the key never appears in the pod spec). "
@@ -200,6 +201,14 @@ def _engine() -> Schema:
         },
         required=["maxModelLen"],
     )
+
+
+def managed_env_reasons() -> str:
+    """Why each engine variable is managed, one clause per reason: "A, B: why; C: why"."""
+    names: dict[str, list[str]] = {}
+    for name, why in images.ENGINE_ENV_WHY.items():
+        names.setdefault(why, []).append(name)
+    return "; ".join(f"{', '.join(group)}: {why}" for why, group in names.items())
 
 
 def _cel_list(items: tuple[str, ...]) -> str:

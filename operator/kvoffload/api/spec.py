@@ -294,7 +294,7 @@ def _engine(r: _Reader, settings: Settings) -> EngineSpec:
         if not isinstance(var.get("value", ""), str) or not isinstance(var.get("valueFrom", {}), dict):
             raise ConfigError("spec.engine.env", f"{name}: value must be a string and valueFrom an object")
         if name in crd.MANAGED_ENV or name.startswith(crd.MANAGED_ENV_PREFIX):
-            why = images.CONNECTOR_ENV_WHY.get(name)
+            why = images.ENGINE_ENV_WHY.get(name)
             raise ConfigError("spec.engine.env", f"{name} is managed by the operator ({', '.join(crd.MANAGED_ENV)}, LMCACHE_*)"
                               + (f": {why}" if why else ""))
     flags.check_env(env, pair.vllm)

@@ -63,6 +63,29 @@ def connector_env(pair: EnginePair) -> dict[str, str]:
     return dict(CONNECTOR_ENV.get(pair, {}))
 
 
+# Usage telemetry ("phoning home"). Left alone, vLLM 0.26.0 posts usage stats from every engine to
+# https://stats.vllm.ai (vllm/usage/usage_lib.py, is_usage_stats_enabled) and LMCache 0.5.3 posts usage
+# messages to http://stats.lmcache.ai:8080 (lmcache/usage_telemetry/identity.py, is_usage_tracking_enabled).
+# Traffic leaving the cluster is a bug for this product's users, so the operator turns both off in every
+# container that runs vLLM or LMCache code, on every pair and backend, and users cannot turn them back on
+# (docs/security.md). DO_NOT_TRACK=1 (the cross-tool convention) turns off LMCache's (also LMCache 0.5.4 and
+# 0.5.6), huggingface_hub's (HF_HUB_DISABLE_TELEMETRY) and vLLM's; but vLLM reads DO_NOT_TRACK only when
+# VLLM_DO_NOT_TRACK is unset (vllm/envs.py), so VLLM_NO_USAGE_STATS=1, which no other variable undoes, is set
+# too. tests/engine/test_telemetry.py runs the pinned engine's own checks under the env the operator renders.
+TELEMETRY_OFF_ENV: dict[str, str] = {"DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1"}
+TELEMETRY_OFF_WHY = ("the operator turns vLLM's and LMCache's usage telemetry off, so that no pod sends traffic out of "
+                     "the cluster; it cannot be turned back on (docs/security.md)")
+
+
+def telemetry_off_env() -> dict[str, str]:
+    """Variables that turn vLLM's and LMCache's usage telemetry off (every pair: an unread variable is harmless)."""
+    return dict(TELEMETRY_OFF_ENV)
+
+
+# Every variable the operator sets for the engine from this module, and why a user may not set it.
+ENGINE_ENV_WHY: dict[str, str] = {**CONNECTOR_ENV_WHY, **{name: TELEMETRY_OFF_WHY for name in TELEMETRY_OFF_ENV}}
+
+
 # LMCacheConnectorV1 with the in-process config file exists from these versions on.
 MIN_VLLM = (0, 10, 0)
 MIN_LMCACHE = (0, 3, 0)

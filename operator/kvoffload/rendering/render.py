@@ -170,6 +170,11 @@ def _vllm_args(spec: Spec, budget: Budget) -> list[str]:
     return args + [*_offload_args(spec, budget), *e.extra_args]
 
 
+def _telemetry_off_env() -> list[dict[str, Any]]:
+    # In every container that runs vLLM or LMCache code (the vllm container, the lmcache-server sidecar).
+    return [{"name": k, "value": v} for k, v in sorted(images.telemetry_off_env().items())]
+
+
 def _vllm_env(spec: Spec, settings: Settings) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         *([{"name": "LMCACHE_CONFIG_FILE", "value": CONFIG_FILE}] if spec.offload.backend == "lmcache" else []),
@@ -183,6 +188,7 @@ def _vllm_env(spec: Spec, settings: Settings) -> list[dict[str, Any]]:
         # runner; LMCacheConnectorV1 skips loads under V2). LMCacheMPConnector has no such early return.
         pair = EnginePair(spec.engine.vllm_version, spec.engine.lmcache_version)
         env += [{"name": k, "value": v} for k, v in sorted(images.connector_env(pair).items())]
+    env += _telemetry_off_env()
     env += pod_security.engine_env(spec)
     if spec.engine.api_key_secret:
         secret, key = spec.engine.api_key_secret
@@ -283,7 +289,8 @@ def _server_container(owner: Owner, spec: Spec, budget: Budget, settings: Settin
         "restartPolicy": "Always",
         "command": ["lmcache", "server"],
         "args": server_args(spec, budget),
-        "env": [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace")],
+        "env": [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace"),
+                *_telemetry_off_env()],
         "resources": {"requests": {"cpu": "1", "memory": request}, "limits": {"memory": limit}},
         "volumeMounts": mounts,
         # Importing LMCache takes seconds to tens of seconds; vLLM starts once this passes.

@@ -14,9 +14,10 @@ only in tests about what kubectl itself shows a user (printer columns, describe,
     c.patch("kvs", "svc", {"spec": {...}}, ns)    # merge patch; type="json" / subresource="status"
     c.delete("kvs", "svc", ns, wait=True)
     for kind, obj in c.watch("kvs", ns, resource_version=rv): ...
-    c.as_token(token).can_i("list", "secrets", ns)
+    c.as_token(c.create_token("default", ns)).can_i("list", "secrets", ns)
 
-Every failed call raises ApiError with the HTTP status and the API server's message.
+Every failed call raises ApiError with the HTTP status and the API server's message. Writes ask for
+strict field validation, as kubectl does: an unknown or duplicate field is refused (400), not dropped.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 from .procs import LOOPBACK, wait_until
 
 Obj = dict[str, Any]
+STRICT = "Strict"  # fieldValidation of every write: kubectl's default (the API server's own is Warn: drop and warn)
 
 
 class ApiError(RuntimeError):
@@ -197,14 +199,15 @@ class Client:
                             params={"labelSelector": labels, "fieldSelector": fields})
 
     def create(self, obj: Obj, namespace: str | None = None, dry_run: bool = False,
-               field_validation: str | None = None) -> Obj:
-        """POST; `field_validation="Strict"` refuses unknown fields (what `kubectl --validate=strict` asks)."""
+               field_validation: str | None = STRICT) -> Obj:
+        """POST. Unknown fields are refused (`fieldValidation=Strict`), as kubectl does by default; the API's
+        own default only warns. `field_validation=None` asks for the API's default."""
         ns = namespace or obj.get("metadata", {}).get("namespace")
         return self.request("POST", self._for(obj).path(ns), obj, params={"dryRun": "All" if dry_run else None,
                                                                           "fieldValidation": field_validation})
 
     def apply(self, obj: Obj, namespace: str | None = None, manager: str = "kvtest", force: bool = True,
-              dry_run: bool = False, field_validation: str | None = None) -> Obj:
+              dry_run: bool = False, field_validation: str | None = STRICT) -> Obj:
         """Server-side apply of one object (what `kubectl apply --server-side` sends); `field_validation`
         as in create."""
         ns = namespace or obj.get("metadata", {}).get("namespace")
@@ -220,7 +223,7 @@ class Client:
         content = {"merge": "application/merge-patch+json", "json": "application/json-patch+json",
                    "strategic": "application/strategic-merge-patch+json"}[type]
         return self.request("PATCH", self.resource(resource).path(namespace, name, subresource), patch,
-                            content_type=content)
+                            content_type=content, params={"fieldValidation": STRICT})
 
     def delete(self, resource: str, name: str, namespace: str | None = None, wait: bool = False,
                timeout: float = 60, missing_ok: bool = False, propagation: str | None = None) -> None:
@@ -288,6 +291,14 @@ class Client:
         review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
                   "spec": {"resourceAttributes": attrs}}
         return bool(self.create(review)["status"].get("allowed"))
+
+    def create_token(self, service_account: str, namespace: str, seconds: int = 3600) -> str:
+        """A bound token for a ServiceAccount: a TokenRequest POSTed to its `token` subresource, which is
+        what `kubectl create token` sends."""
+        request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                   "spec": {"expirationSeconds": seconds}}
+        path = self.resource("serviceaccounts").path(namespace, service_account, "token")
+        return self.request("POST", path, request)["status"]["token"]
 
     def wait_for(self, resource: str, name: str, namespace: str | None, predicate, timeout: float = 60,
                  message: str | None = None) -> Obj:

@@ -142,20 +142,13 @@ class Cluster:
             self.__dict__["_client"] = cached
         return cached
 
-    def _ssl(self, client: bool = True) -> ssl.SSLContext:
+    def request(self, method: str, path: str, port: int, timeout: float = 10) -> tuple[int, Any]:
+        """Raw HTTPS call to a component's own port (kube-controller-manager's and kube-scheduler's
+        /healthz, which need no client certificate). The API server is reached through `client`."""
         ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
-        if client:
-            ctx.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
-        return ctx
-
-    def request(self, method: str, path: str, body: Any = None, port: int | None = None,
-                timeout: float = 10, client: bool = True) -> tuple[int, Any]:
-        """Raw HTTPS call to a component's port (health checks; tests use `client`)."""
-        port = port or self.state()["ports"]["kube-apiserver"]
-        conn = http.client.HTTPSConnection(LOOPBACK, port, context=self._ssl(client), timeout=timeout)
+        conn = http.client.HTTPSConnection(LOOPBACK, port, context=ctx, timeout=timeout)
         try:
-            data = json.dumps(body).encode() if body is not None else None
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
+            conn.request(method, path)
             resp = conn.getresponse()
             raw = resp.read()
         finally:
@@ -200,7 +193,8 @@ class Cluster:
         if not st or any(c.name not in recs or not alive(recs[c.name]) for c in COMPONENTS):
             return False
         with contextlib.suppress(Exception):
-            return self.request("GET", "/readyz", timeout=3)[0] == 200
+            self.client.request("GET", "/readyz", timeout=3)  # raises unless 2xx
+            return True
         return False
 
     def fleet_nodes(self) -> list[dict]:
@@ -529,6 +523,7 @@ class Cluster:
                          f"{mem.get(comp.name, 0) / 1024:8.0f}  {'ok' if ok else 'FAIL'} {detail}")
         lines.append(f"{'total':25} {'':>7} {'':>12} {sum(mem.values()) / 1024:8.0f}")
         if health.get("kube-apiserver", (False,))[0]:
+            # kubectl under test: `make cluster-status` shows a user kubectl's own node table
             cp = self.kubectl("get", "nodes", "-o", "wide", "-L", "nvidia.com/gpu.product", check=False)
             lines.append(cp.stdout.rstrip() or cp.stderr.rstrip())
         return "\n".join(lines)

@@ -12,6 +12,7 @@ import http.client
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from .client import ApiError
 from .fleet import KWOK_ANNOTATION
 from .procs import LOOPBACK
 
@@ -140,24 +141,27 @@ def _etcd_health(c: Cluster, p: Ports) -> Health:
 
 
 def _apiserver_health(c: Cluster, p: Ports) -> Health:
-    code, body = c.request("GET", "/readyz", timeout=3)
-    return code == 200, f"/readyz {code} {str(body)[:60]}"
+    try:
+        return True, f"/readyz 200 {str(c.client.request('GET', '/readyz', timeout=3))[:60]}"
+    except ApiError as exc:
+        return False, f"/readyz {exc.status} {str(exc.body)[:60]}"
 
 
 def _healthz(name: str) -> Callable[[Cluster, Ports], Health]:
+    """A controller's own HTTPS port (not the API server's): a plain GET, no client certificate."""
     def health(c: Cluster, p: Ports) -> Health:
-        code, body = c.request("GET", "/healthz", port=p[name], timeout=3, client=False)
+        code, body = c.request("GET", "/healthz", p[name], timeout=3)
         return code == 200, f"/healthz {code} {str(body)[:60]}"
     return health
 
 
 def _kwok_health(c: Cluster, p: Ports) -> Health:
     """kwok serves nothing (no --server-address): judge it by the fleet's node leases."""
-    code, body = c.request("GET", "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases", timeout=3)
+    leases = c.client.list("leases", "kube-node-lease")
     names = {n["metadata"]["name"] for n in c.fleet_nodes()}
     now = _dt.datetime.now(_dt.timezone.utc)
     fresh = 0
-    for lease in (body.get("items", []) if code == 200 else []):
+    for lease in leases:
         if lease["metadata"]["name"] not in names:
             continue
         rt = lease["spec"].get("renewTime")
