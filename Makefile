@@ -46,6 +46,10 @@ system-deps:
 	@command -v prometheus >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
 	  else echo "install prometheus (apt-get install prometheus) for the exporter scrape test"; exit 1; fi; }
+	@# objdump reads LMCache's compiled L1 allocator (tests/engine/test_l1_first_touch.py).
+	@command -v objdump >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends binutils >/dev/null; \
+	  else echo "install binutils (apt-get install binutils) for the LMCache L1 test"; exit 1; fi; }
 
 cluster-build:
 	tests/cluster/build.sh
