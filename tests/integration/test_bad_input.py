@@ -327,8 +327,11 @@ def cond(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
 
 
 def verdict_at_generation(obj: dict[str, Any], type_: str = "ConfigValid") -> dict[str, Any] | None:
+    """The condition once the operator decided it for this generation. Its first status (Unknown, "working
+    on it") carries the generation too, and is not a verdict."""
     c = cond(obj, type_)
-    return c if c and c.get("observedGeneration") == obj["metadata"]["generation"] else None
+    decided = c and c.get("status") in ("True", "False")
+    return c if decided and c.get("observedGeneration") == obj["metadata"]["generation"] else None
 
 
 # ----------------------------------------------------------------------------- refused by the API server
