@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -24,6 +25,8 @@ from .lmcache_metrics import LmcacheSnapshot, parse_lmcache, read_multiproc_dir
 from .lmcache_server import ServerSnapshot, fetch_status
 from .sources import SourceHealth
 from .vllm_metrics import VllmSnapshot, parse_vllm
+
+T = TypeVar("T")  # what one source reads
 
 OFFLOAD_ACTIVE_HELP = (
     "1 if KV offloading through LMCache is proven at work, else 0. Rule: vLLM's /metrics was read "
@@ -115,16 +118,22 @@ class TierCollector(Collector):
         families = _families(self.config, vllm, lmc, disk, active, self._settled(unloaded_tokens(vllm, lmc)), self.health, server)
         return families + ([engine_info(engine)] if engine is not None else [])
 
-    def _look_server(self) -> ServerSnapshot | None:
+    def _observe(self, source: str, read: Callable[[], T]) -> T | None:
+        """read() one source; `source`'s health records whether that worked."""
         try:
+            snap = read()
+        except SourceError as exc:
+            self.health[source].fail(str(exc))
+            return None
+        self.health[source].ok()
+        return snap
+
+    def _look_server(self) -> ServerSnapshot | None:
+        def read() -> ServerSnapshot:
             if not self.config.server_status_url:
                 raise SourceError("no --lmcache-server-url")
-            snap = fetch_status(self.config.server_status_url, self.config.scrape_timeout)
-        except SourceError as exc:
-            self.health["lmcache"].fail(str(exc))
-            return None
-        self.health["lmcache"].ok()
-        return snap
+            return fetch_status(self.config.server_status_url, self.config.scrape_timeout)
+        return self._observe("lmcache", read)
 
     def _settled(self, unloaded: float | None) -> float | None:
         """`unloaded` once it has lasted unloaded_grace_s (LMCache's counters lag vLLM's), else 0."""
@@ -138,29 +147,16 @@ class TierCollector(Collector):
             return unloaded if now - self._unloaded_since >= self.config.unloaded_grace_s else 0.0
 
     def _look_vllm(self) -> VllmSnapshot | None:
-        try:
-            snap = parse_vllm(fetch_text(self.config.vllm_metrics_url, self.config.scrape_timeout))
-        except SourceError as exc:
-            self.health["vllm"].fail(str(exc))
-            return None
-        self.health["vllm"].ok()
-        return snap
+        return self._observe("vllm", lambda: parse_vllm(fetch_text(self.config.vllm_metrics_url, self.config.scrape_timeout)))
 
     def _look_lmcache(self, vllm: VllmSnapshot | None) -> LmcacheSnapshot | None:
-        try:
+        def read() -> LmcacheSnapshot:
             if self.config.multiproc_dir is not None:
-                families = read_multiproc_dir(self.config.multiproc_dir)
-            elif vllm is not None:
-                families = vllm.lmcache_families
-            else:
-                raise SourceError("no --multiproc-dir and vLLM unreachable")
-            snap = parse_lmcache(families)
-        except SourceError as exc:
-            self.health["lmcache"].fail(str(exc))
-            return None
-        self.health["lmcache"].ok()
-        return snap
-
+                return parse_lmcache(read_multiproc_dir(self.config.multiproc_dir))
+            if vllm is not None:
+                return parse_lmcache(vllm.lmcache_families)
+            raise SourceError("no --multiproc-dir and vLLM unreachable")
+        return self._observe("lmcache", read)
 
     def _look_engine(self) -> engine_versions.EngineVersions | None:
         # A few bytes, read at every scrape: no state to keep, and a rewritten file is seen at once.
