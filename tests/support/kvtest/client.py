@@ -27,7 +27,7 @@ import json
 import ssl
 import threading
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,9 @@ class Client:
         self.timeout = timeout
         self._resources: list[Resource] | None = None
         self._lock = threading.Lock()
+        self._ssl = ssl.create_default_context(cafile=str(ca))  # built once: it reads the CA and key files
+        if cert:
+            self._ssl.load_cert_chain(str(cert[0]), str(cert[1]))
 
     # ------------------------------------------------------------------------------------ identities
     def as_token(self, token: str) -> Client:
@@ -92,12 +95,6 @@ class Client:
         return Client(self.port, self.ca, self.cert, self.token, impersonate=user, timeout=self.timeout)
 
     # ------------------------------------------------------------------------------------ raw
-    def _context(self) -> ssl.SSLContext:
-        ctx = ssl.create_default_context(cafile=str(self.ca))
-        if self.cert:
-            ctx.load_cert_chain(str(self.cert[0]), str(self.cert[1]))
-        return ctx
-
     def _send(self, method: str, path: str, body: Any, content_type: str | None, params: dict | None,
               timeout: float | None) -> tuple[http.client.HTTPSConnection, http.client.HTTPResponse]:
         if params:
@@ -111,7 +108,7 @@ class Client:
         if body is not None:
             data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
             headers["Content-Type"] = content_type or "application/json"
-        conn = http.client.HTTPSConnection(LOOPBACK, self.port, context=self._context(),
+        conn = http.client.HTTPSConnection(LOOPBACK, self.port, context=self._ssl,
                                            timeout=timeout or self.timeout)
         conn.request(method, path, body=data, headers=headers)
         return conn, conn.getresponse()
@@ -140,30 +137,26 @@ class Client:
             found += [Resource(gv, r) for r in self.request("GET", f"/apis/{gv}")["resources"]]
         return [r for r in found if "/" not in r.plural]  # subresources are addressed through their parent
 
-    def resource(self, name: str) -> Resource:
-        """A kubectl-style resource name ("kvs", "pods", "crd", "leases.coordination.k8s.io") -> Resource.
-
-        Discovery is cached; an unknown name rediscovers once (a CRD installed since)."""
-        short, _, group = name.lower().partition(".")
+    def _find(self, matches: Callable[[Resource], bool], what: str) -> Resource:
+        """The first discovered resource that matches, core before groups like kubectl (e.g. "events" is
+        core/v1 first). Discovery is cached; no match rediscovers once (a CRD installed since)."""
         for fresh in (False, True):
             with self._lock:
                 if fresh or self._resources is None:
                     self._resources = self._discover()
-                hits = [r for r in self._resources if short in r.names and (not group or r.group == group)]
-            if hits:  # core before groups, like kubectl (e.g. "events" is core/v1 first)
-                return sorted(hits, key=lambda r: (r.group != "", r.group))[0]
-        raise KeyError(f"the API server serves no resource named {name!r}")
+                hits = [r for r in self._resources if matches(r)]
+            if hits:
+                return min(hits, key=lambda r: (r.group != "", r.group))
+        raise KeyError(f"the API server serves no {what}")
+
+    def resource(self, name: str) -> Resource:
+        """A kubectl-style resource name ("kvs", "pods", "crd", "leases.coordination.k8s.io") -> Resource."""
+        short, _, group = name.lower().partition(".")
+        return self._find(lambda r: short in r.names and (not group or r.group == group), f"resource named {name!r}")
 
     def _for(self, obj: Obj) -> Resource:
         api_version, kind = obj["apiVersion"], obj["kind"]
-        for fresh in (False, True):
-            with self._lock:
-                if fresh or self._resources is None:
-                    self._resources = self._discover()
-                for r in self._resources:
-                    if r.group_version == api_version and r.kind == kind:
-                        return r
-        raise KeyError(f"the API server serves no {kind} in {api_version}")
+        return self._find(lambda r: r.group_version == api_version and r.kind == kind, f"{kind} in {api_version}")
 
     # ------------------------------------------------------------------------------------ verbs
     def get(self, resource: str, name: str, namespace: str | None = None, subresource: str | None = None) -> Obj:
@@ -186,7 +179,7 @@ class Client:
         r = self.resource(resource)
         if isinstance(labels, dict):
             labels = ",".join(f"{k}={v}" for k, v in labels.items())
-        answer = self.list_raw(resource, namespace, labels, fields)
+        answer = self.request("GET", r.path(namespace), params={"labelSelector": labels, "fieldSelector": fields})
         for item in answer["items"]:
             item.setdefault("kind", r.kind)
             item.setdefault("apiVersion", r.group_version)
@@ -211,9 +204,10 @@ class Client:
         """Server-side apply of one object (what `kubectl apply --server-side` sends); `field_validation`
         as in create."""
         ns = namespace or obj.get("metadata", {}).get("namespace")
-        if ns and self._for(obj).namespaced:
+        r = self._for(obj)
+        if ns and r.namespaced:
             obj = {**obj, "metadata": {**obj["metadata"], "namespace": ns}}
-        return self.request("PATCH", self._for(obj).path(ns, obj["metadata"]["name"]), obj,
+        return self.request("PATCH", r.path(ns, obj["metadata"]["name"]), obj,
                             content_type="application/apply-patch+yaml",
                             params={"fieldManager": manager, "force": "true" if force else None,
                                     "dryRun": "All" if dry_run else None, "fieldValidation": field_validation})
@@ -300,16 +294,3 @@ class Client:
         path = self.resource("serviceaccounts").path(namespace, service_account, "token")
         return self.request("POST", path, request)["status"]["token"]
 
-    def wait_for(self, resource: str, name: str, namespace: str | None, predicate, timeout: float = 60,
-                 message: str | None = None) -> Obj:
-        """Poll until the object exists and `predicate(obj)` holds; return it."""
-        seen: list[Obj] = []
-
-        def ok() -> bool:
-            obj = self.get_or_none(resource, name, namespace)
-            if obj is not None:
-                seen[:] = [obj]
-            return obj is not None and bool(predicate(obj))
-
-        wait_until(ok, timeout=timeout, interval=0.2, message=message or f"{resource}/{name}")
-        return seen[0]
