@@ -62,6 +62,9 @@ class ClusterHandle:
     def api_client(self):
         return self.cluster.api_client()
 
+    def token_kubeconfig(self, path: Path, token: str, namespace: str, user: str) -> Path:
+        return self.cluster.token_kubeconfig(path, token, namespace, user)
+
     @staticmethod
     def wait_until(fn, timeout: float = 60, interval: float = 0.2, message: str = "condition"):
         return kvtest.wait_until(fn, timeout=timeout, interval=interval, message=message)

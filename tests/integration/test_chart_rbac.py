@@ -34,21 +34,6 @@ SCANNING_HINT = ("kopf's CRD/namespace observation was refused: set `settings.sc
                  "in the operator's kopf start-up (the chart passes exact namespaces and installs the CRD first)")
 
 
-def token_kubeconfig(cluster, path: Path, token: str, namespace: str) -> Path:
-    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
-    server = admin["clusters"][0]["cluster"]
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": "kvoffload", "cluster": {"server": server["server"],
-                                                       "certificate-authority-data": server["certificate-authority-data"]}}],
-        "users": [{"name": "operator", "user": {"token": token}}],
-        "contexts": [{"name": "operator", "context": {"cluster": "kvoffload", "user": "operator", "namespace": namespace}}],
-        "current-context": "operator",
-    }))
-    path.chmod(0o600)
-    return path
-
-
 def condition(obj: dict, ctype: str) -> dict | None:
     return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == ctype), None)
 
@@ -78,7 +63,7 @@ def test_operator_runs_under_exactly_the_charts_rbac(cluster, namespace, crd_ins
         for d in rbac:
             client.apply(d)
         token = client.create_token(sa, namespace, seconds=3600)  # what `kubectl create token --duration=1h` asks for
-        kubeconfig = token_kubeconfig(cluster, tmp_path / "operator.kubeconfig", token, namespace)
+        kubeconfig = cluster.token_kubeconfig(tmp_path / "operator.kubeconfig", token, namespace, "operator")
         # The token is the chart's identity: what the operator needs, and no Secrets.
         as_sa = client.as_token(token)
         assert as_sa.can_i("patch", "statefulsets.apps", namespace)

@@ -38,21 +38,6 @@ EXAMPLES = ROOT / "examples"
 LEVELS = ("restricted", "baseline", "privileged")
 
 
-def token_kubeconfig(cluster, path: Path, token: str, namespace: str) -> Path:
-    """A kubeconfig that authenticates with `token` alone (a ServiceAccount's, from `sa_token`)."""
-    server = yaml.safe_load(Path(cluster.kubeconfig).read_text())["clusters"][0]["cluster"]
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": "kvoffload", "cluster": {"server": server["server"],
-                                                       "certificate-authority-data": server["certificate-authority-data"]}}],
-        "users": [{"name": "janitor", "user": {"token": token}}],
-        "contexts": [{"name": "janitor", "context": {"cluster": "kvoffload", "user": "janitor", "namespace": namespace}}],
-        "current-context": "janitor",
-    }))
-    path.chmod(0o600)
-    return path
-
-
 def enforce(cluster, namespace: str, level: str) -> None:
     cluster.client.label("namespace", namespace, {"pod-security.kubernetes.io/enforce": level,
                                                   "pod-security.kubernetes.io/enforce-version": "latest"})
@@ -344,7 +329,7 @@ def test_janitor_with_its_own_rbac_on_the_real_api_server(cluster, namespace, cr
 
         # Its logic with its own token: one live and one deleted resource, directories on a temp root.
         token = cluster.client.create_token(sa, namespace, seconds=600)
-        kubeconfig = token_kubeconfig(cluster, tmp_path / "janitor.kubeconfig", token, namespace)
+        kubeconfig = cluster.token_kubeconfig(tmp_path / "janitor.kubeconfig", token, namespace, "janitor")
         for name in ("live", "gone"):
             cluster.client.apply({**SERVE_STUB, "metadata": {"name": name, "namespace": namespace}})
         root, state = tmp_path / "lmcache", tmp_path / "state.json"

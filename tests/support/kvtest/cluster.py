@@ -132,6 +132,11 @@ class Cluster:
 
         return config.new_client_from_config(config_file=str(self.kubeconfig))
 
+    def token_kubeconfig(self, path: Path, token: str, namespace: str, user: str) -> Path:
+        """A kubeconfig for this cluster that authenticates with `token` alone (a ServiceAccount's)."""
+        write_kubeconfig(path, self.state()["server"], self.pki, user, token=token, namespace=namespace)
+        return path
+
     @property
     def client(self) -> Client:
         """The tests' API client, as the admin (cached per apiserver port: discovery is kept)."""

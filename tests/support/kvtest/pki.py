@@ -112,20 +112,24 @@ def write_pki(d: Path) -> None:
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
 
 
-def write_kubeconfig(path: Path, server: str, pki: Path, user: str) -> None:
+def write_kubeconfig(path: Path, server: str, pki: Path, user: str, token: str | None = None,
+                     namespace: str | None = None) -> None:
+    """A kubeconfig for `user`: its client certificate from `pki`, or with `token` that bearer token
+    alone (a ServiceAccount's), in `namespace` if given."""
     import base64
 
     import yaml
 
     b64 = lambda p: base64.b64encode(p.read_bytes()).decode()  # noqa: E731
+    creds = {"token": token} if token else {"client-certificate-data": b64(pki / f"{user}.crt"),
+                                             "client-key-data": b64(pki / f"{user}.key")}
+    context = {"cluster": "kvoffload", "user": user, **({"namespace": namespace} if namespace else {})}
     cfg = {
         "apiVersion": "v1", "kind": "Config", "preferences": {},
         "clusters": [{"name": "kvoffload", "cluster": {
             "server": server, "certificate-authority-data": b64(pki / "ca.crt")}}],
-        "users": [{"name": user, "user": {
-            "client-certificate-data": b64(pki / f"{user}.crt"),
-            "client-key-data": b64(pki / f"{user}.key")}}],
-        "contexts": [{"name": "kvoffload", "context": {"cluster": "kvoffload", "user": user}}],
+        "users": [{"name": user, "user": creds}],
+        "contexts": [{"name": "kvoffload", "context": context}],
         "current-context": "kvoffload",
     }
     path.parent.mkdir(parents=True, exist_ok=True)
