@@ -7,9 +7,9 @@ from __future__ import annotations
 import copy
 
 import pytest
-from test_operator import children, cond, operator, wait_ready  # noqa: F401
+from test_operator import children, operator, wait_ready  # noqa: F401
 
-from kvtest import ApiError
+from kvtest import ApiError, condition
 
 pytestmark = pytest.mark.cluster
 
@@ -48,13 +48,13 @@ def test_each_backend_reconciles_with_its_conditions(cluster, namespace, operato
         cluster.client.apply(serve(name, backend, disk), namespace)
     got = {name: wait_ready(cluster, namespace, name, timeout=240) for name in ("inproc", "server", "native")}
     for name, obj in got.items():
-        assert cond(obj, "ConfigValid")["status"] == "True" and cond(obj, "Scheduled")["status"] == "True"
+        assert condition(obj, "ConfigValid")["status"] == "True" and condition(obj, "Scheduled")["status"] == "True"
         assert obj["status"]["budget"]["backend"] == obj["spec"]["offload"]["backend"]
-    assert "LMCacheConnectorV1" in cond(got["inproc"], "OffloadActive")["message"]
-    assert "LMCacheMPConnector" in cond(got["server"], "OffloadActive")["message"]
-    assert "OffloadingConnector" in cond(got["native"], "OffloadActive")["message"]
-    assert cond(got["native"], "DiskTierReady")["reason"] == "NotConfigured"
-    assert cond(got["server"], "DiskTierReady")["status"] == "True"
+    assert "LMCacheConnectorV1" in condition(got["inproc"], "OffloadActive")["message"]
+    assert "LMCacheMPConnector" in condition(got["server"], "OffloadActive")["message"]
+    assert "OffloadingConnector" in condition(got["native"], "OffloadActive")["message"]
+    assert condition(got["native"], "DiskTierReady")["reason"] == "NotConfigured"
+    assert condition(got["server"], "DiskTierReady")["status"] == "True"
     assert ("ConfigMap", "inproc-lmcache") in children(cluster, namespace, "inproc")
     assert not any(k[0] == "ConfigMap" for k in children(cluster, namespace, "server") | children(cluster, namespace, "native"))
     server = pod_spec(cluster, namespace, "server")
@@ -112,7 +112,7 @@ def test_switching_backend_is_a_rolling_change(cluster, namespace, operator):  #
     assert [c["name"] for c in spec["containers"]] == ["vllm", "exporter"]
     args = spec["containers"][0]["args"]
     assert args[args.index("--kv-offloading-backend") + 1] == "native"
-    assert cond(native, "DiskTierReady")["reason"] == "NotConfigured"
+    assert condition(native, "DiskTierReady")["reason"] == "NotConfigured"
     assert native["status"]["budget"]["backend"] == "vllm-native"
 
     back = copy.deepcopy(obj)  # and back to the in-process default: the ConfigMap returns

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from kvtest import ApiError, OperatorProcess
+from kvtest import ApiError, OperatorProcess, condition
 
 pytestmark = pytest.mark.cluster
 
@@ -322,14 +322,10 @@ def children(cluster, ns: str) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def cond(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
-    return next((c for c in (obj or {}).get("status", {}).get("conditions", []) if c["type"] == type_), {})
-
-
 def verdict_at_generation(obj: dict[str, Any], type_: str = "ConfigValid") -> dict[str, Any] | None:
     """The condition once the operator decided it for this generation. Its first status (Unknown, "working
     on it") carries the generation too, and is not a verdict."""
-    c = cond(obj, type_)
+    c = condition(obj, type_)
     decided = c and c.get("status") in ("True", "False")
     return c if decided and c.get("observedGeneration") == obj["metadata"]["generation"] else None
 
@@ -377,12 +373,12 @@ def operator_verdicts(cluster, ns, operator):
 def test_operator_refuses(operator_verdicts, case):
     judged, kids = operator_verdicts
     obj = judged[case.name]
-    valid = cond(obj, "ConfigValid")
+    valid = condition(obj, "ConfigValid")
     assert (valid["status"], valid["reason"]) == ("False", "InvalidSpec"), valid
     assert valid["message"].startswith(case.field + ":"), valid["message"]
     assert case.needle in valid["message"], valid["message"]
-    assert cond(obj, "Ready")["status"] == "False"
-    assert cond(obj, "Scheduled")["status"] == "Unknown"
+    assert condition(obj, "Ready")["status"] == "False"
+    assert condition(obj, "Scheduled")["status"] == "Unknown"
     assert case.name not in kids, [k["kind"] for k in kids[case.name]]
 
 
@@ -394,7 +390,8 @@ def test_operator_changes_nothing_when_a_running_serve_turns_bad(cluster, ns, op
 
     def ready():
         obj = serves(cluster, ns).get(name)
-        ok = obj and cond(obj, "Ready").get("status") == "True" and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
+        ok = (obj and condition(obj, "Ready").get("status") == "True"
+              and obj["status"].get("observedGeneration") == obj["metadata"]["generation"])
         return obj if ok else None
 
     cluster.wait_until(ready, timeout=120, message=f"{name} Ready")
@@ -451,13 +448,13 @@ def test_scheduler_refuses_what_no_node_can_hold(cluster, ns, operator, case):
 
     def unschedulable():
         obj = serves(cluster, ns).get(case.name)
-        c = cond(obj, "Scheduled")
+        c = condition(obj, "Scheduled")
         return obj if c.get("status") == "False" and c.get("reason") == "Unschedulable" else None
 
     obj = cluster.wait_until(unschedulable, timeout=90, message=f"{case.name} Scheduled=False")
-    assert case.needle in cond(obj, "Scheduled")["message"]
-    assert cond(obj, "ConfigValid")["status"] == "True"
-    assert cond(obj, "Ready")["status"] == "False"
+    assert case.needle in condition(obj, "Scheduled")["message"]
+    assert condition(obj, "ConfigValid")["status"] == "True"
+    assert condition(obj, "Ready")["status"] == "False"
     assert {k["kind"] for k in children(cluster, ns)[case.name]} == {"ConfigMap", "Service", "StatefulSet", "PodDisruptionBudget"}
 
 

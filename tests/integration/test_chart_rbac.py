@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from kvoffload.api import crd
-from kvtest import OperatorProcess
+from kvtest import OperatorProcess, condition
 
 pytestmark = pytest.mark.cluster
 
@@ -32,10 +32,6 @@ START_BUDGET_S = 30
 # privilege, and no ClusterRole at all in namespaced mode): the operator has to turn scanning off.
 SCANNING_HINT = ("kopf's CRD/namespace observation was refused: set `settings.scanning.disabled = True` "
                  "in the operator's kopf start-up (the chart passes exact namespaces and installs the CRD first)")
-
-
-def condition(obj: dict, ctype: str) -> dict | None:
-    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == ctype), None)
 
 
 @pytest.mark.parametrize("mode", ["cluster-role", "namespaced-role"])

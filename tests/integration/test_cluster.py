@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 import kvtest
-from kvtest import ApiError
+from kvtest import ApiError, condition
 
 pytestmark = pytest.mark.cluster
 
@@ -21,13 +21,6 @@ DEFAULT_FLEET = {
     "gpu-node-2": ("8", "NVIDIA-H200"),
     "workstation-0": ("1", "NVIDIA-GeForce-RTX-4090"),
 }
-
-
-def condition(obj, ctype):
-    for c in obj.get("status", {}).get("conditions", []) or []:
-        if c["type"] == ctype:
-            return c
-    return None
 
 
 def is_loopback(ip: str) -> bool:

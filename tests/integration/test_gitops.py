@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvtest import ROOT, OperatorProcess
+from kvtest import ROOT, OperatorProcess, condition
 from kvtest import gitops as gt
 
 pytestmark = pytest.mark.cluster
@@ -60,17 +60,13 @@ def serve(name: str, **spec_patch) -> dict:
     return obj
 
 
-def cond(obj, type_):
-    return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
-
-
 def wait_for(cluster, ns, name, pred, message, timeout=120):
     return cluster.wait_until(lambda: (o := cluster.client.get_or_none("kvs", name, ns)) is not None and pred(o) and o,
                               timeout=timeout, message=f"{name}: {message}")
 
 
 def at_generation(o, type_, status, reason=None):
-    c = cond(o, type_)
+    c = condition(o, type_)
     return (c.get("status") == status and c.get("observedGeneration") == o["metadata"]["generation"]
             and (reason is None or c.get("reason") == reason))
 
@@ -320,7 +316,7 @@ def test_first_status_says_reconciling_before_anything_is_applied(cluster, names
     written = [v for v in versions if (v.get("status") or {}).get("conditions")]
     assert versions[0]["status"] == {"observedGeneration": 0}  # as created: the CRD's default, no conditions
     first = written[0]
-    assert cond(first, "Reconciling")["status"] == "True" and cond(first, "Ready")["status"] == "Unknown", first["status"]
+    assert condition(first, "Reconciling")["status"] == "True" and condition(first, "Ready")["status"] == "Unknown", first["status"]
     assert first["status"]["observedGeneration"] == 0
     # etcd revisions order all writes. The ConfigMap is the first child applied and is never changed
     # after (the spec does not change here), so its resourceVersion is the revision that created it.

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvoffload.engine.images import resolve
-from kvtest import ROOT, ApiError, OperatorProcess
+from kvtest import ROOT, ApiError, OperatorProcess, condition
 
 pytestmark = pytest.mark.cluster
 
@@ -32,14 +32,10 @@ def operator(cluster, crd_installed, namespace):
     print(proc.output()[-5000:])
 
 
-def cond(obj, type_):
-    return next((c for c in (obj or {}).get("status", {}).get("conditions", []) if c["type"] == type_), {})
-
-
 def wait_cond(cluster, ns, name, type_, status, timeout=90, reason=None):
     def check():
         obj = cluster.client.get_or_none("kvs", name, ns)
-        c = cond(obj, type_)
+        c = condition(obj, type_)
         return obj if c.get("status") == status and (reason is None or c.get("reason") == reason) else None
     return cluster.wait_until(check, timeout=timeout, message=f"{name} {type_}={status}")
 
@@ -48,7 +44,7 @@ def wait_ready(cluster, ns, name, generation=None, timeout=120):
     def check():
         obj = cluster.client.get_or_none("kvs", name, ns)
         gen = generation or obj["metadata"]["generation"]
-        ok = cond(obj, "Ready").get("status") == "True" and obj["status"].get("observedGeneration") == gen
+        ok = condition(obj, "Ready").get("status") == "True" and obj["status"].get("observedGeneration") == gen
         return obj if ok else None
     return cluster.wait_until(check, timeout=timeout, message=f"{name} Ready at its generation")
 
@@ -74,8 +70,8 @@ def test_create_runs_on_gpu_nodes_and_reports_the_budget(cluster, namespace, ope
     assert len(pods) == 1 and pods[0]["status"]["phase"] == "Running"
     assert pods[0]["spec"]["nodeName"] in {"gpu-node-0", "gpu-node-1", "gpu-node-2"}  # NVMe nodes only
     st = obj["status"]
-    assert cond(obj, "ConfigValid")["status"] == "True" and cond(obj, "Scheduled")["status"] == "True"
-    assert cond(obj, "DiskTierReady")["status"] == "True"
+    assert condition(obj, "ConfigValid")["status"] == "True" and condition(obj, "Scheduled")["status"] == "True"
+    assert condition(obj, "DiskTierReady")["status"] == "True"
     assert st["summary"]["cpuTokens"] > 0 and st["summary"]["diskTokens"] > st["summary"]["cpuTokens"]
     vllm = kids[("StatefulSet", "svc")]["spec"]["template"]["spec"]["containers"][0]
     assert vllm["image"] == "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3"  # the default: the serving image
@@ -83,7 +79,7 @@ def test_create_runs_on_gpu_nodes_and_reports_the_budget(cluster, namespace, ope
     # Rendered for the table's pair; nothing reported what runs (no exporter listens on kwok pods).
     assert st["versions"] == {"image": vllm["image"], "renderedFor": {"vllm": pair.vllm, "lmcache": pair.lmcache},
                               "running": []}
-    assert cond(obj, "EngineVerified")["reason"] == "VersionsNotReported"
+    assert condition(obj, "EngineVerified")["reason"] == "VersionsNotReported"
     assert st["endpoint"] == f"http://svc.{namespace}.svc:8000/v1"
     assert vllm["resources"]["limits"]["memory"] == st["summary"]["memory"]
     table = cluster.kubectl("get", "kvs", "-n", namespace).stdout  # kubectl under test: printer columns
@@ -172,8 +168,8 @@ def test_operator_refuses_what_only_it_can_see(cluster, namespace, operator):
     obj["spec"]["offload"]["disk"]["path"] = "/etc/lmcache"  # well-formed, but outside the allowed roots
     cluster.client.apply(obj, namespace)
     found = wait_cond(cluster, namespace, "svc", "ConfigValid", "False")
-    assert "spec.offload.disk.path" in cond(found, "ConfigValid")["message"]
-    assert "allowed roots" in cond(found, "ConfigValid")["message"]
+    assert "spec.offload.disk.path" in condition(found, "ConfigValid")["message"]
+    assert "allowed roots" in condition(found, "ConfigValid")["message"]
     assert children(cluster, namespace, "svc") == {}
     # Fixing it creates the children; breaking it again changes nothing that exists.
     cluster.client.apply(SMALL, namespace)
@@ -183,7 +179,7 @@ def test_operator_refuses_what_only_it_can_see(cluster, namespace, operator):
     bad_tp["spec"]["engine"]["tensorParallelSize"] = 3  # Qwen2.5-7B: 28 heads, 4 KV heads; vLLM refuses TP 3
     cluster.client.apply(bad_tp, namespace)
     found = wait_cond(cluster, namespace, "svc", "ConfigValid", "False")
-    assert "spec.engine.tensorParallelSize" in cond(found, "ConfigValid")["message"]
+    assert "spec.engine.tensorParallelSize" in condition(found, "ConfigValid")["message"]
     after = {k: v["metadata"]["resourceVersion"] for k, v in children(cluster, namespace, "svc").items()}
     assert after == before
 
@@ -193,8 +189,8 @@ def test_too_big_for_every_node_is_unschedulable(cluster, namespace, operator):
     obj["spec"]["offload"]["cpu"]["size"] = "3Ti"  # nodes have at most 2 TiB
     cluster.client.apply(obj, namespace)
     found = wait_cond(cluster, namespace, "svc", "Scheduled", "False", reason="Unschedulable")
-    assert "Insufficient memory" in cond(found, "Scheduled")["message"]
-    assert cond(found, "Ready")["status"] == "False"
+    assert "Insufficient memory" in condition(found, "Scheduled")["message"]
+    assert condition(found, "Ready")["status"] == "False"
 
 
 def test_steady_state_writes_nothing(cluster, namespace, operator):
@@ -228,7 +224,7 @@ def test_offload_active_and_engine_versions_come_from_the_pods_exporter(cluster,
     fixtures = ROOT / "tests/fixtures"
     cluster.client.apply(SMALL, namespace)
     obj = wait_ready(cluster, namespace, "svc")
-    assert cond(obj, "OffloadActive")["status"] == "Unknown"  # nothing listens on the pod IP yet
+    assert condition(obj, "OffloadActive")["status"] == "Unknown"  # nothing listens on the pod IP yet
     rendered = obj["status"]["versions"]["renderedFor"]
     pod = cluster.client.list("pods", namespace)[0]
     ip, pod_name = pod["status"]["podIP"], pod["metadata"]["name"]
@@ -247,26 +243,26 @@ def test_offload_active_and_engine_versions_come_from_the_pods_exporter(cluster,
             # vLLM never asked a KV connector and no LMCache figures: nothing proven. The operator
             # re-probes at its next reconcile (resyncSeconds: 20 in tests).
             found = wait_cond(cluster, namespace, "svc", "OffloadActive", "False", timeout=60, reason="NoLMCacheActivity")
-            assert cond(found, "EngineVerified")["reason"] == "EngineVersionsMatch"
+            assert condition(found, "EngineVerified")["reason"] == "EngineVersionsMatch"
             assert found["status"]["versions"]["running"] == [
                 {**rendered, "torch": "2.11.0+cu130", "podCount": 1, "pods": [pod_name]}]
             # The reference run (V2 runner): vLLM counted 64,028 tokens loaded, LMCache retrieved none.
             vllm.body = (fixtures / "vllm-0.26.0-lmcache-0.5.3-h200/vllm-metrics-with-lmcache.txt").read_text()
             found = wait_cond(cluster, namespace, "svc", "OffloadActive", "False", timeout=60, reason="ExternalHitsNotLoaded")
-            message = cond(found, "OffloadActive")["message"]
+            message = condition(found, "OffloadActive")["message"]
             assert message.startswith("1/1 pods") and "vLLM counted 64,028 prompt tokens as loaded from LMCache" in message
             assert "lmcache:num_retrieve_requests_total 0" in message
             # The V1 runner (what the operator renders for this pair): LMCache retrieved 6 times.
             vllm.body = (fixtures / "vllm-0.26.0-lmcache-0.5.3-h200-v1runner/vllm-metrics-with-lmcache.txt").read_text()
             found = wait_cond(cluster, namespace, "svc", "OffloadActive", "True", timeout=60)
-            assert "1/1 pods" in cond(found, "OffloadActive")["message"]
+            assert "1/1 pods" in condition(found, "OffloadActive")["message"]
 
             # The image holds another pair than the one rendered for.
             other = ({"vllm": "0.26.0", "lmcache": "0.5.3"} if rendered != {"vllm": "0.26.0", "lmcache": "0.5.3"}
                      else {"vllm": "0.27.1", "lmcache": "0.5.4"})
             versions.write_text(json.dumps({**other, "torch": "2.13.0"}))
             found = wait_cond(cluster, namespace, "svc", "EngineVerified", "False", timeout=60, reason="EngineVersionMismatch")
-            assert cond(found, "EngineVerified")["message"].startswith(
+            assert condition(found, "EngineVerified")["message"].startswith(
                 f"rendered for vLLM {rendered['vllm']} + LMCache {rendered['lmcache']}, "
                 f"pod {pod_name} runs vLLM {other['vllm']} + LMCache {other['lmcache']}")
             assert found["status"]["versions"]["renderedFor"] == rendered
@@ -275,7 +271,7 @@ def test_offload_active_and_engine_versions_come_from_the_pods_exporter(cluster,
             exporter.terminate()
             exporter.wait(10)
     found = wait_cond(cluster, namespace, "svc", "OffloadActive", "Unknown", timeout=60, reason="ExporterUnreachable")
-    assert cond(found, "EngineVerified")["reason"] == "VersionsNotReported"
+    assert condition(found, "EngineVerified")["reason"] == "VersionsNotReported"
 
 
 def test_pass_through_fields_the_api_server_refuses_are_config_errors(cluster, namespace, operator):
@@ -285,7 +281,7 @@ def test_pass_through_fields_the_api_server_refuses_are_config_errors(cluster, n
     obj["spec"]["scheduling"] = {"tolerations": [{"key": "gpu", "operator": "Sometimes"}]}
     cluster.client.apply(obj, namespace)
     found = wait_cond(cluster, namespace, "svc", "ConfigValid", "False")
-    msg = cond(found, "ConfigValid")["message"]
+    msg = condition(found, "ConfigValid")["message"]
     assert "refused the rendered" in msg and "tolerations" in msg
     assert children(cluster, namespace, "svc") == {}
     cluster.client.apply(SMALL, namespace)

@@ -294,3 +294,8 @@ class Client:
         path = self.resource("serviceaccounts").path(namespace, service_account, "token")
         return self.request("POST", path, request)["status"]["token"]
 
+
+def condition(obj: Obj | None, type_: str) -> Obj:
+    """The status condition of `type_` on an object as the API server returns it; {} when there is none
+    (no object, no status, no conditions yet)."""
+    return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
