@@ -257,10 +257,6 @@ def current(obj: dict[str, Any]) -> bool:
             and any(cd["type"] == "Ready" and cd["status"] == "True" for cd in st.get("conditions", [])))
 
 
-def serves(c: kvtest.Cluster) -> list[dict[str, Any]]:
-    return c.client.list(f"{PLURAL}.{GROUP}")
-
-
 def children_complete(c: kvtest.Cluster, keys: set[tuple[str, str]]) -> tuple[int, list[str]]:
     """(resources with exactly their 5 children, problems) from cluster-wide LISTs."""
     found: dict[tuple[str, str], Counter] = {k: Counter() for k in keys}
@@ -311,8 +307,8 @@ class Floor:
         self.errors: list[str] = []
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._worker, daemon=True) for _ in range(runtime.WORKERS)]
-        self.threads += [threading.Thread(target=self._watch, args=(c, path, store), daemon=True)
-                         for path, store in (("statefulsets", self.sts), ("pods", self.pods))]
+        self.threads += [threading.Thread(target=self._watch, args=(c, resource, store), daemon=True)
+                         for resource, store in (("statefulsets", self.sts), ("pods", self.pods))]
         for t in self.threads:
             t.start()
 
