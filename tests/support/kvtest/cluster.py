@@ -63,6 +63,7 @@ class KubectlError(subprocess.CalledProcessError):
 class Cluster:
     dir: Path = field(default_factory=state_dir)
     bin: Path = field(default_factory=bin_dir)
+    _client: Client | None = field(default=None, init=False, repr=False, compare=False)
 
     # ------------------------------------------------------------------------------------ paths, state
     @property
@@ -141,11 +142,9 @@ class Cluster:
     def client(self) -> Client:
         """The tests' API client, as the admin (cached per apiserver port: discovery is kept)."""
         port = self.state()["ports"]["kube-apiserver"]
-        cached = self.__dict__.get("_client")
-        if cached is None or cached.port != port:
-            cached = Client(port, self.pki / "ca.crt", (self.pki / "admin.crt", self.pki / "admin.key"))
-            self.__dict__["_client"] = cached
-        return cached
+        if self._client is None or self._client.port != port:
+            self._client = Client(port, self.pki / "ca.crt", (self.pki / "admin.crt", self.pki / "admin.key"))
+        return self._client
 
     def request(self, method: str, path: str, port: int, timeout: float = 10) -> tuple[int, Any]:
         """Raw HTTPS call to a component's own port (kube-controller-manager's and kube-scheduler's
@@ -365,6 +364,7 @@ class Cluster:
         (d / "logs").mkdir(parents=True)
         (d / "etcd").mkdir(mode=0o700)
         write_pki(self.pki)
+        self._client = None  # new certificates: a cached client's TLS context holds the old ones
         names = [name for comp in COMPONENTS for name in comp.ports]
         ports = dict(zip(names, procs.free_ports(len(names))))
         server = f"https://{LOOPBACK}:{ports['kube-apiserver']}"
