@@ -330,7 +330,7 @@ class Floor:
                     desired = self.pipeline.desired(key[1], key[0], body["metadata"]["uid"], body["spec"], self.settings)
                     with self.lock:
                         self.desired[key] = desired
-                    for child in desired.children:
+                    for child in desired.applied:
                         self.kube.apply(child)
                     self._maybe_status(key)
                 else:

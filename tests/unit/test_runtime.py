@@ -135,3 +135,18 @@ def test_a_deferred_status_is_reconciled_again_after_the_spacing(monkeypatch):
 
     asyncio.run(scenario())
     assert runs == ["a", "a"]
+
+
+def test_a_field_removed_from_the_spec_is_not_taken_for_a_no_op():
+    tolerated = {**SPEC, "scheduling": {"tolerations": [{"key": "gpu", "operator": "Exists"}]}}
+    old, new = (pipeline.desired("a", "ns", "u", s, Settings()) for s in (tolerated, SPEC))
+    live = {c["kind"]: c for c in old.applied}  # what the cluster holds from the earlier generation
+    sts = {c["kind"]: c for c in new.children}["StatefulSet"]
+    assert reconcile.covers(sts, live["StatefulSet"])  # everything still desired is there: the old check saw no change
+    stamped = {c["kind"]: c for c in new.applied}
+    assert not reconcile.covers(stamped["StatefulSet"], live["StatefulSet"])  # the rendered hash moved: applied
+    assert all(reconcile.covers(stamped[k], live[k]) for k in stamped if k != "StatefulSet")  # the rest stays put
+    covered = reconcile.Covered()
+    live_sts = {**stamped["StatefulSet"], "metadata": {**stamped["StatefulSet"]["metadata"], "uid": "x", "resourceVersion": "7"}}
+    assert covered(stamped["StatefulSet"], live_sts) and covered.seen["x"][1] == "7"
+    assert not covered(live["StatefulSet"], live_sts)  # another desired hash: walked again, not remembered

@@ -32,7 +32,7 @@ from ..api.settings import Settings
 from . import events, leader
 from .informer import Cache, CachedKube
 from .kube import Kube
-from .reconcile import STATUS_SPACING
+from .reconcile import STATUS_SPACING, Memos
 from .reconcile import reconcile as reconcile_one
 
 log = logging.getLogger("kvoffload.operator")
@@ -53,7 +53,7 @@ class Runtime:
             # One Events recorder, and so one token bucket, for the whole operator (posts go to the API server, not the cache).
             assert kube is not None
             recorder = events.recorder(settings, lambda ns, body: kube.request("POST", f"/api/v1/namespaces/{ns}/events", body))
-            reconcile = functools.partial(reconcile_one, recorder=recorder)
+            reconcile = functools.partial(reconcile_one, recorder=recorder, memos=Memos())
         self.settings, self.reconcile, self.workers = settings, reconcile, workers
         self.cache = Cache(kube, namespaces, self._kicked)
         self.kube = CachedKube(kube, self.cache) if kube is not None else None
