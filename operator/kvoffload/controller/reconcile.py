@@ -152,23 +152,54 @@ def urgent(old: dict[str, Any], new: dict[str, Any]) -> bool:
     return any(before.get(c["type"]) != c["status"] for c in new["conditions"] if c["type"] in URGENT_CONDITIONS)
 
 
+REFUSED = "status-refused"  # the outcome of a reconcile whose status write the API server refused
+
+
+class StatusRefused(Exception):
+    """The API server refused the status the operator computed (422 Invalid): readers see a stale status."""
+
+    def __init__(self, exc: ApiError) -> None:
+        super().__init__(exc.message)
+        self.message = exc.message
+
+
 def _write_status(kube: Kube, namespace: str, name: str, status: dict[str, Any], resource_version: str) -> dict[str, Any] | None:
-    """The object after the write, or None when it is gone or changed under us (the next event reconciles again)."""
+    """The object after the write, or None when it is gone or changed under us (the next event reconciles
+    again). A refusal (422) is not the same: it raises StatusRefused."""
     try:
         return kube.replace_status(cr_path(namespace, name), status, resource_version)
     except ApiError as exc:
-        if exc.status in (404, 409, 422):
+        if exc.status in (404, 409):
             return None
+        if exc.status == 422:
+            raise StatusRefused(exc) from None
         raise
+
+
+def _refused_status(body: dict[str, Any], exc: StatusRefused, recorder: events.Recorder | None) -> str:
+    log.error("status of %s/%s refused by the API server: %s", body["metadata"]["namespace"], body["metadata"]["name"],
+              exc.message)
+    if recorder is not None:
+        recorder.record(body, [events.Event("Warning", "StatusRefused", f"the API server refused the status: {exc.message}")])
+    return REFUSED
 
 
 def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: datetime | None = None,
               recorder: events.Recorder | None = None, memos: Memos | None = None) -> str:
-    """Bring one KVOffloadServe's children and status in line with its spec. Returns a short outcome."""
-    memos = memos or Memos()
+    """Bring one KVOffloadServe's children and status in line with its spec. Returns a short outcome
+    (REFUSED, with an error logged and a Warning Event, when the API server refused the status)."""
     body = kube.get(cr_path(namespace, name))
     if body is None or body["metadata"].get("deletionTimestamp"):
         return "gone"  # children go through garbage collection (ownerReferences)
+    try:
+        return _reconcile(kube, body, settings, clock, recorder, memos or Memos())
+    except StatusRefused as exc:
+        return _refused_status(body, exc, recorder)
+
+
+def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: datetime | None,
+               recorder: events.Recorder | None, memos: Memos) -> str:
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     if not (body.get("status") or {}).get("conditions"):
         # First sight: say "working on it" before the slow part, so no reader takes silence for success.
         body = _write_status(kube, namespace, name, conditions.initial(body, clock), body["metadata"]["resourceVersion"])

@@ -54,7 +54,9 @@ class OperatorProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_started(self, timeout: float = 60) -> None:
-        """Until it serves: its caches are filled (it reconciles nothing before)."""
+        """Until it serves: its caches are filled (it reconciles nothing before). kopf says so with the
+        first event it releases, after listing every kind: on a cluster with nothing of ours, create a
+        `sentinel` first."""
         wait_until(lambda: "caches filled" in self.output() or self.proc.poll() is not None,
                    timeout=timeout, message="operator started")
         if self.proc.poll() is not None:
@@ -83,3 +85,14 @@ class OperatorProcess:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
         self.log.close()
+
+
+SENTINEL = "kvo-sentinel"
+
+
+def sentinel(client, namespace: str) -> None:  # type: ignore[no-untyped-def]
+    """One ConfigMap labelled as a child of a KVOffloadServe that does not exist: kopf lists it, so the
+    operator's first event (and its "caches filled" line) comes once every kind is listed. Its reconcile
+    finds no owner and sends nothing."""
+    client.create({"apiVersion": "v1", "kind": "ConfigMap",
+                   "metadata": {"name": SENTINEL, "labels": {"kvoffload.io/serve": SENTINEL}}}, namespace)
