@@ -19,9 +19,12 @@ class ApiError(Exception):
     def __init__(self, status: int, reason: str, body: str) -> None:
         self.status, self.reason, self.body = status, reason, body
         try:
-            self.message = json.loads(body).get("message", body)
+            doc = json.loads(body)
         except ValueError:
-            self.message = body
+            doc = {}
+        doc = doc if isinstance(doc, dict) else {}
+        self.message = doc.get("message", body)
+        self.status_reason = doc.get("reason", "")  # the API server's Status reason: Invalid, Conflict, NotFound, ...
         super().__init__(f"{status} {reason}: {self.message}")
 
 

@@ -24,9 +24,10 @@ from .procs import wait_until
 class OperatorProcess:
     def __init__(self, env: dict[str, str], namespaces: Sequence[str] | None, config: dict | str | None = None,
                  log_path: Path | None = None, leader_election: tuple[str, str] | None = None,
-                 cwd: Path = ROOT) -> None:
+                 cwd: Path = ROOT, extra_args: Sequence[str] = ()) -> None:
         """Watch `namespaces` (None: all of them) with operator settings `config` (a dict, or a settings
-        file's text; default resyncSeconds 20); `leader_election` = (namespace, name) of the Lease."""
+        file's text; default resyncSeconds 20); `leader_election` = (namespace, name) of the Lease; `extra_args`
+        appended to `kvoffload run`'s."""
         if log_path is None:
             log_path = Path(tempfile.mkdtemp(prefix="kvo-operator-")) / "operator.log"
         self.log_path = log_path
@@ -35,7 +36,7 @@ class OperatorProcess:
             config = {"resyncSeconds": 20}
         self.config_path.write_text(config if isinstance(config, str) else yaml.safe_dump(config))
         args = [sys.executable, "-m", "kvoffload.cli", "run", "--liveness", "", "--log-level", "INFO",
-                "--operator-config", str(self.config_path)]
+                "--operator-config", str(self.config_path), *extra_args]
         if namespaces is None:
             args.append("--all-namespaces")
         for ns in namespaces or ():
