@@ -195,13 +195,13 @@ class Runtime:
     def _ended(self, task: asyncio.Task[None]) -> None:
         """Every task runs until shutdown: one that ends earlier died. Say so loudly; `health` fails."""
         self.tasks.discard(task)
-        if self.stopping or (self.elector is not None and self.elector.stopped):
-            return  # shutting down
-        why = "cancelled" if task.cancelled() else repr(task.exception()) if task.exception() else "returned"
+        if task.cancelled() or self.stopping or (self.elector is not None and self.elector.stopped):
+            return  # shutting down (the event loop cancels what is left)
+        why = repr(task.exception()) if task.exception() else "returned"
         self.died.append(f"{task.get_name()}: {why}")
         self.metrics.dead_tasks.set(len(self.died))
         log.error("operator task %s died (%s): the liveness probe fails from now on", task.get_name(), why,
-                  exc_info=None if task.cancelled() else task.exception())
+                  exc_info=task.exception())
 
     # ------------------------------------------------------------------ resync and leadership
     def known(self) -> list[Key]:
