@@ -69,16 +69,15 @@ def test_kicks_during_a_reconcile_make_exactly_one_more_pass():
     assert runs == ["a", "a"]
 
 
-def test_a_failed_reconcile_is_retried_with_backoff():
+def retried(first) -> tuple[runtime.Runtime, list[int]]:  # type: ignore[no-untyped-def]
+    """Reconcile one resource whose first pass does `first()`, then "updated"; until the second pass."""
     calls: list[int] = []
 
     def reconcile_(kube, ns, name, settings):
         calls.append(1)
-        if len(calls) == 1:
-            raise ConnectionError("API server down")
-        return "updated"
+        return first() if len(calls) == 1 else "updated"
 
-    async def scenario() -> None:
+    async def scenario() -> runtime.Runtime:
         rt = runtime.Runtime(kube=None, settings=Settings(), reconcile=reconcile_)
         rt.kick("ns", "a")
         rt._serve()
@@ -86,10 +85,25 @@ def test_a_failed_reconcile_is_retried_with_backoff():
             await asyncio.sleep(0.01)
             if len(calls) == 2:
                 break
-        assert rt.counts == {"failed": 1, "updated": 1}
+        return rt
 
-    asyncio.run(scenario())
+    return asyncio.run(scenario()), calls
+
+
+def test_a_failed_reconcile_is_retried_with_backoff():
+    def down() -> str:
+        raise ConnectionError("API server down")
+
+    rt, calls = retried(down)
+    assert rt.counts == {"failed": 1, "updated": 1}
     assert len(calls) == 2
+
+
+def test_a_refused_status_is_counted_and_retried():
+    rt, calls = retried(lambda: reconcile.REFUSED)
+    assert rt.counts == {reconcile.REFUSED: 1, "updated": 1} and len(calls) == 2
+    assert rt.metrics.status_refused._value.get() == 1
+    assert rt.metrics.reconciles.labels(reconcile.REFUSED)._value.get() == 1
 
 
 def test_dry_run_only_where_the_api_server_can_refuse():
@@ -208,23 +222,3 @@ def test_the_liveness_probe_fails_once_a_worker_died():
 
     asyncio.run(scenario())
 
-
-def test_a_refused_status_is_counted_and_retried():
-    runs: list[str] = []
-
-    def reconcile_(kube, ns, name, settings):
-        runs.append(name)
-        return reconcile.REFUSED if len(runs) == 1 else "unchanged"
-
-    async def scenario() -> None:
-        rt = runtime.Runtime(kube=None, settings=Settings(), reconcile=reconcile_)
-        rt.kick("ns", "a")
-        rt._serve()
-        for _ in range(300):
-            await asyncio.sleep(0.01)
-            if len(runs) == 2:
-                break
-        assert rt.counts == {reconcile.REFUSED: 1, "unchanged": 1}
-        assert rt.metrics.status_refused._value.get() == 1
-
-    asyncio.run(scenario())
