@@ -209,3 +209,20 @@ def test_a_late_delete_of_an_earlier_incarnation_does_not_drop_the_new_one():
     s.observe(obj("ConfigMap", "c", 30))  # deleted at 20 and re-created by us at 30; the watch lags
     assert s.apply_event("DELETED", obj("ConfigMap", "c", 20)) == set()
     assert s.get("ns", "c")["metadata"]["resourceVersion"] == "30"
+
+
+def test_the_initial_listing_released_after_the_gate_is_not_a_relist():
+    """kopf releases the initial LIST's events only once every kind is listed, mixed with watch events of
+    objects made meanwhile: none of that is a relist, and nothing may be dropped for it."""
+    async def scenario() -> None:
+        c = cache.Cache(None, lambda *a: None, settle=0.05)
+        c.put("v1", "ConfigMap", obj("ConfigMap", "listed", 1))
+        c.put("v1", "ConfigMap", obj("ConfigMap", "listed-too", 2))
+        c.put("v1", "ConfigMap", obj("ConfigMap", "added", 3))  # created after the LIST, before the gate
+        assert c.event("v1", "ConfigMap", None, obj("ConfigMap", "listed", 1))
+        c.event("v1", "ConfigMap", "ADDED", obj("ConfigMap", "added", 3))
+        c.event("v1", "ConfigMap", None, obj("ConfigMap", "listed-too", 2))
+        await asyncio.sleep(0.2)
+        assert not c.relists and len(c.by_kind["ConfigMap"]) == 3 and not c.unreleased
+
+    asyncio.run(scenario())
