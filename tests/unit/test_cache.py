@@ -4,6 +4,7 @@ cached kinds make no request, and writes land in the cache (read-your-writes).""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import kopf
@@ -201,6 +202,8 @@ def test_kopf_watches_every_cached_kind_and_only_our_children_and_pods():
         want = [] if kind == "KVOffloadServe" else [OWNER]
         assert settings.watching.label_selectors.collect(resource) == want, kind
     assert settings.watching.server_timeout == 300 and settings.watching.client_timeout == 310
+    first = list(itertools.islice(iter(settings.networking.error_backoffs), 6))
+    assert first == [1, 2, 4, 8, 10, 10] and list(itertools.islice(iter(settings.networking.error_backoffs), 2)) == [1, 2]
 
 
 def test_a_late_delete_of_an_earlier_incarnation_does_not_drop_the_new_one():
