@@ -12,6 +12,7 @@ from kvoffload.api.errors import ConfigError
 from kvoffload.api.quantity import GiB, gib, to_bytes
 from kvoffload.api.settings import Settings
 from kvoffload.api.spec import parse
+from kvoffload.backends import lmcache_server
 from kvoffload.controller import conditions, pipeline
 from kvoffload.controller.probe import Reading
 from kvoffload.rendering import render
@@ -124,7 +125,7 @@ def test_server_pod():
     assert [k["kind"] for k in d.children] == ["Service", "Service", "StatefulSet", "PodDisruptionBudget"]
     exporter = c["exporter"]["args"]
     assert arg(exporter, "--backend") == "lmcache-server"
-    assert arg(exporter, "--lmcache-server-url") == f"http://127.0.0.1:{render.SERVER_HTTP_PORT}/status"
+    assert arg(exporter, "--lmcache-server-url") == f"http://127.0.0.1:{lmcache_server.SERVER_HTTP_PORT}/status"
 
 
 def test_native_pod():

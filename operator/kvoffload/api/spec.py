@@ -61,6 +61,11 @@ PLAN_FIELDS = {
 }
 
 
+def _declared(backend: Any) -> dict[str, Any] | None:
+    """What spec.offload.backend `backend` declares (crd.backend_declarations), None for an unknown one."""
+    return next((b for b in crd.backend_declarations()["backends"] if b["name"] == backend), None)
+
+
 def _matches(pattern: str, value: str) -> bool:
     """An anchored OpenAPI pattern as the API server (Go RE2) applies it: `$` never matches before a final newline."""
     return re.fullmatch(pattern.removeprefix("^").removesuffix("$"), value) is not None
@@ -121,7 +126,7 @@ class DiskSpec:
 
 @dataclass(frozen=True)
 class OffloadSpec:
-    backend: str  # one of crd.BACKENDS
+    backend: str  # a name in backends.REGISTRY
     chunk_size: int
     cpu_size: int
     eviction_policy: str
@@ -276,8 +281,9 @@ def _model(r: _Reader) -> ModelSpec:
 
 def _engine(r: _Reader, settings: Settings) -> EngineSpec:
     image = _str(r, "engine.image") or settings.default_image
+    backend = _declared(r.get("offload.backend"))
     pair = images.resolve(image, _str(r, "engine.vllmVersion"), _str(r, "engine.lmcacheVersion"),
-                          needs_lmcache=r.get("offload.backend") != "vllm-native")
+                          needs_lmcache=backend is None or backend["minLmcache"] is not None)
     util = r.get("engine.gpuMemoryUtilization")
     if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
         raise ConfigError("spec.engine.gpuMemoryUtilization", f"{util!r} must be a number in (0, 1]")
@@ -346,13 +352,10 @@ def _offload(r: _Reader, settings: Settings) -> OffloadSpec:
             node_selector=node_selector,
         )
     backend, policy = _enum(r, "offload.backend"), _enum(r, "offload.cpu.evictionPolicy")
-    if backend == "vllm-native" and disk is not None:
-        raise ConfigError("spec.offload.disk", "is not supported with spec.offload.backend vllm-native (vLLM's native "
-                                               "offloading has a CPU tier only); remove spec.offload.disk or use backend "
-                                               "lmcache or lmcache-server")
-    if backend != "lmcache" and policy != "LRU":
-        raise ConfigError("spec.offload.cpu.evictionPolicy", f"{policy} is not offered by spec.offload.backend {backend}; "
-                                                             "allowed values: LRU (LFU, FIFO and MRU need backend lmcache)")
+    for name, path, allowed, tail in crd.backend_refusals():  # the fields this backend cannot honour
+        value = r.get(path, None)
+        if name == backend and value is not None and (allowed is None or value not in allowed):
+            raise ConfigError(f"spec.{path}", tail)
     return OffloadSpec(backend=backend, chunk_size=_int(r, "offload.chunkSize", 16, 8192), cpu_size=cpu,
                        eviction_policy=policy, disk=disk)
 
@@ -433,7 +436,9 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
         metrics_port=_int(r, "metrics.port", 1024, 65535),
         network_policy=_network_policy(r),
     )
-    images.check_backend(parsed.offload.backend, images.EnginePair(parsed.engine.vllm_version, parsed.engine.lmcache_version))
+    backend = _declared(parsed.offload.backend)
+    images.check_backend(parsed.offload.backend, backend["minVllm"], backend["minLmcache"],
+                         images.EnginePair(parsed.engine.vllm_version, parsed.engine.lmcache_version))
     if parsed.resources.memory is not None and parsed.resources.memory < parsed.offload.cpu_size:
         raise ConfigError("spec.resources.memory",
                           "must hold at least the CPU tier (spec.offload.cpu.size): pinned memory is allocated in full")

@@ -9,10 +9,11 @@ from typing import Any, Callable, TypeVar
 
 import yaml
 
+from .. import backends
 from ..api.errors import InputError
 from ..api.quantity import format_bytes, human, to_bytes
 from ..planning.catalog import ModelArch, resolve_model
-from ..planning.sizing import BACKENDS, Bandwidths, Budget, MemoryDefaults, PlanInput, check, plan, prefill_tokens_per_s
+from ..planning.sizing import Bandwidths, Budget, MemoryDefaults, PlanInput, check, plan, prefill_tokens_per_s
 
 DEFAULT_CONTEXT = 32768  # when the model's max_position_embeddings is not known
 
@@ -91,7 +92,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-dtype", default="auto", help="auto|bf16|fp16|fp8")
     p.add_argument("--dtype", default="bf16", help="weight dtype: bf16|fp16|fp8")
     p.add_argument("--chunk-size", type=integer, default=256, help="LMCache chunk size, tokens")
-    p.add_argument("--backend", choices=BACKENDS, default="lmcache",
+    p.add_argument("--backend", choices=backends.NAMES, default=backends.DEFAULT,
                    help="who holds the offload tiers (spec.offload.backend; docs/backends.md)")
     p.add_argument("--activation-reserve", default="2Gi", help="per-GPU memory kept for activations (quantity)")
     arch = p.add_argument_group("architecture overrides (win over the catalog and --config-json)")
