@@ -48,6 +48,11 @@ def arg(args, flag):
     ({"offload__backend": "lmcache-server", "offload__cpu__evictionPolicy": "LFU"}, "spec.offload.cpu.evictionPolicy", "LRU"),
     ({"offload__backend": "vllm-native", "offload__disk": None, "offload__cpu__evictionPolicy": "MRU"},
      "spec.offload.cpu.evictionPolicy", "LRU"),
+    ({"offload__backend": "vllm-native", "offload__disk": None, "offload__chunkSize": 8192}, "spec.offload.chunkSize",
+     "16-token vLLM KV blocks"),
+    ({"offload__backend": "vllm-native", "offload__disk": None, "resources__stagingPerWorker": "2Gi"},
+     "spec.resources.stagingPerWorker", "vllm-native"),
+    ({"resources__serverBaseline": "3Gi"}, "spec.resources.serverBaseline", "no LMCache server"),
     ({"offload__backend": "redis"}, "spec.offload.backend", "lmcache, lmcache-server, vllm-native"),
     ({"offload__backend": "lmcache-server", "engine__image": "x/y:1", "engine__vllmVersion": "0.25.0",
       "engine__lmcacheVersion": "0.5.3"}, "spec.offload.backend", "vLLM 0.25.0"),
@@ -90,7 +95,7 @@ def test_vllm_container_memory_is_the_same_and_the_server_adds_its_own():
 
 
 def test_native_tier_counts_whole_vllm_blocks():
-    d = desired("vllm-native", offload__chunkSize=8192)  # chunkSize is LMCache's; vLLM offloads 16-token blocks
+    d = desired("vllm-native")  # chunkSize is LMCache's (refused with vllm-native, below); vLLM offloads 16-token blocks
     cpu = d.budget.tier("cpu")
     assert cpu.tokens == 40 * GiB // (16 * d.budget.kv_bytes_per_token) * 16
 

@@ -266,7 +266,7 @@ def _offload() -> Schema:
                            f"{b['name']}: {b['summary']}" for b in backend_declarations()["backends"]),
                        enum=[b["name"] for b in backend_declarations()["backends"]], default=backend_declarations()["default"]),
          "chunkSize": _i("Tokens per LMCache chunk (chunk_size, or the LMCache server's --chunk-size); the unit stored, looked "
-                         "up and evicted. Ignored by vllm-native, which offloads whole vLLM KV blocks.",
+                         "up and evicted. vllm-native offloads whole vLLM KV blocks and refuses any value but the default.",
                          minimum=16, maximum=8192, default=256),
          "cpu": cpu,
          "disk": disk},

@@ -337,6 +337,11 @@ def check_disk_path(path: str, allowed_roots: tuple[str, ...]) -> str:
 
 
 def _offload(r: _Reader, settings: Settings) -> OffloadSpec:
+    backend, policy = _enum(r, "offload.backend"), _enum(r, "offload.cpu.evictionPolicy")
+    for name, path, allowed, tail in crd.backend_refusals():  # the fields this backend cannot honour, first
+        value = r.get(path, None)
+        if name == backend and value is not None and (allowed is None or value not in allowed):
+            raise ConfigError(f"spec.{path}", tail)
     cpu = _size(r, "offload.cpu.size", required=True)
     disk = None
     if r.get("offload.disk") is not None:
@@ -351,11 +356,6 @@ def _offload(r: _Reader, settings: Settings) -> OffloadSpec:
             reclaim_policy=_enum(r, "offload.disk.reclaimPolicy"),
             node_selector=node_selector,
         )
-    backend, policy = _enum(r, "offload.backend"), _enum(r, "offload.cpu.evictionPolicy")
-    for name, path, allowed, tail in crd.backend_refusals():  # the fields this backend cannot honour
-        value = r.get(path, None)
-        if name == backend and value is not None and (allowed is None or value not in allowed):
-            raise ConfigError(f"spec.{path}", tail)
     return OffloadSpec(backend=backend, chunk_size=_int(r, "offload.chunkSize", 16, 8192), cpu_size=cpu,
                        eviction_policy=policy, disk=disk)
 

@@ -128,7 +128,8 @@ class Backend(ABC):
     refuses: Mapping[str, Refusal] = {}  # spec path (without "spec.") -> why this backend cannot honour it
     in_process: bool = False  # the tiers live in the vLLM process (its config, its disk mount)
     stages: bool = True  # pinned staging buffers per worker (planning's staging term)
-    sources: tuple[str, ...] = ("vllm",)  # what the exporter reads: vllm, lmcache (its metrics), lmcache-server
+    # What the exporter reads: vllm (its /metrics), lmcache (its metrics), server-status (the LMCache server).
+    sources: tuple[str, ...] = ("vllm",)
     proof: str = ""  # what proves offloading, beyond vLLM asking its KV connector (kvoffload_offload_active)
     reasons: Reasons
 

@@ -11,7 +11,7 @@ import yaml
 from ..api.quantity import gib, human
 from ..engine import images
 from ..engine.images import EnginePair
-from .base import CONFIG_DIR, DISK_DIR, MULTIPROC_DIR, Backend, BudgetView, MemoryTerm, Reasons, Seen, Sizing
+from .base import CONFIG_DIR, DISK_DIR, MULTIPROC_DIR, Backend, BudgetView, MemoryTerm, Reasons, Refusal, Seen, Sizing
 
 if TYPE_CHECKING:
     from ..api.spec import Spec
@@ -76,6 +76,7 @@ class LMCache(Backend):
     name = "lmcache"
     summary = "LMCache inside the vLLM process (LMCacheConnectorV1); the tiers die with the vLLM container."
     min_vllm, min_lmcache = images.MIN_VLLM, images.MIN_LMCACHE  # LMCacheConnectorV1 with the config file
+    refuses = {"resources.serverBaseline": Refusal("there is no LMCache server: LMCache runs inside the vLLM process")}
     in_process = True
     sources = ("vllm", "lmcache")
     proof = "LMCache's metrics are present (the connector is LMCache and its engine started)"

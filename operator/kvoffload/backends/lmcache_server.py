@@ -69,7 +69,7 @@ class LMCacheServer(Backend):
     # shared-memory transfer (checked in the installed sources of that pair; older pairs were not checked).
     min_vllm, min_lmcache = (0, 26, 0), (0, 5, 3)
     refuses = {"offload.cpu.evictionPolicy": Refusal("the only policy the LMCache server offers", allowed=("LRU",))}
-    sources = ("vllm", "lmcache-server")
+    sources = ("vllm", "server-status")
     proof = ("the LMCache server's /status is healthy and lists at least one registered engine "
              "(vLLM's workers registered their KV caches with it over ZMQ)")
     reasons = Reasons(

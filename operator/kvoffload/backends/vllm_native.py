@@ -86,6 +86,10 @@ class VllmNative(Backend):
     refuses = {
         "offload.disk": Refusal("vLLM's native offloading has a CPU tier only"),
         "offload.cpu.evictionPolicy": Refusal("the only policy vLLM's native offloading offers", allowed=("LRU",)),
+        "offload.chunkSize": Refusal("it offloads whole 16-token vLLM KV blocks, not LMCache chunks"),
+        "resources.stagingPerWorker": Refusal("vLLM copies between its GPU and pinned CPU blocks directly, without "
+                                              "staging buffers"),
+        "resources.serverBaseline": Refusal("there is no LMCache server"),
     }
     stages = False
     proof = ("vLLM's native offload counters are on its page (vllm:kv_offload_store_bytes_total: "

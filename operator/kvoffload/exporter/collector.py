@@ -41,7 +41,7 @@ UNLOADED_HELP = (
     "cannot be read."
 )
 
-_SOURCE_LABEL = {"lmcache-server": "lmcache"}  # Backend.sources -> the source label of kvoffload_source_up
+_SOURCE_LABEL = {"server-status": "lmcache"}  # Backend.sources -> the source label of kvoffload_source_up
 
 # vllm:prompt_tokens_by_source{source=...} -> the `origin` label of kvoffload_prompt_tokens_total.
 PROMPT_ORIGINS = {"local_cache_hit": "gpu", "external_kv_transfer": "external", "local_compute": "compute"}
@@ -92,7 +92,7 @@ class TierCollector(Collector):
         vllm = self._look_vllm()
         sources = self.backend.sources
         lmc = self._look_lmcache(vllm) if "lmcache" in sources else None
-        server = self._look_server() if "lmcache-server" in sources else None
+        server = self._look_server() if "server-status" in sources else None
         disk = self.disk.latest if self.disk is not None else None
         if vllm is not None and vllm.process_start is not None and self.disk is not None and self.backend.in_process:
             self.disk.cutoff = vllm.process_start  # files older than vLLM were left by an earlier pod
