@@ -437,6 +437,7 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
         network_policy=_network_policy(r),
     )
     backend = _declared(parsed.offload.backend)
+    assert backend is not None  # _offload checked the name against the enum
     images.check_backend(parsed.offload.backend, backend["minVllm"], backend["minLmcache"],
                          images.EnginePair(parsed.engine.vllm_version, parsed.engine.lmcache_version))
     if parsed.resources.memory is not None and parsed.resources.memory < parsed.offload.cpu_size:
