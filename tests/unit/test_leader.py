@@ -186,7 +186,7 @@ def test_leader_steps_down_when_it_cannot_renew(monkeypatch):
 
 async def drain(rt: runtime.Runtime) -> None:
     """Run the Runtime's workers until nothing is queued or running."""
-    await rt._serve()
+    rt._serve()
     for _ in range(500):
         await asyncio.sleep(0.01)
         if not rt.queued and not rt.running:
@@ -228,7 +228,7 @@ def test_new_leader_catches_up_on_what_it_saw_while_following():
         rt.leading = False
         serves = rt.cache.by_kind["KVOffloadServe"]
         for name in ("b", "a", "gone"):
-            serves.apply_event("ADDED", serve(name))  # what the informer stores while following
+            serves.apply_event("ADDED", serve(name))  # what kopf stores while following
         serves.apply_event("DELETED", serve("gone"))
         assert not rt.queued
         rt._on_leadership(True)
