@@ -187,6 +187,23 @@ CASES = [
          "spec.engine.env", "VLLM_NO_USAGE_STATS"),
     Case("env POD_NAMESPACE redirects disk", {"spec.engine.env": [{"name": "POD_NAMESPACE", "value": "victim"}]}, API,
          "spec.engine.env", "POD_NAMESPACE"),
+    # what the operator decides in the pod (kvoffload/api/managed.py): refused by name, with the reason
+    Case("env CUDA_VISIBLE_DEVICES", {"spec.engine.env": [{"name": "CUDA_VISIBLE_DEVICES", "value": "0,1,2,3"}]}, API,
+         "spec.engine.env", "CUDA_VISIBLE_DEVICES is managed by the operator: the operator decides which GPUs"),
+    Case("env NVIDIA_VISIBLE_DEVICES all", {"spec.engine.env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}, API,
+         "spec.engine.env", "NVIDIA_VISIBLE_DEVICES is managed by the operator"),
+    Case("env HF_HOME elsewhere", {"spec.engine.env": [{"name": "HF_HOME", "value": "/root/.cache"}]}, API,
+         "spec.engine.env", "HF_HOME is managed by the operator: the operator decides where the engine's weights"),
+    Case("env TMPDIR elsewhere", {"spec.engine.env": [{"name": "A", "value": "1"}, {"name": "TMPDIR", "value": "/dev/shm"}]},
+         API, "spec.engine.env", "TMPDIR is managed by the operator"),
+    Case("env HOME and LMCACHE", {"spec.engine.env": [{"name": "HOME", "value": "/"}, {"name": "LMCACHE_X", "value": "1"}]},
+         API, "spec.engine.env", "HOME is managed by the operator: the operator decides where the engine's weights, caches and "
+                                 "temporary files go"),
+    Case("metrics port is vLLM's", {"spec.metrics": {"port": 8000}}, API, "spec.metrics.port",
+         "8000 is the vllm container's port"),
+    Case("metrics port is the LMCache server's", {"spec.metrics": {"port": 5555}}, API, "spec.metrics.port",
+         "5555 is the lmcache-server container's ZMQ port"),
+    Case("metrics port is the server's HTTP", {"spec.metrics": {"port": 8081}}, API, "spec.metrics.port", "8081"),
     Case("flag api-key literal", {"spec.engine.extraArgs": ["--api-key=secret"]}, API, "spec.engine.extraArgs", "--api-key"),
     Case("env VLLM_API_KEY literal", {"spec.engine.env": [{"name": "VLLM_API_KEY", "value": "secret"}]}, API, "spec.engine.env",
          "VLLM_API_KEY"),
@@ -348,6 +365,23 @@ def test_api_server_refuses(cluster, ns, api_results, case):
     assert case.field in res.stderr, res.stderr
     assert case.needle in res.stderr, res.stderr
     assert case.name not in stored and case.name not in kids
+
+
+# Cases refused by a rule of kvoffload.api.rules: the parser refuses the same spec with the same message.
+RULE_CASES = [c for c in API_CASES if c.id.startswith(("env ", "metrics port", "conflict "))]
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=[c.id for c in RULE_CASES])
+def test_api_server_and_parser_say_the_same(api_results, case):
+    from kvoffload.api.errors import ConfigError
+    from kvoffload.api.settings import Settings
+    from kvoffload.api.spec import parse
+
+    results, _, _ = api_results
+    with pytest.raises(ConfigError) as err:
+        parse(case.manifest()["spec"], Settings())
+    assert err.value.field == case.field and case.needle in err.value.message
+    assert err.value.message in results[case.id].stderr, (err.value.message, results[case.id].stderr)
 
 
 # ----------------------------------------------------------------------------- refused by the operator

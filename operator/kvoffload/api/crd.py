@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from ..engine import flags, images
+from ..engine import flags
+from . import managed, rules
 
 GROUP = "kvoffload.io"
 VERSION = "v1alpha1"
@@ -24,13 +25,9 @@ SHORT_NAMES = ["kvs"]
 # flags the operator renders, and flags that change the GPU count or the memory budget). The API server
 # refuses these and their abbreviations; the operator also refuses unknown flags per vLLM version.
 REFUSED_FLAGS = flags.refused_spellings()
-# POD_NAME / POD_NAMESPACE expand the disk tier's subPathExpr: a user value would mount another pod's directory.
-# VLLM_API_KEY comes from spec.engine.apiKeySecretRef only (never a literal in the pod spec or command line).
-# VLLM_USE_V2_MODEL_RUNNER: set per engine pair (engine/images.CONNECTOR_ENV): a user value could turn LMCache's loads off.
-# DO_NOT_TRACK, VLLM_NO_USAGE_STATS: usage telemetry off (engine/images.TELEMETRY_OFF_ENV): a user value could turn it on.
-MANAGED_ENV = ("LMCACHE_CONFIG_FILE", "PYTHONHASHSEED", "PROMETHEUS_MULTIPROC_DIR", "LMCACHE_USE_EXPERIMENTAL",
-               "POD_NAME", "POD_NAMESPACE", "VLLM_API_KEY", *images.ENGINE_ENV_WHY)
-MANAGED_ENV_PREFIX = "LMCACHE_"
+# Environment variables spec.engine.env may not set, each with why (api/managed.py; api/rules.ENV refuses them).
+MANAGED_ENV = tuple(managed.ENV)
+MANAGED_ENV_PREFIX = managed.ENV_PREFIX
 # spec.offload.backend: who holds the offload tiers (docs/backends.md).
 BACKENDS = ("lmcache", "lmcache-server", "vllm-native")
 # vLLM's FlexibleArgumentParser reads `--max_model_len` as `--max-model-len` and `--kv-transfer-config.x=y` as a
@@ -113,8 +110,7 @@ def _architecture() -> Schema:
             "parameters": _i("Parameter count, used to size the weights in GPU memory (e.g. 8030261248).", minimum=1,
                              maximum=10**15, format="int64"),
         },
-        rules=[{"rule": "!has(self.kvHeads) || !has(self.attentionHeads) || self.attentionHeads % self.kvHeads == 0",
-                "fieldPath": ".kvHeads", "message": "kvHeads must divide attentionHeads"}],
+        rules=rules.at("spec.model.architecture"),
     )
 
 
@@ -179,18 +175,16 @@ def _engine() -> Schema:
                     "message": "extraArgs may not set, or abbreviate, a flag the operator manages or one that changes the GPU "
                                "count or the memory budget (also spelt with _ or as --flag.key): " + ", ".join(REFUSED_FLAGS)}]},
             "env": {"type": "array", "maxItems": 64, "description": (
-                "Extra environment variables for the vLLM container (Kubernetes EnvVar). Variables the operator manages are refused: "
-                + ", ".join(MANAGED_ENV) + " and any LMCACHE_* (put engine settings in spec.offload)."),
+                "Extra environment variables for the vLLM container (Kubernetes EnvVar). Variables the operator manages are refused, "
+                "each with its reason: the operator's own wiring, which GPUs the container sees, and where weights, caches and "
+                "temporary files go: " + ", ".join(MANAGED_ENV) + " and any LMCACHE_* (put engine settings in spec.offload)."),
                 "items": {"type": "object", "required": ["name"], "x-kubernetes-preserve-unknown-fields": True,
                           "properties": {"name": _s("Variable name.", minLength=1, maxLength=256),
                                          "value": _s("Variable value."),
                                          "valueFrom": _free("Source of the value (Kubernetes EnvVarSource).")}},
-                "x-kubernetes-validations": [{
-                    "rule": "self.all(e, !(e.name in " + _cel_list(MANAGED_ENV) + ") && !e.name.startsWith('" + MANAGED_ENV_PREFIX + "'))",
-                    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is refused by the operator only: a CEL rule over
-                    # env values (no maxLength) exceeds the API server's cost budget.
-                    "message": "env may not set a variable the operator manages: " + ", ".join(MANAGED_ENV) + " or LMCACHE_* ("
-                               + managed_env_reasons() + ")"}]},
+                # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is refused by the operator only: a CEL rule over
+                # env values (no maxLength) exceeds the API server's cost budget.
+                "x-kubernetes-validations": rules.at("spec.engine.env")},
             "apiKeySecretRef": _o(
                 "Secret holding the API key clients must send (Authorization: Bearer KEY) for vLLM's /v1 endpoints; exposed to vLLM "
                 "as VLLM_API_KEY (vLLM's --api-key, which is refused in extraArgs so the key never appears in the pod spec). "
@@ -201,14 +195,6 @@ def _engine() -> Schema:
         },
         required=["maxModelLen"],
     )
-
-
-def managed_env_reasons() -> str:
-    """Why each engine variable is managed, one clause per reason: "A, B: why; C: why"."""
-    names: dict[str, list[str]] = {}
-    for name, why in images.ENGINE_ENV_WHY.items():
-        names.setdefault(why, []).append(name)
-    return "; ".join(f"{', '.join(group)}: {why}" for why, group in names.items())
 
 
 def _cel_list(items: tuple[str, ...]) -> str:
@@ -247,9 +233,7 @@ def _offload() -> Schema:
                              enum=["Delete", "Retain"], default="Delete"),
          "nodeSelector": _labels("Node labels that mark nodes with this disk; defaults to the operator's NVMe label.")},
         required=["size"],
-        rules=[{"rule": "has(self.path) != has(self.storageClassName)",
-                "message": "set exactly one of spec.offload.disk.path (hostPath) or "
-                           "spec.offload.disk.storageClassName (ephemeral volume)"}],
+        rules=rules.at("spec.offload.disk"),
     )
     return _o(
         "KV-cache offloading: hot blocks stay in GPU memory, warm ones go to pinned CPU memory, cold ones to node-local "
@@ -265,13 +249,7 @@ def _offload() -> Schema:
          "cpu": cpu,
          "disk": disk},
         required=["cpu"],
-        rules=[{"rule": "!has(self.backend) || self.backend != 'vllm-native' || !has(self.disk)", "fieldPath": ".disk",
-                "message": "spec.offload.disk is not supported with spec.offload.backend vllm-native (vLLM's native offloading "
-                           "has a CPU tier only); remove spec.offload.disk or use backend lmcache or lmcache-server"},
-               {"rule": "!has(self.backend) || self.backend == 'lmcache' || !has(self.cpu.evictionPolicy) "
-                        "|| self.cpu.evictionPolicy == 'LRU'", "fieldPath": ".cpu.evictionPolicy",
-                "message": "spec.offload.cpu.evictionPolicy must be LRU with spec.offload.backend lmcache-server or "
-                           "vllm-native (the only policy both offer); LFU, FIFO and MRU need backend lmcache"}],
+        rules=rules.at("spec.offload"),
     )
 
 
@@ -326,7 +304,9 @@ def _metrics() -> Schema:
     return _o(
         "The per-tier metrics exporter sidecar.",
         {"enabled": {"type": "boolean", "description": "Run the exporter sidecar in every pod.", "default": True},
-         "port": _i("Port of the exporter's /metrics.", minimum=1024, maximum=65535, default=9400)},
+         "port": _i("Port of the exporter's /metrics. Not a port another container of the pod listens on: "
+                    + ", ".join(map(str, managed.PORTS)) + ".", minimum=1024, maximum=65535, default=9400,
+                    **{"x-kubernetes-validations": rules.at("spec.metrics.port")})},
     )
 
 
@@ -342,16 +322,7 @@ def spec_schema() -> Schema:
          "metrics": _metrics(),
          "networkPolicy": _network_policy()},
         required=["model", "engine", "offload"],
-        rules=[{"rule": "!has(self.offload.disk) || !has(self.offload.disk.nodeSelector) || !has(self.scheduling) "
-                        "|| !has(self.scheduling.nodeSelector) "
-                        "|| self.offload.disk.nodeSelector.all(k, !(k in self.scheduling.nodeSelector) "
-                        "|| self.scheduling.nodeSelector[k] == self.offload.disk.nodeSelector[k])",
-                "message": "spec.offload.disk.nodeSelector and spec.scheduling.nodeSelector disagree on a label"},
-               {"rule": "!has(self.resources) || !has(self.resources.memory) || !isQuantity(self.resources.memory) "
-                        "|| !isQuantity(self.offload.cpu.size) "
-                        "|| !quantity(self.resources.memory).isLessThan(quantity(self.offload.cpu.size))",
-                "fieldPath": ".resources.memory",
-                "message": "must hold at least the CPU tier (spec.offload.cpu.size): pinned memory is allocated in full"}],
+        rules=rules.at("spec"),
     )
 
 

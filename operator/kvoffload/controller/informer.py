@@ -255,7 +255,8 @@ class Cache:
             self.stores[(m["base"], m["plural"])] = store
             self.by_kind[kind] = store
             selector = None if is_cr else render.OWNER_LABEL  # only objects labelled as ours
-            for ns in namespaces or [None]:
+            scopes: list[str | None] = [*namespaces] if namespaces else [None]
+            for ns in scopes:
                 self.informers.append(Informer(kube, api_version, kind, ns, store, kick, selector))
 
     async def wait_synced(self) -> None:
@@ -299,7 +300,7 @@ class CachedKube(Kube):
         if hit is None or hit[2] is None:
             return super().get(path)
         store, ns, name = hit
-        return store.get(ns, name)
+        return store.get(ns, name) if name is not None else None
 
     def list(self, path: str, label_selector: str) -> list[Obj]:
         hit = self.cache.store_for(path)

@@ -33,7 +33,8 @@ def plan_for(spec: Spec) -> sizing.Budget:
     its errors and warnings come back naming CRD fields."""
     r = spec.resources
     try:
-        model = catalog.resolve_model(spec.model.name, **{_ARCH_KW[k]: v for k, v in spec.model.architecture.items()})
+        overrides: dict[str, Any] = {_ARCH_KW[k]: v for k, v in spec.model.architecture.items()}
+        model = catalog.resolve_model(spec.model.name, **overrides)
         budget = sizing.plan(sizing.PlanInput(
             model=model,
             max_model_len=spec.engine.max_model_len,

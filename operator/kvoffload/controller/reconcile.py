@@ -165,7 +165,8 @@ def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: 
         desired = pipeline.desired(name, namespace, meta["uid"], body.get("spec") or {}, settings)
     except ConfigError as exc:
         error = exc  # no child is created or changed while the spec is invalid
-    sts, pods, probes, applied = None, [], None, []
+    applied: list[str] = []
+    sts, pods, probes = None, [], None
     if desired is not None:
         try:
             sts, applied = sync_children(kube, namespace, name, meta["uid"], desired.children, pipeline.unchecked(desired.spec))

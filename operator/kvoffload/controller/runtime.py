@@ -55,7 +55,7 @@ class Runtime:
             recorder = events.recorder(settings, lambda ns, body: kube.request("POST", f"/api/v1/namespaces/{ns}/events", body))
             reconcile = functools.partial(reconcile_one, recorder=recorder)
         self.settings, self.reconcile, self.workers = settings, reconcile, workers
-        self.cache = Cache(kube, namespaces, self._kicked)
+        self.cache = Cache(kube, namespaces, self._kicked)  # type: ignore[arg-type]  # unit tests drive the queue with no Kube
         self.kube = CachedKube(kube, self.cache) if kube is not None else None
         self.heap: list[tuple[int, int, Key]] = []
         self.queued: dict[Key, int] = {}  # key -> priority of its live heap entry
@@ -80,7 +80,7 @@ class Runtime:
         self._spawn(self._report_forever(REPORT_SECONDS))
         if lease is not None:
             self.leading = False
-            self.elector = leader.Elector(lease_kube or self.kube, lease, self._on_leadership)
+            self.elector = leader.Elector(lease_kube or self.kube, lease, self._on_leadership)  # type: ignore[arg-type]
             self._spawn(self.elector.run())
 
     async def stop(self) -> None:

@@ -16,6 +16,7 @@ import yaml
 
 from ..api import crd
 from ..api.errors import ConfigError
+from ..api.managed import HTTP_PORT, SERVER_HTTP_PORT, SERVER_ZMQ_PORT  # the spec may not reuse them
 from ..api.quantity import format_bytes, gib
 from ..api.settings import Settings
 from ..api.spec import Spec
@@ -28,7 +29,6 @@ from . import pod_security
 from .network_policy import network_policy
 from .placement import topology_spread
 
-HTTP_PORT = 8000
 CONFIG_DIR = "/etc/lmcache"
 CONFIG_FILE = f"{CONFIG_DIR}/lmcache.yaml"
 DISK_DIR = "/kvcache"
@@ -43,8 +43,6 @@ VLLM_PRELUDE = 'find "$PROMETHEUS_MULTIPROC_DIR" -mindepth 1 -delete; exec "$0" 
 VLLM_COMMAND = ["/bin/sh", "-c", VLLM_PRELUDE, "vllm", "serve"]
 KV_TRANSFER_CONFIG = json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, separators=(",", ":"))
 # Backend lmcache-server: the LMCache server sidecar, reached on the pod's loopback only.
-SERVER_ZMQ_PORT = 5555
-SERVER_HTTP_PORT = 8081  # /healthcheck and /status (L1/L2 usage, registered engines); not /metrics in 0.5.3
 SERVER_TRANSFER_MODE = "engine_driven"  # the server has no GPU: vLLM's workers copy KV into its /dev/shm L1
 MP_KV_TRANSFER_CONFIG = json.dumps({
     "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
