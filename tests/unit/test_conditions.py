@@ -238,7 +238,7 @@ PAIRS = [  # (what was read, Ready, (Reconciling), (Stalled))
      ("True", "AllReplicasReady"), ("False", "Converged"), ("False", "SpecAccepted")),
     ("invalid", lambda: conditions.status(body(3), None, ConfigError("spec.offload.disk.path", "'/etc' is outside"),
                                           conditions.Observed(None, []), T0),
-     ("False", "ConfigInvalid"), ("False", "Stalled"), ("True", "InvalidSpec")),
+     ("False", "InvalidSpec"), ("False", "Stalled"), ("True", "InvalidSpec")),
     ("rolling out", lambda: conditions.status(body(2), desired(), None,
                                               conditions.Observed(sts(gen=2, observed=2, updated=0, update="r2"), [pod()]), T0),
      ("False", "RollingOut"), ("True", "RollingOut"), ("False", "SpecAccepted")),
@@ -306,3 +306,19 @@ def test_pods_not_created_point_at_the_statefulset_events():
     assert "2 pod(s) not created yet" in cond.message and "violates PodSecurity" in cond.message
     created = {"metadata": {"name": "svc-0"}, "spec": {}, "status": {}}
     assert "not created" not in c._scheduled(1, [created]).message
+
+
+def test_every_condition_and_reason_is_declared_once():
+    """Types and reasons come from kvoffload.api.conditions (the CRD text and the chart's NOTES read it); a reason that
+    is not declared there cannot be written, and a refused spec says InvalidSpec on every condition that names one."""
+    from kvoffload.api import conditions as declared
+    from kvoffload.api import crd
+    from kvoffload.cli import generate
+
+    assert conditions.TYPES == declared.TYPES
+    with pytest.raises(ValueError, match="not declared"):
+        conditions.Cond("Ready", "False", "ConfigInvalid", "x")
+    st = conditions.status(body(3), None, ConfigError("spec.offload.disk.path", "'/etc' is outside"), conditions.Observed(None, []), T0)
+    assert {c["reason"] for c in st["conditions"] if c["type"] not in ("Reconciling",)} == {"InvalidSpec"}
+    assert crd.status_schema()["properties"]["conditions"]["description"] == declared.summary()
+    assert all(f"{c.type}: {c.description}" in generate.conditions_tpl() for c in declared.CONDITIONS)

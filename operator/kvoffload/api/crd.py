@@ -12,7 +12,7 @@ import functools
 from typing import Any
 
 from ..engine import flags
-from . import managed, rules
+from . import conditions, managed, rules
 
 GROUP = "kvoffload.io"
 VERSION = "v1alpha1"
@@ -329,9 +329,10 @@ def spec_schema() -> Schema:
 def _condition() -> Schema:
     return _o(
         "A condition (Kubernetes API conventions).",
-        {"type": _s("Ready, ConfigValid, Scheduled, OffloadActive, EngineVerified, DiskTierReady, Reconciling or Stalled."),
+        {"type": _s(", ".join(conditions.TYPES[:-1]) + " or " + conditions.TYPES[-1] + "."),
          "status": _s("True, False or Unknown.", enum=["True", "False", "Unknown"]),
-         "reason": _s("CamelCase reason."),
+         "reason": _s("CamelCase reason: " + "; ".join(f"{c.type}: {', '.join(c.reasons)}" for c in conditions.CONDITIONS)
+                      + " (Reconciling also carries Ready's)."),
          "message": _s("Human-readable detail."),
          "lastTransitionTime": _s("When status last changed.", format="date-time"),
          "observedGeneration": _i("Generation the condition was computed from.", format="int64")},
@@ -346,9 +347,7 @@ def status_schema() -> Schema:
     return _o(
         "Observed state, written by the operator.",
         {"observedGeneration": _i("Generation of the spec the operator last rolled out (0: none yet).", format="int64"),
-         "conditions": {"type": "array", "description": "Ready, ConfigValid, Scheduled, OffloadActive, EngineVerified, DiskTierReady; and "
-                                                        "Reconciling (True while converging) and Stalled (True while the spec "
-                                                        "cannot be acted on), which kstatus (Helm --wait, Flux) reads.",
+         "conditions": {"type": "array", "description": conditions.summary(),
                         "items": _condition(), "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
          "replicas": _i("Pods that exist.", format="int32"),
          "readyReplicas": _i("Pods that are Ready.", format="int32"),
