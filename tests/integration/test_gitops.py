@@ -291,7 +291,7 @@ def test_kubectl_kvs_why_explains_in_plain_words(cluster, namespace, operator):
     missing = kubectl_kvs(cluster, "why", "nope", "-n", namespace)
     assert missing.returncode == 1 and "not found" in missing.stderr
 
-    plan = kubectl_kvs(cluster, "plan", "--model", "Qwen/Qwen2.5-7B-Instruct", "--cpu-tier", "16Gi")
+    plan = kubectl_kvs(cluster, "plan", "--model", "Qwen/Qwen2.5-7B-Instruct", "--cpu-size", "16Gi")
     assert plan.returncode == 0 and "cpu" in plan.stdout
     rendered = kubectl_kvs(cluster, "render", "-f", str(ROOT / "examples/cpu-tier-qwen25-7b.yaml"))
     assert rendered.returncode == 0 and "kind: StatefulSet" in rendered.stdout

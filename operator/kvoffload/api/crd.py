@@ -71,6 +71,14 @@ def _q(description: str, *, positive: bool = True, **kw: Any) -> Schema:
                                                                            f"and at most {MAX_QUANTITY}, e.g. 40Gi or 500G"}]})
 
 
+def _gbps(tier: str, setting: str) -> Schema:
+    """A read bandwidth in GB/s: the figure that decides whether this tier's hits beat recomputing the prefix."""
+    return {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 10000, "description": (
+        f"Read bandwidth of the {tier} back into the GPU, in GB/s (10^9 bytes per second), for this resource's nodes. It "
+        "decides whether reloading a max-length prefix from this tier is slower than recomputing it (a warning in "
+        f"ConfigValid, status.budget.reload). Defaults to the operator setting {setting}; status says which figure was used.")}
+
+
 def _o(description: str, properties: dict[str, Schema], *, required: list[str] | None = None,
        rules: list[dict[str, str]] | None = None, **kw: Any) -> Schema:
     out: Schema = {"type": "object", "description": description, "properties": properties, **kw}
@@ -210,7 +218,8 @@ def _offload() -> Schema:
         {"size": _q("Pinned CPU memory for KV chunks, per replica (split evenly over the tensor-parallel ranks; LMCache's "
                     "max_local_cpu_size is this ÷ tensorParallelSize, in GiB)."),
          "evictionPolicy": _s("Which chunk a full tier drops (LMCache cache_policy; applies to the CPU and disk tiers).",
-                              enum=["LRU", "LFU", "FIFO", "MRU"], default="LRU")},
+                              enum=["LRU", "LFU", "FIFO", "MRU"], default="LRU"),
+         "readGbps": _gbps("CPU tier (pinned host memory, per GPU)", "cpuReadGbps")},
         required=["size"],
     )
     disk = _o(
@@ -231,7 +240,8 @@ def _offload() -> Schema:
          "reclaimPolicy": _s("What happens to node directories when a pod or the resource goes: Delete (emptied at every pod start; "
                              "removed from nodes by the node cleaner when the resource is deleted) or Retain (left for the admin).",
                              enum=["Delete", "Retain"], default="Delete"),
-         "nodeSelector": _labels("Node labels that mark nodes with this disk; defaults to the operator's NVMe label.")},
+         "nodeSelector": _labels("Node labels that mark nodes with this disk; defaults to the operator's NVMe label."),
+         "readGbps": _gbps("disk tier (one node-local device shared by the pod's ranks)", "diskReadGbps")},
         required=["size"],
         rules=rules.at("spec.offload.disk"),
     )

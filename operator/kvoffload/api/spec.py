@@ -111,12 +111,20 @@ class EngineSpec:
 
 
 @dataclass(frozen=True)
+class Figure:
+    """A figure the planner uses and where it came from (a spec field or an operator setting), for status."""
+    value: float
+    source: str
+
+
+@dataclass(frozen=True)
 class DiskSpec:
     path: str | None
     storage_class: str | None
     size: int
     reclaim_policy: str
     node_selector: dict[str, str]
+    read_gbps: Figure | None = None  # None: the planner's default
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,8 @@ class OffloadSpec:
     cpu_size: int
     eviction_policy: str
     disk: DiskSpec | None
+    cpu_read_gbps: Figure | None = None  # None: the planner's default
+    prefill_tokens_per_second: Figure | None = None  # None: derived from the model (planning.sizing)
 
 
 @dataclass(frozen=True)
@@ -344,6 +354,19 @@ def check_disk_path(path: str, allowed_roots: tuple[str, ...]) -> str:
     raise ConfigError(field_, f"{path!r} is outside the allowed roots: {roots}")
 
 
+def _figure(r: _Reader, path: str, setting: str, default: float) -> Figure:
+    """A positive number from the spec, else the operator's setting, with where it came from."""
+    value = r.get(path)
+    if value is None:
+        if isinstance(default, bool) or not isinstance(default, (int, float)) or not default > 0:
+            raise ConfigError(f"operator setting {setting}", f"{default!r} must be a number > 0")
+        return Figure(float(default), f"operator setting {setting}")
+    node = _node(path)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= node["maximum"]:
+        raise ConfigError(f"spec.{path}", f"{value!r} must be a number in (0, {node['maximum']}]")
+    return Figure(float(value), f"spec.{path}")
+
+
 def _offload(r: _Reader, settings: Settings) -> OffloadSpec:
     cpu = _required_size(r, "offload.cpu.size")
     disk = None
@@ -357,10 +380,14 @@ def _offload(r: _Reader, settings: Settings) -> OffloadSpec:
             size=_required_size(r, "offload.disk.size"),
             reclaim_policy=_enum(r, "offload.disk.reclaimPolicy"),
             node_selector=node_selector,
+            read_gbps=_figure(r, "offload.disk.readGbps", "diskReadGbps", settings.disk_read_gbps),
         )
     backend, policy = _enum(r, "offload.backend"), _enum(r, "offload.cpu.evictionPolicy")
+    prefill = settings.prefill_tokens_per_second
     return OffloadSpec(backend=backend, chunk_size=_int(r, "offload.chunkSize", 16, 8192), cpu_size=cpu,
-                       eviction_policy=policy, disk=disk)
+                       eviction_policy=policy, disk=disk,
+                       cpu_read_gbps=_figure(r, "offload.cpu.readGbps", "cpuReadGbps", settings.cpu_read_gbps),
+                       prefill_tokens_per_second=None if not prefill else Figure(prefill, "operator setting prefillTokensPerSecond"))
 
 
 def _resources(r: _Reader, settings: Settings) -> ResourcesSpec:
