@@ -18,7 +18,6 @@ One operator subprocess and one namespace serve the whole module.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import re
 import uuid
@@ -28,35 +27,13 @@ from typing import Any
 import pytest
 
 from kvtest import ApiError, OperatorProcess, condition
+from kvtest.specs import DELETE, live_children, patched, serve
 
 pytestmark = pytest.mark.cluster
 
 API, OPERATOR = "api", "operator"
-CHILD_KINDS = ("configmaps", "services", "statefulsets", "poddisruptionbudgets")
 
-VALID: dict[str, Any] = {
-    "apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe",
-    "metadata": {"name": "placeholder"},
-    "spec": {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen": 16384},
-             "offload": {"cpu": {"size": "16Gi"}, "disk": {"path": "/mnt/nvme/lmcache", "size": "100Gi"}},
-             "resources": {"gpuMemory": "141Gi"}},
-}
-DELETE = object()
-
-
-def patched(changes: dict[str, Any]) -> dict[str, Any]:
-    """VALID with dotted-path changes (`spec.offload.disk.path`); DELETE removes the key."""
-    obj = copy.deepcopy(VALID)
-    for dotted, value in changes.items():
-        *parents, leaf = dotted.split(".")
-        node = obj
-        for part in parents:
-            node = node.setdefault(part, {})
-        if value is DELETE:
-            node.pop(leaf, None)
-        else:
-            node[leaf] = value
-    return obj
+VALID = serve("placeholder")
 
 
 @dataclass(frozen=True)
@@ -72,7 +49,7 @@ class Case:
         return self.changes.get("metadata.name") or re.sub(r"[^a-z0-9]+", "-", self.id.lower()).strip("-")[:52].rstrip("-")
 
     def manifest(self) -> dict[str, Any]:
-        obj = patched(self.changes)
+        obj = patched(VALID, self.changes)
         obj["metadata"]["name"] = self.name
         return obj
 
@@ -332,10 +309,10 @@ def serves(cluster, ns: str) -> dict[str, dict[str, Any]]:
 
 
 def children(cluster, ns: str) -> dict[str, list[dict[str, Any]]]:
+    """The operator's children in the namespace, by owning resource."""
     out: dict[str, list[dict[str, Any]]] = {}
-    for kind in CHILD_KINDS:
-        for item in cluster.client.list(kind, ns, labels="kvoffload.io/serve"):
-            out.setdefault(item["metadata"]["labels"]["kvoffload.io/serve"], []).append(item)
+    for item in live_children(cluster.client, ns):
+        out.setdefault(item["metadata"]["labels"]["kvoffload.io/serve"], []).append(item)
     return out
 
 
@@ -419,7 +396,7 @@ def test_operator_refuses(operator_verdicts, case):
 def test_operator_changes_nothing_when_a_running_serve_turns_bad(cluster, ns, operator):
     """A valid serve runs; invalid updates (refused by the API server or by the operator) leave its children alone."""
     name = "running"
-    good = patched({"metadata.name": name})
+    good = patched(VALID, {"metadata.name": name})
     assert apply_error(cluster, ns, good) is None
 
     def ready():

@@ -15,8 +15,7 @@ from kvoffload.api.spec import parse
 from kvoffload.controller import conditions, pipeline
 from kvoffload.controller.probe import Reading
 from kvoffload.rendering import render
-
-from .helpers import spec
+from kvtest.specs import spec
 
 PAIR = {"engine__image": "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", "engine__vllmVersion": "0.26.0",
         "engine__lmcacheVersion": "0.5.3"}

@@ -1,6 +1,5 @@
 """observe: conditions are a pure function of what was read; the clock is injected."""
 
-from datetime import datetime, timezone
 
 import pytest
 
@@ -9,32 +8,11 @@ from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
 from kvoffload.controller import conditions, pipeline
 from kvoffload.controller.probe import Reading
-
-from .helpers import spec
-
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
-T1 = datetime(2026, 1, 2, tzinfo=timezone.utc)
-
-
-def body(generation=1, status=None):
-    return {"metadata": {"name": "svc", "namespace": "ns", "generation": generation}, "status": status or {}}
+from kvtest.specs import T0, T1, body, pod, ready_pod, spec, sts
 
 
 def desired(**patch):
     return pipeline.desired("svc", "ns", "u", spec(**patch), Settings())
-
-
-def sts(replicas=1, ready=1, updated=1, gen=1, observed=1, current="r1", update="r1"):
-    return {"metadata": {"generation": gen}, "status": {"replicas": replicas, "readyReplicas": ready, "updatedReplicas": updated,
-                                                        "observedGeneration": observed, "currentRevision": current,
-                                                        "updateRevision": update}}
-
-
-def pod(name="svc-0", node="gpu-node-0", scheduled=True, message="", initialized=True):
-    conds = [{"type": "PodScheduled", "status": "True" if scheduled else "False",
-              **({} if scheduled else {"reason": "Unschedulable", "message": message})},
-             {"type": "Initialized", "status": "True" if initialized else "False"}]
-    return {"metadata": {"name": name}, "spec": {"nodeName": node} if scheduled else {}, "status": {"conditions": conds}}
 
 
 def by_type(status):
@@ -103,12 +81,6 @@ def test_status_is_stable_for_the_same_inputs():
     a = conditions.status(body(), desired(), None, conditions.Observed(sts(), [pod()]), T0)
     b = conditions.status(body(status=a), desired(), None, conditions.Observed(sts(), [pod()]), T1)
     assert a == b  # so a no-op reconcile writes nothing
-
-
-def ready_pod(name="svc-0"):
-    p = pod(name)
-    p["status"]["conditions"].append({"type": "Ready", "status": "True"})
-    return p
 
 
 def offload(probes, **patch):

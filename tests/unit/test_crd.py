@@ -6,8 +6,7 @@ from kvoffload.api import crd
 from kvoffload.api.settings import Settings
 from kvoffload.api.spec import parse
 from kvoffload.cli import generate
-
-from .helpers import ROOT
+from kvtest import ROOT
 
 FULL_SPEC = {
     "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "servedName": "llama", "kvDtype": "fp8",

@@ -191,8 +191,8 @@ def test_file_is_planned_as_the_operator_plans_it(capsys: pytest.CaptureFixture[
     """`plan -f` goes through the operator's own parse -> plan (pipeline.desired): the same budget, field names in errors."""
     from kvoffload.api.settings import Settings
     from kvoffload.controller import pipeline
-
-    from .helpers import ROOT, example
+    from kvtest import ROOT
+    from kvtest.specs import example
 
     path = ROOT / "examples" / "tp8-llama33-70b.yaml"
     rc, out, err = run(capsys, "-f", str(path), "-o", "json")
@@ -233,8 +233,7 @@ def test_the_bandwidth_behind_a_verdict_is_named(capsys: pytest.CaptureFixture[s
 def test_spec_bandwidths_decide_and_status_says_so() -> None:
     from kvoffload.api.settings import Settings
     from kvoffload.controller import pipeline
-
-    from .helpers import spec
+    from kvtest.specs import spec
 
     slow = pipeline.desired("svc", "ns", "", spec(), Settings()).budget
     assert slow.reload[1].slower_than_recompute and "(operator setting diskReadGbps)" in " ".join(slow.warnings)

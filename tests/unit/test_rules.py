@@ -10,8 +10,7 @@ from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
 from kvoffload.api.spec import parse
 from kvoffload.controller import pipeline
-
-from .helpers import spec
+from kvtest.specs import spec
 
 S = Settings()
 BACKENDS = crd.schema_at("offload.backend")["enum"]
