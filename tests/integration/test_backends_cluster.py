@@ -24,6 +24,11 @@ def serve(name: str, backend: str, disk: bool = True) -> dict:
     ({**serve("bad", "lmcache-server"), "spec": {**serve("bad", "lmcache-server")["spec"], "offload": {
         "backend": "lmcache-server", "cpu": {"size": "16Gi", "evictionPolicy": "LFU"}}}}, "spec.offload.cpu.evictionPolicy"),
     (serve("bad", "redis"), 'spec.offload.backend: Unsupported value: "redis"'),
+    # Fields a backend cannot honour (backends/*.refuses), refused by the generated CEL rules as by spec.parse.
+    ({**serve("bad", "vllm-native", disk=False), "spec": {**serve("bad", "vllm-native", disk=False)["spec"], "offload": {
+        "backend": "vllm-native", "chunkSize": 512, "cpu": {"size": "16Gi"}}}}, "spec.offload.chunkSize: Invalid value"),
+    ({**serve("bad", "lmcache"), "spec": {**serve("bad", "lmcache")["spec"], "resources": {
+        "gpuMemory": "141Gi", "serverBaseline": "3Gi"}}}, "spec.resources.serverBaseline: Invalid value"),
 ])
 def test_api_server_refuses_what_a_backend_cannot_do(cluster, namespace, crd_installed, obj, needle):  # noqa: F811
     with pytest.raises(ApiError) as refused:

@@ -12,6 +12,7 @@ from kvoffload.api.errors import ConfigError
 from kvoffload.api.quantity import GiB, gib, to_bytes
 from kvoffload.api.settings import Settings
 from kvoffload.api.spec import parse
+from kvoffload.backends import lmcache_server
 from kvoffload.controller import conditions, pipeline
 from kvoffload.controller.probe import Reading
 from kvoffload.rendering import render
@@ -46,6 +47,11 @@ def arg(args, flag):
     ({"offload__backend": "lmcache-server", "offload__cpu__evictionPolicy": "LFU"}, "spec.offload.cpu.evictionPolicy", "LRU"),
     ({"offload__backend": "vllm-native", "offload__disk": None, "offload__cpu__evictionPolicy": "MRU"},
      "spec.offload.cpu.evictionPolicy", "LRU"),
+    ({"offload__backend": "vllm-native", "offload__disk": None, "offload__chunkSize": 8192}, "spec.offload.chunkSize",
+     "16-token vLLM KV blocks"),
+    ({"offload__backend": "vllm-native", "offload__disk": None, "resources__stagingPerWorker": "2Gi"},
+     "spec.resources.stagingPerWorker", "vllm-native"),
+    ({"resources__serverBaseline": "3Gi"}, "spec.resources.serverBaseline", "no LMCache server"),
     ({"offload__backend": "redis"}, "spec.offload.backend", "lmcache, lmcache-server, vllm-native"),
     ({"offload__backend": "lmcache-server", "engine__image": "x/y:1", "engine__vllmVersion": "0.25.0",
       "engine__lmcacheVersion": "0.5.3"}, "spec.offload.backend", "vLLM 0.25.0"),
@@ -88,7 +94,7 @@ def test_vllm_container_memory_is_the_same_and_the_server_adds_its_own():
 
 
 def test_native_tier_counts_whole_vllm_blocks():
-    d = desired("vllm-native", offload__chunkSize=8192)  # chunkSize is LMCache's; vLLM offloads 16-token blocks
+    d = desired("vllm-native")  # chunkSize is LMCache's (refused with vllm-native, below); vLLM offloads 16-token blocks
     cpu = d.budget.tier("cpu")
     assert cpu.tokens == 40 * GiB // (16 * d.budget.kv_bytes_per_token) * 16
 
@@ -123,7 +129,7 @@ def test_server_pod():
     assert [k["kind"] for k in d.children] == ["Service", "Service", "StatefulSet", "PodDisruptionBudget"]
     exporter = c["exporter"]["args"]
     assert arg(exporter, "--backend") == "lmcache-server"
-    assert arg(exporter, "--lmcache-server-url") == f"http://127.0.0.1:{render.SERVER_HTTP_PORT}/status"
+    assert arg(exporter, "--lmcache-server-url") == f"http://127.0.0.1:{lmcache_server.SERVER_HTTP_PORT}/status"
 
 
 def test_native_pod():

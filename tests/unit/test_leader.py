@@ -219,7 +219,7 @@ def test_new_leader_catches_up_on_what_it_saw_while_following():
         rt.leading = False
         serves = rt.cache.by_kind["KVOffloadServe"]
         for name in ("b", "a", "gone"):
-            serves.apply_event("ADDED", serve(name))  # what the informer stores while following
+            serves.apply_event("ADDED", serve(name))  # what kopf stores while following
         serves.apply_event("DELETED", serve("gone"))
         assert not rt.queued
         rt._on_leadership(True)

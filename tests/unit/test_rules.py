@@ -93,8 +93,6 @@ def test_a_free_metrics_port_is_taken():
 @pytest.mark.parametrize("rule, patch", [
     (rules.KV_HEADS, {"model__architecture": {"attentionHeads": 32, "kvHeads": 3}}),
     (rules.DISK_ONE_OF, {"offload__disk__storageClassName": "nvme"}),
-    (rules.NATIVE_NO_DISK, {"offload__backend": "vllm-native"}),
-    (rules.EVICTION_LRU, {"offload__backend": "lmcache-server", "offload__cpu__evictionPolicy": "LFU"}),
     (rules.NODE_SELECTORS, {"offload__disk__nodeSelector": {"a": "1"}, "scheduling": {"nodeSelector": {"a": "2"}}}),
     (rules.MEMORY_HOLDS_CPU_TIER, {"resources__memory": "8Gi"}),
 ])

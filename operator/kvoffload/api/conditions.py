@@ -43,17 +43,13 @@ CONDITIONS: tuple[ConditionType, ...] = (
         "NoReplicas": "spec.replicas is 0",
         "Unschedulable": "kube-scheduler cannot place a pod (its message says why)",
         "PodsPending": "pods wait for a node, or are not created yet"}),
+    # Each backend adds its own proven / idle reasons (backends/, Backend.reasons; docs/backends.md).
     ConditionType("OffloadActive", "The pods' exporters prove the offload backend serves prompt tokens "
                                    "(kvoffload_offload_active).", {
         **_COMMON, **_PROBES,
         "EngineNotReady": "the engine is not ready yet",
         "ExporterUnreachable": "no exporter answered",
-        "ExternalHitsNotLoaded": "vLLM skipped prefill for KV that LMCache never loaded: answers are wrong",
-        "LMCacheActive": "backend lmcache: vLLM asks LMCache for prompt tokens and LMCache's metrics are present",
-        "NoLMCacheActivity": "backend lmcache: no offload activity yet",
-        "LMCacheServerConnected": "backend lmcache-server: vLLM registered with the LMCache server and asks it for prompt tokens",
-        "NativeOffloadActive": "backend vllm-native: vLLM's native offloading serves prompt tokens",
-        "NoOffloadActivity": "backends lmcache-server and vllm-native: no offload activity yet"}),
+        "ExternalHitsNotLoaded": "vLLM skipped prefill for KV that LMCache never loaded: answers are wrong"}),
     ConditionType("EngineVerified", "The pods run the vLLM / LMCache pair the operator rendered for (kvoffload_engine_info).", {
         **_COMMON, **_PROBES,
         "EngineVersionsMatch": "every reporting pod runs the rendered pair",

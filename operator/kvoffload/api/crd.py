@@ -9,6 +9,8 @@ let the API server refuse bad input before the operator sees it.
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 from typing import Any
 
 from ..engine import flags
@@ -28,8 +30,14 @@ REFUSED_FLAGS = flags.refused_spellings()
 # Environment variables spec.engine.env may not set, each with why (api/managed.py; api/rules.ENV refuses them).
 MANAGED_ENV = tuple(managed.ENV)
 MANAGED_ENV_PREFIX = managed.ENV_PREFIX
-# spec.offload.backend: who holds the offload tiers (docs/backends.md).
-BACKENDS = ("lmcache", "lmcache-server", "vllm-native")
+
+
+@functools.cache
+def backend_declarations() -> dict[str, Any]:
+    """What each spec.offload.backend declares to the API (its name, summary, engine pair and the fields it
+    refuses): data/backends.json, written by `kvoffload generate` from the backends' registry (backends/,
+    a layer above this one)."""
+    return json.loads((Path(__file__).parent / "data" / "backends.json").read_text(encoding="utf-8"))
 # vLLM's FlexibleArgumentParser reads `--max_model_len` as `--max-model-len` and `--kv-transfer-config.x=y` as a
 # sub-key of `--kv-transfer-config`, and (allow_abbrev) any unambiguous prefix as the whole flag: `--max-model`
 # and `-t` set --max-model-len and -tp. So an argument is refused when, read as vLLM reads it, it is a prefix
@@ -248,19 +256,63 @@ def _offload() -> Schema:
     return _o(
         "KV-cache offloading: hot blocks stay in GPU memory, warm ones go to pinned CPU memory, cold ones to node-local "
         "disk. spec.offload.backend chooses the engine that does it (docs/backends.md compares them).",
-        {"backend": _s("Who holds the CPU and disk tiers. lmcache: LMCache inside the vLLM process (LMCacheConnectorV1); "
-                       "the tiers die with the vLLM container. lmcache-server: an LMCache server in a sidecar container of "
-                       "the serving pod (vLLM's LMCacheMPConnector over ZMQ on 127.0.0.1); the tiers survive vLLM container "
-                       "restarts, not pod replacement. vllm-native: vLLM's own CPU offloading (--kv-offloading-backend native), "
-                       "no LMCache, CPU tier only.", enum=list(BACKENDS), default="lmcache"),
+        {"backend": _s("Who holds the CPU and disk tiers. " + " ".join(
+                           f"{b['name']}: {b['summary']}" for b in backend_declarations()["backends"]),
+                       enum=[b["name"] for b in backend_declarations()["backends"]], default=backend_declarations()["default"]),
          "chunkSize": _i("Tokens per LMCache chunk (chunk_size, or the LMCache server's --chunk-size); the unit stored, looked "
-                         "up and evicted. Ignored by vllm-native, which offloads whole vLLM KV blocks.",
+                         "up and evicted. vllm-native offloads whole vLLM KV blocks and refuses any value but the default.",
                          minimum=16, maximum=8192, default=256),
          "cpu": cpu,
          "disk": disk},
         required=["cpu"],
         rules=rules.at("spec.offload"),
     )
+
+
+def backend_refusals(spec: Schema | None = None) -> list[tuple[str, str, list[Any] | None, str]]:
+    """Every (backend, spec path, values still allowed, message tail) the backends declare (Backend.refuses),
+    one message for the CEL rule (prefixed with the field) and the operator's check (spec.parse). Allowed:
+    the declared values, else the field's CRD default (the API server writes it), else None (must be unset)."""
+    spec = _cached_spec_schema() if spec is None else spec
+    decl = backend_declarations()["backends"]
+    out = []
+    for b in decl:
+        for path, refusal in b["refuses"].items():
+            others = " or ".join(o["name"] for o in decl if path not in o["refuses"])
+            node = spec
+            for part in path.split("."):
+                node = node["properties"][part]
+            if "allowed" in refusal:
+                tail = (f"must be {' or '.join(refusal['allowed'])} with spec.offload.backend {b['name']} "
+                        f"({refusal['why']}); other values need backend {others}")
+            else:
+                tail = (f"is not supported with spec.offload.backend {b['name']} ({refusal['why']}); "
+                        f"remove spec.{path} or use backend {others}")
+            allowed = refusal.get("allowed") or ([node["default"]] if "default" in node else None)
+            out.append((b["name"], path, allowed, tail))
+    return out
+
+
+def _cel(value: Any) -> str:
+    return f"'{value}'" if isinstance(value, str) else json.dumps(value)
+
+
+def _add_backend_rules(spec: Schema) -> None:
+    """The CEL form of backend_refusals, on spec.offload for its own fields, else on the spec."""
+    default = backend_declarations()["default"]
+    for name, path, allowed, tail in backend_refusals(spec):
+        host, rel = ("offload", path.removeprefix("offload.")) if path.startswith("offload.") else ("", path)
+        backend = "self.backend" if host else "self.offload.backend"
+        chosen = (f"(!has({backend}) || {backend} == '{name}')" if name == default else
+                  f"(has({backend}) && {backend} == '{name}')")
+        parts = rel.split(".")
+        present = " && ".join(f"has(self.{'.'.join(parts[:i + 1])})" for i in range(len(parts)))
+        rule = f"!{chosen} || " + (f"!({present})" if len(parts) > 1 else f"!{present}")
+        if allowed is not None:
+            rule += f" || self.{rel} in [{', '.join(_cel(v) for v in allowed)}]"
+        node = spec["properties"][host] if host else spec
+        node.setdefault("x-kubernetes-validations", []).append(
+            {"rule": rule, "fieldPath": f".{rel}", "message": f"spec.{path} {tail}"})
 
 
 def _resources() -> Schema:
@@ -321,7 +373,7 @@ def _metrics() -> Schema:
 
 
 def spec_schema() -> Schema:
-    return _o(
+    spec = _o(
         "Desired state of a vLLM + LMCache service with KV-cache offloading.",
         {"model": _model(),
          "replicas": _i("Number of serving pods (each a full copy of the model).", minimum=0, maximum=1000, default=1),
@@ -334,6 +386,8 @@ def spec_schema() -> Schema:
         required=["model", "engine", "offload"],
         rules=rules.at("spec"),
     )
+    _add_backend_rules(spec)
+    return spec
 
 
 def _condition() -> Schema:

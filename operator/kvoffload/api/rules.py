@@ -119,21 +119,6 @@ DISK_ONE_OF = Rule(
     message="set exactly one of spec.offload.disk.path (hostPath) or spec.offload.disk.storageClassName (ephemeral volume)",
     holds=lambda d: (get(d, "path") is None) != (get(d, "storageClassName") is None),
 )
-NATIVE_NO_DISK = Rule(
-    at="spec.offload",
-    cel="!has(self.backend) || self.backend != 'vllm-native' || !has(self.disk)", field=".disk",
-    message="spec.offload.disk is not supported with spec.offload.backend vllm-native (vLLM's native offloading "
-            "has a CPU tier only); remove spec.offload.disk or use backend lmcache or lmcache-server",
-    holds=lambda o: get(o, "backend") != "vllm-native" or get(o, "disk") is None,
-)
-EVICTION_LRU = Rule(
-    at="spec.offload",
-    cel="!has(self.backend) || self.backend == 'lmcache' || !has(self.cpu.evictionPolicy) || self.cpu.evictionPolicy == 'LRU'",
-    field=".cpu.evictionPolicy",
-    message="spec.offload.cpu.evictionPolicy must be LRU with spec.offload.backend lmcache-server or vllm-native (the only "
-            "policy both offer); LFU, FIFO and MRU need backend lmcache",
-    holds=lambda o: get(o, "backend") in (None, "lmcache") or get(o, "cpu.evictionPolicy") in (None, "LRU"),
-)
 NODE_SELECTORS = Rule(
     at="spec",
     cel="!has(self.offload.disk) || !has(self.offload.disk.nodeSelector) || !has(self.scheduling) "
@@ -163,8 +148,8 @@ MEMORY_HOLDS_CPU_TIER = Rule(
     holds=_memory_holds,
 )
 
-RULES: tuple[Rule, ...] = (ENV, METRICS_PORT, KV_HEADS, DISK_ONE_OF, NATIVE_NO_DISK, EVICTION_LRU, NODE_SELECTORS,
-                           MEMORY_HOLDS_CPU_TIER)
+# What a backend cannot honour is declared by the backend (backends/, Backend.refuses; crd.backend_refusals).
+RULES: tuple[Rule, ...] = (ENV, METRICS_PORT, KV_HEADS, DISK_ONE_OF, NODE_SELECTORS, MEMORY_HOLDS_CPU_TIER)
 
 
 def at(path: str) -> list[dict[str, str]]:

@@ -61,6 +61,11 @@ PLAN_FIELDS = {
 }
 
 
+def _declared(backend: Any) -> dict[str, Any] | None:
+    """What spec.offload.backend `backend` declares (crd.backend_declarations), None for an unknown one."""
+    return next((b for b in crd.backend_declarations()["backends"] if b["name"] == backend), None)
+
+
 def _matches(pattern: str, value: str) -> bool:
     """An anchored OpenAPI pattern as the API server (Go RE2) applies it: `$` never matches before a final newline."""
     return re.fullmatch(pattern.removeprefix("^").removesuffix("$"), value) is not None
@@ -129,7 +134,7 @@ class DiskSpec:
 
 @dataclass(frozen=True)
 class OffloadSpec:
-    backend: str  # one of crd.BACKENDS
+    backend: str  # a name in backends.REGISTRY
     chunk_size: int
     cpu_size: int
     eviction_policy: str
@@ -304,8 +309,9 @@ def _model(r: _Reader) -> ModelSpec:
 
 def _engine(r: _Reader, settings: Settings) -> EngineSpec:
     image = _str(r, "engine.image") or settings.default_image
+    backend = _declared(r.get("offload.backend"))
     pair = images.resolve(image, _str(r, "engine.vllmVersion"), _str(r, "engine.lmcacheVersion"),
-                          needs_lmcache=r.get("offload.backend") != "vllm-native")
+                          needs_lmcache=backend is None or backend["minLmcache"] is not None)
     util = r.get("engine.gpuMemoryUtilization")
     if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
         raise ConfigError("spec.engine.gpuMemoryUtilization", f"{util!r} must be a number in (0, 1]")
@@ -368,6 +374,11 @@ def _figure(r: _Reader, path: str, setting: str, default: float) -> Figure:
 
 
 def _offload(r: _Reader, settings: Settings) -> OffloadSpec:
+    backend, policy = _enum(r, "offload.backend"), _enum(r, "offload.cpu.evictionPolicy")
+    for name, refused, allowed, tail in crd.backend_refusals():  # the fields this backend cannot honour, first
+        value = r.get(refused, None)
+        if name == backend and value is not None and (allowed is None or value not in allowed):
+            raise ConfigError(f"spec.{refused}", tail)
     cpu = _required_size(r, "offload.cpu.size")
     disk = None
     if r.get("offload.disk") is not None:
@@ -382,7 +393,6 @@ def _offload(r: _Reader, settings: Settings) -> OffloadSpec:
             node_selector=node_selector,
             read_gbps=_figure(r, "offload.disk.readGbps", "diskReadGbps", settings.disk_read_gbps),
         )
-    backend, policy = _enum(r, "offload.backend"), _enum(r, "offload.cpu.evictionPolicy")
     prefill = settings.prefill_tokens_per_second
     return OffloadSpec(backend=backend, chunk_size=_int(r, "offload.chunkSize", 16, 8192), cpu_size=cpu,
                        eviction_policy=policy, disk=disk,
@@ -467,7 +477,10 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
         network_policy=_network_policy(r),
     )
     rules.check(spec)  # the CRD's CEL rules, each declared once in api/rules.py
-    images.check_backend(parsed.offload.backend, images.EnginePair(parsed.engine.vllm_version, parsed.engine.lmcache_version))
+    backend = _declared(parsed.offload.backend)
+    assert backend is not None  # _enum held the backend to the declared names
+    images.check_backend(parsed.offload.backend, backend["minVllm"], backend["minLmcache"],
+                         images.EnginePair(parsed.engine.vllm_version, parsed.engine.lmcache_version))
     if parsed.offload.disk and parsed.offload.disk.node_selector:
         # Only the operator knows the default NVMe label a hostPath disk tier selects.
         for key, value in parsed.offload.disk.node_selector.items():

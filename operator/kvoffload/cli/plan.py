@@ -15,6 +15,7 @@ from typing import Any, Callable, TypeVar
 
 import yaml
 
+from .. import backends
 from ..api import crd
 from ..api import settings as settings_mod
 from ..api.errors import ConfigError, InputError
@@ -154,7 +155,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     opt(p, "--dtype", choices=tuple(DTYPES), default=_crd("engine.dtype"),
         help="spec.engine.dtype, vLLM --dtype (auto: bf16); fp8: fp8 weights")
     opt(p, "--chunk-size", type=integer, default=_crd("offload.chunkSize"), help="spec.offload.chunkSize: LMCache chunk, tokens")
-    opt(p, "--backend", choices=crd.schema_at("offload.backend")["enum"], default=_crd("offload.backend"),
+    opt(p, "--backend", choices=backends.NAMES, default=backends.DEFAULT,
         help="spec.offload.backend: who holds the offload tiers (docs/backends.md)")
     opt(p, "--activation-reserve", default=format_bytes(_field(PlanInput, "activation_reserve")),
         help="per-GPU memory kept for activations (quantity)")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from .. import backends
 from ..api import crd
 from ..api.conditions import INVALID_SPEC, PENDING, TYPES, reasons
 from ..api.errors import ConfigError
@@ -28,6 +29,9 @@ FAILING = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImage
            "CreateContainerError", "RunContainerError")
 
 
+_BACKEND_REASONS = {"OffloadActive": {r for b in backends.REGISTRY.values() for r in (b.reasons.active, b.reasons.idle)}}
+
+
 @dataclass(frozen=True)
 class Cond:
     type: str
@@ -36,8 +40,9 @@ class Cond:
     message: str
 
     def __post_init__(self) -> None:
-        # Every type and reason is declared once, in api/conditions.py (the CRD text and the chart's NOTES read it).
-        if self.reason not in reasons(self.type):
+        # Every type and reason is declared once: in api/conditions.py (the CRD text and the chart's NOTES read it),
+        # and each backend's OffloadActive reasons in its module.
+        if self.reason not in reasons(self.type) | _BACKEND_REASONS.get(self.type, set()):
             raise ValueError(f"condition {self.type} reason {self.reason!r} is not declared in kvoffload.api.conditions")
 
 
@@ -151,27 +156,10 @@ def _disk(desired: Desired, pods: list[dict[str, Any]]) -> Cond:
     return Cond("DiskTierReady", "False", "Preparing", f"{len(initialized)}/{replicas} pod directories prepared on {where}")
 
 
-# spec.offload.backend -> (what is configured, reason when proven, reason when idle, what proves it, what is missing when idle)
-_BACKEND = {
-    "lmcache": ("LMCacheConnectorV1", "LMCacheActive", "NoLMCacheActivity",
-                "vLLM asks LMCache for prompt tokens and LMCache's metrics are present",
-                "vLLM has not asked LMCache for prompt tokens yet (vllm:external_prefix_cache_queries_total is 0), "
-                "LMCache's metrics are absent, or LMCache has stored nothing (its engine may have failed to start: "
-                "see the vllm container's log for 'LMCacheEngine marked as init failed')"),
-    "lmcache-server": ("LMCacheMPConnector to the pod's LMCache server", "LMCacheServerConnected", "NoOffloadActivity",
-                       "vLLM registered with the LMCache server and asks it for prompt tokens",
-                       "vLLM has not asked the LMCache server for prompt tokens yet, or no vLLM worker registered with it "
-                       "(kvoffload_lmcache_server_engines is 0)"),
-    "vllm-native": ("vLLM native OffloadingConnector", "NativeOffloadActive", "NoOffloadActivity",
-                    "vLLM asks its native offloading for prompt tokens and its vllm:kv_offload_* counters are present",
-                    "vLLM has not asked its native offloading for prompt tokens yet (vllm:external_prefix_cache_queries_total "
-                    "is 0) or its vllm:kv_offload_* counters are absent"),
-}
-
-
 def _offload(desired: Desired, ready: Cond, pods: list[dict[str, Any]], probes: Probes | None) -> Cond:
     b = desired.budget
-    connector, active_reason, idle_reason, proof, missing = _BACKEND[desired.spec.offload.backend]
+    r = backends.get(desired.spec.offload.backend).reasons
+    connector, active_reason, idle_reason, proof, missing = r.connector, r.active, r.idle, r.proof, r.missing
     tiers = f"CPU {format_bytes(b.tier('cpu').bytes)}" + (
         f", disk {format_bytes(b.tier('disk').bytes)}" if desired.spec.offload.disk else "")
     configured = f"{connector} configured ({tiers})"
