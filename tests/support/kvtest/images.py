@@ -65,6 +65,15 @@ RUN_LIMITS = ("--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024")
 IGNORED = ("__pycache__", "*.pyc", "*.egg-info", "build", "dist")
 
 
+LOGS = CACHE / "image-builds"  # the last build's output per tag
+
+
+class BuildFailed(RuntimeError):
+    def __init__(self, message: str, output: str) -> None:
+        super().__init__(message)
+        self.output = output
+
+
 def log(msg: str) -> None:
     print(f"[images] {msg}", file=sys.stderr, flush=True)
 
@@ -210,13 +219,15 @@ def _needs(img: Image) -> None:
 
 
 def build_image(img: Image, force: bool = False) -> subprocess.CompletedProcess | None:
-    """`podman build` of one image unless its build key is unchanged; None when reused. Raises
-    CalledProcessError (with the build's output) when the build fails."""
+    """`podman build` of one image unless its build key is unchanged; None when reused. The build's
+    output goes to LOGS/<tag>.log; a failed build raises BuildFailed."""
     _needs(img)
     key = build_key(img)
     if not force and label(img.tag, KEY_LABEL) == key:
         return None
-    cmd = ["build", "--network=none", "--pull=never", *RUN_LIMITS, "-f", str(img.dockerfile), "-t", img.tag,
+    # docker format: the OCI format drops SHELL, and the serving Dockerfile's pipefail with it.
+    cmd = ["build", "--format=docker", "--force-rm", "--network=none", "--pull=never", *RUN_LIMITS,
+           "-f", str(img.dockerfile), "-t", img.tag,
            "--label", f"{KEY_LABEL}={key}"]
     if img.base:
         cmd += ["--build-arg", f"BASE_IMAGE={img.base}"]
@@ -226,12 +237,18 @@ def build_image(img: Image, force: bool = False) -> subprocess.CompletedProcess 
     cmd += [a for src, dst in img.volumes.items() for a in ("-v", f"{src}:{dst}:ro")]
     if img.ignorefile:
         cmd += ["--ignorefile", str(img.ignorefile)]
+    LOGS.mkdir(parents=True, exist_ok=True)
+    replaced = image_id(img.tag)
     t0 = time.monotonic()
     log(f"building {img.tag} ({img.dockerfile.relative_to(ROOT)})")
     cp = podman(*cmd, str(img.context), check=False, stdin=subprocess.DEVNULL)
+    (LOGS / f"{img.tag.replace('/', '_')}.log").write_text(cp.stdout + cp.stderr)
     if cp.returncode != 0:
-        raise subprocess.CalledProcessError(cp.returncode, [*PODMAN, *cmd], cp.stdout, cp.stderr)
+        raise BuildFailed(f"podman build of {img.tag} failed ({cp.returncode}):\n{(cp.stdout + cp.stderr)[-4000:]}",
+                          cp.stdout + cp.stderr)
     log(f"built {img.tag} in {time.monotonic() - t0:.0f}s, {size(img.tag) / 2**30:.2f} GiB")
+    if replaced and replaced != image_id(img.tag):
+        podman("rmi", replaced, check=False)  # the previous build of this tag (kept while an image uses it)
     return cp
 
 
