@@ -12,6 +12,7 @@ annotation on any object. The liveness probe fails once a task of the Runtime di
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 from collections.abc import Iterator
@@ -66,7 +67,7 @@ def _resource(api_version: str, kind: str) -> tuple[str, str, str]:
 async def _wait_for_crd(kube: Kube) -> None:
     """kopf resolves the watched kinds once at start (scanning is off): wait until the CRD is served."""
     path = f"/apis/{crd.GROUP}/{crd.VERSION}"
-    for attempt in range(10**9):
+    for attempt in itertools.count():
         try:
             found = await asyncio.to_thread(kube.request, "GET", path)
             if any(r.get("name") == crd.PLURAL for r in (found or {}).get("resources", [])):
