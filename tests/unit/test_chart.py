@@ -31,7 +31,7 @@ STANDARD_LABELS = ("helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io
 # Free-form string maps: the only objects whose keys the schema cannot list.
 STRING_MAPS = {"labels", "annotations", "podAnnotations", "podLabels", "nodeSelector"}
 OBJECT_MAPS = {"imageVersions"}  # operator.config.imageVersions: image -> {vllm, lmcache}
-# What the operator calls (kvoffload/controller/: informer.py, kube.py, reconcile.py, leader.py), and nothing more.
+# What the operator calls (kopf watching for cache.py; kube.py, reconcile.py, leader.py), and nothing more.
 EXPECTED_RULES = {
     ("kvoffload.io", "kvoffloadserves"): {"list", "watch"},
     ("kvoffload.io", "kvoffloadserves/status"): {"patch"},
