@@ -35,11 +35,11 @@ import yaml
 import kvtest.images as images
 from kvoffload.api import settings
 from kvoffload.api.spec import parse
+from kvtest.dockerfile import SERVING as SERVING_DOCKERFILE
+from kvtest.dockerfile import Dockerfile
 from kvtest.readme import README, commands
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-from unit.test_images import SERVING as SERVING_DOCKERFILE, Dockerfile  # noqa: E402, I001 - after the path
 
 pytestmark = pytest.mark.timeout(3600)
 HARDENED = ("--network=none", "--read-only", "--cap-drop=ALL", "--security-opt=no-new-privileges", *images.RUN_LIMITS)
