@@ -17,11 +17,8 @@ from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
 from kvoffload.controller import conditions, pipeline
 from kvoffload.node import disk_cleaner
+from kvtest.specs import PAIR, spec
 
-from .helpers import spec
-
-PAIR = {"engine__image": "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", "engine__vllmVersion": "0.26.0",
-        "engine__lmcacheVersion": "0.5.3"}
 NO_DISK = {"offload__disk": None}
 
 # field -> (what the base spec needs for the field to matter, the field's value). Every leaf of the CRD is here
@@ -56,6 +53,8 @@ CASES: dict[str, tuple[dict, object]] = {
     "offload.chunkSize": ({}, 512),
     "offload.cpu.size": ({}, "48Gi"),
     "offload.cpu.evictionPolicy": ({}, "LFU"),
+    "offload.cpu.readGbps": ({}, 5),
+    "offload.disk.readGbps": ({}, 7),
     "offload.disk.path": ({}, "/mnt/nvme/other"),
     "offload.disk.storageClassName": ({}, {"storageClassName": "local-nvme", "size": "200Gi"}),  # in place of path
     "offload.disk.size": ({}, "300Gi"),

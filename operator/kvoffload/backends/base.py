@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from ..api.spec import Spec
 
+from ..api.managed import HTTP_PORT  # noqa: F401  (declared with the pod's other ports: the spec may not reuse them)
+
 # Pod layout the generic pod and the backends' fragments share.
-HTTP_PORT = 8000
 CONFIG_DIR = "/etc/lmcache"  # where a backend's config files (Backend.config_files) are mounted
 DISK_DIR = "/kvcache"
 MULTIPROC_DIR = "/var/run/kvoffload/prometheus"
