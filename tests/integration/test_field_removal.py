@@ -74,6 +74,8 @@ FIELDS = [
     Row("offload.backend", "lmcache-server"),
     Row("offload.chunkSize", 512),
     Row("offload.cpu.evictionPolicy", "LFU"),
+    Row("offload.cpu.readGbps", 20),
+    Row("offload.disk.readGbps", 1.5, needs={**NO_PODS, **DISK}),
     Row("offload.disk", {"path": "/mnt/nvme/lmcache", "size": "10Gi"}),
     Row("offload.disk.path", "/mnt/nvme/lmcache", needs={**NO_PODS, "offload": {"disk": {"size": "10Gi"}}},
         instead={"storageClassName": "local-nvme"}),
