@@ -116,6 +116,7 @@ class FluxControllers:
     def __init__(self, env: dict[str, str], workdir: Path) -> None:
         tools = gitops.tools()
         storage, source_health, kustomize_health = free_ports(3)
+        (workdir / "storage").mkdir(parents=True)  # source-controller refuses a storage path that is not there
         self.health = {"source-controller": source_health, "kustomize-controller": kustomize_health}
         common = ["--metrics-addr=0", "--events-addr=", "--enable-leader-election=false",
                   "--watch-all-namespaces=true", "--log-level=debug"]
