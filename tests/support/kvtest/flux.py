@@ -118,6 +118,7 @@ class FluxControllers:
         storage, source_health, kustomize_health = free_ports(3)
         (workdir / "storage").mkdir(parents=True)  # source-controller refuses a storage path that is not there
         self.health = {"source-controller": source_health, "kustomize-controller": kustomize_health}
+        self.storage = storage
         common = ["--metrics-addr=0", "--events-addr=", "--enable-leader-election=false",
                   "--watch-all-namespaces=true", "--log-level=debug"]
         args = {
@@ -148,6 +149,8 @@ class FluxControllers:
                 return resp.status == 200
         for name in self.procs:
             wait_until(lambda n=name: ready(n), timeout=timeout, message=f"{name} ready")
+        wait_until(lambda: any(port == self.storage for _, port, _ in self.listeners()), timeout=timeout,
+                   message="source-controller's artifact server listening")
 
     def listeners(self) -> list[tuple[str, int, int | None]]:
         return listening_sockets(p.pid for p in self.procs.values())
