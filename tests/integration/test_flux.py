@@ -260,22 +260,29 @@ def test_field_removed_in_git_leaves_the_statefulset(cluster, setup):
     assert "VLLM_LOGGING_LEVEL" in vllm_env(pod)
     assert any(v.get("hostPath", {}).get("path") == "/mnt/nvme/lmcache" for v in pod["volumes"])
 
-    slim = copy.deepcopy(full)
-    del slim["spec"]["scheduling"], slim["spec"]["engine"]["env"], slim["spec"]["offload"]["disk"]
-    sha = setup.commit({"qwen": slim})
-    setup.fetch(sha)
-    setup.wait_applied(sha)
-    spec = setup.kvs()["spec"]  # Flux's apply removed the fields it had set
-    assert "scheduling" not in spec and "env" not in spec["engine"] and "disk" not in spec["offload"], spec
-    setup.wait_kvs_ready()
-
-    expected = next(c for c in pipeline.desired("qwen", setup.ns, "", slim["spec"], Settings()).children
-                    if c["kind"] == "StatefulSet")["spec"]["template"]["spec"]
-    pod = template()
-    assert pod.get("tolerations") == expected.get("tolerations"), pod.get("tolerations")
-    assert vllm_env(pod) == vllm_env(expected) and "VLLM_LOGGING_LEVEL" not in vllm_env(pod)
-    assert sorted(v["name"] for v in pod["volumes"]) == sorted(v["name"] for v in expected["volumes"])
-    assert not any("hostPath" in v for v in pod["volumes"]), pod["volumes"]
+    # One field at a time, so that no other change carries the removal along.
+    spec = copy.deepcopy(full["spec"])
+    for removed, parent, key in (("tolerations", (), "scheduling"), ("env entry", ("engine",), "env"),
+                                 ("disk tier", ("offload",), "disk")):
+        node = spec
+        for p in parent:
+            node = node[p]
+        del node[key]
+        sha = setup.commit({"qwen": {**full, "spec": spec}})
+        setup.fetch(sha)
+        setup.wait_applied(sha)
+        live = setup.kvs()["spec"]
+        for p in parent:
+            live = live[p]
+        assert key not in live, (removed, live)  # Flux's apply removed the field it had set
+        setup.wait_kvs_ready()
+        expected = next(c for c in pipeline.desired("qwen", setup.ns, "", spec, Settings()).children
+                        if c["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+        pod = template()
+        assert pod.get("tolerations") == expected.get("tolerations"), (removed, pod.get("tolerations"))
+        assert vllm_env(pod) == vllm_env(expected), (removed, vllm_env(pod))
+        assert sorted(v["name"] for v in pod["volumes"]) == sorted(v["name"] for v in expected["volumes"]), removed
+    assert "VLLM_LOGGING_LEVEL" not in vllm_env(pod) and not any("hostPath" in v for v in pod["volumes"])
 
 
 def test_deleted_from_git_is_pruned_with_its_children_and_the_crd_never(cluster, setup):
