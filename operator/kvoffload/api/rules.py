@@ -9,12 +9,14 @@ messageExpression that renders the same text (naming the offending value), so bo
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from . import managed
 from .errors import ConfigError
+from .quantity import to_bytes
 
 
 def get(obj: Any, path: str) -> Any:
@@ -100,10 +102,12 @@ ENV = Rule(
 )
 
 # --- spec.metrics.port: the exporter may not listen where another container of the pod does; one rule per port.
-METRICS_PORTS = tuple(Rule(
-    at="spec.metrics.port", cel=f"self != {port}",
-    message=f"{port} is {who}: pick another port for the exporter",
-    holds=lambda value, port=port: value != port) for port, who in managed.PORTS.items())
+def _port_rule(port: int, who: str) -> Rule:
+    return Rule(at="spec.metrics.port", cel=f"self != {port}", message=f"{port} is {who}: pick another port for the exporter",
+                holds=lambda value: value != port)
+
+
+METRICS_PORTS = tuple(_port_rule(port, who) for port, who in managed.PORTS.items())
 
 # --- cross-field rules
 KV_HEADS = Rule(
@@ -111,6 +115,12 @@ KV_HEADS = Rule(
     cel="!has(self.kvHeads) || !has(self.attentionHeads) || self.attentionHeads % self.kvHeads == 0",
     field=".kvHeads", message="kvHeads must divide attentionHeads",
     holds=lambda a: get(a, "kvHeads") is None or get(a, "attentionHeads") is None or a["attentionHeads"] % a["kvHeads"] == 0,
+)
+DISK_PATH_NORMALIZED = Rule(
+    at="spec.offload.disk.path",
+    cel="!self.matches('(^|/)[.][.]?(/|$)') && !self.contains('//')",
+    message="path must be absolute and normalized: no '.', '..' or '//' segments",
+    holds=lambda p: not isinstance(p, str) or (re.search(r"(^|/)[.][.]?(/|$)", p) is None and "//" not in p),
 )
 DISK_ONE_OF = Rule(
     at="spec.offload.disk",
@@ -132,7 +142,7 @@ NODE_SELECTORS = Rule(
 
 
 def _memory_holds(s: dict[str, Any]) -> bool:
-    from .quantity import to_bytes  # the parser has checked both quantities by now
+    # The parser has checked both quantities by now.
     memory, cpu = get(s, "resources.memory"), get(s, "offload.cpu.size")
     return memory is None or cpu is None or to_bytes(memory, "spec.resources.memory") >= to_bytes(cpu, "spec.offload.cpu.size")
 
@@ -148,7 +158,7 @@ MEMORY_HOLDS_CPU_TIER = Rule(
 )
 
 # What a backend cannot honour is declared by the backend (backends/, Backend.refuses; crd.backend_refusals).
-RULES: tuple[Rule, ...] = (ENV, *METRICS_PORTS, KV_HEADS, DISK_ONE_OF, NODE_SELECTORS, MEMORY_HOLDS_CPU_TIER)
+RULES: tuple[Rule, ...] = (ENV, *METRICS_PORTS, KV_HEADS, DISK_PATH_NORMALIZED, DISK_ONE_OF, NODE_SELECTORS, MEMORY_HOLDS_CPU_TIER)
 
 
 def at(path: str) -> list[dict[str, str]]:
