@@ -100,3 +100,11 @@ def test_cross_field_rules_refuse_with_the_crds_message(rule, patch):
     with pytest.raises(ConfigError) as err:
         parse(spec(**patch), S)
     assert (err.value.field, err.value.message) == (rule.path, rule.message)
+
+
+def test_extra_args_may_not_move_the_weights():
+    """--download-dir would put the weights beside the volume sized for them: refused like HF_HOME."""
+    with pytest.raises(ConfigError) as err:
+        parse(spec(engine__extraArgs=["--download-dir", "/tmp/w"]), S)
+    assert err.value.field == "spec.engine.extraArgs" and "--download-dir" in err.value.message
+    assert "--download-dir" in crd.REFUSED_FLAGS
