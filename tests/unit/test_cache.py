@@ -209,3 +209,20 @@ def test_a_late_delete_of_an_earlier_incarnation_does_not_drop_the_new_one():
     s.observe(obj("ConfigMap", "c", 30))  # deleted at 20 and re-created by us at 30; the watch lags
     assert s.apply_event("DELETED", obj("ConfigMap", "c", 20)) == set()
     assert s.get("ns", "c")["metadata"]["resourceVersion"] == "30"
+
+
+def test_the_initial_listing_drops_nothing():
+    """kopf delivers its initial LIST as events of type None once every object is indexed: the object of the very
+    first event is listed too (it was dropped as unlisted when the operator started with resources present, and
+    never reconciled: tests/integration/test_bad_input.py's operator cases)."""
+    async def scenario() -> None:
+        kicked: set[tuple[str, str]] = set()
+        c = cache.Cache(None, lambda ns, name, kind: kicked.add((ns, name)), settle=60)
+        listed = [obj("ConfigMap", f"{n}-lmcache", i, owner=n) for i, n in enumerate("abc")]
+        for o in listed:
+            c.put("v1", "ConfigMap", o)
+        assert [c.event("v1", "ConfigMap", None, o) for o in listed] == [True, False, False]
+        c.relisted("ConfigMap", None)
+        assert c.dropped == 0 and len(c.by_kind["ConfigMap"]) == 3
+
+    asyncio.run(scenario())

@@ -189,6 +189,7 @@ class Cache:
         self.filled = False  # kopf released its first event handler: every kind was listed and stored
         self.relists: dict[tuple[str, str | None], _Relist] = {}
         self.dropped = 0  # objects a relist showed gone
+        self.first_listed: tuple[str, tuple[str, str]] | None = None  # (kind, key) of the first listed object
 
     def _touch(self, kind: str, owners: set[ObjKey]) -> None:
         for ns, name in owners:
@@ -204,7 +205,12 @@ class Cache:
         first, self.filled = not self.filled, True
         if type_ == "DELETED":
             self._touch(kind, self.by_kind[kind].apply_event("DELETED", slim(body, api_version, kind)))
-        elif type_ is None and not first:  # listed once the caches were filled: kopf relists this kind
+        elif type_ is None and first:
+            # kopf's initial LIST: its other objects come next and look like a relist of this kind, which must count
+            # this one as listed (or, settled, it drops it and nothing ever reconciles it).
+            meta = body.get("metadata", {})
+            self.first_listed = (kind, (meta.get("namespace", ""), meta.get("name", "")))
+        elif type_ is None:  # listed once the caches were filled: kopf relists this kind
             self._listed(kind, body)
         return first
 
@@ -214,6 +220,9 @@ class Cache:
         relist = self.relists.get((kind, namespace))
         if relist is None:
             relist = self.relists[(kind, namespace)] = _Relist(since=now_tick())
+            if self.first_listed and self.first_listed[0] == kind:
+                self.by_kind[kind].touch(self.first_listed[1])
+                self.first_listed = None
         self.by_kind[kind].touch((meta.get("namespace", ""), meta.get("name", "")))
         relist.objects += 1
         if relist.timer is not None:
