@@ -35,7 +35,7 @@ MANAGED_ENV_PREFIX = managed.ENV_PREFIX
 @functools.cache
 def backend_declarations() -> dict[str, Any]:
     """What each spec.offload.backend declares to the API (its name, summary, engine pair and the fields it
-    refuses): data/backends.json, written by `kvoffload generate` from the backends' registry (backends/,
+    refuses): data/backends.json, written by `make generate` from the backends' registry (backends/,
     a layer above this one)."""
     return json.loads((Path(__file__).parent / "data" / "backends.json").read_text(encoding="utf-8"))
 # vLLM's FlexibleArgumentParser reads `--max_model_len` as `--max-model-len` and `--kv-transfer-config.x=y` as a

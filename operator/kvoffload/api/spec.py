@@ -311,7 +311,8 @@ def _engine(r: _Reader, settings: Settings) -> EngineSpec:
     image = _str(r, "engine.image") or settings.default_image
     backend = _declared(r.get("offload.backend"))
     pair = images.resolve(image, _str(r, "engine.vllmVersion"), _str(r, "engine.lmcacheVersion"),
-                          needs_lmcache=backend is None or backend["minLmcache"] is not None)
+                          needs_lmcache=backend is None or backend["minLmcache"] is not None,
+                          table={**images.KNOWN_IMAGES, **images.declared(settings.image_versions)})
     util = r.get("engine.gpuMemoryUtilization")
     if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
         raise ConfigError("spec.engine.gpuMemoryUtilization", f"{util!r} must be a number in (0, 1]")

@@ -193,7 +193,7 @@ class Backend(ABC):
                 f"vllm:external_prefix_cache_queries_total > 0 AND {self.proof}.")
 
     def declaration(self) -> dict[str, Any]:
-        """What the API layer reads (api/data/backends.json, written by `kvoffload generate`)."""
+        """What the API layer reads (api/data/backends.json, written by `make generate`)."""
         return {"name": self.name, "summary": self.summary, "minVllm": ".".join(map(str, self.min_vllm)),
                 "minLmcache": None if self.min_lmcache is None else ".".join(map(str, self.min_lmcache)),
                 "refuses": {path: {"why": r.why, **({"allowed": list(r.allowed)} if r.allowed else {})}
