@@ -32,10 +32,10 @@ import pytest
 import yaml
 
 import kvtest.images as images
+from kvtest.dockerfile import SERVING as SERVING_DOCKERFILE
+from kvtest.dockerfile import Dockerfile
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-from unit.test_images import SERVING as SERVING_DOCKERFILE, Dockerfile  # noqa: E402, I001 - after the path
 
 pytestmark = pytest.mark.timeout(3600)
 HARDENED = ("--network=none", "--read-only", "--cap-drop=ALL", "--security-opt=no-new-privileges", *images.RUN_LIMITS)
@@ -99,8 +99,8 @@ def test_operator_image_runs_as_the_chart_runs_it(operator_image):
     assert re.search(r"CapEff:\s+0+\n", cp.stdout) and re.search(r"NoNewPrivs:\s+1", cp.stdout), cp.stdout
     assert "Read-only file system" in cp.stdout and cp.stdout.rstrip().endswith("read-only"), cp.stdout
     # `kvoffload plan` in the image gives what this checkout's code gives: the image holds this operator.
-    plan = ["plan", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--context", "65536", "--cpu-tier", "40Gi",
-            "--disk-tier", "200Gi", "--output", "json"]
+    plan = ["plan", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--max-model-len", "65536", "--cpu-size", "40Gi",
+            "--disk-size", "200Gi", "--output", "json"]
     cp = run(operator_image, *plan, user=CHART_USER)
     assert cp.returncode == 0, cp.stderr
     here = subprocess.run([sys.executable, "-m", "kvoffload.cli", *plan], capture_output=True, text=True, check=True)
