@@ -311,7 +311,9 @@ class PodmanPod:
 
     def remove(self) -> None:
         names = [f"{self.name}-{c['name']}" for c in self.spec.get("initContainers", []) + self.spec["containers"]]
-        images.podman("rm", "-f", "-t", "0", *names, f"{self.name}-infra", check=False)
+        for batch in (names, [f"{self.name}-infra"]):  # the namespace holder last: the others depend on it
+            cp = images.podman("rm", "-f", "-t", "0", "--ignore", *batch, check=False)
+            assert cp.returncode == 0, cp.stderr
         shutil.rmtree(self.shm, ignore_errors=True)
 
 
