@@ -68,7 +68,8 @@ system-deps:
 cluster-build:
 	tests/cluster/build.sh
 
-# Argo CD's Lua health runner (gopher-lua) and the kstatus checker (Helm v4's kstatus), cached.
+# Argo CD's Lua health runner (gopher-lua), the kstatus checker (Helm v4's kstatus) and Flux's
+# source-controller and kustomize-controller with their CRDs, cached by version.
 gitops-tools:
 	tests/gitops/build.sh
 
