@@ -14,8 +14,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvtest", description="A real local Kubernetes control plane for tests and the demo.")
     ap.add_argument("command", choices=["up", "down", "status", "bin-dir"])
     ap.add_argument("--nodes-config", help="fleet YAML (default tests/cluster/nodes.yaml)")
+    ap.add_argument("--real-node", action="store_true",
+                    help="a real kubelet + containerd node beside the kwok fleet (root; tests/cluster/build-node.sh)")
     a = ap.parse_args(argv)
-    c = Cluster()
+    c = Cluster(real_node=True) if a.real_node else Cluster()
     if a.command == "bin-dir":  # for shell scripts (demo.sh): where helm and the control plane live
         print(c.bin)
         return 0
