@@ -459,8 +459,8 @@ class Cluster:
                 self._spawn(st, comp, BY_NAME[comp].flags(self, st["ports"]))
             for comp in stage:
                 self._wait_ready(st, comp, BY_NAME[comp].start_timeout)
-            if stage == ("containerd",) and node.PAUSE_IMAGE not in node.images(self):
-                node.import_image(self, node.pause_image_tar())
+            if stage == ("containerd",):
+                node.import_pause(self)
         wait_until(lambda: self._watch(st, "kubelet") and node.NAME in self.ready_nodes(), timeout=90,
                    interval=0.2, message=f"{node.NAME} Ready")
         st["node"] = node.after_ready(self)

@@ -503,17 +503,21 @@ def pause_image_tar() -> bytes:
     return out.getvalue()
 
 
-def import_image(c: Cluster, tar: Path | bytes) -> str:
-    """`ctr images import` of a docker-archive or OCI tar (a path, or bytes) into the node's k8s.io namespace."""
-    args = [str(node_bin_dir() / "ctr"), "--address", str(dirs(c)["sock"]), "-n", "k8s.io",
-            "images", "import", "--no-unpack=false", "--local"]
-    if isinstance(tar, bytes):
-        cp = subprocess.run([*args, "-"], input=tar, capture_output=True)
-    else:
-        cp = subprocess.run([*args, str(tar)], capture_output=True)
+def import_pause(c: Cluster) -> None:
+    """The pause image (pause_image_tar) into the node's k8s.io namespace, once."""
+    if PAUSE_IMAGE in images(c):
+        return
+    cp = subprocess.run([str(node_bin_dir() / "ctr"), "--address", str(dirs(c)["sock"]), "-n", "k8s.io",
+                         "images", "import", "-"], input=pause_image_tar(), capture_output=True)
     if cp.returncode:
-        raise RuntimeError(f"ctr images import: {cp.stderr.decode(errors='replace')[-400:]}")
-    return cp.stdout.decode()
+        raise RuntimeError(f"ctr images import (pause): {cp.stderr.decode(errors='replace')[-400:]}")
+
+
+def load_images(c: Cluster, tags: list[str]) -> list[str]:
+    """podman images (kvtest.images builds them) into the node; an image it holds already is skipped."""
+    from .images import load_into_containerd
+
+    return load_into_containerd(tags, ctr=str(node_bin_dir() / "ctr"), address=str(dirs(c)["sock"]))
 
 
 def images(c: Cluster) -> set[str]:
@@ -530,3 +534,27 @@ def after_ready(c: Cluster) -> dict:
                      content_type="application/json-patch+json")
     return {"sysctls_restored": {k: list(v) for k, v in changed.items()}}
 
+
+
+def oci_specs(c: Cluster, namespace: str, pod: str) -> dict[str, dict]:
+    """{container name: the OCI runtime spec containerd generated for it} of a pod on the real node: the
+    bundle's config.json that runc was given (init containers, sidecars and the pod's sandbox included)."""
+    p = c.client.get("pods", pod, namespace)
+    st = p["status"]
+    out: dict[str, dict] = {}
+    for cs in st.get("initContainerStatuses", []) + st.get("containerStatuses", []):
+        cid = (cs.get("containerID") or "").removeprefix("containerd://")
+        if cid:
+            out[cs["name"]] = _spec(c, cid)
+    info = json.loads(ctr(c, "containers", "info", cid).stdout) if out else {}
+    sandbox = (info.get("Labels") or {}).get("io.kubernetes.cri.sandbox-id") or info.get("SandboxID")
+    if sandbox:
+        out["(sandbox)"] = _spec(c, sandbox)
+    return out
+
+
+def _spec(c: Cluster, cid: str) -> dict:
+    bundle = dirs(c)["state"] / "io.containerd.runtime.v2.task" / "k8s.io" / cid / "config.json"
+    if bundle.exists():  # a running container: exactly what the runtime executes
+        return json.loads(bundle.read_text())
+    return json.loads(ctr(c, "containers", "info", cid).stdout)["Spec"]  # exited: the spec containerd stored
