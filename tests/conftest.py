@@ -163,6 +163,16 @@ def namespace(cluster, request):
             cluster.client.delete("namespace", name, missing_ok=True)
 
 
+@pytest.fixture
+def node_ns(demo):
+    """A fresh namespace in the demo's cluster (the one with the real node), deleted after the test."""
+    name = f"t-node-{uuid.uuid4().hex[:8]}"
+    demo.client.namespace(name, labels={"kvoffload.io/test": "true"})
+    yield name
+    with contextlib.suppress(Exception):
+        demo.client.delete("namespace", name, missing_ok=True)
+
+
 @pytest.fixture(scope="module")
 def crd_installed(cluster):
     cluster.cluster.install_crd()

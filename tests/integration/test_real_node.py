@@ -7,10 +7,8 @@ Nothing leaves the machine: the node's addresses live on the bridge cni0 (198.18
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import json
-import uuid
 
 import pytest
 import yaml
@@ -19,9 +17,6 @@ from kvtest import ROOT, condition, listening_sockets, node
 
 pytestmark = pytest.mark.cluster
 
-ON_NODE = {"nodeSelector": {"kvoffload.io/real-node": "true"},
-           "tolerations": [{"key": "kvoffload.io/real-node", "operator": "Equal", "value": "true",
-                            "effect": "NoSchedule"}]}
 OPERATOR_IMAGE = "ghcr.io/kvoffload/kvoffload:0.1.0"  # the chart's image, built by kvtest.images, loaded by the demo
 RELEASE_NS = "kvoffload-system"
 HARDENED = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "allowPrivilegeEscalation": False,
@@ -29,20 +24,11 @@ HARDENED = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "allowP
             "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-@pytest.fixture
-def node_ns(demo):
-    name = f"t-node-{uuid.uuid4().hex[:8]}"
-    demo.client.namespace(name, labels={"kvoffload.io/test": "true"})
-    yield name
-    with contextlib.suppress(Exception):
-        demo.client.delete("namespace", name, missing_ok=True)
-
-
 def run_pod(demo, ns: str, name: str, script: str, memory: str = "64Mi", volumes=(), mounts=(),
             image: str = OPERATOR_IMAGE) -> dict:
     """A one-shot hardened pod on the real node running `python3 -c script`; its final object."""
     demo.client.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
-                        "spec": {**ON_NODE, "restartPolicy": "Never", "automountServiceAccountToken": False,
+                        "spec": {**node.PLACEMENT, "restartPolicy": "Never", "automountServiceAccountToken": False,
                                  "securityContext": {"fsGroup": 1000},
                                  "containers": [{"name": "c", "image": image, "imagePullPolicy": "Never",
                                                  "command": ["python3", "-u", "-c", script],
@@ -106,8 +92,9 @@ def test_the_node_stays_on_the_machine(demo):
     n = demo.client.get("nodes", node.NAME)
     assert [a["address"] for a in n["status"]["addresses"] if a["type"] == "InternalIP"] == [node.BRIDGE_IP]
     assert {"key": "kvoffload.io/real-node", "value": "true", "effect": "NoSchedule"} in n["spec"]["taints"]
-    assert n["status"]["allocatable"]["nvidia.com/gpu"] == node.STAND_IN_GPUS  # the stand-in's, see docs/cluster.md
-    assert n["metadata"]["labels"]["kvoffload.io/gpu-stand-in"] == "true"
+    # No GPU: the stand-in extended resource instead of nvidia.com/gpu (docs/cluster.md).
+    assert n["status"]["allocatable"][node.GPU_STAND_IN] == node.STAND_IN_GPUS
+    assert "nvidia.com/gpu" not in n["status"]["allocatable"]
     st = demo.cluster.state()
     pids = [r["pid"] for r in st["processes"].values()]
     allowed = {"127.0.0.1", node.BRIDGE_IP}
@@ -183,7 +170,7 @@ print('host', host)
                                                                   "kind": "Role", "name": "pods"},
                         "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": node_ns}]}, node_ns)
     demo.client.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "api", "namespace": node_ns},
-                        "spec": {**ON_NODE, "restartPolicy": "Never", "serviceAccountName": "reader",
+                        "spec": {**node.PLACEMENT, "restartPolicy": "Never", "serviceAccountName": "reader",
                                  "containers": [{"name": "c", "image": OPERATOR_IMAGE, "imagePullPolicy": "Never",
                                                  "command": ["python3", "-u", "-c", script],
                                                  "securityContext": {**HARDENED, "runAsUser": 65532,

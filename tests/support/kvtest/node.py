@@ -53,10 +53,15 @@ PAUSE_IMAGE = f"localhost/kvoffload/pause:v{K8S_VERSION}"
 RUNTIME = "/usr/sbin/runc"  # Debian's runc 1.1.5 takes containerd 2.4's OCI 1.3 spec (crun 1.8 does not)
 # The node's taint: only pods that ask for the real node run there (the kwok fleet takes the rest).
 TAINT = {"key": "kvoffload.io/real-node", "value": "true", "effect": "NoSchedule"}
-LABELS = {"kvoffload.io/real-node": "true", "kvoffload.io/nvme": "true",
-          # No GPU here: the node advertises nvidia.com/gpu through a status patch so that the rendered
-          # pods (which ask for GPUs) schedule; their engine container is the stand-in image.
-          "kvoffload.io/gpu-stand-in": "true", "nvidia.com/gpu.product": "stand-in-no-gpu"}
+LABELS = {"kvoffload.io/real-node": "true", "kvoffload.io/nvme": "true"}
+# What a pod (or a KVOffloadServe's spec.scheduling) says to run on the real node.
+PLACEMENT = {"nodeSelector": {"kvoffload.io/real-node": "true"},
+             "tolerations": [{**TAINT, "operator": "Equal"}]}
+# No GPU here, and the node does not claim nvidia.com/gpu. It advertises this extended resource
+# instead (a status patch; no device plugin stands behind it): serving pods meant for it set
+# spec.resources.gpuResourceName to it, so the rendered pod asks for it where it would ask for
+# nvidia.com/gpu, and their engine container is the stand-in image (kvtest.images STANDIN).
+GPU_STAND_IN = "kvoffload.io/gpu-stand-in"
 STAND_IN_GPUS = "4"
 # What kubelet writes at start (kubelet's setupKernelTunables): put back as soon as the node is Ready.
 SYSCTLS = ("vm.overcommit_memory", "vm.panic_on_oom", "kernel.panic", "kernel.panic_on_oops",
@@ -347,7 +352,7 @@ def write_configs(c: Cluster, ports: dict[str, int], server: str) -> None:
                       "routes": [{"dst": "0.0.0.0/0"}]}},
             {"type": "portmap", "capabilities": {"portMappings": True}, "snat": False}]}, indent=1))
     cri = 'plugins."io.containerd.cri.v1'
-    (d["node"] / "containerd.toml").write_text(f"""version = 3
+    (d["node"] / "containerd.toml").write_text(f"""version = 4
 root = "{d['root']}"
 state = "{d['state']}"
 temp = "{d['node'] / 'containerd-tmp'}"
@@ -364,6 +369,8 @@ disabled_plugins = ["io.containerd.nri.v1.nri", "io.containerd.snapshotter.v1.bt
   address = ""
 [plugins."io.containerd.internal.v1.opt"]
   path = "{d['node'] / 'containerd-opt'}"
+[plugins."io.containerd.transfer.v1.local"]
+  config_path = "{d['certs.d']}"
 [plugins."io.containerd.image-verifier.v1.bindir"]
   bin_dir = "{d['node'] / 'image-verifiers'}"
 [{cri}.images"]
@@ -529,8 +536,9 @@ def after_ready(c: Cluster) -> dict:
     st = c.state()
     changed = restore_sysctls(st)
     # An extended resource kubelet keeps and copies to allocatable (no device plugin: a stand-in).
+    path = "/status/capacity/" + GPU_STAND_IN.replace("/", "~1")
     c.client.request("PATCH", f"/api/v1/nodes/{NAME}/status",
-                     body=[{"op": "add", "path": "/status/capacity/nvidia.com~1gpu", "value": STAND_IN_GPUS}],
+                     body=[{"op": "add", "path": path, "value": STAND_IN_GPUS}],
                      content_type="application/json-patch+json")
     return {"sysctls_restored": {k: list(v) for k, v in changed.items()}}
 

@@ -92,9 +92,9 @@ def write_pki(d: Path, api_ips: Iterable[str] = (LOOPBACK, KUBERNETES_SERVICE_IP
     # kwok plays every kubelet of the fleet (node status, leases, pod status, deletes).
     issue("kwok", "kwok-controller", "system:masters")
     if node:
-        name, ip = node
-        issue("kubelet", f"system:node:{name}", "system:nodes")  # the Node authorizer's identity
-        issue("kubelet-serving", f"system:node:{name}", server=True, dns=[name], ips=[ip])
+        node_name, node_ip = node
+        issue("kubelet", f"system:node:{node_name}", "system:nodes")  # the Node authorizer's identity
+        issue("kubelet-serving", f"system:node:{node_name}", server=True, dns=[node_name], ips=[node_ip])
         issue("kube-proxy", "system:kube-proxy")  # bound to system:node-proxier by default
         issue("apiserver-kubelet-client", "kube-apiserver-kubelet-client", "system:masters")
 
