@@ -27,9 +27,10 @@ $(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
 operator-wheels: venv
 	$(BIN)/pip download -q -d $(HOME)/.cache/kvoffload/wheelhouse ./operator 'setuptools>=68' wheel
 
-# The LMCache wheel the serving image installs (cached), so `make images` builds without network.
+# The LMCache wheel the serving image installs (cached), so `make images` builds without network; and
+# async-timeout, which LMCache's redis needs on Python < 3.11.3 (the local base's Debian 3.11.2).
 serving-wheels: venv
-	$(BIN)/pip download -q --no-deps -d $(HOME)/.cache/kvoffload/wheelhouse-lmcache-$(LMCACHE_VERSION) 'lmcache==$(LMCACHE_VERSION)'
+	$(BIN)/pip download -q --no-deps -d $(HOME)/.cache/kvoffload/wheelhouse-lmcache-$(LMCACHE_VERSION) 'lmcache==$(LMCACHE_VERSION)' 'async-timeout>=4.0.3'
 
 # Both images (images/*/Dockerfile) with podman, offline, FROM local bases made from Debian's packages
 # and the engine venv (tests/support/kvtest/images.py; README "Images" builds them FROM the public ones).

@@ -1,4 +1,4 @@
-"""The container images, built here with podman and no network, and their hand-over to a containerd.
+"""The container images, built here with podman and no network, and saved for a containerd to import.
 
 Users build images/*/Dockerfile with docker or podman FROM the public bases (python:3.11-slim,
 vllm/vllm-openai:v0.26.0; README "Images"). This machine can pull nothing, so the same Dockerfiles
@@ -19,7 +19,7 @@ The stand-in engine for the CPU-only real node (tests/images/vllm-standin) is th
 plus the stand-in `vllm` of tests/fixtures/fake_vllm serving recorded H200 pages; its name says so.
 
     python -m kvtest.images build [operator|serving|standin ...]
-    python -m kvtest.images load --ctr PATH --address SOCKET TAG...
+    python -m kvtest.images save operator|serving|standin   (prints the docker-archive tar's path)
 """
 
 from __future__ import annotations
@@ -56,13 +56,22 @@ DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 DEBIAN_PACKAGES = ("python3", "python3-venv", "python-is-python3")
 KEY_LABEL = "io.kvoffload.build-key"
-ID_LABEL = "io.kvoffload.podman-id"  # on images imported into a containerd
 
 # Debian's crun 1.8.1 refuses this VM's hybrid cgroups ("drop all controllers from cgroupv2"); runc
 # runs the build steps. crun also refuses default rlimits above the hard limits: pass them.
 PODMAN = ("podman", "--runtime", "runc")
 RUN_LIMITS = ("--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024")
 IGNORED = ("__pycache__", "*.pyc", "*.egg-info", "build", "dist")
+
+
+LOGS = CACHE / "image-builds"  # the last build's output per tag
+ARCHIVES = CACHE / "image-archives"  # docker-archive tars for containerd (save)
+
+
+class BuildFailed(RuntimeError):
+    def __init__(self, message: str, output: str) -> None:
+        super().__init__(message)
+        self.output = output
 
 
 def log(msg: str) -> None:
@@ -203,20 +212,23 @@ def python_base() -> str:
 
 def _needs(img: Image) -> None:
     if img.wheelhouse is not None and not any(img.wheelhouse.glob("*.whl")):
-        raise SystemExit(f"no wheels in {img.wheelhouse}: run `make {'operator-wheels' if img.wheelhouse == OPERATOR_WHEELHOUSE else 'serving-wheels'}`")
+        target = "operator-wheels" if img.wheelhouse == OPERATOR_WHEELHOUSE else "serving-wheels"
+        raise SystemExit(f"no wheels in {img.wheelhouse}: run `make {target}`")
     for src in img.volumes:
         if not (src / ".done").exists():
             raise SystemExit(f"{src} is not built: run `make engine-venv`")
 
 
 def build_image(img: Image, force: bool = False) -> subprocess.CompletedProcess | None:
-    """`podman build` of one image unless its build key is unchanged; None when reused. Raises
-    CalledProcessError (with the build's output) when the build fails."""
+    """`podman build` of one image unless its build key is unchanged; None when reused. The build's
+    output goes to LOGS/<tag>.log; a failed build raises BuildFailed."""
     _needs(img)
     key = build_key(img)
     if not force and label(img.tag, KEY_LABEL) == key:
         return None
-    cmd = ["build", "--network=none", "--pull=never", *RUN_LIMITS, "-f", str(img.dockerfile), "-t", img.tag,
+    # docker format: the OCI format drops SHELL, and the serving Dockerfile's pipefail with it.
+    cmd = ["build", "--format=docker", "--force-rm", "--network=none", "--pull=never", *RUN_LIMITS,
+           "-f", str(img.dockerfile), "-t", img.tag,
            "--label", f"{KEY_LABEL}={key}"]
     if img.base:
         cmd += ["--build-arg", f"BASE_IMAGE={img.base}"]
@@ -226,12 +238,18 @@ def build_image(img: Image, force: bool = False) -> subprocess.CompletedProcess 
     cmd += [a for src, dst in img.volumes.items() for a in ("-v", f"{src}:{dst}:ro")]
     if img.ignorefile:
         cmd += ["--ignorefile", str(img.ignorefile)]
+    LOGS.mkdir(parents=True, exist_ok=True)
+    replaced = image_id(img.tag)
     t0 = time.monotonic()
     log(f"building {img.tag} ({img.dockerfile.relative_to(ROOT)})")
     cp = podman(*cmd, str(img.context), check=False, stdin=subprocess.DEVNULL)
+    (LOGS / f"{img.tag.replace('/', '_')}.log").write_text(cp.stdout + cp.stderr)
     if cp.returncode != 0:
-        raise subprocess.CalledProcessError(cp.returncode, [*PODMAN, *cmd], cp.stdout, cp.stderr)
+        raise BuildFailed(f"podman build of {img.tag} failed ({cp.returncode}):\n{(cp.stdout + cp.stderr)[-4000:]}",
+                          cp.stdout + cp.stderr)
     log(f"built {img.tag} in {time.monotonic() - t0:.0f}s, {size(img.tag) / 2**30:.2f} GiB")
+    if replaced and replaced != image_id(img.tag):
+        podman("rmi", replaced, check=False)  # the previous build of this tag (kept while an image uses it)
     return cp
 
 
@@ -255,30 +273,25 @@ def size(tag: str) -> int:
     return int(podman("image", "inspect", "--format", "{{.Size}}", tag).stdout.strip())
 
 
-def load_into_containerd(tags: Iterable[str], *, ctr: str, address: str, namespace: str = "k8s.io") -> list[str]:
-    """Import podman images into a containerd (`podman save --format docker-archive | ctr images import`),
-    so that pods use them with imagePullPolicy Never or IfNotPresent. Each imported image is labelled
-    with podman's image id; one containerd already holds under that id is skipped. Returns the tags imported."""
-    done = []
-    base = [ctr, "--address", address, "-n", namespace]
-    for tag in tags:
-        want = image_id(tag)
-        if want is None:
-            raise SystemExit(f"no image {tag}: build it first (python -m kvtest.images build)")
-        have = subprocess.run([*base, "images", "list", f"name=={tag}"], capture_output=True, text=True)
-        if f"{ID_LABEL}={want}" in have.stdout:
-            continue
-        t0 = time.monotonic()
-        save = subprocess.Popen([*PODMAN, "save", "--format", "docker-archive", tag], stdout=subprocess.PIPE)
-        imp = subprocess.run([*base, "images", "import", "-"], stdin=save.stdout, capture_output=True, text=True)
-        assert save.stdout is not None
-        save.stdout.close()
-        if save.wait() != 0 or imp.returncode != 0:
-            raise RuntimeError(f"loading {tag} into {address}: {imp.stdout}{imp.stderr}")
-        subprocess.run([*base, "images", "label", tag, f"{ID_LABEL}={want}"], check=True, capture_output=True)
-        log(f"loaded {tag} into containerd ({namespace}) in {time.monotonic() - t0:.0f}s")
-        done.append(tag)
-    return done
+def save(name: str) -> Path:
+    """A `podman save --format docker-archive` tar of one of "operator", "serving", "standin" (built or
+    reused first), for `ctr images import` (kvtest.node). Cached by image id under ARCHIVES: a second
+    call is free; an older archive of the same image is removed (they are GBs)."""
+    tag = build(name)
+    iid = image_id(tag)
+    assert iid, tag
+    ARCHIVES.mkdir(parents=True, exist_ok=True)
+    tar = ARCHIVES / f"{name}-{iid[:16]}.tar"
+    with locked(f"archive-{name}"):
+        if not tar.exists():
+            t0 = time.monotonic()
+            podman("save", "--format", "docker-archive", "-o", f"{tar}.tmp", tag)
+            os.replace(f"{tar}.tmp", tar)
+            log(f"saved {tag} to {tar} in {time.monotonic() - t0:.0f}s, {tar.stat().st_size / 2**30:.2f} GiB")
+        for old in ARCHIVES.glob(f"{name}-*.tar"):
+            if old != tar:
+                old.unlink()
+    return tar
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,17 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build (or reuse) images")
     b.add_argument("names", nargs="*", choices=["operator", "serving", "standin"], default=["operator", "serving"])
-    ld = sub.add_parser("load", help="import built images into a containerd")
-    ld.add_argument("--ctr", required=True)
-    ld.add_argument("--address", required=True)
-    ld.add_argument("--namespace", default="k8s.io")
-    ld.add_argument("tags", nargs="+")
+    sv = sub.add_parser("save", help="print the path of a docker-archive tar of the image (built first; cached by image id)")
+    sv.add_argument("name", choices=["operator", "serving", "standin"])
     a = ap.parse_args(argv)
     if a.command == "build":
         for name in a.names:
             print(build(name))
     else:
-        load_into_containerd(a.tags, ctr=a.ctr, address=a.address, namespace=a.namespace)
+        print(save(a.name))
     return 0
 
 
