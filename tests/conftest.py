@@ -18,6 +18,7 @@ Fixtures:
              One real node per machine: the tests that need one share it. Stopped at the end unless
              KVO_KEEP_CLUSTER=1. Needs root and tests/cluster/build-node.sh's binaries: without them
              those tests skip, unless KVO_REQUIRE_REAL_NODE is set (make test), when they fail.
+             KVO_DEMO_CLUSTER_DIR=<a running demo's .cluster> reuses that cluster (and leaves it running).
   namespace  a fresh namespace per test (unique name, label kvoffload.io/test=true, its
              `default` ServiceAccount present), deleted after the test (not awaited).
 
@@ -126,12 +127,21 @@ def demo(tmp_path_factory):
     elif kvtest.missing_binaries() or kvtest.missing_node_binaries():
         why = (f"missing {kvtest.missing_binaries() + kvtest.missing_node_binaries()} "
                f"(make cluster-build node-build system-deps)")
-    elif kvtest.node.lock_holder():
+    elif kvtest.node.lock_holder() and not os.environ.get("KVO_DEMO_CLUSTER_DIR"):
         why = f"another real node runs on this machine ({kvtest.node.lock_holder()})"
     if why:
         if os.environ.get("KVO_REQUIRE_REAL_NODE"):
             pytest.fail(why + " (KVO_REQUIRE_REAL_NODE is set)", pytrace=False)
         pytest.skip(why)
+    reuse = os.environ.get("KVO_DEMO_CLUSTER_DIR")  # a cluster a `make demo` left running: iterate on the tests
+    if reuse:
+        c = kvtest.Cluster(dir=Path(reuse).resolve())
+        if not c.running() or not c.real_node:
+            pytest.fail(f"KVO_DEMO_CLUSTER_DIR={reuse}: no running cluster with a real node there", pytrace=False)
+        handle = ClusterHandle(c, False)
+        handle.demo_dir, handle.demo_log, handle.demo_rc = None, None, None
+        yield handle
+        return
     clone = fresh_clone(tmp_path_factory.mktemp("fresh") / "kvoffload")
     log = clone.parent / "make-demo.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVO_CLUSTER_DIR", "KUBECONFIG", "VIRTUAL_ENV"))}

@@ -28,7 +28,7 @@ echo "$OPERATOR_IMAGE"
 
 step "local control plane on 127.0.0.1 + 198.18.0.1, the kwok fleet, the real node"
 "$BIN/python" -m kvtest up --real-node
-"$BIN/python" -m kvtest load-images "$OPERATOR_IMAGE"
+"$BIN/python" -m kvtest load-images operator
 kubectl get nodes -L kvoffload.io/real-node,nvidia.com/gpu.product,kvoffload.io/nvme
 
 step "helm install kvoffload (CRD, RBAC, the operator's Deployment on the real node)"

@@ -386,10 +386,12 @@ class Cluster:
             try:
                 self._start_once(pools)
                 return
-            except ClusterError as exc:
+            except Exception as exc:  # noqa: BLE001 - whatever failed, nothing it started may stay behind
                 log(f"start failed ({exc}); stopping what started")
-                self._stop(quiet=True)
-                if attempt == 1:
+                problems = self._stop(quiet=True)
+                if problems:
+                    log(f"stopping after the failed start: {problems}")
+                if attempt == 1 or not isinstance(exc, ClusterError):  # a component that exited early: once more
                     raise
 
     def _start_once(self, pools: list[dict]) -> None:

@@ -190,7 +190,7 @@ COMPONENTS = (
 )
 # The real node (kvtest.node), after the control plane: the runtime, then kubelet and kube-proxy.
 NODE_COMPONENTS = (
-    Component("containerd", (), node.containerd_flags, node.containerd_health, start_timeout=30),
+    Component("containerd", (), node.containerd_flags, node.containerd_health, start_timeout=90),
     Component("kubelet", ("kubelet", "kubelet-healthz"), node.kubelet_flags, node.kubelet_health, start_timeout=60),
     Component("kube-proxy", ("kube-proxy-healthz", "kube-proxy-metrics"), node.kube_proxy_flags,
               node.kube_proxy_health, start_timeout=60),

@@ -1,6 +1,6 @@
 """The real node: containerd + runc + CNI bridge + kubelet + kube-proxy, joined beside the kwok fleet.
 
-A machine-wide singleton (one bridge cni0, one /run/containerd/s for the shims): `Cluster(real_node=True)`
+A machine-wide singleton (one bridge cni0; containerd's sockets, state and shim sockets in /run/kvoffload-node): `Cluster(real_node=True)`
 takes the lock /run/kvoffload-node/lock for as long as its node runs. What it adds to the host and
 removes again at teardown, each recorded in state.json["host"]:
 
@@ -50,6 +50,7 @@ KUBERNETES_SERVICE_IP = "198.19.0.1"
 GUARDED = "198.18.0.0/15"  # pods + Services: never on any other interface
 GUARD_TABLE = "kvoffload_guard"
 PAUSE_IMAGE = f"localhost/kvoffload/pause:v{K8S_VERSION}"
+ARCHIVE_LABEL = "io.kvoffload.archive"  # on an imported image: the tar it came from (names the podman image id)
 RUNTIME = "/usr/sbin/runc"  # Debian's runc 1.1.5 takes containerd 2.4's OCI 1.3 spec (crun 1.8 does not)
 # The node's taint: only pods that ask for the real node run there (the kwok fleet takes the rest).
 TAINT = {"key": "kvoffload.io/real-node", "value": "true", "effect": "NoSchedule"}
@@ -139,6 +140,11 @@ def iptables_chains() -> dict[str, list[str]]:
     return out
 
 
+def nft_tables() -> list[str]:
+    """Every nft table now, as 'family name' (iptables-nft's tables among them)."""
+    return [" ".join(ln.split()[1:3]) for ln in sh("nft", "list", "tables").stdout.splitlines() if ln.startswith("table ")]
+
+
 def guard_ruleset() -> str:
     """Drop what would leave the bridge: forwarded from cni0 (or a pod's veth) elsewhere, or a pod/Service
     address on any interface but cni0, its veths and lo. Each rule counts what it drops."""
@@ -175,7 +181,8 @@ def guard_counters() -> dict[str, int]:
 def host_up(c: Cluster, st: dict) -> None:
     """Bridge, route, guard, the hugetlb hierarchy; what was there before, for host_down."""
     claim(c.dir)
-    host: dict = {"sysctls": read_sysctls(), "iptables": iptables_chains(), "added": []}
+    # nft first: listing iptables-nft chains may create their (empty) tables.
+    host: dict = {"nft": nft_tables(), "sysctls": read_sysctls(), "iptables": iptables_chains(), "added": []}
     st["host"] = host
     c._save(st)
 
@@ -190,10 +197,13 @@ def host_up(c: Cluster, st: dict) -> None:
     added("route", SERVICE_CIDR)
     sh("nft", "-f", "-", input=guard_ruleset())
     added("nft", f"inet {GUARD_TABLE}")
-    # cgroup v1 plus a cgroup2 that holds hugetlb: the runtime wants every controller on one side.
+    # cgroup v1 with hugetlb either in the cgroup2 mount or bound to a v1 hierarchy that nothing mounts:
+    # the runtime wants every controller on one side, and the shim finds a container's cgroup (its OOM
+    # events) only when each v1 hierarchy in /proc/self/cgroup is mounted. Mount hugetlb as v1.
     hugetlb = Path("/sys/fs/cgroup/hugetlb")
-    unified = Path("/sys/fs/cgroup/unified/cgroup.controllers")
-    if unified.exists() and "hugetlb" in unified.read_text().split() and not os.path.ismount(hugetlb):
+    v1_mounted = any(ln.split()[0] == "cgroup" and "hugetlb" in ln.split()[3].split(",")
+                     for ln in Path("/proc/self/mounts").read_text().splitlines())
+    if Path("/sys/fs/cgroup/memory").is_dir() and not v1_mounted:
         hugetlb.mkdir(exist_ok=True)
         sh("mount", "-t", "cgroup", "-o", "hugetlb", "cgroup", str(hugetlb))
         added("mount", str(hugetlb))
@@ -291,8 +301,6 @@ def host_down(c: Cluster, st: dict) -> list[str]:
         with contextlib.suppress(OSError):
             os.rmdir(cg)
     problems += [f"cgroup left: {cg}" for cg in kubepods_cgroups()]
-    for table in ("ip kube-proxy", "ip6 kube-proxy"):
-        sh("nft", "delete", "table", *table.split(), check=False)
     before = host.get("iptables", {})
     for key, chains in iptables_chains().items():
         tool, table = key.split(":")
@@ -317,19 +325,18 @@ def host_down(c: Cluster, st: dict) -> list[str]:
             sh("umount", what, check=False)
             with contextlib.suppress(OSError):
                 os.rmdir(what)
+    # Tables that were not there before: kube-proxy's, and the ones kubelet's iptables calls made.
+    for table in nft_tables():
+        if table not in host.get("nft", []):
+            sh("nft", "delete", "table", *table.split(), check=False)
+    problems += [f"nft table {t} left" for t in nft_tables() if t not in host.get("nft", [])]
     changed = restore_sysctls(st)
     if changed:
         problems.append(f"sysctls were still changed at teardown (restored): {changed}")
     if sh("ip", "link", "show", BRIDGE, check=False).returncode == 0:
         problems.append(f"{BRIDGE} left")
-    for t in (f"inet {GUARD_TABLE}", "ip kube-proxy"):
-        if sh("nft", "list", "table", *t.split(), check=False).returncode == 0:
-            problems.append(f"nft table {t} left")
-    shutil.rmtree(d["state"], ignore_errors=True)
-    shutil.rmtree(d["runc"], ignore_errors=True)
     st.pop("host", None)
-    with contextlib.suppress(FileNotFoundError):
-        HOLDER.unlink()
+    shutil.rmtree(RUN, ignore_errors=True)  # sockets, containerd's and runc's state, shim sockets, the claim
     return problems
 
 
@@ -359,14 +366,16 @@ temp = "{d['node'] / 'containerd-tmp'}"
 disabled_plugins = ["io.containerd.nri.v1.nri", "io.containerd.snapshotter.v1.btrfs",
                     "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs",
                     "io.containerd.snapshotter.v1.blockfile", "io.containerd.snapshotter.v1.erofs"]
-[grpc]
+[plugins."io.containerd.server.v1.grpc"]
   address = "{d['sock']}"
-[ttrpc]
+[plugins."io.containerd.server.v1.ttrpc"]
   address = "{d['sock']}.ttrpc"
-[debug]
+[plugins."io.containerd.server.v1.debug"]
   address = ""
-[metrics]
+[plugins."io.containerd.server.v1.metrics"]
   address = ""
+[plugins."io.containerd.shim.v1.manager"]
+  socket_dir = "{RUN / 's'}"
 [plugins."io.containerd.internal.v1.opt"]
   path = "{d['node'] / 'containerd-opt'}"
 [plugins."io.containerd.transfer.v1.local"]
@@ -520,11 +529,23 @@ def import_pause(c: Cluster) -> None:
         raise RuntimeError(f"ctr images import (pause): {cp.stderr.decode(errors='replace')[-400:]}")
 
 
-def load_images(c: Cluster, tags: list[str]) -> list[str]:
-    """podman images (kvtest.images builds them) into the node; an image it holds already is skipped."""
-    from .images import load_into_containerd
+def load_images(c: Cluster, names: list[str]) -> list[str]:
+    """Images kvtest.images builds ("operator", "serving", "standin") into the node's containerd, from
+    their docker-archive tars; one containerd holds already (same podman image id) is skipped."""
+    from . import images as built
 
-    return load_into_containerd(tags, ctr=str(node_bin_dir() / "ctr"), address=str(dirs(c)["sock"]))
+    done = []
+    for name in names:
+        tar = built.save(name)  # <name>-<image id>.tar, built and saved once
+        tag = built.images()[name].tag
+        have = ctr(c, "images", "ls", f"name=={tag}").stdout
+        if f"{ARCHIVE_LABEL}={tar.name}" in have:
+            continue
+        t0 = time.monotonic()
+        ctr(c, "images", "import", str(tar))
+        ctr(c, "images", "label", tag, f"{ARCHIVE_LABEL}={tar.name}")
+        done.append(f"{tag} ({time.monotonic() - t0:.0f}s)")
+    return done
 
 
 def images(c: Cluster) -> set[str]:
