@@ -24,7 +24,9 @@ fi
 
 step "operator image (images/operator/Dockerfile, podman, offline)"
 OPERATOR_IMAGE=$("$BIN/python" -m kvtest.images build operator | tail -1)
-echo "$OPERATOR_IMAGE"
+# The tag stays 0.1.0 when the code changes: the image id in a pod annotation rolls the Deployment.
+IMAGE_ID=$("$BIN/python" -c 'from kvtest import images; print(images.image_id(images.OPERATOR)[:12])')
+echo "$OPERATOR_IMAGE ($IMAGE_ID)"
 
 step "local control plane on 127.0.0.1 + 198.18.0.1, the kwok fleet, the real node"
 "$BIN/python" -m kvtest up --real-node
@@ -35,7 +37,8 @@ step "helm install kvoffload (CRD, RBAC, the operator's Deployment on the real n
 HELM=$("$BIN/python" -m kvtest bin-dir)/helm
 "$HELM" upgrade --install kvoffload charts/kvoffload-operator --namespace "$RELEASE_NS" --create-namespace \
   --kubeconfig "$KUBECONFIG" -f tests/cluster/demo-values.yaml \
-  --set image.repository="${OPERATOR_IMAGE%:*}" --set image.tag="${OPERATOR_IMAGE##*:}" --wait --timeout 5m
+  --set image.repository="${OPERATOR_IMAGE%:*}" --set image.tag="${OPERATOR_IMAGE##*:}" \
+  --set-string "operator.podAnnotations.kvoffload\.io/image-id=$IMAGE_ID" --wait --timeout 5m
 kubectl wait --for=condition=Established crd/kvoffloadserves.kvoffload.io --timeout=60s
 kubectl rollout status -n "$RELEASE_NS" deployment/kvoffload-kvoffload-operator --timeout=180s
 kubectl get pods -n "$RELEASE_NS" -o wide
