@@ -192,3 +192,21 @@ def test_zz_the_guard_dropped_nothing(demo):
     counters = node.guard_counters()
     assert set(counters) >= {"bridge-to-elsewhere", "guarded-source-out", "guarded-destination-out"}, counters
     assert all(v == 0 for v in counters.values()), json.dumps(counters)
+
+
+def test_the_oci_capture_tool_saves_what_runc_ran(demo, tmp_path):
+    """benchmarks/gpu/oci/capture.py on the operator's pod: its rendered securityContext and limits as OCI."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("capture", ROOT / "benchmarks" / "gpu" / "oci" / "capture.py")
+    capture = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(capture)
+    (pod,) = demo.client.list("pods", RELEASE_NS, labels={"app.kubernetes.io/component": "operator"})
+    paths = capture.capture(demo.cluster, RELEASE_NS, pod["metadata"]["name"], tmp_path)
+    assert sorted(p.name for p in paths) == ["operator.json", "sandbox.json"]
+    oci = json.loads((tmp_path / pod["metadata"]["name"] / "operator.json").read_text())
+    assert oci["process"]["user"]["uid"] == 65532 and oci["process"]["noNewPrivileges"] is True
+    assert oci["root"]["readonly"] is True and not oci["process"]["capabilities"].get("effective")
+    limit = pod["spec"]["containers"][0]["resources"]["limits"]["memory"]
+    assert oci["linux"]["resources"]["memory"]["limit"] == {"512Mi": 512 << 20}.get(limit, -1), limit
+    assert {"/tmp", "/etc/kvoffload"} <= {m["destination"] for m in oci["mounts"]}
