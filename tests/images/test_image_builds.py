@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -32,14 +33,18 @@ import pytest
 import yaml
 
 import kvtest.images as images
+from kvoffload.api import settings
+from kvoffload.api.spec import parse
+from kvtest.dockerfile import SERVING as SERVING_DOCKERFILE
+from kvtest.dockerfile import Dockerfile
+from kvtest.readme import README, commands
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-from unit.test_images import SERVING as SERVING_DOCKERFILE, Dockerfile  # noqa: E402, I001 - after the path
 
 pytestmark = pytest.mark.timeout(3600)
 HARDENED = ("--network=none", "--read-only", "--cap-drop=ALL", "--security-opt=no-new-privileges", *images.RUN_LIMITS)
 VERSIONS = {"vllm": images.VLLM_VERSION, "lmcache": images.LMCACHE_VERSION, "torch": "2.11.0"}
+VERSIONS_PAIR = (images.VLLM_VERSION, images.LMCACHE_VERSION)
 
 
 def _require(what: str, ok: bool) -> None:
@@ -175,6 +180,52 @@ def test_serving_build_fails_when_the_extension_check_fails(serving_image):
     out = failed.value.output
     assert re.search(r"lmcache/cuda_ops\.cpython-311-x86_64-linux-gnu\.so", out) and "No such file" in out, out[-3000:]
     assert images.image_id(tag) is None
+
+
+def installed(image: str) -> list[str]:
+    """What the Dockerfiles install (/opt, /home, the users): path, size, mode, owner of every file but
+    bytecode (pip's .pyc files are not byte-reproducible)."""
+    cp = images.podman("run", "--rm", "--network=none", *images.RUN_LIMITS, "--user", "0:0", "--entrypoint", '["find"]', image,
+                       "/opt", "/home", "/etc/passwd", "/etc/group", "-not", "-name", "*.pyc", "-printf", "%p %s %m %u\n",
+                       timeout=600)
+    return sorted(cp.stdout.splitlines())
+
+
+def test_the_readmes_build_commands_build_these_images(operator_image, serving_image):
+    """README "Images": each `docker build` line, run with podman (the same CLI) plus only what this
+    machine needs (the local base, the wheelhouse, no network), gives the image `make images` gives;
+    the push lines push what was built, and the values point the chart and the operator at it."""
+    text = README.read_text().split("\n## Images\n", 1)[1].split("\n## ", 1)[0]
+    cmds = commands(text)
+    table = images.images()
+    built = {}
+    for argv in [shlex.split(c) for c in cmds if c.startswith("docker build ")]:
+        dockerfile = ROOT / (argv[argv.index("-f") + 1] if "-f" in argv else f"{argv[-1]}/Dockerfile")
+        (img,) = [i for i in (table["operator"], table["serving"]) if i.dockerfile == dockerfile]
+        tag = argv[argv.index("-t") + 1]
+        offline = ["--build-arg", f"BASE_IMAGE={img.base}", "-v", f"{img.wheelhouse}:/wheels:ro",
+                   *[a for k, v in img.args.items() for a in ("--build-arg", f"{k}={v}")]]
+        cp = images.podman("build", "--format=docker", "--network=none", "--pull=never", *images.RUN_LIMITS, *offline,
+                           *argv[2:], cwd=ROOT, check=False, timeout=1800)
+        try:
+            assert cp.returncode == 0, (cp.stdout + cp.stderr)[-3000:]
+            assert installed(tag) == installed(img.tag)
+            assert {k: v for k, v in inspect(tag)["Config"].items() if k != "Labels"} == \
+                {k: v for k, v in inspect(img.tag)["Config"].items() if k != "Labels"}
+            built[img.tag] = tag
+        finally:
+            images.podman("rmi", tag, check=False)
+    assert set(built) == {images.OPERATOR, images.SERVING}
+    assert sorted(c.split()[2] for c in cmds if c.startswith("docker push ")) == sorted(built.values())
+    (block,) = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
+    values = yaml.safe_load(block)
+    assert f"{values['image']['repository']}:0.1.0" == built[images.OPERATOR]
+    cfg = settings.from_dict(values["operator"]["config"])
+    assert cfg.default_image == built[images.SERVING]
+    minimal = {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "engine": {"maxModelLen": 8192},
+               "offload": {"cpu": {"size": "8Gi"}}}
+    engine = parse(minimal, cfg).engine
+    assert (engine.image, engine.vllm_version, engine.lmcache_version) == (built[images.SERVING], *VERSIONS_PAIR)
 
 
 # --- the stand-in engine image: the rendered lmcache-server pod in a podman pod ----------------

@@ -98,10 +98,18 @@ def _version(text: str, field: str) -> tuple[int, ...]:
         raise ConfigError(field, f"{text!r} is not a version like 0.5.6") from None
 
 
-def resolve(image: str, vllm: str | None, lmcache: str | None, *, needs_lmcache: bool = True) -> EnginePair:
+def declared(image_versions: dict[str, dict[str, str]]) -> dict[str, KnownImage]:
+    """The admin's images (operator config imageVersions) as table entries."""
+    return {image: KnownImage(vllm=pair["vllm"], lmcache=pair.get("lmcache") or None,
+                              why="declared in the operator config imageVersions")
+            for image, pair in image_versions.items()}
+
+
+def resolve(image: str, vllm: str | None, lmcache: str | None, *, needs_lmcache: bool = True,
+            table: dict[str, KnownImage] = KNOWN_IMAGES) -> EnginePair:
     """The pair in `image`: explicit versions win, then the table; unknown images must say what they hold.
     Without `needs_lmcache` (backend vllm-native) an image without LMCache is fine: lmcache is then ""."""
-    known = KNOWN_IMAGES.get(image)
+    known = table.get(image)
     vllm = vllm or (known.vllm if known else None)
     lmcache = lmcache or (known.lmcache if known else None)
     if not needs_lmcache and vllm is not None and lmcache is None:
@@ -114,7 +122,8 @@ def resolve(image: str, vllm: str | None, lmcache: str | None, *, needs_lmcache:
             raise ConfigError(missing, f"the operator's version table does not know the {missing.rsplit('.', 1)[1][:-7]} "
                                        f"version in image {image!r}: {known.why}")
         raise ConfigError(missing, f"image {image!r} is not in the operator's version table "
-                                   f"({', '.join(sorted(KNOWN_IMAGES))}); set spec.engine.vllmVersion and spec.engine.lmcacheVersion")
+                                   f"({', '.join(sorted(table))}); set spec.engine.vllmVersion and spec.engine.lmcacheVersion "
+                                   "(or the admin lists it in the operator config imageVersions)")
     if _version(vllm, "spec.engine.vllmVersion") < MIN_VLLM:
         raise ConfigError("spec.engine.vllmVersion", f"vLLM {vllm} predates LMCacheConnectorV1; need >= {'.'.join(map(str, MIN_VLLM))}")
     if _version(lmcache, "spec.engine.lmcacheVersion") < MIN_LMCACHE:
@@ -122,22 +131,11 @@ def resolve(image: str, vllm: str | None, lmcache: str | None, *, needs_lmcache:
     return EnginePair(vllm=vllm, lmcache=lmcache)
 
 
-# What each spec.offload.backend needs from the pair, checked in the installed sources of the default
-# pair (vLLM 0.26.0 + LMCache 0.5.3, tests/engine/build-venv.sh): vLLM 0.26.0 registers
-# LMCacheMPConnector and OffloadingConnector in its KVConnectorFactory and has
-# --kv-offloading-backend native|lmcache; LMCache 0.5.3 ships `lmcache server` (the multiprocess
-# server: ZMQ + HTTP) and the engine-driven shared-memory transfer. Older pairs were not checked,
-# so they are refused rather than guessed at.
-BACKEND_MIN: dict[str, tuple[tuple[int, ...] | None, tuple[int, ...] | None]] = {
-    "lmcache": (MIN_VLLM, MIN_LMCACHE),
-    "lmcache-server": ((0, 26, 0), (0, 5, 3)),
-    "vllm-native": ((0, 26, 0), None),  # no LMCache involved
-}
-
-
-def check_backend(backend: str, pair: EnginePair) -> None:
-    """Refuse a backend the image's pair does not have, naming both versions."""
-    min_vllm, min_lmcache = BACKEND_MIN[backend]
+def check_backend(backend: str, need_vllm: str, need_lmcache: str | None, pair: EnginePair) -> None:
+    """Refuse a backend the image's pair does not have (each backend declares its minimum pair, checked in the
+    installed sources of the default pair; older pairs are refused rather than guessed at), naming both versions."""
+    min_vllm = _version(need_vllm, "spec.offload.backend")
+    min_lmcache = None if need_lmcache is None else _version(need_lmcache, "spec.offload.backend")
     v = _version(pair.vllm, "spec.engine.vllmVersion")
     lmc = _version(pair.lmcache, "spec.engine.lmcacheVersion") if pair.lmcache else (0,)
     need = " and ".join(f"{name} >= {'.'.join(map(str, low))}" for name, low in (("vLLM", min_vllm), ("LMCache", min_lmcache)) if low)

@@ -88,7 +88,6 @@ class Image:
     args: Mapping[str, str] = field(default_factory=dict)
     wheelhouse: Path | None = None
     volumes: Mapping[Path, str] = field(default_factory=dict)  # other read-only mounts: host path -> in the build
-    ignorefile: Path | None = None
     inputs: tuple[str, ...] = (".",)  # what the build copies from its context (hashed into the build key)
 
 
@@ -102,8 +101,7 @@ def images(extension: str | None = None, tag: str | None = None) -> dict[str, Im
         "vllm-base": Image(VLLM_BASE, ROOT / "tests/images/vllm-base/Dockerfile", ROOT / "tests/images/vllm-base",
                            PYTHON_BASE, volumes={ENGINE_VENV: "/engine"}),
         "operator": Image(OPERATOR, ROOT / "images/operator/Dockerfile", ROOT, PYTHON_BASE, wheel_args,
-                          OPERATOR_WHEELHOUSE, ignorefile=ROOT / "images/operator/Dockerfile.dockerignore",
-                          inputs=("operator",)),
+                          OPERATOR_WHEELHOUSE, inputs=("operator",)),
         "serving": Image(tag or SERVING, ROOT / "images/serving/Dockerfile", ROOT / "images/serving", VLLM_BASE,
                          serving_args, SERVING_WHEELHOUSE),
         "standin": Image(STANDIN, ROOT / "tests/images/vllm-standin/Dockerfile", ROOT / "tests", SERVING,
@@ -236,8 +234,6 @@ def build_image(img: Image, force: bool = False) -> subprocess.CompletedProcess 
     if img.wheelhouse:
         cmd += ["-v", f"{img.wheelhouse}:/wheels:ro"]
     cmd += [a for src, dst in img.volumes.items() for a in ("-v", f"{src}:{dst}:ro")]
-    if img.ignorefile:
-        cmd += ["--ignorefile", str(img.ignorefile)]
     LOGS.mkdir(parents=True, exist_ok=True)
     replaced = image_id(img.tag)
     t0 = time.monotonic()
