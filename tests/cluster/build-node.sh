@@ -6,17 +6,13 @@
 # rebuilt only when missing. Prints the bin directory.
 set -euo pipefail
 
-K8S_VERSION="${K8S_VERSION:-1.37.2}"
-CONTAINERD_VERSION="${CONTAINERD_VERSION:-v2.4.2}"
-CNI_VERSION="${CNI_VERSION:-v1.10.0}"
-CACHE="${KVO_CACHE:-$HOME/.cache/kvoffload}"
-BIN="$CACHE/node-k8s-v$K8S_VERSION-containerd-$CONTAINERD_VERSION-cni-$CNI_VERSION"
-WORK="$CACHE/src-node"
-export GOFLAGS="${GOFLAGS:--buildvcs=false}" CGO_ENABLED=0
-mkdir -p "$BIN" "$WORK"
-log() { echo "[build-node $(date +%T)] $*" >&2; }
 # shellcheck source=tests/cluster/k8s-module.sh
 source "$(dirname "$0")/k8s-module.sh"
+CONTAINERD_VERSION="${CONTAINERD_VERSION:-v2.4.2}"
+CNI_VERSION="${CNI_VERSION:-v1.10.0}"
+BIN="$CACHE/node-k8s-v$K8S_VERSION-containerd-$CONTAINERD_VERSION-cni-$CNI_VERSION"
+WORK="$CACHE/src-node"
+mkdir -p "$BIN" "$WORK"
 exec 9>"$CACHE/node.lock"
 flock 9
 

@@ -4,17 +4,13 @@
 # rebuilt only when missing. Safe to run repeatedly; prints the bin directory.
 set -euo pipefail
 
-K8S_VERSION="${K8S_VERSION:-1.37.2}"
-KWOK_VERSION="${KWOK_VERSION:-v0.8.0}"
-HELM_VERSION="${HELM_VERSION:-v4.3.1}"
-CACHE="${KVO_CACHE:-$HOME/.cache/kvoffload}"
-BIN="$CACHE/bin-k8s-v$K8S_VERSION-kwok-$KWOK_VERSION-helm-$HELM_VERSION"
-WORK="$CACHE/src"
-export GOFLAGS="${GOFLAGS:--buildvcs=false}" CGO_ENABLED=0
-mkdir -p "$BIN" "$WORK"
-log() { echo "[build $(date +%T)] $*" >&2; }
 # shellcheck source=tests/cluster/k8s-module.sh
 source "$(dirname "$0")/k8s-module.sh"
+KWOK_VERSION="${KWOK_VERSION:-v0.8.0}"
+HELM_VERSION="${HELM_VERSION:-v4.3.1}"
+BIN="$CACHE/bin-k8s-v$K8S_VERSION-kwok-$KWOK_VERSION-helm-$HELM_VERSION"
+WORK="$CACHE/src"
+mkdir -p "$BIN" "$WORK"
 
 build_k8s() {
   [ -x "$BIN/kube-apiserver" ] && [ -x "$BIN/kube-controller-manager" ] && [ -x "$BIN/kube-scheduler" ] && return

@@ -1,5 +1,9 @@
-# Sourced by build.sh (control plane) and build-node.sh (kubelet, kube-proxy): one recipe for a Go
-# module that builds k8s.io/kubernetes commands at $K8S_VERSION.
+# Sourced by build.sh (control plane) and build-node.sh (kubelet, kube-proxy): their shared settings and
+# one recipe for a Go module that builds k8s.io/kubernetes commands at $K8S_VERSION.
+K8S_VERSION="${K8S_VERSION:-1.37.2}"
+CACHE="${KVO_CACHE:-$HOME/.cache/kvoffload}"
+export GOFLAGS="${GOFLAGS:--buildvcs=false}" CGO_ENABLED=0
+log() { echo "[$(basename "$0" .sh) $(date +%T)] $*" >&2; }
 
 # k8s_module DIR PKG...: a module in DIR requiring k8s.io/kubernetes with its staging modules
 # pinned, tidied, with a tools.go importing PKG... (k8s.io/kubernetes/cmd/...).

@@ -358,52 +358,30 @@ def write_configs(c: Cluster, ports: dict[str, int], server: str) -> None:
                       "ranges": [[{"subnet": POD_CIDR, "rangeStart": "198.18.0.10", "gateway": BRIDGE_IP}]],
                       "routes": [{"dst": "0.0.0.0/0"}]}},
             {"type": "portmap", "capabilities": {"portMappings": True}, "snat": False}]}, indent=1))
-    cri = 'plugins."io.containerd.cri.v1'
-    (d["node"] / "containerd.toml").write_text(f"""version = 4
-root = "{d['root']}"
-state = "{d['state']}"
-temp = "{d['node'] / 'containerd-tmp'}"
-disabled_plugins = ["io.containerd.nri.v1.nri", "io.containerd.snapshotter.v1.btrfs",
-                    "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs",
-                    "io.containerd.snapshotter.v1.blockfile", "io.containerd.snapshotter.v1.erofs"]
-[plugins."io.containerd.server.v1.grpc"]
-  address = "{d['sock']}"
-[plugins."io.containerd.server.v1.ttrpc"]
-  address = "{d['sock']}.ttrpc"
-[plugins."io.containerd.server.v1.debug"]
-  address = ""
-[plugins."io.containerd.server.v1.metrics"]
-  address = ""
-[plugins."io.containerd.shim.v1.manager"]
-  socket_dir = "{RUN / 's'}"
-[plugins."io.containerd.internal.v1.opt"]
-  path = "{d['node'] / 'containerd-opt'}"
-[plugins."io.containerd.transfer.v1.local"]
-  config_path = "{d['certs.d']}"
-[plugins."io.containerd.image-verifier.v1.bindir"]
-  bin_dir = "{d['node'] / 'image-verifiers'}"
-[{cri}.images"]
-  snapshotter = "overlayfs"
-  [{cri}.images".pinned_images]
-    sandbox = "{PAUSE_IMAGE}"
-  [{cri}.images".registry]
-    config_path = "{d['certs.d']}"
-[{cri}.runtime"]
-  restrict_oom_score_adj = true
-  netns_mounts_under_state_dir = true
-  enable_selinux = false
-  [{cri}.runtime".containerd]
-    default_runtime_name = "runc"
-    [{cri}.runtime".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [{cri}.runtime".containerd.runtimes.runc.options]
-        BinaryName = "{RUNTIME}"
-        Root = "{d['runc']}"
-        SystemdCgroup = false
-  [{cri}.runtime".cni]
-    bin_dirs = ["{b / 'cni'}"]
-    conf_dir = "{d['cni-conf']}"
-""")
+    cri, runc = 'plugins."io.containerd.cri.v1', 'containerd.runtimes.runc'
+    tables = {
+        'plugins."io.containerd.server.v1.grpc"': {"address": str(d["sock"])},
+        'plugins."io.containerd.server.v1.ttrpc"': {"address": f"{d['sock']}.ttrpc"},
+        'plugins."io.containerd.server.v1.debug"': {"address": ""},
+        'plugins."io.containerd.server.v1.metrics"': {"address": ""},
+        'plugins."io.containerd.shim.v1.manager"': {"socket_dir": str(RUN / "s")},
+        'plugins."io.containerd.internal.v1.opt"': {"path": str(d["node"] / "containerd-opt")},
+        'plugins."io.containerd.transfer.v1.local"': {"config_path": str(d["certs.d"])},
+        'plugins."io.containerd.image-verifier.v1.bindir"': {"bin_dir": str(d["node"] / "image-verifiers")},
+        f'{cri}.images"': {"snapshotter": "overlayfs"},
+        f'{cri}.images".pinned_images': {"sandbox": PAUSE_IMAGE},
+        f'{cri}.images".registry': {"config_path": str(d["certs.d"])},
+        f'{cri}.runtime"': {"restrict_oom_score_adj": True, "netns_mounts_under_state_dir": True,
+                            "enable_selinux": False},
+        f'{cri}.runtime".containerd': {"default_runtime_name": "runc"},
+        f'{cri}.runtime".{runc}': {"runtime_type": "io.containerd.runc.v2"},
+        f'{cri}.runtime".{runc}.options': {"BinaryName": RUNTIME, "Root": str(d["runc"]), "SystemdCgroup": False},
+        f'{cri}.runtime".cni': {"bin_dirs": [str(b / "cni")], "conf_dir": str(d["cni-conf"])},
+    }
+    top = {"version": 4, "root": str(d["root"]), "state": str(d["state"]), "temp": str(d["node"] / "containerd-tmp"),
+           "disabled_plugins": ["io.containerd.nri.v1.nri"] + [f"io.containerd.snapshotter.v1.{x}" for x in
+                                                                ("btrfs", "devmapper", "zfs", "blockfile", "erofs")]}
+    (d["node"] / "containerd.toml").write_text(toml(top, tables))
     for sub in ("containerd-tmp", "containerd-opt", "image-verifiers"):
         (d["node"] / sub).mkdir(exist_ok=True)
     pki = c.pki
@@ -439,6 +417,13 @@ disabled_plugins = ["io.containerd.nri.v1.nri", "io.containerd.snapshotter.v1.bt
         "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"},
         "nodePortAddresses": [f"{BRIDGE_IP}/32"],
     }))
+
+
+def toml(top: dict, tables: dict[str, dict]) -> str:
+    """TOML for flat values (strings, bools, ints, lists of strings: JSON spells them as TOML does)."""
+    def lines(values: dict) -> list[str]:
+        return [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    return "\n".join(lines(top) + [ln for name, vals in tables.items() for ln in (f"[{name}]", *lines(vals))]) + "\n"
 
 
 def containerd_flags(c: Cluster, p: dict[str, int]) -> list[str]:
