@@ -13,9 +13,9 @@ import yaml
 from kvoffload.api.quantity import to_bytes
 from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
+from kvtest import ROOT
 from kvtest.fleet import render_nodes
-
-from .helpers import EXAMPLES, ROOT
+from kvtest.specs import EXAMPLES
 
 RESOURCES = ("cpu", "memory", "nvidia.com/gpu", "ephemeral-storage")
 
