@@ -218,6 +218,19 @@ def serving_pods(demo) -> dict[str, str]:
     return {p["metadata"]["name"]: p["metadata"]["uid"] for p in demo.client.list("pods", "kvoffload-demo")}
 
 
+def settled(demo) -> dict[str, str]:
+    """The serving pods once every StatefulSet has rolled out (no rollout left over from an earlier test)."""
+    def done():
+        for sts in demo.client.list("statefulsets", "kvoffload-demo"):
+            st, want = sts["status"], sts["spec"]["replicas"]
+            if st.get("currentRevision") != st.get("updateRevision") or st.get("readyReplicas") != want \
+                    or st.get("updatedReplicas") != want or st.get("observedGeneration") != sts["metadata"]["generation"]:
+                return None
+        pods = demo.client.list("pods", "kvoffload-demo")
+        return serving_pods(demo) if len(pods) == 6 and not any(p["metadata"].get("deletionTimestamp") for p in pods) else None
+    return demo.wait_until(done, timeout=180, interval=1, message="every serving StatefulSet rolled out")
+
+
 def operator_ready(demo, image: str) -> dict | None:
     pods = [p for p in demo.client.list("pods", RELEASE_NS, labels={"app.kubernetes.io/component": "operator"})
             if not p["metadata"].get("deletionTimestamp")]
@@ -238,7 +251,7 @@ def steady(demo, before: dict[str, str], seconds: float) -> None:
     "known bug, found here: the chart hands the operator image to the exporter sidecar (operator.config."
     "exporterImage empty), so a new operator image re-renders every StatefulSet and rolls every serving pod"))
 def test_helm_upgrade_to_a_new_operator_image_restarts_no_serving_pod(demo):
-    before = serving_pods(demo)
+    before = settled(demo)
     assert len(before) == 6, before
     # A new operator image: the same content under a new tag, made in the node's containerd.
     node.ctr(demo.cluster, "images", "tag", "--force", OPERATOR_IMAGE, OPERATOR_IMAGE + "-upgrade")
@@ -264,7 +277,7 @@ def test_helm_upgrade_to_a_new_operator_image_restarts_no_serving_pod(demo):
 
 
 def test_helm_uninstall_keeps_the_crd_the_resources_and_their_pods(demo):
-    before = serving_pods(demo)
+    before = settled(demo)
     values = demo.helm("get", "values", "kvoffload", "-n", RELEASE_NS, "-o", "yaml").stdout
     chart = (demo.demo_dir or ROOT) / "charts" / "kvoffload-operator"
     demo.helm("uninstall", "kvoffload", "-n", RELEASE_NS, "--wait", "--timeout", "3m")
