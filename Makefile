@@ -76,7 +76,8 @@ cluster-build:
 node-build: cluster-build
 	tests/cluster/build-node.sh
 
-# Argo CD's Lua health runner (gopher-lua) and the kstatus checker (Helm v4's kstatus), cached.
+# Argo CD's Lua health runner (gopher-lua), the kstatus checker (Helm v4's kstatus) and Flux's
+# source-controller and kustomize-controller with their CRDs, cached by version.
 gitops-tools:
 	tests/gitops/build.sh
 
