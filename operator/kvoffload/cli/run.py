@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     asyncio.run(kopf.operator(
         # kopf's own default asks getpass.getuser(), which fails as a UID with no passwd entry (the
         # image runs as 65532 with none): give it the pod name + pid instead.
-        identity=default_identity(),
+        identity=default_identity(),  # type: ignore[arg-type]  # kopf's Identity: a str NewType it does not export
         clusterwide=not namespaces,
         namespaces=namespaces,
         standalone=args.peering is None,
