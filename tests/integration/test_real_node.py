@@ -249,9 +249,6 @@ def steady(demo, before: dict[str, str], seconds: float) -> None:
         time.sleep(1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug, found here: the chart hands the operator image to the exporter sidecar (operator.config."
-    "exporterImage empty), so a new operator image re-renders every StatefulSet and rolls every serving pod"))
 def test_helm_upgrade_to_a_new_operator_image_restarts_no_serving_pod(demo):
     before = settled(demo)
     assert len(before) == 6, before
