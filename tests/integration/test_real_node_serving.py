@@ -36,6 +36,10 @@ def standin(demo):
     so every serving container of the pod but the exporter runs it (it is the serving image + the stand-in
     `vllm`). Importing it takes its size twice on disk (content + unpacked snapshot): with less free
     space than that and a margin, the test skips rather than fill a shared disk."""
+    if os.environ.get("KVO_SERVING_ON_NODE") != "1":
+        # Not yet run to the end anywhere (the 8.2 GiB stand-in never fitted the shared disk where it was
+        # written): opt in with KVO_SERVING_ON_NODE=1 until it has (docs/cluster.md says so).
+        pytest.skip("the serving pod on the real node is opt-in (KVO_SERVING_ON_NODE=1): not yet run to the end")
     tar = images.save("standin")
     free = shutil.disk_usage(node.containerd_root()).free
     if free < 2 * tar.stat().st_size + (10 << 30):
