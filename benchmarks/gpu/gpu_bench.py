@@ -364,7 +364,7 @@ class Engine:
         t0 = time.perf_counter()
         status, body = http_req(self.port, "POST", "/v1/completions",
                                 {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0,
-                                 "return_token_ids": True}, timeout=300)
+                                 "return_token_ids": True}, timeout=REQUEST_TIMEOUT_S)
         ttft = time.perf_counter() - t0
         if status != 200:
             raise RuntimeError(f"completion: HTTP {status}: {body[:500]}")
@@ -443,6 +443,7 @@ def scan_disk(path: str) -> tuple[int, int, int]:
 
 
 QUIET_S = 2.0  # the disk dir counts as quiet after this long without a change (--quiet-s)
+REQUEST_TIMEOUT_S = 300.0  # one completion (--request-timeout)
 STATS_WAIT_S = 0.3  # after a response, for vLLM to publish the request's counters (--stats-wait-s)
 
 
@@ -514,6 +515,20 @@ def lmcache_log_facts(text: str) -> dict[str, Any]:
     return {"disk_read_lines": len(reads), "disk_read_bytes": sum(reads), "retrieved": retrieved,
             "disk_prefetch_keys": sum(int(x) for x in PREFETCH.findall(text)),
             "hits": [{"hit": int(a), "load": int(b)} for a, b in HIT.findall(text)]}
+
+
+SERVER_STRATEGY = re.compile(r"Using (\w+) non-GPU transfer strategy")
+SERVER_STORED = re.compile(r"Stored (\d+) tokens in ([\d.]+) seconds")
+SERVER_RETRIEVED = re.compile(r"Retrieved (\d+) tokens in ([\d.]+) seconds")
+
+
+def server_log_facts(text: str) -> dict[str, Any]:
+    """What the LMCache server (lmcache-server backend) logged: how KV travels (shm or pickle) and
+    its store/retrieve times."""
+    def rows(rx: re.Pattern) -> list[dict[str, float]]:
+        return [{"tokens": int(a), "s": float(b)} for a, b in rx.findall(text)]
+    return {"transfer": SERVER_STRATEGY.findall(text), "stored": rows(SERVER_STORED), "retrieved": rows(SERVER_RETRIEVED),
+            "errors": len(re.findall(r"LMCache ERROR", text))}
 
 
 def per_worker(text: str) -> dict[str, dict[str, float]]:
@@ -915,6 +930,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=0, help="start no engine run later than this many s minus --run-estimate-s")
     ap.add_argument("--run-estimate-s", type=float, default=150)
     ap.add_argument("--quiet-s", type=float, default=2.0, help="disk dir quiet after this long unchanged")
+    ap.add_argument("--request-timeout", type=float, default=300, help="longest wait for one completion")
     ap.add_argument("--stats-wait-s", type=float, default=0.3, help="wait after a response before reading counters")
     ap.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment for every engine (recorded as a change)")
@@ -925,12 +941,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--oci", action="append", default=[], metavar="DIR",
                     help="--runtime crun: the captured specs of each --rendered pod, in the same order")
     ap.add_argument("--crun", default="crun", help="the crun binary (--runtime crun)")
+    ap.add_argument("--keep-volume", action="append", default=[], metavar="VOLUME",
+                    help="--runtime crun: an emptyDir kept across runs (home: vLLM's compile cache; recorded as a change)")
     ap.add_argument("--no-probe", action="store_true")
     ap.add_argument("--probe-only", action="store_true", help="host facts and bandwidths only, no engine")
     ap.add_argument("--no-smoke", action="store_true")
     args = ap.parse_args(argv)
-    global QUIET_S, STATS_WAIT_S
-    QUIET_S, STATS_WAIT_S = args.quiet_s, args.stats_wait_s
+    global QUIET_S, STATS_WAIT_S, REQUEST_TIMEOUT_S
+    QUIET_S, STATS_WAIT_S, REQUEST_TIMEOUT_S = args.quiet_s, args.stats_wait_s, args.request_timeout
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     atexit.register(_kill_all)

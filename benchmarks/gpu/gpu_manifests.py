@@ -468,6 +468,7 @@ class PodRun:
     exporter_port: int | None
     status_url: str | None  # the LMCache server's /status (lmcache-server)
     changes: list[str] = field(default_factory=list)
+    host_path_volumes: tuple[str, ...] = ()
 
     def container(self, role: str) -> PodContainer | None:
         return next((c for c in self.containers if c.role == role), None)
@@ -498,16 +499,20 @@ def _mounts_of(c: Container, env: dict[str, str], dirs: dict[str, str]) -> dict[
 
 def containerize(r: Rendered, root: str, disk_root: str, *, connector: bool = True,
                  model_config: dict[str, Any] | None = None, lmcache_overrides: dict[str, Any] | None = None,
-                 extra_env: dict[str, str] | None = None, serving_env: dict[str, str] | None = None) -> PodRun:
+                 extra_env: dict[str, str] | None = None, serving_env: dict[str, str] | None = None,
+                 kept: dict[str, str] | None = None) -> PodRun:
     """The rendered pod's containers for a container runtime. Changes, each listed in `changes`:
     the model -> a directory in the models volume holding config.json, + --load-format dummy
     --skip-tokenizer-init; downward-API values of the first pod (POD_IP: loopback); the
     $(VAR) expansion kubelet does in command and args; VLLM_SERVER_DEV_MODE=1 and `serving_env`
     (offline, no usage reports) for the serving image's containers and `extra_env` for vLLM; the
-    LMCache config overrides; the baseline drops the offload flags and the sidecars."""
+    LMCache config overrides; the baseline drops the offload flags and the sidecars. `kept` maps
+    emptyDir volumes to host directories that outlive the run (vLLM's compile cache in home)."""
     fields = {**_field_values(r), "status.podIP": POD_IP}
-    dirs = _pod_volume_dirs(r, root, disk_root)
+    dirs = {**_pod_volume_dirs(r, root, disk_root), **(kept or {})}
     changes = [f"env from the downward API: {json.dumps(fields, sort_keys=True)}"]
+    changes += [f"volume {n}: {d}, kept across runs (a new pod's emptyDir starts empty): start-up time only"
+                for n, d in (kept or {}).items()]
     containers: list[PodContainer] = []
 
     def add(c: Container, role: str) -> PodContainer:
@@ -547,15 +552,15 @@ def containerize(r: Rendered, root: str, disk_root: str, *, connector: bool = Tr
     changes.append(f"model {rest[0]} -> {model_path} (config.json only) + --load-format dummy --skip-tokenizer-init")
     rest[0] = model_path
     i = 1
-    kept = [rest[0]]
+    args = [rest[0]]
     while i < len(rest):
         if rest[i] in OFFLOAD_FLAGS and not connector:
             changes.append(f"baseline: dropped {rest[i]} {rest[i + 1]}")
             i += 2
             continue
-        kept.append(rest[i])
+        args.append(rest[i])
         i += 1
-    argv += ["vllm", "serve", *kept, "--load-format", "dummy", "--skip-tokenizer-init"]
+    argv += ["vllm", "serve", *args, "--load-format", "dummy", "--skip-tokenizer-init"]
     env = {**main.env, "VLLM_SERVER_DEV_MODE": "1", **(extra_env or {})}
     changes.append("env VLLM_SERVER_DEV_MODE=1 (POST /reset_prefix_cache)")
     changes += [f"env {k}={v}" for k, v in (extra_env or {}).items()]
@@ -572,18 +577,19 @@ def containerize(r: Rendered, root: str, disk_root: str, *, connector: bool = Tr
         files[f"{models[0]}/{MODEL_DIR}/config.json"] = json.dumps(model_config, indent=2, sort_keys=True) + "\n"
 
     x = next((c for c in containers if c.role == "exporter"), None)
-    port = int(flag(kept, "--port") or 8000)
+    port = int(flag(args, "--port") or 8000)
     exporter_port = int((flag(x.argv, "--listen") or ":9400").rsplit(":", 1)[1]) if x else None
     disk = flag(x.argv, "--disk-dir") if x else None
     status = flag(x.argv, "--lmcache-server-url") if x and connector and r.sidecars else None
     mp = main.env.get("PROMETHEUS_MULTIPROC_DIR")
     memory = {n: quantity(s["emptyDir"]["sizeLimit"]) if (s["emptyDir"] or {}).get("sizeLimit") else None
               for n, s in r.volumes.items() if (s.get("emptyDir") or {}).get("medium") == "Memory"}
-    fresh = sorted({d for n, d in dirs.items() if "hostPath" not in r.volumes[n]} | {disk_root})
+    fresh = sorted({d for n, d in dirs.items() if "hostPath" not in r.volumes[n] and n not in (kept or {})} | {disk_root})
     return PodRun(containers=containers, volume_dirs=dirs, memory_volumes=memory, files=files, fresh_dirs=fresh,
                   lmcache=lmcache if connector else None, multiproc_dir=_host_path(main, mp) if mp else None,
                   disk_dir=_host_path(x, disk) if x and disk else None, port=port, exporter_port=exporter_port,
-                  status_url=status, changes=changes)
+                  status_url=status, changes=changes,
+                  host_path_volumes=tuple(n for n, src in r.volumes.items() if "hostPath" in src))
 
 
 def _host_path(c: PodContainer, path: str) -> str:

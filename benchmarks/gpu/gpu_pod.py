@@ -242,7 +242,7 @@ class Pod:
                 size = self.run.memory_volumes[name]
                 self._tmpfs(d, f"mode=0777{f',size={size}' if size else ''}")
             # emptyDirs are 0777 (kubelet); a hostPath DirectoryOrCreate is 0755 root's until the init hands it over
-            os.chmod(d, 0o777 if d.startswith(self.work + "/") else 0o755)
+            os.chmod(d, 0o755 if name in self.run.host_path_volumes else 0o777)
         for c in self.run.containers:  # subPath directories, made by kubelet with the volume's mode
             for src, _ro in c.mounts.values():
                 os.makedirs(src, exist_ok=True)
@@ -337,7 +337,8 @@ class PodTarget:
         self.disk_root = f"{args.disk_root}/kvbench-{tag}"
         overrides, extra = bench.overrides_for(kind, args)
         self.run = run = gm.containerize(rendered, work, self.disk_root, connector=self.connector, model_config=cfg,
-                                         lmcache_overrides=overrides, extra_env=extra, serving_env=serving_env)
+                                         lmcache_overrides=overrides, extra_env=extra, serving_env=serving_env,
+                                         kept={v: f"{args.work}/kept-{v}" for v in args.keep_volume})
         self.logdir = Path(args.out) / "logs"
         self.pod = Pod(run, load_specs(args.oci_dir), name=f"{rendered.name}-0", tag=tag, work=work,
                        logdir=str(self.logdir), namespaces=SANDBOX, python=args.python, crun=args.crun, host=HOST)
@@ -399,7 +400,13 @@ class PodTarget:
 
     def start_exporter(self) -> subprocess.Popen | None:
         x = self.run.container("exporter")
-        return self.pod.box(x.name).start() if x else None
+        if not x:
+            return None
+        b = self.pod.box(x.name)
+        p = b.start()
+        self.side_samplers[x.name] = ms = self.bench.MemSampler(b.cgroup)
+        ms.start()
+        return p
 
     def stop_exporter(self) -> None:
         x = self.run.container("exporter")
@@ -422,6 +429,9 @@ class PodTarget:
             ms.join(5)
             c = next(c for c in self.run.containers if c.name == name)
             res.setdefault("sidecar_memory", {})[name] = {"limit": c.memory_limit, **ms.summary()}
+        for b in self.pod.of_role("sidecar"):
+            res.setdefault("sidecar_log_facts", {})[b.pc.name] = self.bench.server_log_facts(
+                b.log.read_text(errors="replace") if b.log.exists() else "")
 
     def cleanup(self) -> None:
         self.pod.cleanup()
