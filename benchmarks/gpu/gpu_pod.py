@@ -50,7 +50,9 @@ NS_FILES = {"network": "/proc/self/ns/net", "ipc": "/proc/self/ns/ipc", "uts": "
 def enter_sandbox(hostname: str) -> dict[str, str]:
     """This process (before any thread) into its own network, IPC and UTS namespaces, loopback up:
     the pod's sandbox. Returns the namespace files the containers join."""
-    os.unshare(CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(net, ipc, uts)")
     socket.sethostname(hostname)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # ip link set lo up
         req = struct.pack("16sH14s", b"lo", 0, b"")
