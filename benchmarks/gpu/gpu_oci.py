@@ -63,6 +63,7 @@ class Host:
     hugepage_sizes: frozenset[str] = frozenset()  # "2MB", "1GB"
     apparmor_profiles: frozenset[str] = frozenset()
     existing: frozenset[str] = frozenset()  # destinations under image_dirs that exist on the host
+    swap_accounting: bool = True  # memory.swap.max exists in the pod's cgroup
 
 
 @dataclass(frozen=True)
@@ -169,9 +170,13 @@ def rewrite(spec: dict[str, Any], argv: list[str], env: dict[str, str], host: Ho
             ch.append(f"hugepageLimits {[h['pageSize'] for h in res['hugepageLimits']]} -> {[h['pageSize'] for h in keep]} "
                       "(page sizes / hugetlb controller of the GPU host)")
         res["hugepageLimits"] = keep
-    if res.get("pids") and "pids" not in host.controllers:
-        ch.append("resources.pids dropped (no pids controller)")
-        res.pop("pids")
+    for key, controller in (("pids", "pids"), ("cpu", "cpu"), ("blockIO", "io")):
+        if res.get(key) and controller not in host.controllers:
+            ch.append(f"resources.{key} dropped (the GPU host's cgroup v2 has no {controller} controller)")
+            res.pop(key)
+    if "swap" in mem and not host.swap_accounting:
+        ch.append("resources.memory.swap dropped (no swap accounting on the GPU host: no memory.swap.max)")
+        mem.pop("swap")
     res.pop("unified", None)
     rules = res.setdefault("devices", [])
     devs = lx.setdefault("devices", [])

@@ -21,6 +21,7 @@ What stands in for the kubelet, and how:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import fcntl
 import glob
 import json
@@ -129,18 +130,20 @@ def _cgroup_path(rel: str) -> Path:
     return CGROUP / rel.lstrip("/")
 
 
-def _enable_controllers(path: Path) -> None:
-    """Controllers on in subtree_control of every ancestor of path (cgroup v2), as kubelet's cgroupfs does."""
+def _make_cgroup(path: Path) -> None:
+    """path and its ancestors, each with the controllers on for its children (cgroup v2), as kubelet's
+    cgroupfs driver makes kubepods/<qos>/pod<uid>."""
     want = [c for c in ("cpu", "memory", "pids", "io") if c in (CGROUP / "cgroup.controllers").read_text().split()]
     cur = CGROUP
-    for part in path.relative_to(CGROUP).parts:
+    for part in [*path.relative_to(CGROUP).parts, None]:
         for c in want:  # one at a time: a controller that cannot be enabled must not keep the others off
             try:
                 (cur / "cgroup.subtree_control").write_text(f"+{c}")
             except OSError:
                 pass
-        cur = cur / part
-        cur.mkdir(exist_ok=True)
+        if part is not None:
+            cur = cur / part
+            cur.mkdir(exist_ok=True)
 
 
 class Box:
@@ -260,11 +263,16 @@ class Pod:
         shm = w / "sandbox-shm"
         shm.mkdir(exist_ok=True)
         self._tmpfs(str(shm), f"mode=1777,size={SANDBOX_SHM_BYTES}")
+        missing = [c.name for c in self.run.containers if c.name not in self.specs]
+        if missing:
+            raise SystemExit(f"no captured spec for containers {missing} (have: {', '.join(self.specs)})")
+        self.pod_cgroup = _cgroup_path(gpu_oci.pod_cgroup(self.specs[self.run.containers[0].name]))
+        if not self.dry_run:
+            _make_cgroup(self.pod_cgroup)
+            self.host = dataclasses.replace(self.host, swap_accounting=(self.pod_cgroup / "memory.swap.max").exists())
         limits = []
         for c in self.run.containers:
-            spec = self.specs.get(c.name)
-            if spec is None:
-                raise SystemExit(f"no captured spec for container {c.name} (have: {', '.join(self.specs)})")
+            spec = self.specs[c.name]
             (files / f"termination-log-{c.name}").write_text("")
             os.chmod(files / f"termination-log-{c.name}", 0o666)
             rootfs = w / f"rootfs-{c.name}"
@@ -285,9 +293,6 @@ class Pod:
             (b.bundle / "config.json").write_text(json.dumps(b.spec, indent=1))
         if self.dry_run:
             return
-        parent = gpu_oci.pod_cgroup(next(iter(self.boxes.values())).spec)
-        self.pod_cgroup = _cgroup_path(parent)
-        _enable_controllers(self.pod_cgroup / "x")
         if all(limits):  # kubelet's pod-level limit: the sum of the containers' (init ones run alone)
             (self.pod_cgroup / "memory.max").write_text(str(sum(limits)))
 
