@@ -116,22 +116,17 @@ def captured(name: str) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("name", PODS)
-def test_the_capture_is_of_the_rendered_pod(name, rendered):
-    """Each container of the rendered pod has a captured spec with its user and memory limit."""
-    specs, r = captured(name), rendered[name]
-    run = pod(r)
-    for c in run.containers:
-        s = specs[c.name]
-        assert s["linux"]["resources"]["memory"]["limit"] == c.memory_limit, c.name
-        assert s["root"]["readonly"] is (c.name != "report-engine-versions" or s["root"]["readonly"])
-
-
-@pytest.mark.parametrize("name", PODS)
 def test_rewrite_keeps_what_kubelet_decided_and_adds_the_gpu(name, rendered):
+    """The capture is of the rendered pod (each container's user, fsGroup and memory limit), and the
+    rewrite keeps what kubelet + containerd decided."""
     specs, r = captured(name), rendered[name]
     run = pod(r)
     for c in run.containers:
         spec = specs[c.name]
+        user = spec["process"]["user"]
+        assert user["uid"] == {"exporter": 65532, "prepare-disk-tier": 0}.get(c.name, 1000), c.name
+        assert 1000 in user.get("additionalGids", []), c.name  # the pod's fsGroup
+        assert spec["linux"]["resources"]["memory"]["limit"] == c.memory_limit, c.name
         at = gpu_oci.Placement(rootfs=f"/w/pod/rootfs-{c.name}", pod_files="/w/pod/files", sandbox_shm="/w/pod/shm",
                                namespaces={"network": "/proc/9/ns/net", "ipc": "/proc/9/ns/ipc", "uts": "/proc/9/ns/uts"},
                                image_env={"PATH": "/opt/kvimage/serving/bin:/usr/bin"}, volume_mounts=c.mounts,
