@@ -76,7 +76,7 @@ class Placement:
     image_env: dict[str, str]  # PATH, LD_LIBRARY_PATH, PYTHONPATH, ... of the stand-in image
     volume_mounts: dict[str, tuple[str, bool]]  # destination -> (host path, read-only): the rendered mounts
     cgroup_leaf: str  # the container's cgroup name under the captured pod cgroup
-    memory_limit: int | None = None  # the rendered limit; the captured one must equal it
+    memory_limit: int | None = None  # the rendered limit (replaces a captured one that differs, listed)
     changes: list[str] = field(default_factory=list)
 
 
@@ -162,8 +162,12 @@ def rewrite(spec: dict[str, Any], argv: list[str], env: dict[str, str], host: Ho
             ch.append(f"resources.memory.{k} dropped (cgroup v1 only)")
             mem.pop(k)
     if at.memory_limit is not None and mem.get("limit") != at.memory_limit:
-        raise SpecError(f"container {name}: captured memory limit {mem.get('limit')} is not the rendered {at.memory_limit}: "
-                        "capture the pod rendered from the same KVOffloadServe")
+        # A capture on a small CPU node holds a pod sized for it (a 55 GiB request cannot schedule there).
+        ch.append(f"resources.memory.limit {mem.get('limit')} (the captured pod's) -> {at.memory_limit} (as rendered "
+                  "for the GPU host), swap the same")
+        mem["limit"] = at.memory_limit
+        if "swap" in mem:
+            mem["swap"] = at.memory_limit
     if res.get("hugepageLimits"):
         keep = [h for h in res["hugepageLimits"] if "hugetlb" in host.controllers and h["pageSize"] in host.hugepage_sizes]
         if keep != res["hugepageLimits"]:

@@ -117,8 +117,8 @@ def captured(name: str) -> dict[str, dict]:
 
 @pytest.mark.parametrize("name", PODS)
 def test_rewrite_keeps_what_kubelet_decided_and_adds_the_gpu(name, rendered):
-    """The capture is of the rendered pod (each container's user, fsGroup and memory limit), and the
-    rewrite keeps what kubelet + containerd decided."""
+    """The capture is of the rendered pod (each container's user and the pod's fsGroup), and the rewrite
+    keeps what kubelet + containerd decided."""
     specs, r = captured(name), rendered[name]
     run = pod(r)
     for c in run.containers:
@@ -126,7 +126,6 @@ def test_rewrite_keeps_what_kubelet_decided_and_adds_the_gpu(name, rendered):
         user = spec["process"]["user"]
         assert user["uid"] == {"exporter": 65532, "prepare-disk-tier": 0}.get(c.name, 1000), c.name
         assert 1000 in user.get("additionalGids", []), c.name  # the pod's fsGroup
-        assert spec["linux"]["resources"]["memory"]["limit"] == c.memory_limit, c.name
         at = gpu_oci.Placement(rootfs=f"/w/pod/rootfs-{c.name}", pod_files="/w/pod/files", sandbox_shm="/w/pod/shm",
                                namespaces={"network": "/proc/9/ns/net", "ipc": "/proc/9/ns/ipc", "uts": "/proc/9/ns/uts"},
                                image_env={"PATH": "/opt/kvimage/serving/bin:/usr/bin"}, volume_mounts=c.mounts,
@@ -155,17 +154,22 @@ def test_rewrite_keeps_what_kubelet_decided_and_adds_the_gpu(name, rendered):
         assert new["ociVersion"] == gpu_oci.OCI_VERSION and any("ociVersion" in ch for ch in changes)
 
 
-def test_rewrite_refuses_a_capture_of_another_pod(rendered):
+def test_rewrite_takes_the_rendered_limit_and_refuses_a_capture_with_other_mounts(rendered):
     r = rendered["workstation-llama31-8b"]
     c = pod(r).container("main")
     spec = copy.deepcopy(captured("workstation-llama31-8b")["vllm"])
+    spec["linux"]["resources"]["memory"].update(limit=2**30, swap=2**30)  # a pod sized for the CPU node
     at = gpu_oci.Placement(rootfs="/r", pod_files="/f", sandbox_shm="/s", namespaces=dict.fromkeys(gpu_oci.JOINED, "/n"),
-                           image_env={}, volume_mounts=c.mounts, cgroup_leaf="vllm", memory_limit=c.memory_limit + 1)
-    with pytest.raises(gpu_oci.SpecError, match="captured memory limit"):
-        gpu_oci.rewrite(spec, c.argv, c.env, HOST, at, "vllm")
+                           image_env={}, volume_mounts=c.mounts, cgroup_leaf="vllm", memory_limit=c.memory_limit)
+    new, changes = gpu_oci.rewrite(spec, c.argv, c.env, HOST, at, "vllm")
+    assert new["linux"]["resources"]["memory"]["limit"] == c.memory_limit
+    assert any(ch.startswith(f"resources.memory.limit {2**30} (the captured pod's) -> {c.memory_limit}") for ch in changes)
     at = gpu_oci.Placement(rootfs="/r", pod_files="/f", sandbox_shm="/s", namespaces=dict.fromkeys(gpu_oci.JOINED, "/n"),
                            image_env={}, volume_mounts={**c.mounts, "/extra": ("/x", False)}, cgroup_leaf="vllm")
     with pytest.raises(gpu_oci.SpecError, match="not in the captured spec"):
+        gpu_oci.rewrite(spec, c.argv, c.env, HOST, at, "vllm")
+    spec["mounts"].append({"destination": "/stray", "type": "bind", "source": "/var/lib/kubelet/x", "options": ["rbind"]})
+    with pytest.raises(gpu_oci.SpecError, match="captured mount /stray"):
         gpu_oci.rewrite(spec, c.argv, c.env, HOST, at, "vllm")
 
 
