@@ -11,7 +11,7 @@ VLLM_VERSION := 0.26.0
 LMCACHE_VERSION := 0.5.3
 ENGINE_VENV := $(HOME)/.cache/kvoffload/engine-vllm-$(VLLM_VERSION)-lmcache-$(LMCACHE_VERSION)
 
-.PHONY: venv operator-wheels engine-venv engine-metadata engine-tables system-deps cluster-build gitops-tools cluster-up cluster-down cluster-status generate lint unit integration test demo demo-down bench clean
+.PHONY: venv operator-wheels engine-venv engine-metadata engine-tables system-deps cluster-build gitops-tools cluster-up cluster-down cluster-status generate lint typecheck check unit integration test demo demo-down bench clean
 
 venv: $(VENV)/.done
 $(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
@@ -74,16 +74,26 @@ generate: venv
 lint: venv
 	$(BIN)/ruff check --config operator/pyproject.toml operator tests benchmarks
 
+# mypy (pinned in operator/pyproject.toml [tool.mypy]) over the operator package.
+typecheck: venv
+	cd operator && ../$(BIN)/mypy
+
+# Fast feedback, first in `make test`: lint, the type check, the generated files, the unit tests; stops at the
+# first failure. No network and no Go: unit tests that need the cached Go tools or the wheelhouse skip here and
+# run in `make test`'s full pass.
+check: lint typecheck
+	$(BIN)/python -m kvoffload.cli.generate --check
+	$(BIN)/python -m pytest tests/unit -q -x
+
 unit: venv operator-wheels gitops-tools
 	$(BIN)/python -m pytest tests/unit -q
 
 integration: venv system-deps cluster-build gitops-tools
 	KVO_REQUIRE_CLUSTER=1 $(BIN)/python -m pytest tests/integration -q
 
-# Lint, the generated files, unit tests, the engine fidelity tests, then everything on the real control plane
-# (started from the cached build, stopped after).
-test: venv lint operator-wheels engine-venv engine-metadata system-deps cluster-build gitops-tools
-	$(BIN)/python -m kvoffload.cli.generate --check
+# `make check` first (fails fast, before any build), then the unit tests again with every tool, the engine
+# fidelity tests and everything on the real control plane (started from the cached build, stopped after).
+test: check operator-wheels engine-venv engine-metadata system-deps cluster-build gitops-tools
 	KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_ENGINE=1 $(BIN)/python -m pytest tests -q
 
 demo: venv cluster-build

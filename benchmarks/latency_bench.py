@@ -31,7 +31,7 @@ from typing import Any
 import scale_bench as sb  # same directory: cluster helpers, the spec
 
 import kvtest
-from kvtest import OperatorProcess
+from kvtest import OperatorProcess, sentinel
 
 CHILD_WATCHES = (("ConfigMap", "configmaps"), ("Service", "services"), ("StatefulSet", "statefulsets"),
                  ("PodDisruptionBudget", "poddisruptionbudgets"))
@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         c = sb.fresh_cluster(state_dir, args.gpu_nodes)
         ns = "latency"
         sb.make_namespaces(c, [ns])
+        sentinel(c.client, ns)
         op = OperatorProcess(c.env, [ns], {"resyncSeconds": 300}, log_path=workdir / "operator.log")
         op.wait_started()
         rec = Recorder(c, ns)

@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import kvtest
-from kvtest import OperatorProcess
+from kvtest import OperatorProcess, sentinel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -330,7 +330,7 @@ class Floor:
                     desired = self.pipeline.desired(key[1], key[0], body["metadata"]["uid"], body["spec"], self.settings)
                     with self.lock:
                         self.desired[key] = desired
-                    for child in desired.children:
+                    for child in desired.applied:
                         self.kube.apply(child)
                     self._maybe_status(key)
                 else:
@@ -541,6 +541,7 @@ def phase(mode: str, args: argparse.Namespace, workdir: Path, state_dir: Path) -
         namespaces = [f"scale-{i:02d}" for i in range(args.namespaces)]
         make_namespaces(c, namespaces)
         keys = [(namespaces[i % len(namespaces)], f"serve-{i:04d}") for i in range(args.resources)]
+        sentinel(c.client, namespaces[0])  # both phases: the same cluster; the operator's "caches filled" comes after it
         if mode == "operator":
             op = OperatorProcess(c.env, None, {"resyncSeconds": args.resync_seconds}, log_path=workdir / "operator.log")
             op.wait_started()

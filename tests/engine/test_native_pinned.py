@@ -1,4 +1,4 @@
-"""Fidelity of the vllm-native memory charge (sizing.native_pinned) against the pinned engine:
+"""Fidelity of the vllm-native memory charge (backends/vllm_native.native_pinned) against the pinned engine:
 - each rendered vLLM command line through vLLM's own config, then vLLM's own KV cache config,
   build_offloading_config and CPUOffloadingSpec: the per-worker pinned tensor vLLM would allocate
   (num_blocks × page) and how many (one per KV cache tensor) equal the planner's;
@@ -14,14 +14,14 @@ import re
 
 import engine_venv
 import pytest
-from test_backends import LLAMA, PAIR
-from unit.helpers import spec  # noqa: E402  (the unit tests' base spec with dotted-path overrides)
 
 from kvoffload.api.quantity import GiB
 from kvoffload.api.settings import Settings
+from kvoffload.backends import vllm_native
 from kvoffload.controller import pipeline
-from kvoffload.planning import sizing
 from kvoffload.rendering import render
+from kvtest.specs import LLAMA_CONFIG as LLAMA
+from kvtest.specs import PAIR, spec
 
 # Qwen2.5-7B's config.json fields vLLM reads: 28 layers (not a power of two), 4 KV heads.
 QWEN = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
@@ -69,14 +69,14 @@ def test_planner_charges_what_vllm_pins(engine, case_id):
     v = r["native_pinned"]
     d = desired(CASES[case_id][1])
     b, m, tp = d.budget, d.spec, d.spec.engine.tensor_parallel_size
-    p = sizing.native_pinned(sizing_model(d), tp, b.tier("cpu").bytes, b.kv_bytes_per_token_per_gpu)
+    p = vllm_native.native_pinned(sizing_model(d), tp, b.tier("cpu").bytes, b.kv_bytes_per_token_per_gpu)
     assert v["world_size"] == tp and v["blocks_per_chunk"] == 1  # the operator sets no block_size
     assert v["gpu_kv_cache_tensors"] == v["layers"] == p.tensors  # one pinned CPU tensor per KV cache tensor
-    assert v["page_size_bytes"] == b.kv_bytes_per_token_per_gpu // v["layers"] * sizing.NATIVE_BLOCK_TOKENS
+    assert v["page_size_bytes"] == b.kv_bytes_per_token_per_gpu // v["layers"] * vllm_native.NATIVE_BLOCK_TOKENS
     assert (v["num_blocks"], v["tensor_bytes"]) == (p.num_blocks, p.tensor_bytes)
-    assert p.allocated_bytes == sizing.power_of_two_ceil(v["tensor_bytes"])
+    assert p.allocated_bytes == vllm_native.power_of_two_ceil(v["tensor_bytes"])
     charged = next(t.bytes for t in b.memory_terms if t.name == "cpu_tier")
-    assert charged == sizing.power_of_two_ceil(v["tensor_bytes"]) * v["gpu_kv_cache_tensors"] * tp
+    assert charged == vllm_native.power_of_two_ceil(v["tensor_bytes"]) * v["gpu_kv_cache_tensors"] * tp
     assert m.offload.cpu_size == b.tier("cpu").bytes
 
 
@@ -95,7 +95,7 @@ def test_the_measured_case(engine):
     # H200, Llama-3.1-8B, TP 1, --kv-offloading-size 40.0: 64.0 GiB pinned at start-up.
     v = engine["llama-40g"]["native_pinned"]
     assert v["tensor_bytes"] == 1.25 * GiB and v["gpu_kv_cache_tensors"] == 32
-    assert sizing.power_of_two_ceil(v["tensor_bytes"]) * 32 == 64 * GiB
+    assert vllm_native.power_of_two_ceil(v["tensor_bytes"]) * 32 == 64 * GiB
 
 
 def test_engine_torch_rounds_pinned_allocations_to_a_power_of_two(venv):

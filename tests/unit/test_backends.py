@@ -12,11 +12,11 @@ from kvoffload.api.errors import ConfigError
 from kvoffload.api.quantity import GiB, gib, to_bytes
 from kvoffload.api.settings import Settings
 from kvoffload.api.spec import parse
+from kvoffload.backends import lmcache_server
 from kvoffload.controller import conditions, pipeline
 from kvoffload.controller.probe import Reading
 from kvoffload.rendering import render
-
-from .helpers import spec
+from kvtest.specs import spec
 
 PAIR = {"engine__image": "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", "engine__vllmVersion": "0.26.0",
         "engine__lmcacheVersion": "0.5.3"}
@@ -47,6 +47,11 @@ def arg(args, flag):
     ({"offload__backend": "lmcache-server", "offload__cpu__evictionPolicy": "LFU"}, "spec.offload.cpu.evictionPolicy", "LRU"),
     ({"offload__backend": "vllm-native", "offload__disk": None, "offload__cpu__evictionPolicy": "MRU"},
      "spec.offload.cpu.evictionPolicy", "LRU"),
+    ({"offload__backend": "vllm-native", "offload__disk": None, "offload__chunkSize": 8192}, "spec.offload.chunkSize",
+     "16-token vLLM KV blocks"),
+    ({"offload__backend": "vllm-native", "offload__disk": None, "resources__stagingPerWorker": "2Gi"},
+     "spec.resources.stagingPerWorker", "vllm-native"),
+    ({"resources__serverBaseline": "3Gi"}, "spec.resources.serverBaseline", "no LMCache server"),
     ({"offload__backend": "redis"}, "spec.offload.backend", "lmcache, lmcache-server, vllm-native"),
     ({"offload__backend": "lmcache-server", "engine__image": "x/y:1", "engine__vllmVersion": "0.25.0",
       "engine__lmcacheVersion": "0.5.3"}, "spec.offload.backend", "vLLM 0.25.0"),
@@ -89,7 +94,7 @@ def test_vllm_container_memory_is_the_same_and_the_server_adds_its_own():
 
 
 def test_native_tier_counts_whole_vllm_blocks():
-    d = desired("vllm-native", offload__chunkSize=8192)  # chunkSize is LMCache's; vLLM offloads 16-token blocks
+    d = desired("vllm-native")  # chunkSize is LMCache's (refused with vllm-native, below); vLLM offloads 16-token blocks
     cpu = d.budget.tier("cpu")
     assert cpu.tokens == 40 * GiB // (16 * d.budget.kv_bytes_per_token) * 16
 
@@ -124,7 +129,7 @@ def test_server_pod():
     assert [k["kind"] for k in d.children] == ["Service", "Service", "StatefulSet", "PodDisruptionBudget"]
     exporter = c["exporter"]["args"]
     assert arg(exporter, "--backend") == "lmcache-server"
-    assert arg(exporter, "--lmcache-server-url") == f"http://127.0.0.1:{render.SERVER_HTTP_PORT}/status"
+    assert arg(exporter, "--lmcache-server-url") == f"http://127.0.0.1:{lmcache_server.SERVER_HTTP_PORT}/status"
 
 
 def test_native_pod():
@@ -165,7 +170,7 @@ def test_offload_condition_names_the_backend(backend, reason):
 
 def test_plan_cli_backend():
     run = [sys.executable, "-m", "kvoffload.cli", "plan", "--model", "meta-llama/Llama-3.1-8B-Instruct",
-           "--context", "32768", "--cpu-tier", "40Gi"]
+           "--max-model-len", "32768", "--cpu-size", "40Gi"]
     out = subprocess.run(run + ["--backend", "lmcache-server", "-o", "json"], capture_output=True, text=True, check=True)
     doc = json.loads(out.stdout)
     assert doc["backend"] == "lmcache-server" and doc["serverMemory"]["request"] == 3 * GiB
@@ -173,5 +178,5 @@ def test_plan_cli_backend():
     native = subprocess.run(run + ["--backend", "vllm-native"], capture_output=True, text=True, check=True).stdout
     assert "cpu_tier" in native and "64 GiB pinned for a 40 GiB tier" in native
     assert "a 32 GiB or 64 GiB tier pins no more than its size for this model" in native
-    bad = subprocess.run(run + ["--backend", "vllm-native", "--disk-tier", "100Gi"], capture_output=True, text=True)
-    assert bad.returncode != 0 and "--disk-tier" in bad.stderr and "--backend vllm-native" in bad.stderr
+    bad = subprocess.run(run + ["--backend", "vllm-native", "--disk-size", "100Gi"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "--disk-size" in bad.stderr and "--backend vllm-native" in bad.stderr

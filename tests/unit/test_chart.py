@@ -28,7 +28,7 @@ STANDARD_LABELS = ("helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io
                    "app.kubernetes.io/version", "app.kubernetes.io/managed-by")
 # Free-form string maps: the only objects whose keys the schema cannot list.
 STRING_MAPS = {"labels", "annotations", "podAnnotations", "podLabels", "nodeSelector"}
-# What the operator calls (kvoffload/controller/: informer.py, kube.py, reconcile.py, leader.py), and nothing more.
+# What the operator calls (kopf watching for cache.py; kube.py, reconcile.py, leader.py), and nothing more.
 EXPECTED_RULES = {
     ("kvoffload.io", "kvoffloadserves"): {"list", "watch"},
     ("kvoffload.io", "kvoffloadserves/status"): {"patch"},

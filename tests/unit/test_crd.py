@@ -6,8 +6,7 @@ from kvoffload.api import crd
 from kvoffload.api.settings import Settings
 from kvoffload.api.spec import parse
 from kvoffload.cli import generate
-
-from .helpers import ROOT
+from kvtest import ROOT
 
 FULL_SPEC = {
     "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "servedName": "llama", "kvDtype": "fp8",
@@ -18,11 +17,11 @@ FULL_SPEC = {
                "maxModelLen": 32768, "gpuMemoryUtilization": 0.9, "maxNumSeqs": 16, "tensorParallelSize": 2,
                "dtype": "bfloat16", "extraArgs": ["--enable-prefix-caching"], "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "INFO"}],
                "apiKeySecretRef": {"name": "vllm-api-key", "key": "api-key"}},
-    "offload": {"backend": "lmcache", "chunkSize": 256, "cpu": {"size": "40Gi", "evictionPolicy": "LFU"},
+    "offload": {"backend": "lmcache", "chunkSize": 256, "cpu": {"size": "40Gi", "evictionPolicy": "LFU", "readGbps": 50},
                 "disk": {"path": "/mnt/nvme/kv", "size": "100Gi", "reclaimPolicy": "Retain",
-                         "nodeSelector": {"kvoffload.io/nvme": "true"}}},
+                         "nodeSelector": {"kvoffload.io/nvme": "true"}, "readGbps": 6.5}},
     "resources": {"gpuResourceName": "nvidia.com/gpu", "gpuMemory": "80Gi", "cpu": "8", "memory": "120Gi",
-                  "engineBaseline": "4Gi", "perWorkerOverhead": "2Gi", "stagingPerWorker": "1Gi", "serverBaseline": "2Gi", "shm": "4Gi",
+                  "engineBaseline": "4Gi", "perWorkerOverhead": "2Gi", "stagingPerWorker": "1Gi", "shm": "4Gi",
                   "headroomPercent": 10},
     "scheduling": {"nodeSelector": {"pool": "gpu"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
                    "affinity": {}, "priorityClassName": "serving",
@@ -34,6 +33,9 @@ FULL_SPEC = {
 
 # The disk tier is either a hostPath or an ephemeral volume: one spec cannot set both.
 EPHEMERAL_SPEC = {**FULL_SPEC, "offload": {**FULL_SPEC["offload"], "disk": {"storageClassName": "local-nvme", "size": "100Gi"}}}
+# Fields of one backend only (backends/*.refuses): the LMCache server's memory needs backend lmcache-server (LRU).
+SERVER_SPEC = {**FULL_SPEC, "offload": {**FULL_SPEC["offload"], "backend": "lmcache-server", "cpu": {"size": "40Gi"}},
+               "resources": {**FULL_SPEC["resources"], "serverBaseline": "2Gi"}}
 
 
 def test_generated_files_are_current():
@@ -56,6 +58,7 @@ def test_parser_reads_exactly_the_fields_the_schema_declares(monkeypatch):
     monkeypatch.setattr(spec_mod._Reader, "get", lambda self, path, *default: read.add(path) or get(self, path, *default))
     parse(FULL_SPEC, Settings())
     parse(EPHEMERAL_SPEC, Settings())
+    parse(SERVER_SPEC, Settings())
     assert read >= crd.leaf_paths(), sorted(crd.leaf_paths() - read)
     parent_paths = {p.rsplit(".", 1)[0] for p in crd.leaf_paths()} | {""}
     extra = {p for p in read - crd.leaf_paths() if p not in parent_paths}
@@ -72,7 +75,7 @@ def test_full_spec_sets_every_leaf():
             else:
                 out.add(p)
         return out
-    assert leaves(FULL_SPEC) | leaves(EPHEMERAL_SPEC) == crd.leaf_paths()
+    assert leaves(FULL_SPEC) | leaves(EPHEMERAL_SPEC) | leaves(SERVER_SPEC) == crd.leaf_paths()
 
 
 def _walk(node, path="spec"):

@@ -11,8 +11,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload.api.fetch import SourceError
+from kvoffload.backends.lmcache_server import offload_active as server_active
+from kvoffload.backends.vllm_native import offload_active as native_active
 from kvoffload.exporter.capacity import TierCapacity
-from kvoffload.exporter.collector import ExporterConfig, TierCollector, native_active, server_active
+from kvoffload.exporter.collector import ExporterConfig, TierCollector
 from kvoffload.exporter.lmcache_server import parse_status
 from kvoffload.exporter.vllm_metrics import parse_vllm
 from kvtest.exporter import FakeVllm

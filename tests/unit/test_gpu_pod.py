@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .helpers import ROOT
+from kvtest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 import gpu_manifests as gm  # noqa: E402

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import kvoffload
@@ -12,12 +14,15 @@ PACKAGE = Path(kvoffload.__file__).parent
 MAY_IMPORT = {
     "api": {"engine"},
     "engine": {"api"},
-    "planning": {"api", "engine"},
-    "rendering": {"api", "engine", "planning"},
-    "controller": {"api", "engine", "planning", "rendering"},
-    "exporter": {"api", "engine"},  # engine/versions: the versions file the init container writes (stdlib only)
+    "backends": {"api", "engine"},
+    "planning": {"api", "engine", "backends"},
+    "rendering": {"api", "engine", "backends", "planning"},
+    "controller": {"api", "engine", "backends", "planning", "rendering"},
+    # engine/versions: the versions file the init container writes (stdlib only); backends: which sources to
+    # read and what proves offloading (they import only light modules at run time: test_exporter_starts_small)
+    "exporter": {"api", "engine", "backends"},
     "node": {"api"},
-    "cli": {"api", "engine", "planning", "rendering", "controller", "exporter", "node"},
+    "cli": {"api", "engine", "backends", "planning", "rendering", "controller", "exporter", "node"},
 }
 
 
@@ -62,3 +67,30 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     bad.parent.mkdir()
     bad.write_text("from ..controller import pipeline\nfrom . import sizing\n")
     assert imported_layers(bad) == {"controller"}
+
+
+def test_exporter_starts_small():
+    """The sidecar (64Mi request) imports the backends' registry, never the kubernetes client or the operator."""
+    code = ("import sys, kvoffload.exporter.cli; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'kubernetes', 'kopf'}), "
+            "sorted(m for m in sys.modules if m.startswith(('kvoffload.controller', 'kvoffload.planning', 'kvoffload.rendering'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[] []"
+
+
+def test_no_backend_is_compared_by_name_outside_its_module():
+    """Everything a backend does differently lives in its module (backends/): elsewhere a `backend == "..."`
+    (or `in`, `!=`) would be a second place to change when a backend is added."""
+    from kvoffload import backends
+
+    found = []
+    for path in sorted(PACKAGE.glob("*/*.py")):
+        if path.parent.name == "backends":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                named = any(isinstance(s, ast.Constant) and s.value in backends.NAMES for s in sides)
+                if named and "backend" in ast.unparse(node):
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found

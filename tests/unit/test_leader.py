@@ -11,6 +11,7 @@ import pytest
 from kvoffload.api.settings import Settings
 from kvoffload.controller import leader, runtime
 from kvoffload.controller.kube import ApiError
+from kvtest.operator import drain
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 CFG = leader.LeaseConfig(namespace="ops", name="kvoffload-operator", identity="me")
@@ -184,16 +185,6 @@ def test_leader_steps_down_when_it_cannot_renew(monkeypatch):
     assert changes == [True, False]
 
 
-async def drain(rt: runtime.Runtime) -> None:
-    """Run the Runtime's workers until nothing is queued or running."""
-    await rt._serve()
-    for _ in range(500):
-        await asyncio.sleep(0.01)
-        if not rt.queued and not rt.running:
-            return
-    raise AssertionError("queue did not drain")
-
-
 def serve(name: str) -> dict[str, Any]:
     return {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe",
             "metadata": {"namespace": "ns", "name": name, "resourceVersion": "1"}}
@@ -228,7 +219,7 @@ def test_new_leader_catches_up_on_what_it_saw_while_following():
         rt.leading = False
         serves = rt.cache.by_kind["KVOffloadServe"]
         for name in ("b", "a", "gone"):
-            serves.apply_event("ADDED", serve(name))  # what the informer stores while following
+            serves.apply_event("ADDED", serve(name))  # what kopf stores while following
         serves.apply_event("DELETED", serve("gone"))
         assert not rt.queued
         rt._on_leadership(True)

@@ -12,13 +12,14 @@ import yaml
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.quantity import to_bytes
 from kvoffload.api.settings import Settings
+from kvoffload.backends import lmcache
 from kvoffload.cli.render import dump_all
 from kvoffload.controller import pipeline
 from kvoffload.engine import images
 from kvoffload.engine import versions as engine_versions
 from kvoffload.rendering import render
-
-from .helpers import EXAMPLES, ROOT, spec
+from kvtest import ROOT
+from kvtest.specs import EXAMPLES, spec
 
 GOLDEN = ROOT / "tests" / "golden"
 
@@ -70,7 +71,7 @@ def test_pod_invariants(tp, disk):
     assert to_bytes(res["limits"]["memory"], "x") == d.budget.memory_limit >= to_bytes("40Gi", "x")
     assert res["limits"]["nvidia.com/gpu"] == str(tp)
     env = {e["name"]: e.get("value") for e in vllm["env"]}
-    assert env["PYTHONHASHSEED"] == "0" and env["LMCACHE_CONFIG_FILE"] == render.CONFIG_FILE
+    assert env["PYTHONHASHSEED"] == "0" and env["LMCACHE_CONFIG_FILE"] == lmcache.CONFIG_FILE
     assert env["PROMETHEUS_MULTIPROC_DIR"] == render.MULTIPROC_DIR
     assert any(m["mountPath"] == render.MULTIPROC_DIR for m in exporter["volumeMounts"])
     args = vllm["args"]

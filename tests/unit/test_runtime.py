@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from kvoffload.api.settings import Settings
 from kvoffload.api.spec import parse
 from kvoffload.controller import pipeline, reconcile, runtime
-
-from .test_leader import drain
+from kvtest.operator import drain
 
 SPEC = {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen": 4096},
         "offload": {"cpu": {"size": "1Gi"}}, "resources": {"gpuMemory": "141Gi"}}
@@ -28,7 +29,7 @@ def test_progress_of_a_running_resource_is_not_queued_behind_first_passes():
     async def scenario() -> None:
         rt = runtime.Runtime(kube=None, settings=Settings(), reconcile=reconcile_, workers=1)
         rt.kick("ns", "first", runtime.CHANGE)
-        await rt._serve()
+        rt._serve()
         await asyncio.sleep(0.05)
         for i in range(5):
             rt.kick("ns", f"new-{i}", runtime.CHANGE)
@@ -55,7 +56,7 @@ def test_kicks_during_a_reconcile_make_exactly_one_more_pass():
     async def scenario() -> None:
         rt = runtime.Runtime(kube=None, settings=Settings(), reconcile=reconcile_, workers=4)
         rt.kick("ns", "a")
-        await rt._serve()
+        rt._serve()
         await asyncio.to_thread(started.wait, 5)
         for _ in range(20):  # a burst of pod events while it runs
             rt.kick("ns", "a", runtime.PROGRESS)
@@ -67,27 +68,41 @@ def test_kicks_during_a_reconcile_make_exactly_one_more_pass():
     assert runs == ["a", "a"]
 
 
-def test_a_failed_reconcile_is_retried_with_backoff():
+def retried(first) -> tuple[runtime.Runtime, list[int]]:  # type: ignore[no-untyped-def]
+    """Reconcile one resource whose first pass does `first()`, then "updated"; until the second pass."""
     calls: list[int] = []
 
     def reconcile_(kube, ns, name, settings):
         calls.append(1)
-        if len(calls) == 1:
-            raise ConnectionError("API server down")
-        return "updated"
+        return first() if len(calls) == 1 else "updated"
 
-    async def scenario() -> None:
+    async def scenario() -> runtime.Runtime:
         rt = runtime.Runtime(kube=None, settings=Settings(), reconcile=reconcile_)
         rt.kick("ns", "a")
-        await rt._serve()
+        rt._serve()
         for _ in range(300):
             await asyncio.sleep(0.01)
             if len(calls) == 2:
                 break
-        assert rt.counts == {"failed": 1, "updated": 1}
+        return rt
 
-    asyncio.run(scenario())
+    return asyncio.run(scenario()), calls
+
+
+def test_a_failed_reconcile_is_retried_with_backoff():
+    def down() -> str:
+        raise ConnectionError("API server down")
+
+    rt, calls = retried(down)
+    assert rt.counts == {"failed": 1, "updated": 1}
     assert len(calls) == 2
+
+
+def test_a_refused_status_is_counted_and_retried():
+    rt, calls = retried(lambda: reconcile.REFUSED)
+    assert rt.counts == {reconcile.REFUSED: 1, "updated": 1} and len(calls) == 2
+    assert rt.metrics.status_refused._value.get() == 1
+    assert rt.metrics.reconciles.labels(reconcile.REFUSED)._value.get() == 1
 
 
 def test_dry_run_only_where_the_api_server_can_refuse():
@@ -127,7 +142,7 @@ def test_a_deferred_status_is_reconciled_again_after_the_spacing(monkeypatch):
     async def scenario() -> None:
         rt = runtime.Runtime(kube=None, settings=Settings(), reconcile=reconcile_)
         rt.kick("ns", "a")
-        await rt._serve()
+        rt._serve()
         for _ in range(100):
             await asyncio.sleep(0.01)
             if len(runs) == 2:
@@ -135,3 +150,74 @@ def test_a_deferred_status_is_reconciled_again_after_the_spacing(monkeypatch):
 
     asyncio.run(scenario())
     assert runs == ["a", "a"]
+
+
+def test_a_field_removed_from_the_spec_is_not_taken_for_a_no_op():
+    tolerated = {**SPEC, "scheduling": {"tolerations": [{"key": "gpu", "operator": "Exists"}]}}
+    old, new = (pipeline.desired("a", "ns", "u", s, Settings()) for s in (tolerated, SPEC))
+    live = {c["kind"]: c for c in old.applied}  # what the cluster holds from the earlier generation
+    sts = {c["kind"]: c for c in new.children}["StatefulSet"]
+    assert reconcile.covers(sts, live["StatefulSet"])  # everything still desired is there: the old check saw no change
+    stamped = {c["kind"]: c for c in new.applied}
+    assert not reconcile.covers(stamped["StatefulSet"], live["StatefulSet"])  # the rendered hash moved: applied
+    assert all(reconcile.covers(stamped[k], live[k]) for k in stamped if k != "StatefulSet")  # the rest stays put
+    covered = reconcile.Covered()
+    live_sts = {**stamped["StatefulSet"], "metadata": {**stamped["StatefulSet"]["metadata"], "uid": "x", "resourceVersion": "7"}}
+    assert covered(stamped["StatefulSet"], live_sts) and covered.seen["x"][1] == "7"
+    assert not covered(live["StatefulSet"], live_sts)  # another desired hash: walked again, not remembered
+
+
+def test_the_liveness_probe_fails_once_a_worker_died():
+    """kopf's own health endpoint (its probe handlers, served on 127.0.0.1) answers 200 while the
+    Runtime's tasks live and 500 once a worker died of something its retry does not catch."""
+    import socket
+
+    import aiohttp
+    import kopf
+    from kopf._core.engines import indexing, probing
+
+    from kvoffload.controller import handlers
+
+    class Bug(BaseException):  # not an Exception: nothing in the worker catches it
+        pass
+
+    def reconcile_(kube, ns, name, settings):
+        if name == "bug":
+            raise Bug("a bug outside the retry")
+        return "unchanged"
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+
+    async def scenario() -> None:
+        rt = runtime.Runtime(kube=None, settings=Settings(), reconcile=reconcile_, workers=2)
+        memo = kopf.Memo(runtime=rt)
+        ready = asyncio.Event()
+        server = asyncio.create_task(probing.health_reporter(
+            f"http://127.0.0.1:{port}/healthz", memo=memo, indices=indexing.OperatorIndexers().indices,
+            registry=kopf.get_default_registry(), settings=kopf.OperatorSettings(), ready_flag=ready))
+        await asyncio.wait_for(ready.wait(), 5)
+        rt._serve()
+        rt.kick("ns", "fine")
+        await drain(rt)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/healthz") as resp:
+                assert resp.status == 200, await resp.text()
+                assert (await resp.json())["runtime"]["reconciles"] == {"unchanged": 1}
+            rt.kick("ns", "bug")
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if rt.died:
+                    break
+            assert rt.died and rt.died[0].startswith("worker ")
+            await asyncio.sleep(10.1)  # kopf caches a probe's answer for 10 s
+            async with session.get(f"http://127.0.0.1:{port}/healthz") as resp:
+                assert resp.status == 500
+        with pytest.raises(kopf.PermanentError, match="operator tasks died: worker"):
+            handlers.runtime_health(memo=memo)
+        assert rt.metrics.dead_tasks._value.get() == 1
+        server.cancel()
+
+    asyncio.run(scenario())
+

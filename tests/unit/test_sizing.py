@@ -12,16 +12,14 @@ from hypothesis import strategies as st
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.quantity import GiB, MiB
 from kvoffload.api.spec import PLAN_FIELDS
+from kvoffload.backends.vllm_native import native_cpu_bytes, native_pinned, power_of_two_ceil
 from kvoffload.planning.catalog import ModelArch, lookup
 from kvoffload.planning.sizing import (
     Bandwidths,
     MemoryDefaults,
     PlanInput,
     check,
-    native_cpu_bytes,
-    native_pinned,
     plan,
-    power_of_two_ceil,
     validate_tp,
 )
 

@@ -9,9 +9,12 @@ let the API server refuse bad input before the operator sees it.
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 from typing import Any
 
-from ..engine import flags, images
+from ..engine import flags
+from . import conditions, managed, rules
 
 GROUP = "kvoffload.io"
 VERSION = "v1alpha1"
@@ -24,15 +27,17 @@ SHORT_NAMES = ["kvs"]
 # flags the operator renders, and flags that change the GPU count or the memory budget). The API server
 # refuses these and their abbreviations; the operator also refuses unknown flags per vLLM version.
 REFUSED_FLAGS = flags.refused_spellings()
-# POD_NAME / POD_NAMESPACE expand the disk tier's subPathExpr: a user value would mount another pod's directory.
-# VLLM_API_KEY comes from spec.engine.apiKeySecretRef only (never a literal in the pod spec or command line).
-# VLLM_USE_V2_MODEL_RUNNER: set per engine pair (engine/images.CONNECTOR_ENV): a user value could turn LMCache's loads off.
-# DO_NOT_TRACK, VLLM_NO_USAGE_STATS: usage telemetry off (engine/images.TELEMETRY_OFF_ENV): a user value could turn it on.
-MANAGED_ENV = ("LMCACHE_CONFIG_FILE", "PYTHONHASHSEED", "PROMETHEUS_MULTIPROC_DIR", "LMCACHE_USE_EXPERIMENTAL",
-               "POD_NAME", "POD_NAMESPACE", "VLLM_API_KEY", *images.ENGINE_ENV_WHY)
-MANAGED_ENV_PREFIX = "LMCACHE_"
-# spec.offload.backend: who holds the offload tiers (docs/backends.md).
-BACKENDS = ("lmcache", "lmcache-server", "vllm-native")
+# Environment variables spec.engine.env may not set, each with why (api/managed.py; api/rules.ENV refuses them).
+MANAGED_ENV = tuple(managed.ENV)
+MANAGED_ENV_PREFIX = managed.ENV_PREFIX
+
+
+@functools.cache
+def backend_declarations() -> dict[str, Any]:
+    """What each spec.offload.backend declares to the API (its name, summary, engine pair and the fields it
+    refuses): data/backends.json, written by `make generate` from the backends' registry (backends/,
+    a layer above this one)."""
+    return json.loads((Path(__file__).parent / "data" / "backends.json").read_text(encoding="utf-8"))
 # vLLM's FlexibleArgumentParser reads `--max_model_len` as `--max-model-len` and `--kv-transfer-config.x=y` as a
 # sub-key of `--kv-transfer-config`, and (allow_abbrev) any unambiguous prefix as the whole flag: `--max-model`
 # and `-t` set --max-model-len and -tp. So an argument is refused when, read as vLLM reads it, it is a prefix
@@ -74,6 +79,14 @@ def _q(description: str, *, positive: bool = True, **kw: Any) -> Schema:
                                                                            f"and at most {MAX_QUANTITY}, e.g. 40Gi or 500G"}]})
 
 
+def _gbps(tier: str, setting: str) -> Schema:
+    """A read bandwidth in GB/s: the figure that decides whether this tier's hits beat recomputing the prefix."""
+    return {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 10000, "description": (
+        f"Read bandwidth of the {tier} back into the GPU, in GB/s (10^9 bytes per second), for this resource's nodes. It "
+        "decides whether reloading a max-length prefix from this tier is slower than recomputing it (a warning in "
+        f"ConfigValid, status.budget.reload). Defaults to the operator setting {setting}; status says which figure was used.")}
+
+
 def _o(description: str, properties: dict[str, Schema], *, required: list[str] | None = None,
        rules: list[dict[str, str]] | None = None, **kw: Any) -> Schema:
     out: Schema = {"type": "object", "description": description, "properties": properties, **kw}
@@ -113,8 +126,7 @@ def _architecture() -> Schema:
             "parameters": _i("Parameter count, used to size the weights in GPU memory (e.g. 8030261248).", minimum=1,
                              maximum=10**15, format="int64"),
         },
-        rules=[{"rule": "!has(self.kvHeads) || !has(self.attentionHeads) || self.attentionHeads % self.kvHeads == 0",
-                "fieldPath": ".kvHeads", "message": "kvHeads must divide attentionHeads"}],
+        rules=rules.at("spec.model.architecture"),
     )
 
 
@@ -179,18 +191,16 @@ def _engine() -> Schema:
                     "message": "extraArgs may not set, or abbreviate, a flag the operator manages or one that changes the GPU "
                                "count or the memory budget (also spelt with _ or as --flag.key): " + ", ".join(REFUSED_FLAGS)}]},
             "env": {"type": "array", "maxItems": 64, "description": (
-                "Extra environment variables for the vLLM container (Kubernetes EnvVar). Variables the operator manages are refused: "
-                + ", ".join(MANAGED_ENV) + " and any LMCACHE_* (put engine settings in spec.offload)."),
+                "Extra environment variables for the vLLM container (Kubernetes EnvVar). Variables the operator manages are refused, "
+                "each with its reason: the operator's own wiring, which GPUs the container sees, and where weights, caches and "
+                "temporary files go: " + ", ".join(MANAGED_ENV) + " and any LMCACHE_* (put engine settings in spec.offload)."),
                 "items": {"type": "object", "required": ["name"], "x-kubernetes-preserve-unknown-fields": True,
                           "properties": {"name": _s("Variable name.", minLength=1, maxLength=256),
                                          "value": _s("Variable value."),
                                          "valueFrom": _free("Source of the value (Kubernetes EnvVarSource).")}},
-                "x-kubernetes-validations": [{
-                    "rule": "self.all(e, !(e.name in " + _cel_list(MANAGED_ENV) + ") && !e.name.startsWith('" + MANAGED_ENV_PREFIX + "'))",
-                    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is refused by the operator only: a CEL rule over
-                    # env values (no maxLength) exceeds the API server's cost budget.
-                    "message": "env may not set a variable the operator manages: " + ", ".join(MANAGED_ENV) + " or LMCACHE_* ("
-                               + managed_env_reasons() + ")"}]},
+                # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is refused by the operator only: a CEL rule over
+                # env values (no maxLength) exceeds the API server's cost budget.
+                "x-kubernetes-validations": rules.at("spec.engine.env")},
             "apiKeySecretRef": _o(
                 "Secret holding the API key clients must send (Authorization: Bearer KEY) for vLLM's /v1 endpoints; exposed to vLLM "
                 "as VLLM_API_KEY (vLLM's --api-key, which is refused in extraArgs so the key never appears in the pod spec). "
@@ -201,14 +211,6 @@ def _engine() -> Schema:
         },
         required=["maxModelLen"],
     )
-
-
-def managed_env_reasons() -> str:
-    """Why each engine variable is managed, one clause per reason: "A, B: why; C: why"."""
-    names: dict[str, list[str]] = {}
-    for name, why in images.ENGINE_ENV_WHY.items():
-        names.setdefault(why, []).append(name)
-    return "; ".join(f"{', '.join(group)}: {why}" for why, group in names.items())
 
 
 def _cel_list(items: tuple[str, ...]) -> str:
@@ -224,7 +226,8 @@ def _offload() -> Schema:
         {"size": _q("Pinned CPU memory for KV chunks, per replica (split evenly over the tensor-parallel ranks; LMCache's "
                     "max_local_cpu_size is this ÷ tensorParallelSize, in GiB)."),
          "evictionPolicy": _s("Which chunk a full tier drops (LMCache cache_policy; applies to the CPU and disk tiers).",
-                              enum=["LRU", "LFU", "FIFO", "MRU"], default="LRU")},
+                              enum=["LRU", "LFU", "FIFO", "MRU"], default="LRU"),
+         "readGbps": _gbps("CPU tier (pinned host memory, per GPU)", "cpuReadGbps")},
         required=["size"],
     )
     disk = _o(
@@ -245,34 +248,71 @@ def _offload() -> Schema:
          "reclaimPolicy": _s("What happens to node directories when a pod or the resource goes: Delete (emptied at every pod start; "
                              "removed from nodes by the node cleaner when the resource is deleted) or Retain (left for the admin).",
                              enum=["Delete", "Retain"], default="Delete"),
-         "nodeSelector": _labels("Node labels that mark nodes with this disk; defaults to the operator's NVMe label.")},
+         "nodeSelector": _labels("Node labels that mark nodes with this disk; defaults to the operator's NVMe label."),
+         "readGbps": _gbps("disk tier (one node-local device shared by the pod's ranks)", "diskReadGbps")},
         required=["size"],
-        rules=[{"rule": "has(self.path) != has(self.storageClassName)",
-                "message": "set exactly one of spec.offload.disk.path (hostPath) or "
-                           "spec.offload.disk.storageClassName (ephemeral volume)"}],
+        rules=rules.at("spec.offload.disk"),
     )
     return _o(
         "KV-cache offloading: hot blocks stay in GPU memory, warm ones go to pinned CPU memory, cold ones to node-local "
         "disk. spec.offload.backend chooses the engine that does it (docs/backends.md compares them).",
-        {"backend": _s("Who holds the CPU and disk tiers. lmcache: LMCache inside the vLLM process (LMCacheConnectorV1); "
-                       "the tiers die with the vLLM container. lmcache-server: an LMCache server in a sidecar container of "
-                       "the serving pod (vLLM's LMCacheMPConnector over ZMQ on 127.0.0.1); the tiers survive vLLM container "
-                       "restarts, not pod replacement. vllm-native: vLLM's own CPU offloading (--kv-offloading-backend native), "
-                       "no LMCache, CPU tier only.", enum=list(BACKENDS), default="lmcache"),
+        {"backend": _s("Who holds the CPU and disk tiers. " + " ".join(
+                           f"{b['name']}: {b['summary']}" for b in backend_declarations()["backends"]),
+                       enum=[b["name"] for b in backend_declarations()["backends"]], default=backend_declarations()["default"]),
          "chunkSize": _i("Tokens per LMCache chunk (chunk_size, or the LMCache server's --chunk-size); the unit stored, looked "
-                         "up and evicted. Ignored by vllm-native, which offloads whole vLLM KV blocks.",
+                         "up and evicted. vllm-native offloads whole vLLM KV blocks and refuses any value but the default.",
                          minimum=16, maximum=8192, default=256),
          "cpu": cpu,
          "disk": disk},
         required=["cpu"],
-        rules=[{"rule": "!has(self.backend) || self.backend != 'vllm-native' || !has(self.disk)", "fieldPath": ".disk",
-                "message": "spec.offload.disk is not supported with spec.offload.backend vllm-native (vLLM's native offloading "
-                           "has a CPU tier only); remove spec.offload.disk or use backend lmcache or lmcache-server"},
-               {"rule": "!has(self.backend) || self.backend == 'lmcache' || !has(self.cpu.evictionPolicy) "
-                        "|| self.cpu.evictionPolicy == 'LRU'", "fieldPath": ".cpu.evictionPolicy",
-                "message": "spec.offload.cpu.evictionPolicy must be LRU with spec.offload.backend lmcache-server or "
-                           "vllm-native (the only policy both offer); LFU, FIFO and MRU need backend lmcache"}],
+        rules=rules.at("spec.offload"),
     )
+
+
+def backend_refusals(spec: Schema | None = None) -> list[tuple[str, str, list[Any] | None, str]]:
+    """Every (backend, spec path, values still allowed, message tail) the backends declare (Backend.refuses),
+    one message for the CEL rule (prefixed with the field) and the operator's check (spec.parse). Allowed:
+    the declared values, else the field's CRD default (the API server writes it), else None (must be unset)."""
+    spec = _cached_spec_schema() if spec is None else spec
+    decl = backend_declarations()["backends"]
+    out = []
+    for b in decl:
+        for path, refusal in b["refuses"].items():
+            others = " or ".join(o["name"] for o in decl if path not in o["refuses"])
+            node = spec
+            for part in path.split("."):
+                node = node["properties"][part]
+            if "allowed" in refusal:
+                tail = (f"must be {' or '.join(refusal['allowed'])} with spec.offload.backend {b['name']} "
+                        f"({refusal['why']}); other values need backend {others}")
+            else:
+                tail = (f"is not supported with spec.offload.backend {b['name']} ({refusal['why']}); "
+                        f"remove spec.{path} or use backend {others}")
+            allowed = refusal.get("allowed") or ([node["default"]] if "default" in node else None)
+            out.append((b["name"], path, allowed, tail))
+    return out
+
+
+def _cel(value: Any) -> str:
+    return f"'{value}'" if isinstance(value, str) else json.dumps(value)
+
+
+def _add_backend_rules(spec: Schema) -> None:
+    """The CEL form of backend_refusals, on spec.offload for its own fields, else on the spec."""
+    default = backend_declarations()["default"]
+    for name, path, allowed, tail in backend_refusals(spec):
+        host, rel = ("offload", path.removeprefix("offload.")) if path.startswith("offload.") else ("", path)
+        backend = "self.backend" if host else "self.offload.backend"
+        chosen = (f"(!has({backend}) || {backend} == '{name}')" if name == default else
+                  f"(has({backend}) && {backend} == '{name}')")
+        parts = rel.split(".")
+        present = " && ".join(f"has(self.{'.'.join(parts[:i + 1])})" for i in range(len(parts)))
+        rule = f"!{chosen} || " + (f"!({present})" if len(parts) > 1 else f"!{present}")
+        if allowed is not None:
+            rule += f" || self.{rel} in [{', '.join(_cel(v) for v in allowed)}]"
+        node = spec["properties"][host] if host else spec
+        node.setdefault("x-kubernetes-validations", []).append(
+            {"rule": rule, "fieldPath": f".{rel}", "message": f"spec.{path} {tail}"})
 
 
 def _resources() -> Schema:
@@ -326,12 +366,14 @@ def _metrics() -> Schema:
     return _o(
         "The per-tier metrics exporter sidecar.",
         {"enabled": {"type": "boolean", "description": "Run the exporter sidecar in every pod.", "default": True},
-         "port": _i("Port of the exporter's /metrics.", minimum=1024, maximum=65535, default=9400)},
+         "port": _i("Port of the exporter's /metrics. Not a port another container of the pod listens on: "
+                    + ", ".join(map(str, managed.PORTS)) + ".", minimum=1024, maximum=65535, default=9400,
+                    **{"x-kubernetes-validations": rules.at("spec.metrics.port")})},
     )
 
 
 def spec_schema() -> Schema:
-    return _o(
+    spec = _o(
         "Desired state of a vLLM + LMCache service with KV-cache offloading.",
         {"model": _model(),
          "replicas": _i("Number of serving pods (each a full copy of the model).", minimum=0, maximum=1000, default=1),
@@ -342,25 +384,19 @@ def spec_schema() -> Schema:
          "metrics": _metrics(),
          "networkPolicy": _network_policy()},
         required=["model", "engine", "offload"],
-        rules=[{"rule": "!has(self.offload.disk) || !has(self.offload.disk.nodeSelector) || !has(self.scheduling) "
-                        "|| !has(self.scheduling.nodeSelector) "
-                        "|| self.offload.disk.nodeSelector.all(k, !(k in self.scheduling.nodeSelector) "
-                        "|| self.scheduling.nodeSelector[k] == self.offload.disk.nodeSelector[k])",
-                "message": "spec.offload.disk.nodeSelector and spec.scheduling.nodeSelector disagree on a label"},
-               {"rule": "!has(self.resources) || !has(self.resources.memory) || !isQuantity(self.resources.memory) "
-                        "|| !isQuantity(self.offload.cpu.size) "
-                        "|| !quantity(self.resources.memory).isLessThan(quantity(self.offload.cpu.size))",
-                "fieldPath": ".resources.memory",
-                "message": "must hold at least the CPU tier (spec.offload.cpu.size): pinned memory is allocated in full"}],
+        rules=rules.at("spec"),
     )
+    _add_backend_rules(spec)
+    return spec
 
 
 def _condition() -> Schema:
     return _o(
         "A condition (Kubernetes API conventions).",
-        {"type": _s("Ready, ConfigValid, Scheduled, OffloadActive, EngineVerified, DiskTierReady, Reconciling or Stalled."),
+        {"type": _s(", ".join(conditions.TYPES[:-1]) + " or " + conditions.TYPES[-1] + "."),
          "status": _s("True, False or Unknown.", enum=["True", "False", "Unknown"]),
-         "reason": _s("CamelCase reason."),
+         "reason": _s("CamelCase reason: " + "; ".join(f"{c.type}: {', '.join(c.reasons)}" for c in conditions.CONDITIONS)
+                      + " (Reconciling also carries Ready's)."),
          "message": _s("Human-readable detail."),
          "lastTransitionTime": _s("When status last changed.", format="date-time"),
          "observedGeneration": _i("Generation the condition was computed from.", format="int64")},
@@ -375,9 +411,7 @@ def status_schema() -> Schema:
     return _o(
         "Observed state, written by the operator.",
         {"observedGeneration": _i("Generation of the spec the operator last rolled out (0: none yet).", format="int64"),
-         "conditions": {"type": "array", "description": "Ready, ConfigValid, Scheduled, OffloadActive, EngineVerified, DiskTierReady; and "
-                                                        "Reconciling (True while converging) and Stalled (True while the spec "
-                                                        "cannot be acted on), which kstatus (Helm --wait, Flux) reads.",
+         "conditions": {"type": "array", "description": conditions.summary(),
                         "items": _condition(), "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
          "replicas": _i("Pods that exist.", format="int32"),
          "readyReplicas": _i("Pods that are Ready.", format="int32"),

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from decimal import Decimal, InvalidOperation
 
-from kubernetes.utils.quantity import parse_quantity
-
 from .errors import ConfigError
 
 GiB = 1024**3
@@ -15,6 +13,8 @@ _BINARY = (("Ti", 1024**4), ("Gi", GiB), ("Mi", MiB), ("Ki", 1024))
 
 def to_bytes(value: str | int | float, field: str, *, allow_zero: bool = True) -> int:
     """Parse a quantity such as `40Gi`, `500G` or `1073741824` into whole bytes."""
+    from kubernetes.utils.quantity import parse_quantity  # here: the exporter imports this module and not the client
+
     try:
         q = parse_quantity(value if not isinstance(value, float) else str(value))
     except (ValueError, InvalidOperation, TypeError):

@@ -14,6 +14,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
     p.add_argument("--operator-config", help="operator settings YAML (chart: operator.config)")
     p.add_argument("--liveness", default="http://127.0.0.1:8080/healthz", help="liveness endpoint URL, or '' for none")
+    p.add_argument("--metrics-listen", default="", metavar="ADDR:PORT",
+                   help="serve the operator's own Prometheus metrics (reconciles by outcome, refused status writes, "
+                        "dead tasks) on ADDR:PORT; '' for none")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--peering", default=None, help="kopf peering name for several replicas (default: standalone)")
     p.add_argument("--leader-election", action="store_true",
@@ -31,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ["KVOFFLOAD_CONFIG"] = args.operator_config
     namespaces = [] if args.all_namespaces else args.namespace
     os.environ["KVOFFLOAD_NAMESPACES"] = ",".join(namespaces)  # controller.handlers.NAMESPACES_ENV
+    os.environ["KVOFFLOAD_METRICS_LISTEN"] = args.metrics_listen  # controller.handlers.METRICS_ENV
     if args.leader_election:
         from ..controller import leader
 

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from .. import backends
 from ..api import crd
+from ..api.conditions import INVALID_SPEC, PENDING, TYPES, reasons
 from ..api.errors import ConfigError
 from ..api.quantity import format_bytes
 from ..engine import versions as engine_versions
@@ -22,10 +24,12 @@ from ..rendering import render
 from .pipeline import Desired
 from .probe import Probes, Reading
 
-TYPES = ("Ready", "ConfigValid", "Scheduled", "OffloadActive", "EngineVerified", "DiskTierReady", "Reconciling", "Stalled")
 # Container states that do not heal by waiting: the pod needs a new image, config or node.
 FAILING = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
            "CreateContainerError", "RunContainerError")
+
+
+_BACKEND_REASONS = {"OffloadActive": {r for b in backends.REGISTRY.values() for r in (b.reasons.active, b.reasons.idle)}}
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,12 @@ class Cond:
     status: str  # True | False | Unknown
     reason: str
     message: str
+
+    def __post_init__(self) -> None:
+        # Every type and reason is declared once: in api/conditions.py (the CRD text and the chart's NOTES read it),
+        # and each backend's OffloadActive reasons in its module.
+        if self.reason not in reasons(self.type) | _BACKEND_REASONS.get(self.type, set()):
+            raise ValueError(f"condition {self.type} reason {self.reason!r} is not declared in kvoffload.api.conditions")
 
 
 @dataclass(frozen=True)
@@ -146,27 +156,10 @@ def _disk(desired: Desired, pods: list[dict[str, Any]]) -> Cond:
     return Cond("DiskTierReady", "False", "Preparing", f"{len(initialized)}/{replicas} pod directories prepared on {where}")
 
 
-# spec.offload.backend -> (what is configured, reason when proven, reason when idle, what proves it, what is missing when idle)
-_BACKEND = {
-    "lmcache": ("LMCacheConnectorV1", "LMCacheActive", "NoLMCacheActivity",
-                "vLLM asks LMCache for prompt tokens and LMCache's metrics are present",
-                "vLLM has not asked LMCache for prompt tokens yet (vllm:external_prefix_cache_queries_total is 0), "
-                "LMCache's metrics are absent, or LMCache has stored nothing (its engine may have failed to start: "
-                "see the vllm container's log for 'LMCacheEngine marked as init failed')"),
-    "lmcache-server": ("LMCacheMPConnector to the pod's LMCache server", "LMCacheServerConnected", "NoOffloadActivity",
-                       "vLLM registered with the LMCache server and asks it for prompt tokens",
-                       "vLLM has not asked the LMCache server for prompt tokens yet, or no vLLM worker registered with it "
-                       "(kvoffload_lmcache_server_engines is 0)"),
-    "vllm-native": ("vLLM native OffloadingConnector", "NativeOffloadActive", "NoOffloadActivity",
-                    "vLLM asks its native offloading for prompt tokens and its vllm:kv_offload_* counters are present",
-                    "vLLM has not asked its native offloading for prompt tokens yet (vllm:external_prefix_cache_queries_total "
-                    "is 0) or its vllm:kv_offload_* counters are absent"),
-}
-
-
 def _offload(desired: Desired, ready: Cond, pods: list[dict[str, Any]], probes: Probes | None) -> Cond:
     b = desired.budget
-    connector, active_reason, idle_reason, proof, missing = _BACKEND[desired.spec.offload.backend]
+    r = backends.get(desired.spec.offload.backend).reasons
+    connector, active_reason, idle_reason, proof, missing = r.connector, r.active, r.idle, r.proof, r.missing
     tiers = f"CPU {format_bytes(b.tier('cpu').bytes)}" + (
         f", disk {format_bytes(b.tier('disk').bytes)}" if desired.spec.offload.disk else "")
     configured = f"{connector} configured ({tiers})"
@@ -264,12 +257,12 @@ def progress(ready: Cond, valid: Cond) -> list[Cond]:
 def evaluate(desired: Desired | None, error: ConfigError | None, obs: Observed) -> list[Cond]:
     if error is not None or desired is None:
         msg = str(error) if error else "not evaluated"
-        ready, valid = Cond("Ready", "False", "ConfigInvalid", msg), Cond("ConfigValid", "False", "InvalidSpec", msg)
+        ready, valid = Cond("Ready", "False", INVALID_SPEC, msg), Cond("ConfigValid", "False", INVALID_SPEC, msg)
         return [ready, valid,
-                Cond("Scheduled", "Unknown", "ConfigInvalid", "no children created or changed while the spec is invalid"),
-                Cond("OffloadActive", "Unknown", "ConfigInvalid", msg),
-                Cond("EngineVerified", "Unknown", "ConfigInvalid", msg),
-                Cond("DiskTierReady", "Unknown", "ConfigInvalid", msg), *progress(ready, valid)]
+                Cond("Scheduled", "Unknown", INVALID_SPEC, "no children created or changed while the spec is invalid"),
+                Cond("OffloadActive", "Unknown", INVALID_SPEC, msg),
+                Cond("EngineVerified", "Unknown", INVALID_SPEC, msg),
+                Cond("DiskTierReady", "Unknown", INVALID_SPEC, msg), *progress(ready, valid)]
     replicas = desired.spec.replicas
     scheduled = _scheduled(replicas, obs.pods)
     ready = _ready(replicas, obs, scheduled)
@@ -286,8 +279,8 @@ def initial(body: dict[str, Any], clock: datetime | None = None) -> dict[str, An
     meta, previous = body["metadata"], body.get("status") or {}
     generation = meta.get("generation", 1)
     waiting = f"the operator has seen generation {generation} and is working on it"
-    conds = [Cond(t, "Unknown", "Pending", waiting) for t in TYPES if t not in ("Reconciling", "Stalled")]
-    conds += [Cond("Reconciling", "True", "Pending", waiting), Cond("Stalled", "Unknown", "Pending", waiting)]
+    conds = [Cond(t, "Unknown", PENDING, waiting) for t in TYPES if t not in ("Reconciling", "Stalled")]
+    conds += [Cond("Reconciling", "True", PENDING, waiting), Cond("Stalled", "Unknown", PENDING, waiting)]
     return {"observedGeneration": previous.get("observedGeneration", 0),
             "conditions": merge(previous.get("conditions"), conds, generation, clock),
             "replicas": 0, "readyReplicas": 0, "selector": f"{render.OWNER_LABEL}={meta['name']}"}

@@ -1,36 +1,94 @@
-"""kopf registrations and one startup, nothing else: kopf runs the process (start-up, shutdown,
-liveness endpoint, logging); the Runtime (runtime.py) watches, queues and reconciles.
+"""kopf registrations and one startup, nothing else: kopf runs the process and watches; the Runtime
+(runtime.py) queues and reconciles.
 
-No kopf resource handler is registered: the Runtime's own informers (informer.py) watch the
-KVOffloadServes, their children and pods once each and keep them in memory, so reconciles read
-nothing from the API server; kopf watching the same kinds would double every watch stream. So kopf
-adds no finalizer and writes no progress or diff-base annotations. (A kopf timer would add a
-finalizer to every resource, so the resync is a plain task of the Runtime.) The Runtime lives in
-kopf's operator memo.
+kopf watches the KVOffloadServes, each child kind and the pods (children and pods filtered by the
+API server on the owner label): for each kind an index handler stores what kopf sees and kicks the
+owner, and an event handler handles deletions and relists (cache.py). kopf holds every event handler
+until each kind has been listed and indexed, so the first one to run tells the Runtime its caches are
+filled. Only index and event handlers: kopf adds no finalizer and writes no progress or diff-base
+annotation on any object. The liveness probe fails once a task of the Runtime died.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+from typing import Any
 
 import kopf
 
+from ..api import crd
 from ..api.settings import load
+from ..rendering import render
 from . import leader
-from .kube import Kube, load_api_client
+from .cache import KINDS
+from .kube import ApiError, Kube, collection, load_api_client
 from .runtime import Runtime
 
 NAMESPACES_ENV = "KVOFFLOAD_NAMESPACES"  # comma-separated; empty: every namespace. Set by `kvoffload run`.
+METRICS_ENV = "KVOFFLOAD_METRICS_LISTEN"  # ADDR:PORT of the operator's /metrics; empty: none. Set by `kvoffload run`.
+log = logging.getLogger("kvoffload.operator")
 
 
-@kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: object) -> None:
+class NoDiffBase(kopf.DiffBaseStorage):
+    """No change-detecting handlers here, so no diff base: kopf skips its per-event copy of every body."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        return {}  # type: ignore[return-value]
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        pass
+
+
+def _resource(api_version: str, kind: str) -> tuple[str, str, str]:
+    """(group, version, plural), as kopf selects a resource ("" is the core group)."""
+    group, _, version = api_version.rpartition("/")
+    return group, version, collection(api_version, kind, "_").rsplit("/", 1)[1]
+
+
+async def _wait_for_crd(kube: Kube) -> None:
+    """kopf resolves the watched kinds once at start (scanning is off): wait until the CRD is served."""
+    path = f"/apis/{crd.GROUP}/{crd.VERSION}"
+    for attempt in range(10**9):
+        try:
+            found = await asyncio.to_thread(kube.request, "GET", path)
+            if any(r.get("name") == crd.PLURAL for r in (found or {}).get("resources", [])):
+                return
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+        if attempt % 10 == 0:
+            log.info("waiting for the %s CRD to be served at %s", crd.KIND, path)
+        await asyncio.sleep(1)
+
+
+def tune(settings: kopf.OperatorSettings) -> None:
+    """All of kopf's settings, in one place."""
     # No cluster-wide CRD/namespace scanning: the chart's least-privilege RBAC (a Role per watched
     # namespace) grants neither, and the operator knows its one resource and its namespaces.
     settings.scanning.disabled = True
     settings.posting.enabled = False  # no kopf event per handler run; ours are per transition (events.py)
+    settings.persistence.diffbase_storage = NoDiffBase()
+    settings.watching.server_timeout = 300  # watches never go idle; the client gives the server 10 s more
+    settings.watching.client_timeout = 310
+    for api_version, kind in KINDS:
+        if kind != crd.KIND:  # only our children and pods: the API server filters on the owner label
+            settings.watching.label_selectors[_resource(api_version, kind)] = render.OWNER_LABEL
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: object) -> None:
+    tune(settings)
+    kube = Kube(load_api_client())
+    await _wait_for_crd(kube)
     namespaces = [ns for ns in os.environ.get(NAMESPACES_ENV, "").split(",") if ns]
-    memo.runtime = Runtime(Kube(load_api_client()), load(), namespaces=namespaces or None)
+    memo.runtime = Runtime(kube, load(), namespaces=namespaces or None)
+    if os.environ.get(METRICS_ENV):
+        memo.runtime.metrics.serve(os.environ[METRICS_ENV])
     lease = leader.config_from_env()  # `run --leader-election`: act only while holding the Lease
     memo.runtime.start(lease, Kube(load_api_client(), timeout=5) if lease else None)
 
@@ -39,3 +97,32 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: objec
 async def release_lease(memo: kopf.Memo, **_: object) -> None:
     if "runtime" in memo:  # startup may have failed before it made one
         await memo.runtime.stop()
+
+
+@kopf.on.probe(id="runtime")
+def runtime_health(memo: kopf.Memo, **_: object) -> dict[str, object]:
+    """Liveness: fails (kopf answers 500) once a worker or another task of the Runtime died."""
+    if "runtime" not in memo:
+        return {"starting": True}
+    try:
+        return memo.runtime.health()
+    except RuntimeError as exc:
+        raise kopf.PermanentError(str(exc)) from None
+
+
+def _register(api_version: str, kind: str) -> None:
+    # async: kopf runs them on its event loop (a plain def would go through a thread pool per event).
+    group, version, plural = _resource(api_version, kind)
+
+    @kopf.index(group, version, plural, id=f"cache-{plural}")
+    async def put(body: kopf.Body, memo: kopf.Memo, **_: object) -> None:
+        memo.runtime.cache.put(api_version, kind, body)
+
+    @kopf.on.event(group, version, plural, id=f"event-{plural}")
+    async def event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: object) -> None:
+        if memo.runtime.cache.event(api_version, kind, type, body):
+            memo.runtime.filled()
+
+
+for _api_version, _kind in KINDS:
+    _register(_api_version, _kind)

@@ -6,14 +6,10 @@ operator needs six verbs on a handful of paths, so it speaks REST directly.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import ssl
-from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlencode
 
-import aiohttp
 from kubernetes import client, config
 
 FIELD_MANAGER = "kvoffload"
@@ -23,9 +19,12 @@ class ApiError(Exception):
     def __init__(self, status: int, reason: str, body: str) -> None:
         self.status, self.reason, self.body = status, reason, body
         try:
-            self.message = json.loads(body).get("message", body)
+            doc = json.loads(body)
         except ValueError:
-            self.message = body
+            doc = {}
+        doc = doc if isinstance(doc, dict) else {}
+        self.message = doc.get("message", body)
+        self.status_reason = doc.get("reason", "")  # the API server's Status reason: Invalid, Conflict, NotFound, ...
         super().__init__(f"{status} {reason}: {self.message}")
 
 
@@ -74,37 +73,6 @@ class Kube:
         if resp.status >= 400:
             raise ApiError(resp.status, resp.reason or "", text)
         return json.loads(text) if text else None
-
-    # The async side, for the informers' LISTs and WATCHes on the event loop (aiohttp, kopf's own client
-    # library): same server, CA, client certificate and token as the synchronous requests.
-    def aio_session(self) -> aiohttp.ClientSession:
-        cfg = self.api.configuration
-        ctx: ssl.SSLContext | bool = False
-        if cfg.host.startswith("https"):
-            ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
-            if not cfg.verify_ssl:
-                ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
-            if cfg.cert_file:
-                ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
-        return aiohttp.ClientSession(base_url=cfg.host, connector=aiohttp.TCPConnector(ssl=ctx, limit=0),
-                                     read_bufsize=2**20)
-
-    async def aio_get(self, session: aiohttp.ClientSession, path: str, params: dict[str, str]) -> Any:
-        async with session.get(path, params=params, headers=self.headers(),
-                               timeout=aiohttp.ClientTimeout(total=self.timeout * 4)) as resp:
-            text = await resp.text()
-            if resp.status >= 400:
-                raise ApiError(resp.status, resp.reason or "", text)
-            return json.loads(text)
-
-    @contextlib.asynccontextmanager
-    async def aio_stream(self, session: aiohttp.ClientSession, path: str, params: dict[str, str],
-                         timeout: float) -> AsyncIterator[aiohttp.ClientResponse]:
-        async with session.get(path, params=params, headers=self.headers(),
-                               timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=self.timeout)) as resp:
-            if resp.status >= 400:
-                raise ApiError(resp.status, resp.reason or "", await resp.text())
-            yield resp
 
     def get(self, path: str) -> dict[str, Any] | None:
         try:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..api.errors import ConfigError, InputError
@@ -16,16 +18,72 @@ from ..api.spec import PLAN_FIELDS, Spec, parse
 from ..planning import catalog, sizing
 from ..rendering import render
 
-_WEIGHT_DTYPE = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16"}
+WEIGHT_DTYPE = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16"}
 _ARCH_KW = {"layers": "layers", "attentionHeads": "attention_heads", "kvHeads": "kv_heads", "headDim": "head_dim",
             "parameters": "params"}
+
+
+# On every child the operator applies: a hash of the whole rendered child. The no-op check compares
+# it with the live object's, so removing a field from the spec (which leaves everything else the live
+# child holds in place) still changes what is applied, and server-side apply then drops the field.
+RENDERED_HASH_ANNOTATION = "kvoffload.io/rendered-hash"
+
+
+def rendered_hash(child: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(child, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+
+
+def stamped(child: dict[str, Any]) -> dict[str, Any]:
+    """The child as applied: the rendered child plus its hash annotation."""
+    meta = child["metadata"]
+    annotations = {**meta.get("annotations", {}), RENDERED_HASH_ANNOTATION: rendered_hash(child)}
+    return {**child, "metadata": {**meta, "annotations": annotations}}
 
 
 @dataclass(frozen=True)
 class Desired:
     spec: Spec
     budget: sizing.Budget
-    children: list[dict[str, Any]]
+    children: list[dict[str, Any]]  # as rendered (the goldens, `kvoffload render`)
+    applied: list[dict[str, Any]] = field(default_factory=list)  # as applied: each stamped with its hash
+
+
+def bandwidths(spec: Spec) -> sizing.Bandwidths:
+    """The figures behind "slower than recompute", from the spec or the operator's settings (parse chose), with their sources."""
+    o, b = spec.offload, sizing.Bandwidths()
+    if o.cpu_read_gbps:
+        b = dataclasses.replace(b, cpu_read=o.cpu_read_gbps.value * 1e9, cpu_read_from=o.cpu_read_gbps.source)
+    if o.disk and o.disk.read_gbps:
+        b = dataclasses.replace(b, disk_read=o.disk.read_gbps.value * 1e9, disk_read_from=o.disk.read_gbps.source)
+    if o.prefill_tokens_per_second:
+        p = o.prefill_tokens_per_second
+        b = dataclasses.replace(b, prefill_tokens_per_s=p.value, prefill_from=p.source)
+    return b
+
+
+def plan_input(spec: Spec) -> sizing.PlanInput:
+    """Spec -> the planner's input (`kvoffload plan -f` prints it next to the Budget)."""
+    r = spec.resources
+    overrides: dict[str, Any] = {_ARCH_KW[k]: v for k, v in spec.model.architecture.items()}
+    return sizing.PlanInput(
+        model=catalog.resolve_model(spec.model.name, **overrides),
+        max_model_len=spec.engine.max_model_len,
+        concurrency=spec.engine.max_num_seqs,
+        gpu_memory=r.gpu_memory,
+        tp=spec.engine.tensor_parallel_size,
+        gpu_memory_utilization=spec.engine.gpu_memory_utilization,
+        weight_dtype=WEIGHT_DTYPE[spec.engine.dtype],
+        kv_dtype=spec.model.kv_dtype,
+        cpu_size=spec.offload.cpu_size,
+        disk_size=spec.offload.disk.size if spec.offload.disk else 0,
+        chunk_size=spec.offload.chunk_size,
+        backend=spec.offload.backend,
+        memory=sizing.MemoryDefaults(engine_baseline=r.engine_baseline, per_worker_overhead=r.per_worker_overhead,
+                                     staging_per_worker=r.staging_per_worker, server_baseline=r.server_baseline, shm=r.shm,
+                                     headroom_percent=r.headroom_percent),
+        bandwidths=bandwidths(spec),
+        weights_on_pvc=spec.model.cache_claim is not None,
+    )
 
 
 def plan_for(spec: Spec) -> sizing.Budget:
@@ -33,25 +91,7 @@ def plan_for(spec: Spec) -> sizing.Budget:
     its errors and warnings come back naming CRD fields."""
     r = spec.resources
     try:
-        model = catalog.resolve_model(spec.model.name, **{_ARCH_KW[k]: v for k, v in spec.model.architecture.items()})
-        budget = sizing.plan(sizing.PlanInput(
-            model=model,
-            max_model_len=spec.engine.max_model_len,
-            concurrency=spec.engine.max_num_seqs,
-            gpu_memory=r.gpu_memory,
-            tp=spec.engine.tensor_parallel_size,
-            gpu_memory_utilization=spec.engine.gpu_memory_utilization,
-            weight_dtype=_WEIGHT_DTYPE[spec.engine.dtype],
-            kv_dtype=spec.model.kv_dtype,
-            cpu_size=spec.offload.cpu_size,
-            disk_size=spec.offload.disk.size if spec.offload.disk else 0,
-            chunk_size=spec.offload.chunk_size,
-            backend=spec.offload.backend,
-            memory=sizing.MemoryDefaults(engine_baseline=r.engine_baseline, per_worker_overhead=r.per_worker_overhead,
-                                         staging_per_worker=r.staging_per_worker, server_baseline=r.server_baseline, shm=r.shm,
-                                         headroom_percent=r.headroom_percent),
-            weights_on_pvc=spec.model.cache_claim is not None,
-        )).named(PLAN_FIELDS)
+        budget = sizing.plan(plan_input(spec)).named(PLAN_FIELDS)
     except InputError as exc:
         raise exc.named(PLAN_FIELDS) from None
     if r.memory is not None:
@@ -63,45 +103,49 @@ def plan_for(spec: Spec) -> sizing.Budget:
     return budget
 
 
-def _desired(name: str, namespace: str, uid: str, spec_dict: dict[str, Any], settings: Settings) -> Desired:
+def desired(name: str, namespace: str, uid: str, spec_dict: dict[str, Any], settings: Settings) -> Desired:
+    """Everything the operator wants for one KVOffloadServe, or a ConfigError naming the field."""
     render.check_name(name)
     spec = parse(spec_dict, settings)
     budget = plan_for(spec)
     owner = render.Owner(name=name, namespace=namespace, uid=uid)
-    return Desired(spec=spec, budget=budget, children=render.children(owner, spec, budget, settings))
+    children = render.children(owner, spec, budget, settings)
+    return Desired(spec=spec, budget=budget, children=children, applied=[stamped(c) for c in children])
 
 
-# The last answer per resource: reconciles run on every watch event of a resource's children and pods,
-# and parse + plan + render take milliseconds, while the spec changes rarely. A hit needs the same
-# uid, an equal spec and the same Settings object, so it is exactly what _desired would return.
-_MEMO: OrderedDict[tuple[str, str, str], tuple[dict[str, Any], Settings, Desired | ConfigError]] = OrderedDict()
-_MEMO_SIZE = 4096
-_MEMO_LOCK = threading.Lock()
+class DesiredCache:
+    """The last `desired` answer per resource. Reconciles run on every watch event of a resource's
+    children and pods, and parse + plan + render take milliseconds, while the spec changes rarely. A hit
+    needs the same uid, an equal spec and equal Settings, so it is exactly what `desired` would return.
+    Thread-safe (reconciles run in worker threads); one per Runtime, passed to each reconcile."""
 
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self.entries: OrderedDict[tuple[str, str, str], tuple[dict[str, Any], Settings, Desired | ConfigError]] = OrderedDict()
+        self.lock = threading.Lock()
 
-def desired(name: str, namespace: str, uid: str, spec_dict: dict[str, Any], settings: Settings) -> Desired:
-    """Everything the operator wants for one KVOffloadServe, or a ConfigError naming the field."""
-    key = (namespace, name, uid)
-    with _MEMO_LOCK:
-        hit = _MEMO.get(key)
-        if hit is not None and hit[1] is settings and hit[0] == spec_dict:
-            _MEMO.move_to_end(key)
-            result = hit[2]
-        else:
-            hit = None
-    if hit is None:
-        try:
-            result = _desired(name, namespace, uid, spec_dict, settings)
-        except ConfigError as exc:
-            result = exc
-        with _MEMO_LOCK:
-            _MEMO[key] = (copy.deepcopy(spec_dict), settings, result)
-            _MEMO.move_to_end(key)
-            while len(_MEMO) > _MEMO_SIZE:
-                _MEMO.popitem(last=False)
-    if isinstance(result, ConfigError):
-        raise result
-    return result
+    def get(self, name: str, namespace: str, uid: str, spec_dict: dict[str, Any], settings: Settings) -> Desired:
+        key = (namespace, name, uid)
+        with self.lock:
+            hit = self.entries.get(key)
+            if hit is not None and hit[0] == spec_dict and hit[1] == settings:
+                self.entries.move_to_end(key)
+                result = hit[2]
+            else:
+                hit = None
+        if hit is None:
+            try:
+                result = desired(name, namespace, uid, spec_dict, settings)
+            except ConfigError as exc:
+                result = exc
+            with self.lock:
+                self.entries[key] = (copy.deepcopy(spec_dict), settings, result)
+                self.entries.move_to_end(key)
+                while len(self.entries) > self.size:
+                    self.entries.popitem(last=False)
+        if isinstance(result, ConfigError):
+            raise result
+        return result
 
 
 def unchecked(spec: Spec) -> bool:
@@ -112,4 +156,4 @@ def unchecked(spec: Spec) -> bool:
     return bool(spec.engine.env or s.tolerations or s.affinity or image != image.strip())
 
 
-__all__ = ["ConfigError", "Desired", "desired", "plan_for", "unchecked"]
+__all__ = ["ConfigError", "Desired", "DesiredCache", "desired", "plan_for", "stamped", "unchecked"]

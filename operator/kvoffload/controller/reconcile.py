@@ -7,6 +7,7 @@ read CR -> (first status) -> desired (pure) -> apply what differs -> prune -> re
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -34,23 +35,36 @@ def covers(desired: Any, live: Any) -> bool:
     return desired == live
 
 
-# Last positive `covers` per child: (the desired object, the live resourceVersion). pipeline.desired
-# returns the same objects while the spec stays, so an unchanged child is not walked again.
-_COVERED: dict[tuple[str, str, str, str], tuple[dict[str, Any], str]] = {}
+class Covered:
+    """The last positive `covers` per live child: (its rendered hash, its resourceVersion). A child whose
+    desired hash and live version both stayed is covered without walking it again. Thread-safe enough for
+    worker threads: one dict get and one set per check."""
 
+    def __init__(self, size: int = 50_000) -> None:
+        self.size = size
+        self.seen: dict[str, tuple[str, str]] = {}
 
-def _covered(desired: dict[str, Any], live: dict[str, Any]) -> bool:
-    meta = live["metadata"]
-    key = (meta.get("uid", ""), desired["kind"], meta.get("namespace", ""), meta["name"])
-    hit = _COVERED.get(key)
-    if hit is not None and hit[0] is desired and hit[1] == meta.get("resourceVersion"):
+    def __call__(self, desired: dict[str, Any], live: dict[str, Any]) -> bool:
+        meta = live["metadata"]
+        uid, version = meta.get("uid", ""), meta.get("resourceVersion", "")
+        want = desired["metadata"]["annotations"][pipeline.RENDERED_HASH_ANNOTATION]
+        if uid and self.seen.get(uid) == (want, version):
+            return True
+        if not covers(desired, live):  # the hash annotation is part of `desired`: a removed field fails here
+            return False
+        if len(self.seen) > self.size:
+            self.seen.clear()
+        if uid:
+            self.seen[uid] = (want, version)
         return True
-    if not covers(desired, live):
-        return False
-    if len(_COVERED) > 50_000:
-        _COVERED.clear()
-    _COVERED[key] = (desired, meta.get("resourceVersion", ""))
-    return True
+
+
+@dataclass
+class Memos:
+    """What reconciles remember between runs (one per Runtime, passed to each reconcile): the desired
+    state per spec, and which live children were already found covered."""
+    desired: pipeline.DesiredCache = field(default_factory=pipeline.DesiredCache)
+    covered: Covered = field(default_factory=Covered)
 
 
 def _key(obj: dict[str, Any]) -> tuple[str, str, str]:
@@ -97,12 +111,13 @@ def _dry_run(kube: Kube, children: list[dict[str, Any]]) -> None:
 
 
 def sync_children(kube: Kube, namespace: str, name: str, uid: str, children: list[dict[str, Any]],
-                  unchecked: bool = True) -> tuple[dict[str, Any] | None, list[str]]:
-    """Apply children that differ from the cluster, prune ours that are no longer wanted; return the
-    StatefulSet and what was applied ("Kind name")."""
+                  unchecked: bool = True, covered: Covered | None = None) -> tuple[dict[str, Any] | None, list[str]]:
+    """Apply children (each stamped with its rendered hash: `pipeline.stamped`) that differ from the
+    cluster, prune ours that are no longer wanted; return the StatefulSet and what was applied ("Kind name")."""
+    covered = covered or Covered()
     live = _live_children(kube, namespace, name)
     wanted = {_key(c) for c in children}
-    changed = [c for c in children if _key(c) not in live or not _covered(c, live[_key(c)])]
+    changed = [c for c in children if _key(c) not in live or not covered(c, live[_key(c)])]
     _dry_run(kube, _to_validate(changed, unchecked))
     sts = live.get(("apps/v1", "StatefulSet", render.names(name)["statefulset"]))
     for child in changed:
@@ -137,38 +152,73 @@ def urgent(old: dict[str, Any], new: dict[str, Any]) -> bool:
     return any(before.get(c["type"]) != c["status"] for c in new["conditions"] if c["type"] in URGENT_CONDITIONS)
 
 
+REFUSED = "status-refused"  # the outcome of a reconcile whose status write the API server refused
+
+
+class StatusRefused(Exception):
+    """The API server refused the status the operator computed (422 Invalid): readers see a stale status."""
+
+    def __init__(self, exc: ApiError) -> None:
+        super().__init__(exc.message)
+        self.message = exc.message
+
+
 def _write_status(kube: Kube, namespace: str, name: str, status: dict[str, Any], resource_version: str) -> dict[str, Any] | None:
-    """The object after the write, or None when it is gone or changed under us (the next event reconciles again)."""
+    """The object after the write, or None when it is gone or changed under us (the next event reconciles
+    again). A refusal (422) is not the same: it raises StatusRefused."""
     try:
         return kube.replace_status(cr_path(namespace, name), status, resource_version)
     except ApiError as exc:
-        if exc.status in (404, 409, 422):
+        if exc.status == 422 and exc.status_reason == "Invalid":  # the status broke the schema
+            raise StatusRefused(exc) from None
+        if exc.status in (404, 409, 422):  # gone, or changed under us (our resourceVersion test failed: 422)
             return None
         raise
 
 
+def _refused_status(body: dict[str, Any], exc: StatusRefused, recorder: events.Recorder | None) -> str:
+    log.error("status of %s/%s refused by the API server: %s", body["metadata"]["namespace"], body["metadata"]["name"],
+              exc.message)
+    if recorder is not None:
+        recorder.record(body, [events.Event("Warning", "StatusRefused", f"the API server refused the status: {exc.message}")])
+    return REFUSED
+
+
 def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: datetime | None = None,
-              recorder: events.Recorder | None = None) -> str:
-    """Bring one KVOffloadServe's children and status in line with its spec. Returns a short outcome."""
+              recorder: events.Recorder | None = None, memos: Memos | None = None) -> str:
+    """Bring one KVOffloadServe's children and status in line with its spec. Returns a short outcome
+    (REFUSED, with an error logged and a Warning Event, when the API server refused the status)."""
     body = kube.get(cr_path(namespace, name))
     if body is None or body["metadata"].get("deletionTimestamp"):
         return "gone"  # children go through garbage collection (ownerReferences)
+    try:
+        return _reconcile(kube, body, settings, clock, recorder, memos or Memos())
+    except StatusRefused as exc:
+        return _refused_status(body, exc, recorder)
+
+
+def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: datetime | None,
+               recorder: events.Recorder | None, memos: Memos) -> str:
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     if not (body.get("status") or {}).get("conditions"):
         # First sight: say "working on it" before the slow part, so no reader takes silence for success.
-        body = _write_status(kube, namespace, name, conditions.initial(body, clock), body["metadata"]["resourceVersion"])
-        if body is None:
+        written = _write_status(kube, namespace, name, conditions.initial(body, clock), body["metadata"]["resourceVersion"])
+        if written is None:
             return "conflict"
+        body = written
     meta = body["metadata"]
     desired: pipeline.Desired | None = None
     error: ConfigError | None = None
     try:
-        desired = pipeline.desired(name, namespace, meta["uid"], body.get("spec") or {}, settings)
+        desired = memos.desired.get(name, namespace, meta["uid"], body.get("spec") or {}, settings)
     except ConfigError as exc:
         error = exc  # no child is created or changed while the spec is invalid
-    sts, pods, probes, applied = None, [], None, []
+    applied: list[str] = []
+    sts, pods, probes = None, [], None
     if desired is not None:
         try:
-            sts, applied = sync_children(kube, namespace, name, meta["uid"], desired.children, pipeline.unchecked(desired.spec))
+            sts, applied = sync_children(kube, namespace, name, meta["uid"], desired.applied, pipeline.unchecked(desired.spec),
+                                         memos.covered)
         except ConfigError as exc:
             desired, error = None, exc
     if desired is not None:

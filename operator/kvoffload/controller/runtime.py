@@ -1,12 +1,22 @@
-"""The operator's running state, in one object: the caches, the reconcile queue, the resync loop and
-leadership.
+"""The operator's running state, in one object (kopf's memo holds it): the caches, the reconcile
+queue, the resync loop, leadership, metrics and health.
 
-The informers (informer.py) keep KVOffloadServes, their children and pods in memory and kick the
-owning resource on every change; a slow resync kicks every resource. Kicks land in one priority
-queue served by WORKERS threads: at most one reconcile per resource at a time, a kick during one
-marks it for one more pass, and a burst of kicks (a rollout emits dozens of pod events) is one
+kopf's handlers (handlers.py) keep KVOffloadServes, their children and pods in the caches (cache.py)
+and kick the owning resource on every change; a slow resync kicks every resource. Kicks land in one
+priority queue served by WORKERS threads: at most one reconcile per resource at a time, a kick during
+one marks it for one more pass, and a burst of kicks (a rollout emits dozens of pod events) is one
 queued entry. Failures retry with backoff. With leader election, a follower keeps its caches warm
 (to know what exists) but never acts; on taking the Lease it catches up on everything cached.
+
+Why a queue of our own next to kopf's per-object workers: kopf serialises the events of one *object*,
+while a reconcile is per *owner* and fed by seven kinds of objects. Reconciling from kopf's handlers
+would run one full reconcile per child or pod event, several at once for one owner, on kopf's event
+loop with a synchronous client; the queue runs one pass per owner however many events came, orders
+progress before first passes, bounds the API calls in flight to WORKERS, and retries with backoff.
+
+Every task the Runtime starts is watched: one that ends (a worker that died) is logged as an error,
+counted, and makes `health` raise, which fails kopf's liveness probe (handlers.py), so the kubelet
+restarts the operator instead of leaving it half-alive.
 
 Order: a resource whose children or pods moved (PROGRESS: usually a no-op or one status write) is
 served before resources that changed themselves (CHANGE: a new resource's first pass applies five
@@ -30,9 +40,10 @@ from concurrent.futures import ThreadPoolExecutor
 from ..api import crd
 from ..api.settings import Settings
 from . import events, leader
-from .informer import Cache, CachedKube
+from .cache import Cache, CachedKube
 from .kube import Kube
-from .reconcile import STATUS_SPACING
+from .metrics import Metrics
+from .reconcile import REFUSED, STATUS_SPACING, Memos
 from .reconcile import reconcile as reconcile_one
 
 log = logging.getLogger("kvoffload.operator")
@@ -53,9 +64,9 @@ class Runtime:
             # One Events recorder, and so one token bucket, for the whole operator (posts go to the API server, not the cache).
             assert kube is not None
             recorder = events.recorder(settings, lambda ns, body: kube.request("POST", f"/api/v1/namespaces/{ns}/events", body))
-            reconcile = functools.partial(reconcile_one, recorder=recorder)
+            reconcile = functools.partial(reconcile_one, recorder=recorder, memos=Memos())
         self.settings, self.reconcile, self.workers = settings, reconcile, workers
-        self.cache = Cache(kube, namespaces, self._kicked)
+        self.cache = Cache(namespaces, self._kicked)
         self.kube = CachedKube(kube, self.cache) if kube is not None else None
         self.heap: list[tuple[int, int, Key]] = []
         self.queued: dict[Key, int] = {}  # key -> priority of its live heap entry
@@ -64,29 +75,42 @@ class Runtime:
         self.seq = itertools.count()
         self.wakeup = asyncio.Event()
         self.tasks: set[asyncio.Task[None]] = set()
+        self.died: list[str] = []  # tasks that ended: each "name: why"
+        self.stopping = False
+        self.serving = False
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="reconcile")
         self.counts: Counter[str] = Counter()  # reconcile outcomes since start (logged every REPORT_SECONDS)
+        self.metrics = Metrics()
         self.leading = True  # standalone; with leader election only while this replica holds the Lease
         self.elector: leader.Elector | None = None
 
     def start(self, lease: leader.LeaseConfig | None = None, lease_kube: Kube | None = None) -> None:
-        """Start the caches, the workers once the caches are filled, the resync loop and, given a Lease,
-        the election (acting only while leading)."""
-        if self.kube is not None:
-            for informer in self.cache.informers:
-                self._spawn(informer.run())
-        self._spawn(self._serve())
-        self._spawn(self._resync_forever(self.settings.resync_seconds))
-        self._spawn(self._report_forever(REPORT_SECONDS))
+        """Start the resync loop and, given a Lease, the election (acting only while leading). The
+        workers start once the caches are filled (`filled`)."""
+        self._spawn(self._resync_forever(self.settings.resync_seconds), "resync")
+        self._spawn(self._report_forever(REPORT_SECONDS), "report")
         if lease is not None:
             self.leading = False
-            self.elector = leader.Elector(lease_kube or self.kube, lease, self._on_leadership)
-            self._spawn(self.elector.run())
+            self.elector = leader.Elector(lease_kube or self.kube, lease, self._on_leadership)  # type: ignore[arg-type]
+            self._spawn(self.elector.run(), "leader election")
+
+    def filled(self) -> None:
+        """kopf released its first event handler: every kind is listed and stored; reconcile from now on."""
+        log.info("caches filled: %s", ", ".join(f"{s.kind} {len(s)}" for s in self.cache.by_kind.values()))
+        self._serve()
 
     async def stop(self) -> None:
         """On shutdown: give the Lease up so a follower need not wait for it to expire."""
+        self.stopping = True
         if self.elector is not None:
             await self.elector.release()
+
+    def health(self) -> dict[str, object]:
+        """For kopf's liveness probe: the reconcile totals, or an error when a task of the Runtime died."""
+        if self.died:
+            raise RuntimeError("operator tasks died: " + "; ".join(self.died))
+        return {"leading": self.leading, "queued": len(self.queued), "running": len(self.running),
+                "reconciles": dict(self.counts)}
 
     # ------------------------------------------------------------------ the queue
     def _kicked(self, namespace: str, name: str, kind: str) -> None:
@@ -126,33 +150,58 @@ class Runtime:
             try:
                 outcome = await loop.run_in_executor(self.executor, self.reconcile, self.kube, key[0], key[1],
                                                      self.settings)
-                self.counts[outcome] += 1
-                self.backoff.pop(key, None)
+                self._count(outcome)
+                if outcome == REFUSED:  # reconcile logged it and recorded an Event; try again later
+                    self.metrics.status_refused.inc()
+                    self._retry(key)
+                else:
+                    self.backoff.pop(key, None)
                 if outcome == "deferred":  # a progress-only status write waits for the spacing
                     loop.call_later(STATUS_SPACING, self.kick, key[0], key[1], PROGRESS)
                 log.debug("reconciled %s/%s: %s", *key, outcome)
             except Exception as exc:  # API down, timeouts: level-based, so just try again later
-                delay = self.backoff.get(key, 0.5)
-                self.backoff[key] = min(delay * 2, 30)
-                self.counts["failed"] += 1
+                self._count("failed")
+                delay = self._retry(key)
                 log.warning("reconcile %s/%s failed (retry in %.1fs): %s", *key, delay, exc)
-                loop.call_later(delay * (1 + random.random() / 2), self.kick, key[0], key[1], CHANGE)
             finally:
                 again = self.running.pop(key)
                 if again is not None:
                     self.kick(key[0], key[1], again)
+                self.metrics.queued.set(len(self.queued))
 
-    async def _serve(self) -> None:
-        if self.kube is not None:
-            await self.cache.wait_synced()
-            log.info("caches filled: %s", ", ".join(f"{s.kind} {len(s)}" for s in self.cache.by_kind.values()))
-        for _ in range(self.workers):
-            self._spawn(self._work())
+    def _count(self, outcome: str) -> None:
+        self.counts[outcome] += 1
+        self.metrics.reconciles.labels(outcome).inc()
 
-    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
-        task = asyncio.get_running_loop().create_task(coro)
+    def _retry(self, key: Key) -> float:
+        """Kick `key` again after its backoff (0.5 s, doubling to 30 s); return the delay."""
+        delay = self.backoff.get(key, 0.5)
+        self.backoff[key] = min(delay * 2, 30)
+        asyncio.get_running_loop().call_later(delay * (1 + random.random() / 2), self.kick, key[0], key[1], CHANGE)
+        return delay
+
+    def _serve(self) -> None:
+        """Start the workers (once)."""
+        if not self.serving:
+            self.serving = True
+            for i in range(self.workers):
+                self._spawn(self._work(), f"worker {i}")
+
+    def _spawn(self, coro, name: str) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.get_running_loop().create_task(coro, name=name)
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """Every task runs until shutdown: one that ends earlier died. Say so loudly; `health` fails."""
+        self.tasks.discard(task)
+        if task.cancelled() or self.stopping or (self.elector is not None and self.elector.stopped):
+            return  # shutting down (the event loop cancels what is left)
+        why = repr(task.exception()) if task.exception() else "returned"
+        self.died.append(f"{task.get_name()}: {why}")
+        self.metrics.dead_tasks.set(len(self.died))
+        log.error("operator task %s died (%s): the liveness probe fails from now on", task.get_name(), why,
+                  exc_info=task.exception())
 
     # ------------------------------------------------------------------ resync and leadership
     def known(self) -> list[Key]:

@@ -122,22 +122,11 @@ def resolve(image: str, vllm: str | None, lmcache: str | None, *, needs_lmcache:
     return EnginePair(vllm=vllm, lmcache=lmcache)
 
 
-# What each spec.offload.backend needs from the pair, checked in the installed sources of the default
-# pair (vLLM 0.26.0 + LMCache 0.5.3, tests/engine/build-venv.sh): vLLM 0.26.0 registers
-# LMCacheMPConnector and OffloadingConnector in its KVConnectorFactory and has
-# --kv-offloading-backend native|lmcache; LMCache 0.5.3 ships `lmcache server` (the multiprocess
-# server: ZMQ + HTTP) and the engine-driven shared-memory transfer. Older pairs were not checked,
-# so they are refused rather than guessed at.
-BACKEND_MIN: dict[str, tuple[tuple[int, ...] | None, tuple[int, ...] | None]] = {
-    "lmcache": (MIN_VLLM, MIN_LMCACHE),
-    "lmcache-server": ((0, 26, 0), (0, 5, 3)),
-    "vllm-native": ((0, 26, 0), None),  # no LMCache involved
-}
-
-
-def check_backend(backend: str, pair: EnginePair) -> None:
-    """Refuse a backend the image's pair does not have, naming both versions."""
-    min_vllm, min_lmcache = BACKEND_MIN[backend]
+def check_backend(backend: str, need_vllm: str, need_lmcache: str | None, pair: EnginePair) -> None:
+    """Refuse a backend the image's pair does not have (each backend declares its minimum pair, checked in the
+    installed sources of the default pair; older pairs are refused rather than guessed at), naming both versions."""
+    min_vllm = _version(need_vllm, "spec.offload.backend")
+    min_lmcache = None if need_lmcache is None else _version(need_lmcache, "spec.offload.backend")
     v = _version(pair.vllm, "spec.engine.vllmVersion")
     lmc = _version(pair.lmcache, "spec.engine.lmcacheVersion") if pair.lmcache else (0,)
     need = " and ".join(f"{name} >= {'.'.join(map(str, low))}" for name, low in (("vLLM", min_vllm), ("LMCache", min_lmcache)) if low)

@@ -11,6 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 
+from .. import backends
 from ..api.errors import ConfigError
 from .capacity import TierCapacity, load_capacity
 from .collector import ExporterConfig, TierCollector
@@ -47,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-bytes-per-token", type=int, default=0, metavar="N",
                    help="KV bytes per token for one replica (all TP ranks); gives the gpu tier's "
                         "capacity from vllm:cache_config_info. 0: unknown")
-    p.add_argument("--backend", choices=("lmcache", "lmcache-server", "vllm-native"), default="lmcache",
+    p.add_argument("--backend", choices=backends.NAMES, default=backends.DEFAULT,
                    help="who holds the offload tiers (spec.offload.backend): which sources are read and what "
                         "proves offloading (default %(default)s)")
     p.add_argument("--lmcache-server-url", metavar="URL",
@@ -80,8 +81,8 @@ def build(args: argparse.Namespace) -> tuple[CollectorRegistry, TierCollector, t
         raise ConfigError("--scrape-timeout", "must be > 0 seconds")
     if not args.disk_rescan_interval > 0:
         raise ConfigError("--disk-rescan-interval", "must be > 0 seconds")
-    if args.backend == "lmcache-server" and not args.lmcache_server_url:
-        raise ConfigError("--lmcache-server-url", "is required with --backend lmcache-server")
+    if "server-status" in backends.get(args.backend, "--backend").sources and not args.lmcache_server_url:
+        raise ConfigError("--lmcache-server-url", f"is required with --backend {args.backend}")
     for name in ("cpu_capacity_bytes", "disk_capacity_bytes"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise ConfigError("--" + name.replace("_", "-"), "must be >= 0")

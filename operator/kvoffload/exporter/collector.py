@@ -17,7 +17,10 @@ from typing import TypeVar
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .. import backends
 from ..api.fetch import SourceError, fetch_text
+from ..backends.base import Seen
+from ..backends.lmcache import unloaded_tokens
 from ..engine import versions as engine_versions
 from .capacity import TierCapacity
 from .disk_tier import DiskScan, DiskTierMonitor
@@ -28,18 +31,6 @@ from .vllm_metrics import VllmSnapshot, parse_vllm
 
 T = TypeVar("T")  # what one source reads
 
-OFFLOAD_ACTIVE_HELP = (
-    "1 if KV offloading through LMCache is proven at work, else 0. Rule: vLLM's /metrics was read "
-    "AND vllm:external_prefix_cache_queries_total > 0 (vLLM's scheduler has asked its KV connector "
-    "for prompt tokens since vLLM started; vLLM counts these only when a KV connector is configured) "
-    "AND LMCache's metrics are present (lmcache:* in the multiprocess dir, or on vLLM's page without "
-    "--multiproc-dir: the connector is LMCache and its engine started) AND LMCache has stored or "
-    "retrieved something (lmcache:num_stored_tokens_total or lmcache:num_retrieve_requests_total > 0: "
-    "an LMCache engine whose init failed publishes zeros while vLLM serves on without it) AND, once "
-    "vllm:external_prefix_cache_hits_total > 0, lmcache:num_retrieve_requests_total > 0 (LMCache "
-    "really loaded; see kvoffload_external_hits_unloaded_tokens). 0 before the first request "
-    "(not yet proven); 0 while vLLM serves traffic means offloading is not wired or not loading."
-)
 UNLOADED_HELP = (
     "Prompt tokens vLLM counted as loaded from its KV connector (vllm:external_prefix_cache_hits_total) "
     "while LMCache has retrieved nothing since it started (lmcache:num_retrieve_requests_total summed "
@@ -50,15 +41,7 @@ UNLOADED_HELP = (
     "cannot be read."
 )
 
-# What proves offloading per backend (spec.offload.backend); the common part is that vLLM has asked its
-# KV connector for prompt tokens (vllm:external_prefix_cache_queries_total > 0).
-OFFLOAD_ACTIVE_BY_BACKEND = {
-    "lmcache": "LMCache's metrics are present (the connector is LMCache and its engine started)",
-    "lmcache-server": "the LMCache server's /status is healthy and lists at least one registered engine "
-                      "(vLLM's workers registered their KV caches with it over ZMQ)",
-    "vllm-native": "vLLM's native offload counters are on its page (vllm:kv_offload_store_bytes_total: "
-                   "the OffloadingConnector is the one configured)",
-}
+_SOURCE_LABEL = {"server-status": "lmcache"}  # Backend.sources -> the source label of kvoffload_source_up
 
 # vllm:prompt_tokens_by_source{source=...} -> the `origin` label of kvoffload_prompt_tokens_total.
 PROMPT_ORIGINS = {"local_cache_hit": "gpu", "external_kv_transfer": "external", "local_compute": "compute"}
@@ -72,7 +55,7 @@ class ExporterConfig:
     kv_bytes_per_token: int = 0  # per replica; 0: unknown, no gpu capacity
     engine_versions_file: str | None = None
     capacity: TierCapacity = TierCapacity()
-    backend: str = "lmcache"  # spec.offload.backend
+    backend: str = backends.DEFAULT  # spec.offload.backend
     server_status_url: str | None = None  # the LMCache server's /status (backend lmcache-server)
     # LMCache publishes its counters every 10 s (LMCacheStatsLogger, log_interval=10) while vLLM counts
     # hits at once: external hits without a retrieve are reported only after they outlast this.
@@ -89,7 +72,9 @@ class TierCollector(Collector):
         self.clock = clock
         self._lock = threading.Lock()
         self._unloaded_since: float | None = None  # when hits without a retrieve were first seen
-        self.health = {name: SourceHealth(name) for name in (("vllm",) if config.backend == "vllm-native" else ("vllm", "lmcache"))}
+        self.backend = backends.get(config.backend, "--backend")
+        # The LMCache server is LMCache to the source labels (source="lmcache"), however it is read.
+        self.health = {name: SourceHealth(name) for name in dict.fromkeys(_SOURCE_LABEL.get(s, s) for s in self.backend.sources)}
         if disk is not None:
             self.health["disk"] = disk.health
         if config.engine_versions_file is not None:
@@ -105,15 +90,13 @@ class TierCollector(Collector):
 
     def _look(self) -> list[Metric]:
         vllm = self._look_vllm()
-        backend = self.config.backend
-        lmc = self._look_lmcache(vllm) if backend == "lmcache" else None
-        server = self._look_server() if backend == "lmcache-server" else None
+        sources = self.backend.sources
+        lmc = self._look_lmcache(vllm) if "lmcache" in sources else None
+        server = self._look_server() if "server-status" in sources else None
         disk = self.disk.latest if self.disk is not None else None
-        if vllm is not None and vllm.process_start is not None and self.disk is not None and backend == "lmcache":
+        if vllm is not None and vllm.process_start is not None and self.disk is not None and self.backend.in_process:
             self.disk.cutoff = vllm.process_start  # files older than vLLM were left by an earlier pod
-        active = {"lmcache": lambda: offload_active(vllm, lmc),
-                  "lmcache-server": lambda: server_active(vllm, server),
-                  "vllm-native": lambda: native_active(vllm)}[backend]()
+        active = self.backend.offload_active(Seen(vllm, lmc, server))
         engine = self._look_engine()
         families = _families(self.config, vllm, lmc, disk, active, self._settled(unloaded_tokens(vllm, lmc)), self.health, server)
         return families + ([engine_info(engine)] if engine is not None else [])
@@ -184,35 +167,6 @@ def engine_info(found: engine_versions.EngineVersions) -> Metric:
         labels=list(engine_versions.PACKAGES))
     info.add_metric([found.labels()[name] for name in engine_versions.PACKAGES], 1)
     return info
-
-
-def unloaded_tokens(vllm: VllmSnapshot | None, lmc: LmcacheSnapshot | None) -> float | None:
-    """vLLM's external hits if LMCache has retrieved nothing, else 0; None when a source is down."""
-    if vllm is None or lmc is None:
-        return None
-    hits = vllm.external_hits or 0.0
-    return hits if hits > 0 and lmc.retrieve_requests == 0 else 0.0
-
-
-def offload_active(vllm: VllmSnapshot | None, lmc: LmcacheSnapshot | None) -> bool:
-    """The rule in OFFLOAD_ACTIVE_HELP: vLLM has consulted its KV connector, that connector is
-    LMCache, LMCache has stored or retrieved something (on the H200 at TP 2 LMCache's init failed, a
-    ZMQ socket path over 107 characters, and vLLM served on, its external queries counted, LMCache's
-    counters all 0), and what vLLM counted as loaded LMCache really retrieved. Monotone while vLLM runs
-    (the counters only rise), so the verdict does not flicker."""
-    return (vllm is not None and lmc is not None and (vllm.external_queries or 0) > 0
-            and (lmc.stored_tokens > 0 or lmc.retrieve_requests > 0) and unloaded_tokens(vllm, lmc) == 0)
-
-
-def server_active(vllm: VllmSnapshot | None, server: ServerSnapshot | None) -> bool:
-    """lmcache-server: vLLM consulted its connector, and the server is healthy with an engine registered."""
-    return (vllm is not None and server is not None and server.healthy and server.engines > 0
-            and (vllm.external_queries or 0) > 0)
-
-
-def native_active(vllm: VllmSnapshot | None) -> bool:
-    """vllm-native: vLLM consulted its connector, and that connector is the OffloadingConnector."""
-    return vllm is not None and vllm.offload_store_bytes is not None and (vllm.external_queries or 0) > 0
 
 
 def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSnapshot | None,
@@ -331,9 +285,7 @@ def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSna
                               value=disk.finished_at),
         ]
 
-    help_ = OFFLOAD_ACTIVE_HELP if config.backend == "lmcache" else (
-        f"1 if KV offloading (backend {config.backend}) is proven at work, else 0. Rule: vLLM's /metrics was read AND "
-        f"vllm:external_prefix_cache_queries_total > 0 AND {OFFLOAD_ACTIVE_BY_BACKEND[config.backend]}.")
+    help_ = backends.get(config.backend).offload_active_help()
     families.append(GaugeMetricFamily("kvoffload_offload_active", help_, value=int(active)))
     if unloaded is not None:
         families.append(GaugeMetricFamily("kvoffload_external_hits_unloaded_tokens", UNLOADED_HELP, value=unloaded))

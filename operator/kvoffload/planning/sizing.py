@@ -25,27 +25,12 @@ Conventions
   vLLM really pins, below) + staging
   buffers × tp (only with an offload tier) + /dev/shm (memory-backed, charged to the pod)
   + headroom, rounded up to whole MiB.
-- Backends (spec.offload.backend; docs/backends.md). lmcache: the terms above. vllm-native: the
-  CPU tier is torch pinned memory of each vLLM worker (--kv-offloading-size is the total over TP
-  ranks), stored in whole vLLM KV blocks (16 tokens), no LMCache staging buffers, no disk tier.
-  vLLM 0.26.0 (CPUOffloadingSpec / CPUOffloadingWorker) pins one tensor per KV-cache tensor (one
-  per attention layer) of num_blocks × page bytes, num_blocks = cpu_bytes // (tp × per-worker KV
-  bytes of one block over all layers), and torch's CachingHostAllocator rounds every pinned
-  allocation up to a power of two: the cpu_tier term charges what is pinned (native_pinned), e.g.
-  64 GiB for a 40 GiB tier of a 32-layer model (1.25 GiB tensors → 2 GiB). Models with both
-  sliding-window and full layers keep vLLM's hybrid KV cache manager with this connector (it
-  supports HMA), which shares tensors between layer groups; their tensor count is not modelled,
-  so they are charged the bound: 2 × the tier (a power-of-two ceiling is < 2 × its argument).
-  lmcache-server: one LMCache server per pod holds the whole replica's L1 (--l1-size-gb) as a
-  named /dev/shm segment, so /dev/shm = the NCCL/IPC share + L1. Who first faults the segment in
-  decides which container's cgroup is charged: LMCache 0.5.3 allocates it with c_ops'
-  alloc_shm_pinned_ptr when the server process sees a CUDA device (it writes one byte per page,
-  then cudaHostRegister: the server is charged), and with torch_ops' fallback when it sees none
-  (SharedMemory, untouched: the vLLM workers that map and pin it are charged). Which case a GPU
-  node gives is not measured, so both containers' LIMITS hold the L1 while only the vLLM
-  container's REQUEST does: scheduling and the pod total count it once, and neither container is
-  OOM-killed for pages it faulted. The server's request is its own process (server_baseline +
-  headroom).
+- Backends (spec.offload.backend; docs/backends.md): each backend module (backends/) gives its own
+  terms: the CPU tier's (what it really pins), whether it stages, what it adds to /dev/shm and its
+  sidecar's request and limit; this module sums them. lmcache: the terms above. vllm-native: what
+  vLLM's pinned allocator really takes, in 16-token blocks, no staging (backends/vllm_native.py).
+  lmcache-server: the L1 is a /dev/shm segment in both containers' limits, requested once
+  (backends/lmcache_server.py).
 - Reload vs recompute for one max_model_len prefix: the CPU tier reloads each rank's slice over
   that rank's own host link in parallel (bytes / tp / cpu_read); the disk tier is one node-local
   device shared by all ranks (bytes / disk_read); recompute = tokens / prefill rate. Measured
@@ -72,13 +57,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import backends
 from ..api.errors import InputError, name_inputs
-from ..api.quantity import GiB, MiB, gib, human
+from ..api.quantity import GiB, MiB, human, to_bytes
+from ..api.settings import Settings
+from ..backends.base import MemoryTerm, Sizing
 from .catalog import ModelArch
 
+# The defaults are the operator's settings (api/settings.py, the one table the chart's values mirror).
+_DEFAULTS = Settings()
 # h200-tier-physics.json: pinned host→GPU copy, disk read, and the 32K prefill of an 8B Llama.
-H2D_PINNED_BPS = 54.847573715916525e9
-DISK_READ_BPS = 0.9384999892678052e9
+H2D_PINNED_BPS = _DEFAULTS.cpu_read_gbps * 1e9
+DISK_READ_BPS = _DEFAULTS.disk_read_gbps * 1e9
 MEASURED_PREFILL_TOKENS = 32768
 MEASURED_PREFILL_S = 1.3815045919999989
 MEASURED_PARAMS = 8_030_261_248  # the Llama-3.1-8B shape that was measured
@@ -88,19 +78,17 @@ WEIGHT_DOWNLOAD_BPS = 50e6
 ENGINE_START_S = 600  # torch.compile and CUDA graph capture before /health answers, beyond the weights
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
-BACKENDS = ("lmcache", "lmcache-server", "vllm-native")
-NATIVE_BLOCK_TOKENS = 16  # vLLM's CUDA KV block size: the unit vllm-native offloads
 KV_DTYPES = ("auto", *DTYPE_BYTES)
 
 @dataclass(frozen=True)
 class MemoryDefaults:
-    """Every pod-memory term, overridable."""
-    engine_baseline: int = 4 * GiB  # vLLM API server + engine core process
-    per_worker_overhead: int = 2 * GiB  # each TP worker process: torch/CUDA runtime
-    staging_per_worker: int = 1 * GiB  # pinned staging buffers for GPU<->CPU<->disk copies
-    server_baseline: int = 2 * GiB  # LMCache server process (backend lmcache-server), before its L1
+    """Every pod-memory term, overridable; the defaults are the operator's settings."""
+    engine_baseline: int = to_bytes(_DEFAULTS.engine_baseline, "engineBaseline")  # vLLM API server + engine core process
+    per_worker_overhead: int = to_bytes(_DEFAULTS.per_worker_overhead, "perWorkerOverhead")  # each TP worker: torch/CUDA runtime
+    staging_per_worker: int = to_bytes(_DEFAULTS.staging_per_worker, "stagingPerWorker")  # pinned GPU<->CPU<->disk staging
+    server_baseline: int = to_bytes(_DEFAULTS.server_baseline, "serverBaseline")  # LMCache server (lmcache-server), before its L1
     shm: int | None = None  # /dev/shm; None = 1Gi + 1Gi per TP rank
-    headroom_percent: int = 10  # of the sum above, at least headroom_min
+    headroom_percent: int = _DEFAULTS.headroom_percent  # of the sum above, at least headroom_min
     headroom_min: int = 1 * GiB
 
 
@@ -115,13 +103,17 @@ class StorageDefaults:
 
 @dataclass(frozen=True)
 class Bandwidths:
-    """Bytes/s. Defaults: h200-tier-physics.json (h2d_pinned_GBps, disk_read_GBps)."""
+    """Bytes/s. Defaults: the operator's settings (one H200 host, h200-tier-physics.json). Each `*_from` says where
+    the figure came from (an option, a spec field, an operator setting), for status and `kvoffload plan`."""
     cpu_read: float = H2D_PINNED_BPS
     disk_read: float = DISK_READ_BPS
     # None = derive: measured 8B on H200 (32768 tokens / 1.3815 s) scaled by 8B/params × TP
-    prefill_tokens_per_s: float | None = None
+    prefill_tokens_per_s: float | None = _DEFAULTS.prefill_tokens_per_second or None
     weight_download: float = WEIGHT_DOWNLOAD_BPS
     weight_load: float = DISK_READ_BPS
+    cpu_read_from: str = "operator setting cpuReadGbps"
+    disk_read_from: str = "operator setting diskReadGbps"
+    prefill_from: str = "operator setting prefillTokensPerSecond"
 
 
 @dataclass(frozen=True)
@@ -138,7 +130,7 @@ class PlanInput:
     cpu_size: int = 0  # bytes per replica
     disk_size: int = 0  # bytes per replica
     chunk_size: int = 256  # LMCache chunk_size, tokens
-    backend: str = "lmcache"  # spec.offload.backend: lmcache | lmcache-server | vllm-native
+    backend: str = backends.DEFAULT  # spec.offload.backend: a name in backends.REGISTRY
     activation_reserve: int = 2 * GiB  # per GPU: activations, CUDA context, graphs
     memory: MemoryDefaults = field(default_factory=MemoryDefaults)
     bandwidths: Bandwidths = field(default_factory=Bandwidths)
@@ -153,13 +145,6 @@ class TierBudget:
     bytes_per_worker: int
     tokens: int
     sequences: int  # full max_model_len sequences
-
-
-@dataclass(frozen=True)
-class MemoryTerm:
-    name: str
-    bytes: int
-    note: str
 
 
 @dataclass(frozen=True)
@@ -191,6 +176,10 @@ class ReloadEstimate:
     reload_s: float
     recompute_s: float
     slower_than_recompute: bool
+    read_bytes_per_s: float = 0.0  # the bandwidth that decided it ...
+    read_from: str = ""  # ... and where that figure came from
+    prefill_tokens_per_s: float = 0.0
+    prefill_from: str = ""
 
 
 @dataclass(frozen=True)
@@ -236,6 +225,10 @@ class Budget:
             "reload": [{"tier": r.tier, "tokens": r.tokens, "bytes": r.bytes,
                         "reloadSeconds": round(r.reload_s, 4), "recomputeSeconds": round(r.recompute_s, 4),
                         "slowerThanRecompute": r.slower_than_recompute} for r in self.reload],
+            # The figures that decided each verdict, and where each came from (an option, a spec field, a setting).
+            "reloadFigures": [{"tier": r.tier, "readBytesPerSecond": round(r.read_bytes_per_s, 4), "readFrom": r.read_from,
+                               "prefillTokensPerSecond": round(r.prefill_tokens_per_s, 4), "prefillFrom": r.prefill_from}
+                              for r in self.reload],
             "weights": {"bytes": self.weights.bytes, "volume": self.weights.volume,
                         "ephemeralStorage": self.weights.ephemeral_storage,
                         "storageTerms": [{"name": t.name, "bytes": t.value, "note": t.note} for t in self.weights.storage_terms],
@@ -275,8 +268,8 @@ def check(inp: PlanInput) -> None:
     _int(inp.max_model_len, 1, "max_model_len")
     _int(inp.concurrency, 1, "concurrency")
     _int(inp.chunk_size, 1, "chunk_size")
-    if inp.backend not in BACKENDS:
-        raise InputError("backend", f"{inp.backend!r} is not one of {', '.join(BACKENDS)}")
+    if inp.backend not in backends.REGISTRY:
+        raise InputError("backend", f"{inp.backend!r} is not one of {', '.join(backends.NAMES)}")
     if not (isinstance(inp.gpu_memory_utilization, (int, float)) and 0 < inp.gpu_memory_utilization <= 1):
         raise InputError("gpu_memory_utilization", f"must be in (0, 1], got {inp.gpu_memory_utilization!r}")
     if inp.weight_dtype not in DTYPE_BYTES:
@@ -312,12 +305,22 @@ def _refuse(inp: PlanInput) -> None:
     if inp.gpus is not None and inp.gpus != inp.tp:
         raise InputError("gpus", f"{inp.gpus} GPUs with {{tp}} {inp.tp}: pipeline "
                          "parallelism is not modelled; use as many GPUs as the tensor-parallel size")
-    if inp.disk_size and inp.backend == "vllm-native":
-        raise InputError("disk_size", "{backend} vllm-native has a CPU tier only (vLLM's native offloading); "
-                         "set {disk_size} to 0 or use {backend} lmcache or lmcache-server")
+    backend = backends.REGISTRY[inp.backend]
+    if inp.disk_size and not backend.disk_tier:
+        with_disk = " or ".join(b.name for b in backends.REGISTRY.values() if b.disk_tier)
+        raise InputError("disk_size", f"{{backend}} {backend.name} has no disk tier ({backend.refuses['offload.disk'].why}); "
+                         f"set {{disk_size}} to 0 or use {{backend}} {with_disk}")
     if inp.disk_size and not inp.cpu_size:
         raise InputError("cpu_size", "the disk tier needs a CPU tier (LMCache reads disk hits back through it); "
                          "set {cpu_size} > 0 or {disk_size} to 0")
+
+
+def prefill_from(inp: PlanInput) -> str:
+    """Where the recompute rate comes from."""
+    if inp.bandwidths.prefill_tokens_per_s is not None:
+        return inp.bandwidths.prefill_from
+    return (f"derived: {MEASURED_PREFILL_TOKENS / MEASURED_PREFILL_S:,.0f} tokens/s measured for an 8B Llama on one H200, "
+            f"× 8B / parameters × TP ({inp.bandwidths.prefill_from} unset)")
 
 
 def prefill_tokens_per_s(inp: PlanInput) -> float:
@@ -356,83 +359,11 @@ def _gpu_tier(inp: PlanInput, per_gpu_bpt: int, windowed: bool) -> tuple[TierBud
 
 
 def _offload_tier(name: str, size: int, inp: PlanInput, per_gpu_bpt: int, unit: int) -> TierBudget:
-    """`unit`: tokens stored as one piece (LMCache's chunk, or vLLM's KV block for vllm-native)."""
+    """`unit`: tokens stored as one piece (Backend.unit: LMCache's chunk, vLLM's KV block)."""
     per_worker = size // inp.tp
     chunks = per_worker // (unit * per_gpu_bpt)  # each rank stores its slice of every chunk
     tokens = chunks * unit
     return TierBudget(name, size, per_worker, tokens, tokens // inp.max_model_len)
-
-
-def native_offloading_size_gib(size: int) -> float:
-    """The rendered --kv-offloading-size: GiB over all TP ranks, 6 decimals."""
-    return round(gib(size), 6)
-
-
-def native_cpu_bytes(size: int) -> int:
-    """vLLM's cpu_bytes_to_use for that flag (VllmConfig: kv_offloading_size × 2**30, then int)."""
-    return int(native_offloading_size_gib(size) * (1 << 30))
-
-
-def power_of_two_ceil(n: int) -> int:
-    """c10::llvm::PowerOf2Ceil: torch's CachingHostAllocator rounds every pinned allocation to it."""
-    return 0 if n <= 0 else 1 << (n - 1).bit_length()
-
-
-@dataclass(frozen=True)
-class NativePinned:
-    """What vLLM 0.26.0's CPUOffloadingWorker pins for --kv-offloading-size (backend vllm-native)."""
-    tensors: int  # pinned CPU tensors per worker: one per KV-cache tensor (per attention layer)
-    num_blocks: int  # CPUOffloadingSpec.num_blocks: 16-token blocks each tensor holds
-    tensor_bytes: int  # num_blocks × one layer's block page: what vLLM asks torch for
-    allocated_bytes: int  # the same rounded up to a power of two: what torch pins
-    per_worker: int
-    total: int  # per_worker × tp
-    exact: bool  # False: a hybrid (sliding + full layers) model, charged the 2 × tier bound
-
-
-def native_pinned(model: ModelArch, tp: int, size: int, per_gpu_bpt: int) -> NativePinned:
-    """vLLM: num_blocks = cpu_bytes // (tp × per-worker KV bytes of one block, all layers)
-    (vllm/v1/kv_offload/cpu/spec.py, blocks_per_chunk 1: the operator sets no block_size), then each
-    worker pins torch.zeros((num_blocks, page), pin_memory=True) per KV-cache tensor
-    (vllm/v1/kv_offload/cpu/gpu_worker.py), which torch rounds up to a power of two."""
-    if not size:
-        return NativePinned(model.layers, 0, 0, 0, 0, 0, True)
-    page = per_gpu_bpt // model.layers * NATIVE_BLOCK_TOKENS  # K and V of one layer, one block, one worker
-    num_blocks = native_cpu_bytes(size) // (page * model.layers * tp)
-    tensor = num_blocks * page
-    allocated = power_of_two_ceil(tensor)
-    exact = not (model.sliding_window and model.sliding_window_layers and model.full_layers)
-    per_worker = allocated * model.layers if exact else 2 * -(-native_cpu_bytes(size) // tp)
-    return NativePinned(model.layers, num_blocks, tensor, allocated, per_worker, per_worker * tp, exact)
-
-
-def _native_waste(p: NativePinned, size: int, tp: int) -> str:
-    """The warning when vLLM pins noticeably more than the tier, with the nearest sizes that do not."""
-    if not p.exact:
-        return (f"{{cpu_size}} {human(size)} with {{backend}} vllm-native: this model's hybrid layers make vLLM's pinned "
-                f"tensor sizes unmodelled, so the pod is charged the {human(p.total)} bound (2 × the tier)")
-    low, high = p.tensors * tp * (p.allocated_bytes // 2), p.tensors * tp * p.allocated_bytes
-    return (f"{{cpu_size}} {human(size)} with {{backend}} vllm-native pins {human(p.total)}: each worker's "
-            f"{p.tensors} per-layer tensors of {human(p.tensor_bytes)} round up to a power of two "
-            f"({human(p.allocated_bytes)}); a {human(low)} or {human(high)} tier pins no more than its size for this model")
-
-
-def _native_note(p: NativePinned, size: int, tp: int) -> str:
-    if not p.exact:
-        return (f"vLLM native CPU tier (OffloadingConnector): {human(p.total)}, the bound for a {human(size)} tier: vLLM's "
-                "hybrid KV cache manager shares pinned tensors between sliding-window and full layers, each rounded "
-                "up to a power of two by torch's pinned allocator, so at most 2 × the tier")
-    return (f"vLLM native CPU tier (OffloadingConnector): {tp} worker(s) × {p.tensors} per-layer pinned tensors of "
-            f"{human(p.tensor_bytes)}, each rounded up to {human(p.allocated_bytes)} by torch's pinned allocator: "
-            f"{human(p.total)} pinned for a {human(size)} tier")
-
-
-_CPU_TIER_NOTE = {
-    "lmcache": "LMCache CPU tier, pinned in full at start-up: {tp} rank(s) × {share}",
-    "lmcache-server": "LMCache server's L1, a /dev/shm segment shared with the server: charged to whichever container "
-                      "faults it in first (the server when it sees a GPU, else the {tp} vLLM worker(s) that pin it), so "
-                      "both limits hold it; requested here only",
-}
 
 
 def _with_headroom(terms: list[MemoryTerm], mem: MemoryDefaults) -> tuple[tuple[MemoryTerm, ...], int]:
@@ -442,39 +373,34 @@ def _with_headroom(terms: list[MemoryTerm], mem: MemoryDefaults) -> tuple[tuple[
     return tuple(terms), -(-(subtotal + headroom) // MiB) * MiB
 
 
-def _memory(inp: PlanInput, offload: bool, native: NativePinned) -> tuple[tuple[MemoryTerm, ...], int, int]:
+def _memory(inp: PlanInput, offload: bool, s: Sizing) -> tuple[tuple[MemoryTerm, ...], int, int]:
     """The vLLM container's terms and total, and the /dev/shm volume."""
-    mem, tp = inp.memory, inp.tp
+    mem, tp, backend = inp.memory, inp.tp, backends.REGISTRY[inp.backend]
     shm = mem.shm if mem.shm is not None else GiB + GiB * tp
-    staging = offload and inp.backend != "vllm-native"
+    staging = offload and backend.stages
     terms = [
         MemoryTerm("engine_baseline", mem.engine_baseline, "vLLM API server + engine core process"),
         MemoryTerm("worker_overhead", mem.per_worker_overhead * tp,
                    f"{tp} TP worker(s) × {human(mem.per_worker_overhead)}: torch/CUDA runtime"),
-        MemoryTerm("cpu_tier", native.total, _native_note(native, inp.cpu_size, tp)) if inp.backend == "vllm-native" else
-        MemoryTerm("cpu_tier", inp.cpu_size, _CPU_TIER_NOTE[inp.backend].format(tp=tp, share=human(inp.cpu_size // tp))),
+        backend.cpu_tier(s),
         MemoryTerm("staging", mem.staging_per_worker * tp if staging else 0,
                    f"pinned staging buffers, {tp} rank(s) × {human(mem.staging_per_worker)}" if staging else
                    "none: vLLM copies between GPU blocks and its pinned CPU blocks directly" if offload else "no offload tier: none"),
         MemoryTerm("shm", shm, "memory-backed /dev/shm for NCCL and worker IPC, charged to the pod"),
     ]
     terms_, total = _with_headroom(terms, mem)
-    if inp.backend == "lmcache-server":
-        shm += inp.cpu_size  # the L1 segment lives there; LMCache falls back to slow pickling if it does not fit
-    return terms_, total, shm
+    return terms_, total, shm + backend.shm_extra(s)
 
 
-def _server_memory(inp: PlanInput) -> tuple[tuple[MemoryTerm, ...], int, int]:
-    """The LMCache server container (backend lmcache-server): its terms, request and limit. The
-    request is its own process; the limit adds the L1, which it faults in itself when it sees a GPU."""
-    if inp.backend != "lmcache-server":
+def _sidecar_memory(inp: PlanInput, s: Sizing) -> tuple[tuple[MemoryTerm, ...], int, int]:
+    """The backend's sidecar container: its terms, request (with headroom) and limit (+ a limit-only term)."""
+    request_terms, limit_only = backends.REGISTRY[inp.backend].sidecar_memory(s)
+    if not request_terms:
         return (), 0, 0
-    terms, request = _with_headroom([MemoryTerm("server_baseline", inp.memory.server_baseline,
-                                                "LMCache server process (ZMQ + HTTP, torch)")], inp.memory)
-    l1 = MemoryTerm("l1_limit_only", inp.cpu_size,
-                    "the L1 segment, in the limit only: LMCache's alloc_shm_pinned_ptr writes every page and pins it "
-                    "when the server sees a GPU, charging it here; the pod's requests count it once, in the vLLM container")
-    return (*terms, l1), request, request + -(-inp.cpu_size // MiB) * MiB
+    terms, request = _with_headroom(request_terms, inp.memory)
+    if limit_only is None:
+        return terms, request, request
+    return (*terms, limit_only), request, request + -(-limit_only.bytes // MiB) * MiB
 
 
 STARTUP_PROBE_PERIOD_S = 10
@@ -513,11 +439,14 @@ def plan(inp: PlanInput) -> Budget:
     offload = bool(inp.cpu_size or inp.disk_size)
     windowed = bool(m.sliding_window and m.sliding_window_layers) and not offload
     gpu, seq_per_gpu = _gpu_tier(inp, per_gpu_bpt, windowed)
-    unit = NATIVE_BLOCK_TOKENS if inp.backend == "vllm-native" else inp.chunk_size
+    backend = backends.REGISTRY[inp.backend]
+    s = Sizing(model=m, tp=tp, cpu_size=inp.cpu_size, disk_size=inp.disk_size, chunk_size=inp.chunk_size,
+               kv_bytes_per_token_per_gpu=per_gpu_bpt, staging_per_worker=inp.memory.staging_per_worker,
+               server_baseline=inp.memory.server_baseline)
+    unit = backend.unit(s)
     tiers = (gpu, _offload_tier("cpu", inp.cpu_size, inp, per_gpu_bpt, unit), _offload_tier("disk", inp.disk_size, inp, per_gpu_bpt, unit))
-    native = native_pinned(m, tp, inp.cpu_size if inp.backend == "vllm-native" else 0, per_gpu_bpt)
-    terms, total, shm = _memory(inp, offload, native)
-    server_terms, server_total, server_limit = _server_memory(inp)
+    terms, total, shm = _memory(inp, offload, s)
+    server_terms, server_total, server_limit = _sidecar_memory(inp, s)
 
     warnings: list[str] = []
     if m.max_context and L > m.max_context:
@@ -540,22 +469,23 @@ def plan(inp: PlanInput) -> Budget:
             warnings.append(f"{t.name} tier: {human(t.bytes_per_worker)} per worker is less than one {unit}-token "
                             f"chunk ({human(unit * per_gpu_bpt)} per worker): it can hold nothing")
 
-    if native.total > inp.cpu_size * 1.05:
-        warnings.append(_native_waste(native, inp.cpu_size, tp))
+    warnings += backend.warnings(s)
 
     prefill = prefill_tokens_per_s(inp)
     prefix = L * per_gpu_bpt * tp
     reload: list[ReloadEstimate] = []
-    for name, size, read_bytes, bw in (("cpu", inp.cpu_size, prefix / tp, inp.bandwidths.cpu_read),
-                                        ("disk", inp.disk_size, prefix, inp.bandwidths.disk_read)):
+    bws = inp.bandwidths
+    for name, size, read_bytes, bw, source in (("cpu", inp.cpu_size, prefix / tp, bws.cpu_read, bws.cpu_read_from),
+                                                ("disk", inp.disk_size, prefix, bws.disk_read, bws.disk_read_from)):
         if not size:
             continue
-        est = ReloadEstimate(name, L, prefix, read_bytes / bw, L / prefill, read_bytes / bw > L / prefill)
+        est = ReloadEstimate(name, L, prefix, read_bytes / bw, L / prefill, read_bytes / bw > L / prefill,
+                             bw, source, prefill, prefill_from(inp))
         reload.append(est)
         if est.slower_than_recompute:
             warnings.append(f"{name} tier: reloading a {L}-token prefix ({human(prefix)}) takes {est.reload_s:.3g} s at "
-                            f"{bw / 1e9:.3g} GB/s, recomputing it {est.recompute_s:.3g} s: hits from this tier are SLOWER "
-                            f"than recompute (it pays off above {read_bytes / est.recompute_s / 1e9:.3g} GB/s)")
+                            f"{bw / 1e9:.3g} GB/s ({source}), recomputing it {est.recompute_s:.3g} s: hits from this tier are "
+                            f"SLOWER than recompute (it pays off above {read_bytes / est.recompute_s / 1e9:.3g} GB/s)")
 
     return Budget(
         backend=inp.backend,

@@ -17,9 +17,9 @@
 from .client import ApiError, Client, condition
 from .cluster import Cluster, ClusterError, KubectlError
 from .fleet import load_fleet, make_fleet
-from .operator import OperatorProcess
+from .operator import OperatorProcess, sentinel
 from .paths import ROOT, bin_dir, missing_binaries
 from .procs import listening_sockets, proc_stat, wait_until
 
 __all__ = ["ROOT", "ApiError", "Client", "Cluster", "ClusterError", "KubectlError", "OperatorProcess", "bin_dir", "listening_sockets",
-           "load_fleet", "make_fleet", "missing_binaries", "proc_stat", "condition", "wait_until"]
+           "load_fleet", "make_fleet", "missing_binaries", "proc_stat", "condition", "sentinel", "wait_until"]

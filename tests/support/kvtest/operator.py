@@ -2,11 +2,12 @@
 
 One class for the integration tests, the leader-election test (`leader_election=`), the chart-RBAC test
 (its own kubeconfig in `env`, the chart's settings file, run outside the repository) and the scale and
-latency benchmarks (`namespaces=None`: every namespace).
+latency benchmarks (`namespaces=None`: every namespace). `drain` runs an in-process Runtime's queue dry (unit tests).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -24,9 +26,10 @@ from .procs import wait_until
 class OperatorProcess:
     def __init__(self, env: dict[str, str], namespaces: Sequence[str] | None, config: dict | str | None = None,
                  log_path: Path | None = None, leader_election: tuple[str, str] | None = None,
-                 cwd: Path = ROOT) -> None:
+                 cwd: Path = ROOT, extra_args: Sequence[str] = ()) -> None:
         """Watch `namespaces` (None: all of them) with operator settings `config` (a dict, or a settings
-        file's text; default resyncSeconds 20); `leader_election` = (namespace, name) of the Lease."""
+        file's text; default resyncSeconds 20); `leader_election` = (namespace, name) of the Lease; `extra_args`
+        appended to `kvoffload run`'s."""
         if log_path is None:
             log_path = Path(tempfile.mkdtemp(prefix="kvo-operator-")) / "operator.log"
         self.log_path = log_path
@@ -35,7 +38,7 @@ class OperatorProcess:
             config = {"resyncSeconds": 20}
         self.config_path.write_text(config if isinstance(config, str) else yaml.safe_dump(config))
         args = [sys.executable, "-m", "kvoffload.cli", "run", "--liveness", "", "--log-level", "INFO",
-                "--operator-config", str(self.config_path)]
+                "--operator-config", str(self.config_path), *extra_args]
         if namespaces is None:
             args.append("--all-namespaces")
         for ns in namespaces or ():
@@ -54,7 +57,9 @@ class OperatorProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_started(self, timeout: float = 60) -> None:
-        """Until it serves: its caches are filled (it reconciles nothing before)."""
+        """Until it serves: its caches are filled (it reconciles nothing before). kopf says so with the
+        first event it releases, after listing every kind: on a cluster with nothing of ours, create a
+        `sentinel` first."""
         wait_until(lambda: "caches filled" in self.output() or self.proc.poll() is not None,
                    timeout=timeout, message="operator started")
         if self.proc.poll() is not None:
@@ -83,3 +88,24 @@ class OperatorProcess:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
         self.log.close()
+
+
+async def drain(rt: Any) -> None:
+    """Run a kvoffload.controller.runtime.Runtime's workers until nothing is queued or running."""
+    rt._serve()
+    for _ in range(500):
+        await asyncio.sleep(0.01)
+        if not rt.queued and not rt.running:
+            return
+    raise AssertionError("queue did not drain")
+
+
+SENTINEL = "kvo-sentinel"
+
+
+def sentinel(client, namespace: str) -> None:  # type: ignore[no-untyped-def]
+    """One ConfigMap labelled as a child of a KVOffloadServe that does not exist: kopf lists it, so the
+    operator's first event (and its "caches filled" line) comes once every kind is listed. Its reconcile
+    finds no owner and sends nothing."""
+    client.create({"apiVersion": "v1", "kind": "ConfigMap",
+                   "metadata": {"name": SENTINEL, "labels": {"kvoffload.io/serve": SENTINEL}}}, namespace)

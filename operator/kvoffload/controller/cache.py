@@ -1,46 +1,49 @@
-"""Watch-fed caches (informers): the operator reads children, pods and KVOffloadServes from memory.
+"""The caches the reconcile reads: KVOffloadServes, their children and pods, in memory, fed by kopf.
 
-One Informer per kind and namespace (or cluster-wide) LISTs once, then WATCHes from the list's
-resourceVersion. Every change of an object kicks the KVOffloadServe it belongs to, so a reconcile
-always runs again after the cache moved; reconciles themselves read only from here.
+kopf watches every kind (handlers.py: one LIST, then a WATCH from its resourceVersion, reconnects,
+server and client timeouts, a fresh LIST after 410 Gone). For every object kopf sees, its index
+handler calls `Cache.put` (store it, kick the owning KVOffloadServe) and its event handler
+`Cache.event` (deletions, relists). kopf holds every event handler until each kind has been listed
+and every listed object indexed, so the first event handler call means the caches are filled; the
+Runtime starts reconciling then.
 
-Why a cache cannot serve a stale decision for long:
-- A watch that breaks (API server restart, timeout) resumes from the last resourceVersion seen;
-  if the server no longer has that history (410 Gone, or any other refusal) the informer LISTs
-  again and *replaces* its store: objects missing from the new list are dropped (a DELETE the
-  watch never delivered) and objects that differ are replaced, and every owner touched is kicked.
+Why a Store of our own and not kopf's index values: a kopf index (1) keeps an object that a fresh
+LIST no longer lists (kopf replays the LIST as events; nothing tells an index what it lacked), and
+(2) cannot take the answer to our own write. So:
+- After a relist (objects listed again once the caches were filled), every object of that kind and
+  scope that the relist did not touch within RELIST_SETTLE seconds of its last listed object is
+  dropped and its owner kicked: a DELETE the broken watch never delivered cannot drive a decision.
 - Objects are never mutated in place: the store holds each version as received, and a version
   older than the one held (by resourceVersion) never replaces it, so the result of our own write
   (`observe`, read-your-writes) is not undone by a late watch event of the version before it.
-- Until every informer has listed once (`synced`), no reconcile runs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import itertools
 import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
-
-import aiohttp
 
 from ..api import crd
 from ..rendering import render
 from .kube import Kube, collection
 
-log = logging.getLogger("kvoffload.informer")
+log = logging.getLogger("kvoffload.cache")
 
 Obj = dict[str, Any]
 ObjKey = tuple[str, str]  # (namespace, name)
 Kick = Callable[[str, str, str], None]  # (namespace, owner name, kind)
 
 CR_API_VERSION = f"{crd.GROUP}/{crd.VERSION}"
-# What the reconcile reads: its KVOffloadServe, the four child kinds and the pods.
+# What the reconcile reads: its KVOffloadServe, the child kinds and the pods.
 KINDS = ((CR_API_VERSION, crd.KIND), *render.CHILD_KINDS, ("v1", "Pod"))
+RELIST_SETTLE = 2.0  # seconds after a relist's last object before what it did not list is dropped
 
 _PATH = re.compile(r"^(?P<base>/api/v1|/apis/[^/]+/[^/]+)/namespaces/(?P<ns>[^/]+)/(?P<plural>[^/]+)(?:/(?P<name>[^/]+))?$")
 
@@ -72,12 +75,13 @@ def slim(obj: Obj, api_version: str, kind: str) -> Obj:
 
 class Store:
     """The objects of one kind, by (namespace, name), with an index by owner label. Thread-safe:
-    informers write on the event loop, reconciles read from worker threads."""
+    kopf's handlers write on the event loop, reconciles read from worker threads."""
 
     def __init__(self, kind: str, owner_of: Callable[[Obj], str | None]) -> None:
         self.kind, self.owner_of = kind, owner_of
         self.objects: dict[ObjKey, Obj] = {}
         self.by_owner: dict[ObjKey, set[str]] = {}
+        self.touched: dict[ObjKey, int] = {}  # key -> when (a tick of _TICKS) it was last stored or listed
         self.lock = threading.Lock()
 
     def _put(self, key: ObjKey, obj: Obj | None) -> set[ObjKey]:
@@ -87,8 +91,10 @@ class Store:
         if old is not None and (o := self.owner_of(old)):
             owners.add((key[0], o))
             self.by_owner.get((key[0], o), set()).discard(key[1])
+        self.touched.pop(key, None)
         if obj is not None:
             self.objects[key] = obj
+            self.touched[key] = next(_TICKS)
             if o := self.owner_of(obj):
                 owners.add((key[0], o))
                 self.by_owner.setdefault((key[0], o), set()).add(key[1])
@@ -99,8 +105,12 @@ class Store:
         with self.lock:
             if key not in self.objects and type_ == "DELETED":
                 return set()
-            if not newer(obj, self.objects.get(key)):
+            old = self.objects.get(key)
+            if not newer(obj, old):
                 return set()  # older than what we hold (a late event, or the end of an earlier incarnation)
+            if old is not None and type_ != "DELETED" and _rv(obj) is not None and _rv(obj) == _rv(old):
+                self.touched[key] = next(_TICKS)  # the same version again (a relist): nothing moved
+                return set()
             return self._put(key, None if type_ == "DELETED" else obj)
 
     def observe(self, obj: Obj) -> None:
@@ -110,22 +120,19 @@ class Store:
             if newer(obj, self.objects.get(key)):
                 self._put(key, obj)
 
-    def replace(self, namespace: str | None, objs: Iterable[Obj], list_rv: str | None) -> set[ObjKey]:
-        """A fresh LIST of `namespace` (None: every namespace): drop what it lacks, take what changed.
+    def touch(self, key: ObjKey) -> None:
+        """The object was listed again (a relist): it still exists."""
+        with self.lock:
+            if key in self.objects:
+                self.touched[key] = next(_TICKS)
 
-        An object we wrote after the list's snapshot (a higher resourceVersion than the list's) is kept.
-        Returns the owners of everything added, changed or dropped."""
-        fresh = {(o["metadata"].get("namespace", ""), o["metadata"]["name"]): o for o in objs}
-        snapshot = {"metadata": {"resourceVersion": list_rv}}
+    def drop_untouched(self, namespace: str | None, since: int) -> set[ObjKey]:
+        """After a relist of `namespace` (None: every namespace) that began at tick `since`: drop what it
+        did not list and nobody stored since. Returns the owners of what was dropped."""
         touched: set[ObjKey] = set()
         with self.lock:
-            for key in [k for k in self.objects if namespace is None or k[0] == namespace]:
-                if key not in fresh and newer(snapshot, self.objects[key]):
-                    touched |= self._put(key, None)
-            for key, obj in fresh.items():
-                old = self.objects.get(key)
-                if old is None or (_rv(obj) != _rv(old) and newer(obj, old)):
-                    touched |= self._put(key, obj)
+            for key in [k for k, t in self.touched.items() if t < since and (namespace is None or k[0] == namespace)]:
+                touched |= self._put(key, None)
         return touched
 
     def get(self, namespace: str, name: str) -> Obj | None:
@@ -144,90 +151,11 @@ class Store:
         return len(self.objects)
 
 
-class Informer:
-    """LIST + WATCH of one kind in one namespace (or every namespace), feeding a Store."""
-
-    def __init__(self, kube: Kube, api_version: str, kind: str, namespace: str | None, store: Store,
-                 kick: Kick, label_selector: str | None, page: int = 500) -> None:
-        self.kube, self.api_version, self.kind, self.namespace = kube, api_version, kind, namespace
-        self.store, self.kick, self.selector, self.page = store, kick, label_selector, page
-        self.path = collection(api_version, kind, namespace) if namespace else _cluster_collection(api_version, kind)
-        self.synced = asyncio.Event()
-        self.lists = 0  # LISTs made (1 at start, +1 per watch that could not resume)
-
-    def _touch(self, owners: set[ObjKey]) -> None:
-        for ns, name in owners:
-            self.kick(ns, name, self.kind)
-
-    async def _list(self, session: aiohttp.ClientSession) -> str:
-        items: list[Obj] = []
-        params: dict[str, str] = {"limit": str(self.page)}
-        if self.selector:
-            params["labelSelector"] = self.selector
-        while True:
-            body = await self.kube.aio_get(session, self.path, params)
-            items += [slim(o, self.api_version, self.kind) for o in body.get("items", [])]
-            cont = body.get("metadata", {}).get("continue")
-            if not cont:
-                break
-            params["continue"] = cont
-        rv = body["metadata"]["resourceVersion"]
-        self._touch(self.store.replace(self.namespace, items, rv))
-        self.lists += 1
-        if self.lists > 1:
-            log.info("relisted %s %s: %d objects at resourceVersion %s", self.kind, self.namespace or "(all namespaces)",
-                     len(items), rv)
-        return rv
-
-    async def _watch(self, session: aiohttp.ClientSession, rv: str) -> str:
-        """Stream events from `rv`; return the last resourceVersion seen. Raises _Expired on 410."""
-        params = {"watch": "true", "allowWatchBookmarks": "true", "resourceVersion": rv, "timeoutSeconds": "300"}
-        if self.selector:
-            params["labelSelector"] = self.selector
-        async with self.kube.aio_stream(session, self.path, params, timeout=310) as resp:
-            async for line in resp.content:
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                type_, obj = event.get("type"), event.get("object") or {}
-                if type_ == "ERROR":
-                    raise _Expired(obj.get("message", "")) if obj.get("code") == 410 else RuntimeError(f"watch error: {obj}")
-                rv = obj.get("metadata", {}).get("resourceVersion") or rv
-                if type_ in ("ADDED", "MODIFIED", "DELETED"):
-                    self._touch(self.store.apply_event(type_, slim(obj, self.api_version, self.kind)))
-        return rv
-
-    async def run(self) -> None:
-        """Forever: list, then watch; a watch that ends on the server's timeout resumes where it left
-        off, and one that breaks for any other reason (API server down, 410 Gone) is followed by a fresh
-        LIST, so whatever the break hid is seen."""
-        delay = 0.5
-        rv: str | None = None
-        async with self.kube.aio_session() as session:
-            while True:
-                try:
-                    if rv is None:
-                        rv = await self._list(session)
-                        self.synced.set()
-                    rv = await self._watch(session, rv)
-                    delay = 0.5
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - refused, reset, timed out, expired: relist
-                    rv = None
-                    if not isinstance(exc, _Expired):
-                        log.warning("watch %s %s: %s (relist in %.1fs)", self.kind, self.namespace or "(all namespaces)",
-                                    f"{type(exc).__name__}: {exc}"[:300], delay)
-                        await asyncio.sleep(delay)
-                        delay = min(delay * 2, 4)
+_TICKS = itertools.count(1)
 
 
-class _Expired(Exception):
-    pass
-
-
-def _cluster_collection(api_version: str, kind: str) -> str:
-    return collection(api_version, kind, "_").replace("/namespaces/_", "")
+def now_tick() -> int:
+    return next(_TICKS)
 
 
 def _owner_label(obj: Obj) -> str | None:
@@ -238,28 +166,70 @@ def _self(obj: Obj) -> str | None:
     return obj.get("metadata", {}).get("name")
 
 
-class Cache:
-    """The stores of every kind the reconcile reads, the informers that fill them, and the reads and
-    writes of a reconcile served through them (`CachedKube`)."""
+@dataclass
+class _Relist:
+    since: int  # the tick it began at
+    objects: int = 0
+    timer: asyncio.TimerHandle | None = None
 
-    def __init__(self, kube: Kube, namespaces: list[str] | None, kick: Kick) -> None:
-        self.kube = kube
+
+class Cache:
+    """The stores of every kind the reconcile reads, fed by kopf's handlers (`put`, `event`)."""
+
+    def __init__(self, namespaces: list[str] | None, kick: Kick, settle: float = RELIST_SETTLE) -> None:
+        self.namespaces, self.kick, self.settle = namespaces, kick, settle
         self.stores: dict[tuple[str, str], Store] = {}  # (collection base, plural) -> store
         self.by_kind: dict[str, Store] = {}
-        self.informers: list[Informer] = []
         for api_version, kind in KINDS:
-            is_cr = kind == crd.KIND
-            store = Store(kind, _self if is_cr else _owner_label)
+            store = Store(kind, _self if kind == crd.KIND else _owner_label)
             m = _PATH.match(collection(api_version, kind, "_"))
             assert m
             self.stores[(m["base"], m["plural"])] = store
             self.by_kind[kind] = store
-            selector = None if is_cr else render.OWNER_LABEL  # only objects labelled as ours
-            for ns in namespaces or [None]:
-                self.informers.append(Informer(kube, api_version, kind, ns, store, kick, selector))
+        self.filled = False  # kopf released its first event handler: every kind was listed and stored
+        self.relists: dict[tuple[str, str | None], _Relist] = {}
+        self.dropped = 0  # objects a relist showed gone
 
-    async def wait_synced(self) -> None:
-        await asyncio.gather(*(i.synced.wait() for i in self.informers))
+    def _touch(self, kind: str, owners: set[ObjKey]) -> None:
+        for ns, name in owners:
+            self.kick(ns, name, kind)
+
+    def put(self, api_version: str, kind: str, body: Obj) -> None:
+        """kopf's index handler: an object as listed, added or modified."""
+        self._touch(kind, self.by_kind[kind].apply_event("MODIFIED", slim(body, api_version, kind)))
+
+    def event(self, api_version: str, kind: str, type_: str | None, body: Obj) -> bool:
+        """kopf's event handler (after `put` for anything but a deletion). Returns True on the first call:
+        the caches are filled."""
+        first, self.filled = not self.filled, True
+        if type_ == "DELETED":
+            self._touch(kind, self.by_kind[kind].apply_event("DELETED", slim(body, api_version, kind)))
+        elif type_ is None and not first:  # listed once the caches were filled: kopf relists this kind
+            self._listed(kind, body)
+        return first
+
+    def _listed(self, kind: str, body: Obj) -> None:
+        meta = body.get("metadata", {})
+        namespace = None if self.namespaces is None else meta.get("namespace", "")
+        relist = self.relists.get((kind, namespace))
+        if relist is None:
+            relist = self.relists[(kind, namespace)] = _Relist(since=now_tick())
+        self.by_kind[kind].touch((meta.get("namespace", ""), meta.get("name", "")))
+        relist.objects += 1
+        if relist.timer is not None:
+            relist.timer.cancel()
+        relist.timer = asyncio.get_running_loop().call_later(self.settle, self.relisted, kind, namespace)
+
+    def relisted(self, kind: str, namespace: str | None) -> None:
+        """A relist is over: what it did not list is gone."""
+        relist, store = self.relists.pop((kind, namespace)), self.by_kind[kind]
+        before = len(store)
+        owners = store.drop_untouched(namespace, relist.since)
+        dropped = before - len(store)
+        self.dropped += dropped
+        log.info("relisted %s %s: %d objects, %d no longer listed were dropped", kind,
+                 namespace or "(all namespaces)", relist.objects, dropped)
+        self._touch(kind, owners)
 
     def store_for(self, path: str) -> tuple[Store, str, str | None] | None:
         m = _PATH.match(path.split("?", 1)[0])
@@ -299,7 +269,7 @@ class CachedKube(Kube):
         if hit is None or hit[2] is None:
             return super().get(path)
         store, ns, name = hit
-        return store.get(ns, name)
+        return store.get(ns, name) if name is not None else None
 
     def list(self, path: str, label_selector: str) -> list[Obj]:
         hit = self.cache.store_for(path)

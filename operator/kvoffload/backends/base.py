@@ -1,0 +1,206 @@
+"""The interface every spec.offload.backend implements (docs/architecture.md, "Adding a backend").
+
+A backend is one module holding one `Backend` object: what it declares about the API (which spec
+fields it cannot honour, which engine pair it needs), its sizing terms (planning asks), its pod
+fragments (rendering assembles them into the generic pod and children), what the exporter reads and
+what proves offloading, and its OffloadActive reasons. Its module imports only api/ and engine/ (and
+only light modules of them at run time: the exporter imports it), so every layer below may ask it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from ..api.spec import Spec
+
+from ..api.managed import HTTP_PORT  # noqa: F401  (declared with the pod's other ports: the spec may not reuse them)
+
+# Pod layout the generic pod and the backends' fragments share.
+CONFIG_DIR = "/etc/lmcache"  # where a backend's config files (Backend.config_files) are mounted
+DISK_DIR = "/kvcache"
+MULTIPROC_DIR = "/var/run/kvoffload/prometheus"
+CONFIG_VOLUME = "lmcache-config"
+
+
+@dataclass(frozen=True)
+class MemoryTerm:
+    name: str
+    bytes: int
+    note: str
+
+
+class ModelShape(Protocol):
+    """The model facts a backend's sizing reads (planning.catalog.ModelArch has them)."""
+    @property
+    def layers(self) -> int: ...
+    @property
+    def sliding_window(self) -> int | None: ...
+    @property
+    def sliding_window_layers(self) -> int: ...
+    @property
+    def full_layers(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What planning hands a backend to size its terms (bytes per replica unless said)."""
+    model: ModelShape
+    tp: int
+    cpu_size: int
+    disk_size: int
+    chunk_size: int
+    kv_bytes_per_token_per_gpu: int
+    staging_per_worker: int
+    server_baseline: int
+
+
+class TierView(Protocol):
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def bytes_per_worker(self) -> int: ...
+
+
+class BudgetView(Protocol):
+    """The Budget figures a backend's fragments read (planning.sizing.Budget has them)."""
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+    @property
+    def server_memory(self) -> int: ...
+    @property
+    def server_memory_limit(self) -> int: ...
+    def tier(self, name: str) -> TierView: ...
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    """What the generic pod gives a backend's sidecar containers."""
+    image: str
+    env: list[dict[str, Any]]  # POD_NAME, POD_NAMESPACE and the telemetry-off variables
+    disk_mount: dict[str, Any] | None  # the pod's disk-tier mount (writable), None without a disk tier
+    security_context: dict[str, Any]
+
+
+class VllmSeen(Protocol):
+    """The vLLM /metrics figures a proof-of-offload rule reads (exporter.vllm_metrics.VllmSnapshot)."""
+    @property
+    def external_queries(self) -> float | None: ...
+    @property
+    def external_hits(self) -> float | None: ...
+    @property
+    def offload_store_bytes(self) -> float | None: ...
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One exporter look at a pod's sources; None: that source is down or not read by this backend."""
+    vllm: VllmSeen | None
+    lmcache: Any = None  # exporter.lmcache_metrics.LmcacheSnapshot (backend lmcache)
+    server: Any = None  # exporter.lmcache_server.ServerSnapshot (backend lmcache-server)
+
+
+@dataclass(frozen=True)
+class Reasons:
+    """OffloadActive's words for this backend (controller/conditions.py)."""
+    connector: str  # what is configured
+    active: str  # reason when proven
+    idle: str  # reason when not proven while serving
+    proof: str  # what proves it
+    missing: str  # what is missing when idle
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A spec field this backend cannot honour: refused when set (when it differs from its CRD default, if
+    it has one; the API server writes defaults), or, with `allowed`, when set to another value."""
+    why: str
+    allowed: tuple[str, ...] = ()
+
+
+class Backend(ABC):
+    name: str
+    summary: str  # one sentence for the CRD's description of spec.offload.backend
+    min_vllm: tuple[int, ...]
+    min_lmcache: tuple[int, ...] | None  # None: no LMCache involved (the image may hold none)
+    refuses: Mapping[str, Refusal] = {}  # spec path (without "spec.") -> why this backend cannot honour it
+    in_process: bool = False  # the tiers live in the vLLM process (its config, its disk mount)
+    stages: bool = True  # pinned staging buffers per worker (planning's staging term)
+    # What the exporter reads: vllm (its /metrics), lmcache (its metrics), server-status (the LMCache server).
+    sources: tuple[str, ...] = ("vllm",)
+    proof: str = ""  # what proves offloading, beyond vLLM asking its KV connector (kvoffload_offload_active)
+    reasons: Reasons
+
+    @property
+    def disk_tier(self) -> bool:
+        return "offload.disk" not in self.refuses
+
+    # Planning.
+    def unit(self, s: Sizing) -> int:
+        """Tokens stored as one piece."""
+        return s.chunk_size
+
+    @abstractmethod
+    def cpu_tier(self, s: Sizing) -> MemoryTerm:
+        """The CPU tier's term of the vLLM container's memory."""
+
+    def warnings(self, s: Sizing) -> list[str]:
+        return []
+
+    def shm_extra(self, s: Sizing) -> int:
+        """Bytes this backend keeps in the pod's memory-backed /dev/shm beyond NCCL's share."""
+        return 0
+
+    def sidecar_memory(self, s: Sizing) -> tuple[list[MemoryTerm], MemoryTerm | None]:
+        """The sidecar container's request terms (before headroom) and a term held in its limit only."""
+        return [], None
+
+    # Rendering fragments.
+    @abstractmethod
+    def vllm_args(self, spec: Spec, budget: BudgetView) -> list[str]:
+        """vLLM flags that turn this backend's offloading on."""
+
+    def vllm_env_head(self, spec: Spec) -> list[dict[str, Any]]:
+        """Variables that come first in the vllm container (where the backend's config is)."""
+        return []
+
+    def vllm_env(self, spec: Spec) -> list[dict[str, Any]]:
+        """Variables the connector needs on the image's pair, after the pod's own."""
+        return []
+
+    def config_files(self, spec: Spec, budget: BudgetView) -> dict[str, str] | None:
+        """Files of the config child (a ConfigMap mounted at CONFIG_DIR); None: no config child."""
+        return None
+
+    def sidecars(self, spec: Spec, budget: BudgetView, pod: Sidecar) -> list[dict[str, Any]]:
+        """Containers that run beside vLLM (native sidecars: init containers that keep running)."""
+        return []
+
+    @abstractmethod
+    def exporter_args(self, spec: Spec, budget: BudgetView) -> list[str]:
+        """The exporter's flags for this backend's sources and capacities."""
+
+    # Exporter.
+    @abstractmethod
+    def offload_active(self, seen: Seen) -> bool:
+        """The proof-of-offload rule over one look (kvoffload_offload_active)."""
+
+    def offload_active_help(self) -> str:
+        return (f"1 if KV offloading (backend {self.name}) is proven at work, else 0. Rule: vLLM's /metrics was read AND "
+                f"vllm:external_prefix_cache_queries_total > 0 AND {self.proof}.")
+
+    def declaration(self) -> dict[str, Any]:
+        """What the API layer reads (api/data/backends.json, written by `make generate`)."""
+        return {"name": self.name, "summary": self.summary, "minVllm": ".".join(map(str, self.min_vllm)),
+                "minLmcache": None if self.min_lmcache is None else ".".join(map(str, self.min_lmcache)),
+                "refuses": {path: {"why": r.why, **({"allowed": list(r.allowed)} if r.allowed else {})}
+                            for path, r in self.refuses.items()}}
+
+
+def field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+
+

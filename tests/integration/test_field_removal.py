@@ -1,0 +1,267 @@
+"""Removing a field from a KVOffloadServe's spec removes it from the live children, for every optional
+spec field, on the real API server (GitOps users remove fields all the time).
+
+Each row of FIELDS sets one optional field (plus what it needs), waits until the operator rolled that
+generation out and the field reached the live children, then removes the field with a JSON patch and
+waits for the next generation. The live children must then hold exactly the operator's rendering of
+the spec as the API server now holds it (with its defaults): every field the rendering sets, with its
+value; no path that only the old rendering had; no child that only the old rendering had (pruned); and
+status.budget the new budget. A row whose field the operator only reads (a check, or the node
+cleaner's policy) says so, and its children must not move.
+
+The table covers every optional field of the CRD schema (`test_the_table_covers_every_optional_field`),
+so a new field fails here until it has a row.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from kvoffload.api import crd
+from kvoffload.api.settings import from_dict
+from kvoffload.controller import pipeline
+from kvoffload.controller.reconcile import covers
+from kvoffload.rendering import render
+from kvtest import OperatorProcess, condition
+
+BASE = {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen": 4096},
+        "offload": {"cpu": {"size": "1Gi"}}}
+NO_PODS = {"replicas": 0}  # only the children matter here; the replicas row alone makes a pod
+DISK = {"offload": {"disk": {"path": "/mnt/nvme/lmcache", "size": "10Gi"}}}
+CONFIG = {"resyncSeconds": 20}  # what the operator below runs with, so the test renders as it does
+SETTINGS = from_dict(CONFIG)
+
+
+@dataclass(frozen=True)
+class Row:
+    path: str  # the optional field, dotted under spec
+    value: Any
+    needs: dict[str, Any] = field(default_factory=lambda: dict(NO_PODS))  # what else the spec must hold
+    instead: dict[str, Any] | None = None  # removable only by setting its alternative (a one-of pair)
+    renders: bool = True  # False: the operator only reads it (a check, the node cleaner); nothing moves
+
+
+FIELDS = [
+    Row("model.servedName", "my-model"),
+    Row("model.architecture", {"layers": 40, "attentionHeads": 28, "kvHeads": 4, "headDim": 128, "parameters": 7615616512}),
+    Row("model.architecture.layers", 40),
+    Row("model.architecture.attentionHeads", 56, renders=False),  # only checked (TP must divide it)
+    Row("model.architecture.kvHeads", 2),
+    Row("model.architecture.headDim", 64),
+    Row("model.architecture.parameters", 20_000_000_000),
+    Row("model.kvDtype", "fp8"),
+    Row("model.hfTokenSecret", {"name": "hf"}),
+    Row("model.hfTokenSecret.key", "tok", needs={**NO_PODS, "model": {"hfTokenSecret": {"name": "hf"}}}),
+    Row("model.cache", {"claimName": "weights"}),
+    Row("model.cache.readOnly", True, needs={**NO_PODS, "model": {"cache": {"claimName": "weights"}}}),
+    Row("replicas", 0, needs={}),
+    Row("engine.image", "registry.local/vllm:custom",
+        needs={**NO_PODS, "engine": {"vllmVersion": "0.26.0", "lmcacheVersion": "0.5.3"}}),
+    Row("engine.vllmVersion", "0.29.0"),
+    Row("engine.lmcacheVersion", "0.5.6"),
+    Row("engine.gpuMemoryUtilization", 0.8),
+    Row("engine.maxNumSeqs", 64),
+    Row("engine.tensorParallelSize", 2),
+    Row("engine.dtype", "float16"),
+    Row("engine.extraArgs", ["--enable-chunked-prefill"]),
+    Row("engine.env", [{"name": "FOO", "value": "1"}]),
+    Row("engine.apiKeySecretRef", {"name": "api"}),
+    Row("engine.apiKeySecretRef.key", "k", needs={**NO_PODS, "engine": {"apiKeySecretRef": {"name": "api"}}}),
+    Row("offload.backend", "lmcache-server"),
+    Row("offload.chunkSize", 512),
+    Row("offload.cpu.evictionPolicy", "LFU"),
+    Row("offload.disk", {"path": "/mnt/nvme/lmcache", "size": "10Gi"}),
+    Row("offload.disk.path", "/mnt/nvme/lmcache", needs={**NO_PODS, "offload": {"disk": {"size": "10Gi"}}},
+        instead={"storageClassName": "local-nvme"}),
+    Row("offload.disk.storageClassName", "local-nvme", needs={**NO_PODS, "offload": {"disk": {"size": "10Gi"}}},
+        instead={"path": "/mnt/nvme/lmcache"}),
+    Row("offload.disk.reclaimPolicy", "Retain", needs={**NO_PODS, **DISK}, renders=False),  # the node cleaner reads it
+    Row("offload.disk.nodeSelector", {"disk": "fast"}, needs={**NO_PODS, **DISK}),
+    Row("resources", {"gpuMemory": "141Gi", "cpu": "8"}),
+    Row("resources.gpuResourceName", "example.com/gpu"),
+    Row("resources.gpuMemory", "141Gi"),
+    Row("resources.cpu", "8"),
+    Row("resources.memory", "64Gi"),
+    Row("resources.engineBaseline", "8Gi"),
+    Row("resources.perWorkerOverhead", "4Gi"),
+    Row("resources.stagingPerWorker", "2Gi"),
+    Row("resources.serverBaseline", "4Gi", needs={**NO_PODS, "offload": {"backend": "lmcache-server"}}),
+    Row("resources.shm", "4Gi"),
+    Row("resources.headroomPercent", 20),
+    Row("scheduling", {"nodeSelector": {"zone": "a"}}),
+    Row("scheduling.nodeSelector", {"zone": "a"}),
+    Row("scheduling.tolerations", [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]),
+    Row("scheduling.affinity", {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}}),
+    Row("scheduling.priorityClassName", "high"),
+    Row("scheduling.topologySpreadConstraints", [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "ScheduleAnyway"}]),
+    Row("metrics", {"enabled": False}),
+    Row("metrics.enabled", False),
+    Row("metrics.port", 9500),
+    Row("networkPolicy", {}),
+    Row("networkPolicy.servingFrom", ["team-a"]),
+    Row("networkPolicy.metricsFrom", ["prom"]),
+]
+
+
+def optional_paths(schema: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every optional field of the schema, dotted (fields inside an optional object included)."""
+    out = []
+    for name, sub in (schema.get("properties") or {}).items():
+        path = prefix + name
+        if name not in schema.get("required", []):
+            out.append(path)
+        if sub.get("type") == "object":
+            out += optional_paths(sub, path + ".")
+    return out
+
+
+def merged(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(a)
+    for k, v in b.items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and v and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def with_field(row: Row) -> dict[str, Any]:
+    spec = merged(BASE, row.needs)
+    *head, last = row.path.split(".")
+    node = spec
+    for key in head:
+        node = node.setdefault(key, {})
+    node[last] = copy.deepcopy(row.value)
+    return spec
+
+
+def without_field(row: Row) -> dict[str, Any]:
+    """The spec once `removal` is applied (before the API server's defaults)."""
+    spec = merged(BASE, row.needs)
+    if row.instead:
+        parent = row.path.rsplit(".", 1)[0].split(".")
+        node = spec
+        for key in parent:
+            node = node.setdefault(key, {})
+        node.update(copy.deepcopy(row.instead))
+    return spec
+
+
+def removal(row: Row) -> list[dict[str, Any]]:
+    """The JSON patch that removes the field (or swaps it for its alternative)."""
+    pointer = "/spec/" + row.path.replace(".", "/")
+    ops = [{"op": "remove", "path": pointer}]
+    for key, value in (row.instead or {}).items():
+        ops.append({"op": "add", "path": pointer.rsplit("/", 1)[0] + "/" + key, "value": value})
+    return ops
+
+
+def leaves(obj: Any, path: tuple = ()) -> dict[tuple, Any]:
+    """Every leaf of an object by its path (list items by index; an empty map or list is a leaf)."""
+    if isinstance(obj, dict) and obj:
+        return {p: v for k, sub in obj.items() for p, v in leaves(sub, (*path, k)).items()}
+    if isinstance(obj, list) and obj:
+        return {p: v for i, sub in enumerate(obj) for p, v in leaves(sub, (*path, i)).items()}
+    return {path: obj}
+
+
+def has_path(obj: Any, path: tuple) -> bool:
+    for key in path:
+        if isinstance(obj, dict) and key in obj:
+            obj = obj[key]
+        elif isinstance(obj, list) and isinstance(key, int) and key < len(obj):
+            obj = obj[key]
+        else:
+            return False
+    return True
+
+
+def key(child: dict[str, Any]) -> tuple[str, str]:
+    return child["kind"], child["metadata"]["name"]
+
+
+def name_of(row: Row) -> str:
+    return "f-" + row.path.lower().replace(".", "-")[:48]
+
+
+def rendered(obj: dict[str, Any]) -> pipeline.Desired:
+    """What the operator renders for the resource as the API server holds it (defaults filled in)."""
+    meta = obj["metadata"]
+    return pipeline.desired(meta["name"], meta["namespace"], meta["uid"], obj["spec"], SETTINGS)
+
+
+def test_the_table_covers_every_optional_field():
+    assert sorted(r.path for r in FIELDS) == sorted(optional_paths(crd.spec_schema()))
+    for row in FIELDS:  # each row really changes what the operator renders, or says it does not
+        before, after = (pipeline.desired("x", "ns", "u", s, SETTINGS) for s in (with_field(row), without_field(row)))
+        moved = before.applied != after.applied or before.budget.to_dict() != after.budget.to_dict()
+        assert moved == row.renders, row.path
+
+
+@pytest.fixture
+def operator(cluster, crd_installed, namespace):
+    proc = OperatorProcess(cluster.env, [namespace], CONFIG)
+    yield proc
+    proc.stop()
+    print(proc.output()[-3000:])
+
+
+def live_children(cluster, ns: str, name: str) -> dict[tuple[str, str], dict[str, Any]]:
+    out = {}
+    for _, kind in render.CHILD_KINDS:
+        for item in cluster.client.list(kind.lower(), ns, labels={render.OWNER_LABEL: name}):
+            out[(kind, item["metadata"]["name"])] = item
+    return out
+
+
+def rolled_out(cluster, ns: str, name: str, generation: int) -> dict[str, Any] | None:
+    obj = cluster.client.get("kvs", name, ns)
+    st = obj.get("status") or {}
+    if obj["metadata"]["generation"] == generation and st.get("observedGeneration") == generation:
+        assert condition(obj, "ConfigValid")["status"] == "True", condition(obj, "ConfigValid")
+        return obj
+    return None
+
+
+@pytest.mark.cluster
+def test_removing_any_optional_field_removes_it_from_the_children(cluster, namespace, operator):
+    for row in FIELDS:
+        cluster.client.create({"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND,
+                               "metadata": {"name": name_of(row)}, "spec": with_field(row)}, namespace)
+    before: dict[str, pipeline.Desired] = {}
+    for row in FIELDS:
+        obj = cluster.wait_until(lambda row=row: rolled_out(cluster, namespace, name_of(row), 1), timeout=120,
+                                 message=f"{row.path}: generation 1 rolled out")
+        before[row.path] = rendered(obj)
+        live = live_children(cluster, namespace, name_of(row))
+        for child in before[row.path].applied:  # the field reached the live children
+            assert key(child) in live and covers(child, live[key(child)]), (row.path, key(child))
+    for row in FIELDS:
+        cluster.client.patch("kvs", name_of(row), removal(row), namespace, type="json")
+    failures = []
+    for row in FIELDS:
+        name = name_of(row)
+        obj = cluster.wait_until(lambda name=name: rolled_out(cluster, namespace, name, 2), timeout=120,
+                                 message=f"{row.path}: removal rolled out")
+        after, old = rendered(obj), before[row.path]
+        live = live_children(cluster, namespace, name)
+        new_keys = {key(c) for c in after.applied}
+        if set(live) != new_keys:
+            failures.append(f"{row.path}: children {sorted(live)}, expected {sorted(new_keys)}")
+        if (obj["status"].get("budget") or {}) != after.budget.to_dict():
+            failures.append(f"{row.path}: status.budget is not the budget without the field")
+        olds = {key(c): c for c in old.applied}
+        for child in after.applied:
+            have = live.get(key(child))
+            if have is None:
+                continue
+            if not covers(child, have):
+                failures.append(f"{row.path}: live {key(child)} differs from the rendering without the field")
+            gone = [p for p in leaves(olds.get(key(child), {})) if p not in leaves(child) and has_path(have, p)]
+            if gone:
+                failures.append(f"{row.path}: live {key(child)} still holds {gone[:5]}")
+        if not row.renders:
+            assert old.applied == after.applied, row.path
+    assert not failures, "\n".join(failures)

@@ -1,0 +1,211 @@
+"""The caches kopf feeds: relists drop what a broken watch hid, older versions never win, reads of
+cached kinds make no request, and writes land in the cache (read-your-writes)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import kopf
+from kopf._cogs.structs.references import Resource
+
+from kvoffload.controller import cache, handlers
+from kvoffload.controller.kube import Kube, collection
+from kvoffload.controller.reconcile import cr_path
+from kvoffload.rendering import render
+
+OWNER = render.OWNER_LABEL
+
+
+def obj(kind: str, name: str, rv: int, owner: str | None = "a", ns: str = "ns", **extra: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {"namespace": ns, "name": name, "resourceVersion": str(rv),
+                            "managedFields": [{"manager": "x"}]}
+    if owner:
+        meta["labels"] = {OWNER: owner}
+    return {"apiVersion": "v1", "kind": kind, "metadata": meta, **extra}
+
+
+def store() -> cache.Store:
+    return cache.Store("ConfigMap", cache._owner_label)
+
+
+def filled(namespaces: list[str] | None = None) -> tuple[cache.Cache, set[tuple[str, str]]]:
+    """A Cache past kopf's initial listing, and the owners it kicks from now on."""
+    kicked: set[tuple[str, str]] = set()
+    c = cache.Cache(namespaces, lambda ns, name, kind: kicked.add((ns, name)), settle=60)
+    c.event("v1", "ConfigMap", "ADDED", obj("ConfigMap", "unrelated", 1, owner=None))
+    return c, kicked
+
+
+def relist(c: cache.Cache, *objs: dict[str, Any]) -> None:
+    """What kopf does after a 410: each listed object through the index handler, then the event handler."""
+    for o in objs:
+        c.put("v1", "ConfigMap", o)
+        c.event("v1", "ConfigMap", None, o)
+
+
+def test_relist_drops_what_the_broken_watch_never_deleted_and_kicks_its_owner():
+    async def scenario() -> None:
+        c, kicked = filled()
+        c.put("v1", "ConfigMap", obj("ConfigMap", "a-lmcache", 10))
+        c.put("v1", "ConfigMap", obj("ConfigMap", "b-lmcache", 11, owner="b"))
+        kicked.clear()
+        # The watch broke; meanwhile a-lmcache was deleted and b-lmcache changed. kopf's new LIST says so.
+        relist(c, obj("ConfigMap", "b-lmcache", 20, owner="b", data={"k": "v"}))
+        c.relisted("ConfigMap", None)  # RELIST_SETTLE after its last object
+        s = c.by_kind["ConfigMap"]
+        assert kicked == {("ns", "a"), ("ns", "b")}
+        assert s.get("ns", "a-lmcache") is None and s.owned("ns", "a") == []
+        assert s.get("ns", "b-lmcache")["data"] == {"k": "v"}
+        assert c.dropped == 1 and not c.relists
+
+    asyncio.run(scenario())
+
+
+def test_relist_keeps_what_we_wrote_after_it_began_and_touches_nothing_unchanged():
+    async def scenario() -> None:
+        c, kicked = filled()
+        c.put("v1", "ConfigMap", obj("ConfigMap", "old", 10))
+        kicked.clear()
+        relist(c, obj("ConfigMap", "old", 10))
+        c.by_kind["ConfigMap"].observe(obj("ConfigMap", "new", 30))  # our own apply, answered during the relist
+        c.relisted("ConfigMap", None)
+        assert kicked == set()
+        assert [o["metadata"]["name"] for o in c.by_kind["ConfigMap"].owned("ns", "a")] == ["new", "old"]
+
+    asyncio.run(scenario())
+
+
+def test_relist_of_one_namespace_leaves_the_others_alone():
+    async def scenario() -> None:
+        c, kicked = filled(["one", "two"])
+        c.put("v1", "ConfigMap", obj("ConfigMap", "x", 10, ns="one"))
+        c.put("v1", "ConfigMap", obj("ConfigMap", "y", 11, ns="two"))
+        c.put("v1", "ConfigMap", obj("ConfigMap", "z", 12, ns="one", owner="b"))
+        kicked.clear()
+        relist(c, obj("ConfigMap", "z", 12, ns="one", owner="b"))  # x is gone from "one"
+        assert set(c.relists) == {("ConfigMap", "one")}
+        c.relisted("ConfigMap", "one")
+        assert kicked == {("one", "a")}
+        s = c.by_kind["ConfigMap"]
+        assert s.get("one", "x") is None and s.get("two", "y") is not None and s.get("one", "z") is not None
+
+    asyncio.run(scenario())
+
+
+def test_a_relist_ends_on_its_own_once_listing_stops():
+    async def scenario() -> None:
+        c, kicked = filled()
+        c.settle = 0.05
+        c.put("v1", "ConfigMap", obj("ConfigMap", "gone", 10))
+        relist(c, obj("ConfigMap", "kept", 11))
+        await asyncio.sleep(0.2)
+        assert not c.relists and c.by_kind["ConfigMap"].get("ns", "gone") is None
+
+    asyncio.run(scenario())
+
+
+def test_the_first_event_kopf_releases_means_the_caches_are_filled():
+    c = cache.Cache(None, lambda *a: None)
+    c.put("v1", "ConfigMap", obj("ConfigMap", "c", 1))  # kopf's initial listing: index handlers only
+    assert not c.filled
+    assert c.event("v1", "ConfigMap", None, obj("ConfigMap", "c", 1)) is True  # listed, not a relist
+    assert not c.relists
+    assert c.event("v1", "ConfigMap", "MODIFIED", obj("ConfigMap", "c", 2)) is False
+
+
+def test_an_older_version_never_replaces_a_newer_one():
+    s = store()
+    s.observe(obj("ConfigMap", "c", 50, data={"v": "ours"}))
+    assert s.apply_event("MODIFIED", obj("ConfigMap", "c", 40, data={"v": "late event"})) == set()
+    assert s.get("ns", "c")["data"] == {"v": "ours"}
+    s.observe(obj("ConfigMap", "c", 45))  # a slow answer to an earlier write
+    assert s.get("ns", "c")["data"] == {"v": "ours"}
+    assert s.apply_event("DELETED", obj("ConfigMap", "c", 60)) == {("ns", "a")}
+    assert s.get("ns", "c") is None
+
+
+def test_owner_label_change_moves_the_object_between_owners():
+    s = store()
+    s.apply_event("ADDED", obj("ConfigMap", "c", 1, owner="a"))
+    assert s.apply_event("MODIFIED", obj("ConfigMap", "c", 2, owner="b")) == {("ns", "a"), ("ns", "b")}
+    assert s.owned("ns", "a") == [] and len(s.owned("ns", "b")) == 1
+
+
+def test_slim_drops_managed_fields_and_pod_specs():
+    pod = obj("Pod", "a-0", 3, spec={"nodeName": "n1", "containers": [{"name": "vllm"}]}, status={"phase": "Running"})
+    out = cache.slim(pod, "v1", "Pod")
+    assert out["spec"] == {"nodeName": "n1"} and out["status"] == {"phase": "Running"}
+    assert "managedFields" not in out["metadata"] and "managedFields" in pod["metadata"]  # the input is untouched
+    cm = cache.slim({"metadata": {"name": "x"}, "data": {}}, "v1", "ConfigMap")
+    assert (cm["apiVersion"], cm["kind"]) == ("v1", "ConfigMap")  # LIST items come without them
+    body = kopf.Body(obj("ConfigMap", "y", 4, data={"k": "v"}))  # what kopf's handlers get
+    assert cache.slim(body, "v1", "ConfigMap")["data"] == {"k": "v"}
+
+
+class Recording(Kube):
+    """A Kube that records what would go to the API server and answers writes like it."""
+
+    def __init__(self) -> None:
+        self.api, self.timeout, self.sent = None, 1, []
+
+    def request(self, method: str, path: str, body: Any = None, *, query: dict[str, str] | None = None,
+                content_type: str = "application/json") -> Any:
+        self.sent.append((method, path, dict(query or {})))
+        if method == "PATCH" and path.endswith("/status"):
+            return {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe",
+                    "metadata": {"namespace": "ns", "name": "a", "resourceVersion": "99"}, "status": body[1]["value"]}
+        if method == "PATCH":
+            return {**body, "metadata": {**body["metadata"], "resourceVersion": "98"}}
+        return {"items": []}
+
+
+def test_cached_reads_make_no_request_and_writes_are_read_back():
+    sent: list[tuple[str, str, str]] = []
+    api = Recording()
+    c = cache.Cache(None, lambda ns, name, kind: sent.append((ns, name, kind)))
+    kube = cache.CachedKube(api, c)
+    c.by_kind["KVOffloadServe"].apply_event("ADDED", {"metadata": {"namespace": "ns", "name": "a", "resourceVersion": "5"}})
+    c.by_kind["Pod"].apply_event("ADDED", obj("Pod", "a-0", 6))
+    assert kube.get(cr_path("ns", "a"))["metadata"]["resourceVersion"] == "5"
+    assert kube.get(cr_path("ns", "nope")) is None
+    assert [p["metadata"]["name"] for p in kube.list(collection("v1", "Pod", "ns"), f"{OWNER}=a")] == ["a-0"]
+    assert kube.list(collection("v1", "ConfigMap", "ns"), f"{OWNER}=a") == []
+    assert api.sent == []  # every read above came from memory
+
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"namespace": "ns", "name": "a-lmcache", "labels": {OWNER: "a"}}}
+    kube.apply(cm, dry_run=True)
+    assert kube.list(collection("v1", "ConfigMap", "ns"), f"{OWNER}=a") == []  # a dry run is not a write
+    kube.apply(cm)
+    assert [c["metadata"]["name"] for c in kube.list(collection("v1", "ConfigMap", "ns"), f"{OWNER}=a")] == ["a-lmcache"]
+    kube.replace_status(cr_path("ns", "a"), {"observedGeneration": 1}, "5")
+    assert kube.get(cr_path("ns", "a"))["status"] == {"observedGeneration": 1}
+    assert [m for m, _, _ in api.sent] == ["PATCH", "PATCH", "PATCH"]
+    # Kinds the cache does not hold still go to the API server.
+    kube.get("/apis/coordination.k8s.io/v1/namespaces/ns/leases/x")
+    assert api.sent[-1][0] == "GET"
+
+
+def test_kopf_watches_every_cached_kind_and_only_our_children_and_pods():
+    registry = kopf.get_default_registry()
+    settings = kopf.OperatorSettings()
+    handlers.tune(settings)
+    resources = {kind: Resource(group=api_version.rpartition("/")[0], version=api_version.rpartition("/")[2],
+                                plural=collection(api_version, kind, "_").rsplit("/", 1)[1], kind=kind, namespaced=True)
+                 for api_version, kind in cache.KINDS}
+    assert len(resources) == 7
+    for kind, resource in resources.items():
+        assert registry._indexing.has_handlers(resource=resource), kind  # feeds the cache, gates the first reconcile
+        assert registry._watching.has_handlers(resource=resource), kind
+        assert not registry._changing.has_handlers(resource=resource)  # so no finalizer, no annotations
+        want = [] if kind == "KVOffloadServe" else [OWNER]
+        assert settings.watching.label_selectors.collect(resource) == want, kind
+    assert settings.watching.server_timeout == 300 and settings.watching.client_timeout == 310
+
+
+def test_a_late_delete_of_an_earlier_incarnation_does_not_drop_the_new_one():
+    s = store()
+    s.apply_event("ADDED", obj("ConfigMap", "c", 10))
+    s.observe(obj("ConfigMap", "c", 30))  # deleted at 20 and re-created by us at 30; the watch lags
+    assert s.apply_event("DELETED", obj("ConfigMap", "c", 20)) == set()
+    assert s.get("ns", "c")["metadata"]["resourceVersion"] == "30"
