@@ -72,6 +72,8 @@ def log(msg: str) -> None:
 def _kill_all() -> None:
     for p in list(_CHILDREN):
         stop(p, grace=5)
+    if "gpu_pod" in sys.modules:  # --runtime crun: the containers are crun's, not our children
+        sys.modules["gpu_pod"].stop_all()
 
 
 def stop(p: subprocess.Popen, grace: float = 30) -> None:

@@ -220,6 +220,15 @@ class Box:
         subprocess.run(self._crun("delete", "-f", self.id), capture_output=True, timeout=30)
 
 
+LIVE: list["Pod"] = []  # pods prepared and not yet cleaned up: stop_all() on a signal
+
+
+def stop_all() -> None:
+    """Every container of every live pod killed and deleted, its mounts and cgroups removed."""
+    for p in list(LIVE):
+        p.cleanup()
+
+
 class Pod:
     """The rendered pod's containers on this host. `prepare` lays out volumes, files, cgroups and
     bundles; the caller starts the containers in the pod's order."""
@@ -239,6 +248,7 @@ class Pod:
         w = Path(self.work)
         if w.exists():
             self.cleanup()
+        LIVE.append(self)
         for d in self.run.fresh_dirs:
             shutil.rmtree(d, ignore_errors=True)
         for name, d in self.run.volume_dirs.items():
@@ -308,6 +318,8 @@ class Pod:
         return [self.boxes[c.name] for c in self.run.containers if c.role == role]
 
     def cleanup(self) -> None:
+        if self in LIVE:
+            LIVE.remove(self)
         for b in self.boxes.values():
             b.stop(5)
         for d in reversed(self.mounted):
