@@ -377,6 +377,11 @@ class Engine:
             extra["l1_used_bytes_delta"] = l1_used(server_status(self.status_url)) - l1_before
         text = log_lines_between(self.logfile, off)
         got = [int(x[0]) for x in RETRIEVED.findall(text)]
+        stored = STORED.findall(text)  # LMCache's own split of a store: GPU->CPU copy vs put into the tiers
+        extra.update({"lmcache_stored_tokens": sum(int(x[0]) for x in stored),
+                      "lmcache_store_ms": round(sum(float(x[1]) for x in stored), 3),
+                      "lmcache_offload_ms": round(sum(float(x[2]) for x in stored), 3),
+                      "lmcache_put_ms": round(sum(float(x[3]) for x in stored), 3)})
         return {"ttft_s": round(ttft, 5), "tokens": len(ids), **{k: after[k] - before[k] for k in after}, **extra,
                 "lmcache_retrieved_tokens": sum(got), "lmcache_retrieve_lines": len(got),
                 "lmcache_load_skipped_lines": text.count("start_load_kv, but the attn_metadata is None")}
@@ -506,6 +511,7 @@ def log_lines_between(logfile: Path, start: int) -> str:
 
 DISK_READ = re.compile(r"Disk read size: (\d+) bytes")
 RETRIEVED = re.compile(r"Retrieved (\d+) out of (\d+) required tokens.*?size: ([\d.]+) gb, cost ([\d.]+) ms, throughput: ([\d.]+) GB/s")
+STORED = re.compile(r"Stored (\d+) out of total \d+ tokens.*?cost ([\d.]+) ms.*?offload_time: ([\d.]+) ms, put_time: ([\d.]+) ms")
 PREFETCH = re.compile(r"Prefetching (\d+) keys from disk")
 HIT = re.compile(r"LMCache hit tokens: (\d+), need to load: (\d+)")
 

@@ -165,6 +165,27 @@ def token_check(run: dict[str, Any]) -> str:
     return "; ".join(parts) or "no tokens recorded"
 
 
+def cold_cost_rows(runs: dict[str, Any], baseline: str) -> list[str]:
+    """What storing into LMCache adds to a cold request, per LMCache setting (connector runs) against
+    the same engine without the connector; and whether the reload stayed as fast."""
+    base = med(runs.get(baseline, {}).get("phases", {}).get("cold"))
+    lines = ["| run | LMCache overrides | cold | vs no connector | LMCache store per request (copy / put) | after reset (reload) "
+             "| tokens |", "|---|---|---|---|---|---|---|"]
+    for tag, r in runs.items():
+        ph = r.get("phases", {})
+        if r.get("kind") != "connector" or not ph.get("cold") or r.get("backend") != "lmcache":
+            continue
+        cold = med(ph["cold"])
+        over = next((c.split("overrides ", 1)[1] for c in r.get("changes", []) if c.startswith("LMCache config overrides")), "-")
+        cost = "-" if base is None or cold is None else f"+{(cold / base - 1) * 100:.1f} %"
+        store = (f"{med(ph['cold'], 'lmcache_store_ms'):.0f} ms ({med(ph['cold'], 'lmcache_offload_ms'):.0f} / "
+                 f"{med(ph['cold'], 'lmcache_put_ms'):.0f})") if med(ph["cold"], "lmcache_store_ms") is not None else "-"
+        lines.append(f"| {tag} | `{over}` | {_s(cold)} | {cost} | {store} | {_s(med(ph.get('after_reset')))} | {token_check(r)} |")
+    lines.append(f"| {baseline} | (no connector) | {_s(base)} | - | - | "
+                 f"{_s(med(runs.get(baseline, {}).get('phases', {}).get('after_reset')))} (recompute) | |")
+    return lines
+
+
 def container_rows(runs: dict[str, Any]) -> list[str]:
     """Each container of each pod run under crun: its limit, peaks, OOM kills and exit code."""
     lines = ["| run | container | memory limit | memory.peak (max) | anon+shmem+kernel (max) | shmem (max) | OOM kills | exit |",
@@ -271,6 +292,9 @@ def report(results: list[dict[str, Any]], plans: dict[str, dict[str, Any]]) -> s
             out += [f"Per-rank split (connector run, {group}):", ""] + per_rank(runs[f"connector-{group}"]) + [""]
     out += ["### Host memory while the engine ran", ""] + memory_table(runs) + [""]
     out += [f"- {tag}: {memory_verdict(r)}" for tag, r in runs.items()] + [""]
+    base = next((t for t, r in runs.items() if r.get("kind") == "baseline" and r.get("runtime") == "crun"), None)
+    if base:
+        out += ["### Cold-request cost of storing into LMCache, by setting", ""] + cold_cost_rows(runs, base) + [""]
     if any(r.get("runtime") == "crun" for r in runs.values()):
         out += ["### Each container under crun (the captured OCI spec's limits, enforced)", ""] + container_rows(runs) + [""]
         out += [f"- {tag}: tokens {token_check(r)}; " + "; ".join(pod_verdicts(r)) for tag, r in runs.items()

@@ -213,3 +213,18 @@ def test_verdicts_name_oom_kills_limits_transfer_and_the_l1s_container():
                        "after_disk_reset": [{"output_token_ids": [2]}]}}
     assert gpu_report.token_check(disk) == "disk = cold: 1/1; after_disk_reset = cold: 0/1"
     assert gpu_report.pod_verdicts({"memory_events": {"vllm": {"oom_kill": 0}}})[0] == "no OOM kill"
+
+
+def test_cold_cost_is_against_the_same_engine_without_the_connector():
+    def ph(cold, reset, store=None):
+        c = {"ttft_s": cold, **({"lmcache_store_ms": store, "lmcache_offload_ms": store - 5, "lmcache_put_ms": 5.0} if store else {})}
+        return {"cold": [c] * 3, "gpu": [{"ttft_s": 0.04, "output_token_ids": [3]}] * 3,
+                "after_reset": [{"ttft_s": reset, "output_token_ids": [3]}] * 3}
+    runs = {"connector-tp1-crun": {"kind": "connector", "backend": "lmcache", "phases": ph(1.217, 0.074, 117.0), "changes": []},
+            "connector-tp1-layerwise": {"kind": "connector", "backend": "lmcache", "phases": ph(1.120, 0.090, 20.0),
+                                        "changes": ['LMCache config overrides {"use_layerwise": true}']},
+            "baseline-tp1-crun": {"kind": "baseline", "backend": "lmcache", "phases": ph(1.100, 1.096)}}
+    rows = gpu_report.cold_cost_rows(runs, "baseline-tp1-crun")
+    assert rows[2] == "| connector-tp1-crun | `-` | 1.217 s | +10.6 % | 117 ms (112 / 5) | 0.074 s | after_reset = gpu: 3/3 |"
+    assert rows[3].startswith('| connector-tp1-layerwise | `{"use_layerwise": true}` | 1.120 s | +1.8 % |')
+    assert rows[-1].startswith("| baseline-tp1-crun | (no connector) | 1.100 s |") and len(rows) == 5
