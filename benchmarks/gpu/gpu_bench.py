@@ -949,6 +949,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--oci", action="append", default=[], metavar="DIR",
                     help="--runtime crun: the captured specs of each --rendered pod, in the same order")
     ap.add_argument("--crun", default="crun", help="the crun binary (--runtime crun)")
+    ap.add_argument("--oci-other-shape", action="store_true",
+                    help="--runtime crun: the captures are of pods of another backend (mounts added/dropped, listed)")
+    ap.add_argument("--oci-alias", action="append", default=[], metavar="RENDERED=CAPTURED",
+                    help="--runtime crun: use the captured spec of container CAPTURED for the rendered container RENDERED")
     ap.add_argument("--keep-volume", action="append", default=[], metavar="VOLUME",
                     help="--runtime crun: an emptyDir kept across runs (home: vLLM's compile cache; recorded as a change)")
     ap.add_argument("--no-probe", action="store_true")

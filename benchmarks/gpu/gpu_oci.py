@@ -77,6 +77,10 @@ class Placement:
     volume_mounts: dict[str, tuple[str, bool]]  # destination -> (host path, read-only): the rendered mounts
     cgroup_leaf: str  # the container's cgroup name under the captured pod cgroup
     memory_limit: int | None = None  # the rendered limit (replaces a captured one that differs, listed)
+    # The capture is of a pod of another shape (another backend): a rendered volume mount the capture
+    # lacks is added with the options kubelet gives volume mounts, one the rendered pod lacks is dropped;
+    # both listed. False: such a capture is refused.
+    other_shape: bool = False
     changes: list[str] = field(default_factory=list)
 
 
@@ -215,12 +219,18 @@ def _mounts(captured: list[dict[str, Any]], host: Host, at: Placement, name: str
             out.append({**m, "source": at.sandbox_shm})
         elif dest in RUNTIME_MOUNTS and m.get("type") != "bind":
             out.append(m)
+        elif at.other_shape and m.get("source", "").startswith("/var/lib/kubelet/pods/"):
+            ch.append(f"captured volume mount {dest} dropped (the rendered pod has no such mount)")
         else:
             raise SpecError(f"container {name}: captured mount {dest} (source {m.get('source')}) is neither a rendered "
                             "volume mount nor one kubelet/containerd adds to every container")
     missing = sorted(set(at.volume_mounts) - seen)
-    if missing:
+    if missing and not at.other_shape:
         raise SpecError(f"container {name}: rendered volume mounts {missing} are not in the captured spec")
+    for dest in missing:  # kubelet's volume mounts: rbind, rprivate, ro or rw (containerd's CRI)
+        src, ro = at.volume_mounts[dest]
+        out.append({"destination": dest, "type": "bind", "source": src, "options": ["rbind", "rprivate", "ro" if ro else "rw"]})
+        ch.append(f"volume mount {dest} added as kubelet mounts volumes (not in the capture of another pod shape)")
     ch.append("mount sources: kubelet's volume directories -> this pod's host directories; hosts/hostname/resolv.conf/"
               "termination-log/sandbox shm -> this pod's files")
     return out

@@ -102,14 +102,17 @@ def image_env(image: str, python: str) -> dict[str, str]:
     return env
 
 
-def load_specs(oci_dir: str) -> dict[str, dict[str, Any]]:
-    """{container: captured spec} from a capture directory (capture.py's layout: one JSON per container)."""
+def load_specs(oci_dir: str, alias: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """{container: captured spec} from a capture directory (capture.py's layout: one JSON per container).
+    `alias` names a captured container for a rendered one the capture lacks (vllm -> the capture's vllm)."""
     out = {}
     for p in sorted(Path(oci_dir).glob("*.json")):
         if p.stem != "sandbox":
             out[p.stem] = json.loads(p.read_text())
     if not out:
         raise SystemExit(f"no captured OCI specs in {oci_dir}")
+    for name, other in (alias or {}).items():
+        out.setdefault(name, out[other])
     return out
 
 
@@ -235,7 +238,8 @@ class Pod:
 
     def __init__(self, run: gm.PodRun, specs: dict[str, dict[str, Any]], *, name: str, tag: str, work: str,
                  logdir: str, namespaces: dict[str, str], python: str, crun: str, host: gpu_oci.Host,
-                 dry_run: bool = False) -> None:
+                 dry_run: bool = False, other_shape: bool = False) -> None:
+        self.other_shape = other_shape  # the capture is of a pod of another backend (gpu_oci.Placement)
         self.dry_run = dry_run  # lay out directories, files and bundles only: no mounts, cgroups or crun
         self.run, self.specs, self.name, self.tag, self.work = run, specs, name, tag, work
         self.logdir, self.namespaces, self.python, self.crun, self.host = logdir, namespaces, python, crun, host
@@ -292,7 +296,8 @@ class Pod:
                     os.symlink(os.readlink(f"/{link}"), rootfs / link)
             at = gpu_oci.Placement(rootfs=str(rootfs), pod_files=str(files), sandbox_shm=str(shm),
                                    namespaces=self.namespaces, image_env=image_env(c.image, self.python),
-                                   volume_mounts=c.mounts, cgroup_leaf=c.name, memory_limit=c.memory_limit)
+                                   volume_mounts=c.mounts, cgroup_leaf=c.name, memory_limit=c.memory_limit,
+                                   other_shape=self.other_shape)
             new, ch = gpu_oci.rewrite(spec, c.argv, c.env, self.host, at, c.name)
             self.boxes[c.name] = Box(self, c, new)
             self.changes[c.name] = ch
@@ -359,8 +364,9 @@ class PodTarget:
                                          lmcache_overrides=overrides, extra_env=extra, serving_env=serving_env,
                                          kept={v: f"{args.work}/kept-{v}" for v in args.keep_volume})
         self.logdir = Path(args.out) / "logs"
-        self.pod = Pod(run, load_specs(args.oci_dir), name=f"{rendered.name}-0", tag=tag, work=work,
-                       logdir=str(self.logdir), namespaces=SANDBOX, python=args.python, crun=args.crun, host=HOST)
+        self.pod = Pod(run, load_specs(args.oci_dir, dict(a.split("=", 1) for a in args.oci_alias)), name=f"{rendered.name}-0",
+                       tag=tag, work=work, logdir=str(self.logdir), namespaces=SANDBOX, python=args.python, crun=args.crun,
+                       host=HOST, other_shape=args.oci_other_shape)
         main = run.container("main")
         self.port, self.exporter_port, self.status_url = run.port, run.exporter_port, run.status_url
         self.disk_dir, self.multiproc_dir, self.lmcache = run.disk_dir, run.multiproc_dir, run.lmcache
@@ -492,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--crun", default="crun")
     ap.add_argument("--out", default=".")
     ap.add_argument("--dry-run", action="store_true", help="bundles only (no namespaces, mounts, cgroups or crun)")
+    ap.add_argument("--oci-other-shape", action="store_true", help="the captures are of a pod of another backend")
     a = ap.parse_args(argv)
     r = gm.parse_rendered(Path(a.rendered).read_text())
     SANDBOX.update(NS_FILES if a.dry_run else enter_sandbox(f"{r.name}-0"))
@@ -502,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     run.containers = [smoke if c is main_c else c for c in run.containers if c.role != "exporter"]
     Path(a.out).mkdir(parents=True, exist_ok=True)
     pod = Pod(run, load_specs(a.oci), name=f"{r.name}-0", tag="smoke", work=a.work, logdir=a.out,
-              namespaces=SANDBOX, python=a.python, crun=a.crun, host=host_facts(), dry_run=a.dry_run)
+              namespaces=SANDBOX, python=a.python, crun=a.crun, host=host_facts(), dry_run=a.dry_run,
+              other_shape=a.oci_other_shape)
     try:
         pod.prepare()
         for name, ch in pod.changes.items():

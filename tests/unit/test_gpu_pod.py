@@ -228,3 +228,16 @@ def test_cold_cost_is_against_the_same_engine_without_the_connector():
     assert rows[2] == "| connector-tp1-crun | `-` | 1.217 s | +10.6 % | 117 ms (112 / 5) | 0.074 s | after_reset = gpu: 3/3 |"
     assert rows[3].startswith('| connector-tp1-layerwise | `{"use_layerwise": true}` | 1.120 s | +1.8 % |')
     assert rows[-1].startswith("| baseline-tp1-crun | (no connector) | 1.100 s |") and len(rows) == 5
+
+
+def test_a_capture_of_another_backends_pod_is_refused_unless_asked_and_then_listed(rendered):
+    c = pod(rendered["workstation-llama31-8b"]).container("main")  # mounts /etc/lmcache: the server pod does not
+    spec = captured("server-llama31-8b")["vllm"]
+    kw = dict(rootfs="/r", pod_files="/f", sandbox_shm="/s", namespaces=dict.fromkeys(gpu_oci.JOINED, "/n"), image_env={},
+              volume_mounts=c.mounts, cgroup_leaf="vllm", memory_limit=c.memory_limit)
+    with pytest.raises(gpu_oci.SpecError, match=r"\['/etc/lmcache', '/kvcache'\] are not in the captured spec"):
+        gpu_oci.rewrite(spec, c.argv, c.env, HOST, gpu_oci.Placement(**kw), "vllm")
+    new, changes = gpu_oci.rewrite(spec, c.argv, c.env, HOST, gpu_oci.Placement(**kw, other_shape=True), "vllm")
+    m = next(m for m in new["mounts"] if m["destination"] == "/etc/lmcache")
+    assert m["source"] == c.mounts["/etc/lmcache"][0] and m["options"] == ["rbind", "rprivate", "ro"]
+    assert any(ch.startswith("volume mount /etc/lmcache added") for ch in changes)
