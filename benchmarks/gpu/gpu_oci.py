@@ -81,6 +81,7 @@ class Placement:
     # lacks is added with the options kubelet gives volume mounts, one the rendered pod lacks is dropped;
     # both listed. False: such a capture is refused.
     other_shape: bool = False
+    hostname: str = ""  # the pod's (the runtime's HOSTNAME variable)
     changes: list[str] = field(default_factory=list)
 
 
@@ -120,11 +121,16 @@ def rewrite(spec: dict[str, Any], argv: list[str], env: dict[str, str], host: Ho
 
     p = s["process"]
     captured_env = _env_dict(p.get("env") or [])
+    # kubelet's own variables (the kubernetes Service's, which enableServiceLinks=false keeps) and the
+    # runtime's HOSTNAME stay; the rest that is not the rendered env came from the captured image.
+    kept = {k: v for k, v in captured_env.items() if k.startswith("KUBERNETES_") or k == "HOSTNAME"}
+    if "HOSTNAME" in kept and at.hostname:
+        kept["HOSTNAME"] = at.hostname
     p["args"] = list(argv)
-    p["env"] = _env_list({**at.image_env, **env})
-    image_only = sorted(k for k in captured_env if k not in env)
-    ch.append(f"process.env: the rendered env + the stand-in image's {sorted(at.image_env)} "
-              f"(the captured image's own {image_only} dropped)")
+    p["env"] = _env_list({**at.image_env, **kept, **env})
+    image_only = sorted(k for k in captured_env if k not in env and k not in kept)
+    ch.append(f"process.env: the rendered env, kubelet's {sorted(kept)} as captured, the stand-in image's "
+              f"{sorted(at.image_env)} (the captured image's own {image_only} dropped)")
     p["terminal"] = False
     p.pop("consoleSize", None)
     for rl in p.get("rlimits") or []:

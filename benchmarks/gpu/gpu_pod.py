@@ -297,7 +297,7 @@ class Pod:
             at = gpu_oci.Placement(rootfs=str(rootfs), pod_files=str(files), sandbox_shm=str(shm),
                                    namespaces=self.namespaces, image_env=image_env(c.image, self.python),
                                    volume_mounts=c.mounts, cgroup_leaf=c.name, memory_limit=c.memory_limit,
-                                   other_shape=self.other_shape)
+                                   other_shape=self.other_shape, hostname=self.name)
             new, ch = gpu_oci.rewrite(spec, c.argv, c.env, self.host, at, c.name)
             self.boxes[c.name] = Box(self, c, new)
             self.changes[c.name] = ch
