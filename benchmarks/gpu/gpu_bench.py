@@ -949,6 +949,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--oci", action="append", default=[], metavar="DIR",
                     help="--runtime crun: the captured specs of each --rendered pod, in the same order")
     ap.add_argument("--crun", default="crun", help="the crun binary (--runtime crun)")
+    ap.add_argument("--oci-template", metavar="FILE",
+                    help="--runtime crun, no capture of these pods: each container's spec derived from this captured spec")
     ap.add_argument("--oci-other-shape", action="store_true",
                     help="--runtime crun: the captures are of pods of another backend (mounts added/dropped, listed)")
     ap.add_argument("--oci-alias", action="append", default=[], metavar="RENDERED=CAPTURED",
@@ -977,8 +979,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.runtime == "crun":
             import gpu_pod
-            if len(args.oci) != len(args.rendered):
-                raise SystemExit("--runtime crun: one --oci DIR per --rendered file")
+            if len(args.oci) != len(args.rendered) and not args.oci_template:
+                raise SystemExit("--runtime crun: one --oci DIR per --rendered file, or --oci-template")
             gpu_pod.SANDBOX.update(gpu_pod.enter_sandbox("kvbench"))
             out["oci_host"] = gpu_pod.host_facts().__dict__
         for i, path in enumerate(args.rendered):

@@ -26,6 +26,7 @@ change outside a cluster, and lists every change (`LocalRun.changes`) so the rep
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -74,6 +75,8 @@ class Container:
     restart_policy: str | None = None  # "Always" on an init container: a native sidecar
     startup_probe: tuple[str, ...] = ()  # exec probe argv, if any
     image: str = ""
+    security: dict[str, Any] = field(default_factory=dict)  # the pod's securityContext, then the container's over it
+    cpu_request: str | None = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ class Rendered:
         raise ManifestError(f"LMCACHE_CONFIG_FILE {path} is not in a mounted ConfigMap")
 
 
-def _container(c: dict[str, Any]) -> Container:
+def _container(c: dict[str, Any], pod_security: dict[str, Any] | None = None) -> Container:
     env, fields = {}, {}
     for e in c.get("env") or []:
         if "value" in e:
@@ -124,7 +127,9 @@ def _container(c: dict[str, Any]) -> Container:
                      mounts=tuple(Mount(m["name"], m["mountPath"], bool(m.get("readOnly")), m.get("subPathExpr") or m.get("subPath") or "")
                                   for m in c.get("volumeMounts") or ()),
                      memory_limit=None if limit is None else quantity(limit), restart_policy=c.get("restartPolicy"),
-                     startup_probe=tuple(str(a) for a in probe), image=c.get("image", ""))
+                     startup_probe=tuple(str(a) for a in probe), image=c.get("image", ""),
+                     security={**(pod_security or {}), **(c.get("securityContext") or {})},
+                     cpu_request=((c.get("resources") or {}).get("requests") or {}).get("cpu"))
 
 
 def flag(args: tuple[str, ...] | list[str], name: str) -> str | None:
@@ -147,12 +152,13 @@ def parse_rendered(text: str) -> Rendered:
         raise ManifestError(f"expected one StatefulSet in the rendered stream, found {len(sets)}")
     sts = sets[0]
     pod = sts["spec"]["template"]["spec"]
-    containers = {c["name"]: _container(c) for c in pod["containers"]}
+    sec = pod.get("securityContext") or {}
+    containers = {c["name"]: _container(c, sec) for c in pod["containers"]}
     if "vllm" not in containers:
         raise ManifestError(f"no container named vllm (found {', '.join(containers)})")
     vllm = containers["vllm"]
     tp = int(flag(vllm_argv(vllm)[0], "--tensor-parallel-size") or 1)
-    inits = [_container(c) for c in pod.get("initContainers") or ()]
+    inits = [_container(c, sec) for c in pod.get("initContainers") or ()]
     return Rendered(name=sts["metadata"]["name"], namespace=sts["metadata"].get("namespace", "default"),
                     vllm=vllm, exporter=containers.get("exporter"),
                     volumes={v["name"]: {k: x for k, x in v.items() if k != "name"} for v in pod.get("volumes") or []},
@@ -452,6 +458,8 @@ class PodContainer:
     mounts: dict[str, tuple[str, bool]]  # mountPath -> (host path, read-only), subPath(Expr) resolved
     memory_limit: int | None
     probe: list[str]  # exec startupProbe, run inside the container; [] = none
+    security: dict[str, Any] = field(default_factory=dict)
+    cpu_request: str | None = None
 
 
 @dataclass
@@ -521,7 +529,8 @@ def containerize(r: Rendered, root: str, disk_root: str, *, connector: bool = Tr
             env.update(serving_env or {})
         argv = [_expand(a, env) for a in [*c.command, *c.args]]
         probe = [_expand(a, env) for a in c.startup_probe]
-        pc = PodContainer(c.name, role, c.image, argv, env, _mounts_of(c, env, dirs), c.memory_limit, probe)
+        pc = PodContainer(c.name, role, c.image, argv, env, _mounts_of(c, env, dirs), c.memory_limit, probe, c.security,
+                          c.cpu_request)
         containers.append(pc)
         return pc
 
@@ -564,8 +573,7 @@ def containerize(r: Rendered, root: str, disk_root: str, *, connector: bool = Tr
     env = {**main.env, "VLLM_SERVER_DEV_MODE": "1", **(extra_env or {})}
     changes.append("env VLLM_SERVER_DEV_MODE=1 (POST /reset_prefix_cache)")
     changes += [f"env {k}={v}" for k, v in (extra_env or {}).items()]
-    containers[containers.index(main)] = main = PodContainer(main.name, main.role, main.image, argv, env, main.mounts,
-                                                             main.memory_limit, main.probe)
+    containers[containers.index(main)] = main = dataclasses.replace(main, argv=argv, env=env)
 
     files = _configmap_files(r, dirs)
     lmcache = r.lmcache_config()

@@ -202,6 +202,44 @@ def rewrite(spec: dict[str, Any], argv: list[str], env: dict[str, str], host: Ho
     return s, ch
 
 
+def _millicpu(q: str | None) -> int:
+    if not q:
+        return 0
+    return int(q[:-1]) if q.endswith("m") else int(float(q) * 1000)
+
+
+def from_template(template: dict[str, Any], security: dict[str, Any], cpu_request: str | None,
+                  memory_limit: int | None) -> tuple[dict[str, Any], list[str]]:
+    """A container's spec from the real node's CRI spec of another pod (the template), with what
+    containerd's CRI derives from this container's securityContext and resources set as it derives
+    them: user (runAsUser/runAsGroup; fsGroup and supplementalGroups as extra groups), capabilities
+    (drop ALL + add: bounding = effective = permitted = the added ones), noNewPrivileges
+    (allowPrivilegeEscalation false), read-only root, CPU shares (kubelet's MilliCPUToShares), the memory
+    limit. Everything else (runtime mounts, masked paths, seccomp RuntimeDefault, namespaces) is the
+    template's. Listed: the caller records it as a re-creation."""
+    s = copy.deepcopy(template)
+    uid, gid = int(security.get("runAsUser", 0)), int(security.get("runAsGroup", 0))
+    groups = sorted({gid, *([int(security["fsGroup"])] if "fsGroup" in security else []),
+                     *map(int, security.get("supplementalGroups") or [])})
+    s["process"]["user"] = {"uid": uid, "gid": gid, "additionalGids": groups}
+    caps = security.get("capabilities") or {}
+    if "ALL" not in (caps.get("drop") or []):
+        raise SpecError("from_template: only securityContexts that drop ALL capabilities are derived here")
+    added = sorted(f"CAP_{c}" for c in caps.get("add") or [])
+    s["process"]["capabilities"] = {k: added for k in ("bounding", "effective", "permitted")} if added else {}
+    s["process"]["noNewPrivileges"] = security.get("allowPrivilegeEscalation") is False
+    s["root"]["readonly"] = bool(security.get("readOnlyRootFilesystem"))
+    res = s["linux"].setdefault("resources", {})
+    res["cpu"] = {"shares": max(2, _millicpu(cpu_request) * 1024 // 1000), "period": 100000}
+    if memory_limit is not None:
+        res["memory"] = {"limit": memory_limit, "swap": memory_limit}
+    tname = (template.get("annotations") or {}).get("io.kubernetes.cri.sandbox-name", "?")
+    return s, [f"spec derived from the real node's CRI spec of pod {tname} (no capture of this pod): user {uid}:{gid} "
+               f"groups {groups}, capabilities {added or 'none'}, noNewPrivileges {s['process']['noNewPrivileges']}, "
+               f"read-only root {s['root']['readonly']}, cpu shares {res['cpu']['shares']} set from the rendered "
+               "securityContext and requests as containerd's CRI sets them"]
+
+
 def _mounts(captured: list[dict[str, Any]], host: Host, at: Placement, name: str, ch: list[str]) -> list[dict[str, Any]]:
     out = [{"destination": d, "type": "bind", "source": d, "options": ["rbind", "ro", "nosuid", "nodev"]}
            for d in host.image_dirs]
@@ -225,7 +263,7 @@ def _mounts(captured: list[dict[str, Any]], host: Host, at: Placement, name: str
             out.append({**m, "source": at.sandbox_shm})
         elif dest in RUNTIME_MOUNTS and m.get("type") != "bind":
             out.append(m)
-        elif at.other_shape and m.get("source", "").startswith("/var/lib/kubelet/pods/"):
+        elif at.other_shape and "/kubelet/pods/" in m.get("source", ""):
             ch.append(f"captured volume mount {dest} dropped (the rendered pod has no such mount)")
         else:
             raise SpecError(f"container {name}: captured mount {dest} (source {m.get('source')}) is neither a rendered "

@@ -238,8 +238,9 @@ class Pod:
 
     def __init__(self, run: gm.PodRun, specs: dict[str, dict[str, Any]], *, name: str, tag: str, work: str,
                  logdir: str, namespaces: dict[str, str], python: str, crun: str, host: gpu_oci.Host,
-                 dry_run: bool = False, other_shape: bool = False) -> None:
-        self.other_shape = other_shape  # the capture is of a pod of another backend (gpu_oci.Placement)
+                 dry_run: bool = False, other_shape: bool = False, template: dict[str, Any] | None = None) -> None:
+        self.template = template  # no capture of this pod: each container's spec from the node's spec of another
+        self.other_shape = other_shape or template is not None  # the capture is of a pod of another backend
         self.dry_run = dry_run  # lay out directories, files and bundles only: no mounts, cgroups or crun
         self.run, self.specs, self.name, self.tag, self.work = run, specs, name, tag, work
         self.logdir, self.namespaces, self.python, self.crun, self.host = logdir, namespaces, python, crun, host
@@ -277,6 +278,11 @@ class Pod:
         shm = w / "sandbox-shm"
         shm.mkdir(exist_ok=True)
         self._tmpfs(str(shm), f"mode=1777,size={SANDBOX_SHM_BYTES}")
+        derived: dict[str, list[str]] = {}
+        if self.template is not None:
+            for c in self.run.containers:
+                self.specs[c.name], derived[c.name] = gpu_oci.from_template(self.template, c.security, c.cpu_request,
+                                                                            c.memory_limit)
         missing = [c.name for c in self.run.containers if c.name not in self.specs]
         if missing:
             raise SystemExit(f"no captured spec for containers {missing} (have: {', '.join(self.specs)})")
@@ -300,7 +306,7 @@ class Pod:
                                    other_shape=self.other_shape, hostname=self.name)
             new, ch = gpu_oci.rewrite(spec, c.argv, c.env, self.host, at, c.name)
             self.boxes[c.name] = Box(self, c, new)
-            self.changes[c.name] = ch
+            self.changes[c.name] = derived.get(c.name, []) + ch
             if c.role != "init":
                 limits.append(c.memory_limit)
         for b in self.boxes.values():
@@ -330,7 +336,7 @@ class Pod:
         for d in reversed(self.mounted):
             _umount(d)
         self.mounted.clear()
-        if self.pod_cgroup is not None:
+        if self.pod_cgroup is not None and self.pod_cgroup.is_dir():
             for d in [*(x for x in self.pod_cgroup.iterdir() if x.is_dir()), self.pod_cgroup]:
                 try:
                     d.rmdir()
@@ -364,9 +370,10 @@ class PodTarget:
                                          lmcache_overrides=overrides, extra_env=extra, serving_env=serving_env,
                                          kept={v: f"{args.work}/kept-{v}" for v in args.keep_volume})
         self.logdir = Path(args.out) / "logs"
-        self.pod = Pod(run, load_specs(args.oci_dir, dict(a.split("=", 1) for a in args.oci_alias)), name=f"{rendered.name}-0",
-                       tag=tag, work=work, logdir=str(self.logdir), namespaces=SANDBOX, python=args.python, crun=args.crun,
-                       host=HOST, other_shape=args.oci_other_shape)
+        template = json.loads(Path(args.oci_template).read_text()) if args.oci_template else None
+        specs = {} if template else load_specs(args.oci_dir, dict(a.split("=", 1) for a in args.oci_alias))
+        self.pod = Pod(run, specs, name=f"{rendered.name}-0", tag=tag, work=work, logdir=str(self.logdir), namespaces=SANDBOX,
+                       python=args.python, crun=args.crun, host=HOST, other_shape=args.oci_other_shape, template=template)
         main = run.container("main")
         self.port, self.exporter_port, self.status_url = run.port, run.exporter_port, run.status_url
         self.disk_dir, self.multiproc_dir, self.lmcache = run.disk_dir, run.multiproc_dir, run.lmcache
@@ -492,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("what", choices=("smoke",))
     ap.add_argument("--rendered", required=True)
-    ap.add_argument("--oci", required=True)
+    ap.add_argument("--oci", help="the captured specs of this pod")
+    ap.add_argument("--oci-template", help="no capture: derive each container's spec from this captured spec of another pod")
     ap.add_argument("--work", default="/var/tmp/kvpod-smoke")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--crun", default="crun")
@@ -504,11 +512,11 @@ def main(argv: list[str] | None = None) -> int:
     SANDBOX.update(NS_FILES if a.dry_run else enter_sandbox(f"{r.name}-0"))
     run = gm.containerize(r, a.work, f"{a.work}-disk")
     main_c = run.container("main")
-    smoke = gm.PodContainer(main_c.name, "init", main_c.image, ["python3", "-c", SMOKE], main_c.env, main_c.mounts,
-                            main_c.memory_limit, [])
+    smoke = dataclasses.replace(main_c, role="init", argv=["python3", "-c", SMOKE], probe=[])
     run.containers = [smoke if c is main_c else c for c in run.containers if c.role != "exporter"]
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    pod = Pod(run, load_specs(a.oci), name=f"{r.name}-0", tag="smoke", work=a.work, logdir=a.out,
+    template = json.loads(Path(a.oci_template).read_text()) if a.oci_template else None
+    pod = Pod(run, {} if template else load_specs(a.oci), name=f"{r.name}-0", tag="smoke", work=a.work, logdir=a.out, template=template,
               namespaces=SANDBOX, python=a.python, crun=a.crun, host=host_facts(), dry_run=a.dry_run,
               other_shape=a.oci_other_shape)
     try:
