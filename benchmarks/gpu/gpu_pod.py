@@ -297,6 +297,9 @@ class Pod:
             os.chmod(files / f"termination-log-{c.name}", 0o666)
             rootfs = w / f"rootfs-{c.name}"
             rootfs.mkdir(parents=True, exist_ok=True)
+            for tmp in ("tmp", "var/tmp"):  # as in every image: world-writable, sticky (a writable root uses them)
+                (rootfs / tmp).mkdir(parents=True, exist_ok=True)
+                os.chmod(rootfs / tmp, 0o1777)
             for link in ("bin", "sbin", "lib", "lib64", "lib32", "libx32"):
                 if os.path.islink(f"/{link}") and not (rootfs / link).is_symlink():
                     os.symlink(os.readlink(f"/{link}"), rootfs / link)
@@ -314,7 +317,7 @@ class Pod:
             (b.bundle / "config.json").write_text(json.dumps(b.spec, indent=1))
         if self.dry_run:
             return
-        if all(limits):  # kubelet's pod-level limit: the sum of the containers' (init ones run alone)
+        if limits and all(limits):  # kubelet's pod-level limit: the sum of the containers' (init ones run alone)
             (self.pod_cgroup / "memory.max").write_text(str(sum(limits)))
 
     def _tmpfs(self, path: str, options: str) -> None:

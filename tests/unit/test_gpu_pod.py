@@ -111,8 +111,14 @@ def test_kept_volumes_are_not_emptied_and_overrides_reach_the_config(rendered):
 
 # ------------------------------------------------------------------ the captured specs, rewritten
 
+TEMPLATE = OCI / "hardened" / "c.json"  # the real node's CRI spec of a hardened pod (containerd 2.4.2, runc, cgroup v1)
+
+
 def captured(name: str) -> dict[str, dict]:
-    return gpu_pod.load_specs(str(OCI / f"{name}-0"))
+    """Each container's spec as the runner derives it from the real node's spec (no capture of these pods yet)."""
+    template = json.loads(TEMPLATE.read_text())
+    r = gm.parse_rendered(rendered_text(name))
+    return {c.name: gpu_oci.from_template(template, c.security, c.cpu_request, c.memory_limit)[0] for c in pod(r).containers}
 
 
 @pytest.mark.parametrize("name", PODS)
@@ -129,7 +135,7 @@ def test_rewrite_keeps_what_kubelet_decided_and_adds_the_gpu(name, rendered):
         at = gpu_oci.Placement(rootfs=f"/w/pod/rootfs-{c.name}", pod_files="/w/pod/files", sandbox_shm="/w/pod/shm",
                                namespaces={"network": "/proc/9/ns/net", "ipc": "/proc/9/ns/ipc", "uts": "/proc/9/ns/uts"},
                                image_env={"PATH": "/opt/kvimage/serving/bin:/usr/bin"}, volume_mounts=c.mounts,
-                               cgroup_leaf=c.name, memory_limit=c.memory_limit)
+                               cgroup_leaf=c.name, memory_limit=c.memory_limit, other_shape=True)
         new, changes = gpu_oci.rewrite(spec, c.argv, c.env, HOST, at, c.name)
         p, q = spec["process"], new["process"]
         for key in ("user", "capabilities", "noNewPrivileges", "oomScoreAdj"):
@@ -158,6 +164,10 @@ def test_rewrite_takes_the_rendered_limit_and_refuses_a_capture_with_other_mount
     r = rendered["workstation-llama31-8b"]
     c = pod(r).container("main")
     spec = copy.deepcopy(captured("workstation-llama31-8b")["vllm"])
+    # as a capture of this pod would hold it: the rendered volume mounts from kubelet's directories
+    spec["mounts"] = [m for m in spec["mounts"] if "/kubelet/pods/" not in m["source"] or m["destination"] in gpu_oci.POD_FILES] + [
+        {"destination": d, "type": "bind", "source": f"/var/lib/kubelet/pods/u/volumes/kubernetes.io~empty-dir{d}",
+         "options": ["rbind", "rprivate", "ro" if ro else "rw"]} for d, (_src, ro) in c.mounts.items()]
     spec["linux"]["resources"]["memory"].update(limit=2**30, swap=2**30)  # a pod sized for the CPU node
     at = gpu_oci.Placement(rootfs="/r", pod_files="/f", sandbox_shm="/s", namespaces=dict.fromkeys(gpu_oci.JOINED, "/n"),
                            image_env={}, volume_mounts=c.mounts, cgroup_leaf="vllm", memory_limit=c.memory_limit)
@@ -178,7 +188,7 @@ def test_pod_dry_run_lays_out_volumes_files_and_bundles(tmp_path, rendered):
     run = gm.containerize(r, str(tmp_path / "pod"), str(tmp_path / "node-dir"), model_config={"a": 1})
     p = gpu_pod.Pod(run, captured("server-llama31-8b"), name=f"{r.name}-0", tag="t", work=str(tmp_path / "pod"),
                     logdir=str(tmp_path), namespaces=dict(gpu_pod.NS_FILES), python="/opt/py/bin/python3", crun="crun",
-                    host=HOST, dry_run=True)
+                    host=HOST, dry_run=True, other_shape=True)
     p.prepare()
     assert set(p.boxes) == {c.name for c in run.containers}
     for name, b in p.boxes.items():
@@ -230,14 +240,37 @@ def test_cold_cost_is_against_the_same_engine_without_the_connector():
     assert rows[-1].startswith("| baseline-tp1-crun | (no connector) | 1.100 s |") and len(rows) == 5
 
 
+def user_of(spec: dict) -> tuple:
+    u = spec["process"]["user"]
+    return u["uid"], u["gid"], u["additionalGids"]
+
+
+def test_from_template_sets_what_cri_derives_from_the_security_context(rendered):
+    template = json.loads(TEMPLATE.read_text())
+    run = pod(rendered["server-llama31-8b"])
+    derived = {c.name: gpu_oci.from_template(template, c.security, c.cpu_request, c.memory_limit) for c in run.containers}
+    init, _ = derived["prepare-disk-tier"]
+    assert user_of(init) == (0, 0, [0, 1000])
+    assert init["process"]["capabilities"]["effective"] == ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER"]
+    assert user_of(derived["exporter"][0])[:2] == (65532, 65532) and derived["exporter"][0]["root"]["readonly"] is True
+    side, changes = derived["lmcache-server"]
+    assert side["root"]["readonly"] is False  # the sidecar's securityContext sets no readOnlyRootFilesystem
+    assert derived["vllm"][0]["linux"]["resources"]["cpu"]["shares"] == 4096  # cpu request 4
+    for spec, _ in derived.values():  # the rest is the real node's: seccomp RuntimeDefault, masked paths
+        assert spec["linux"]["seccomp"] == template["linux"]["seccomp"] and spec["process"]["noNewPrivileges"] is True
+    assert changes[0].startswith("spec derived from the real node's CRI spec of pod hardened")
+
+
 def test_a_capture_of_another_backends_pod_is_refused_unless_asked_and_then_listed(rendered):
     c = pod(rendered["workstation-llama31-8b"]).container("main")  # mounts /etc/lmcache: the server pod does not
     spec = captured("server-llama31-8b")["vllm"]
     kw = dict(rootfs="/r", pod_files="/f", sandbox_shm="/s", namespaces=dict.fromkeys(gpu_oci.JOINED, "/n"), image_env={},
               volume_mounts=c.mounts, cgroup_leaf="vllm", memory_limit=c.memory_limit)
-    with pytest.raises(gpu_oci.SpecError, match=r"\['/etc/lmcache', '/kvcache'\] are not in the captured spec"):
+    with pytest.raises(gpu_oci.SpecError, match="captured mount /scratch .* is neither a rendered volume mount"):
         gpu_oci.rewrite(spec, c.argv, c.env, HOST, gpu_oci.Placement(**kw), "vllm")
     new, changes = gpu_oci.rewrite(spec, c.argv, c.env, HOST, gpu_oci.Placement(**kw, other_shape=True), "vllm")
     m = next(m for m in new["mounts"] if m["destination"] == "/etc/lmcache")
     assert m["source"] == c.mounts["/etc/lmcache"][0] and m["options"] == ["rbind", "rprivate", "ro"]
     assert any(ch.startswith("volume mount /etc/lmcache added") for ch in changes)
+    assert "captured volume mount /scratch dropped (the rendered pod has no such mount)" in changes
+    assert user_of(new) == (1000, 1000, [1000]) and new["process"]["capabilities"] == {}
