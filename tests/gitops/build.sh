@@ -2,6 +2,7 @@
 # Build the GitOps test tools from Go modules (pinned in each go.mod/go.sum):
 #   argocd-health  Argo CD's Lua health runner on gopher-lua (the interpreter Argo CD embeds)
 #   kstatus-check  kstatus verdicts (github.com/fluxcd/cli-utils, the version Helm v4.3.1 waits with)
+#   Flux           source-controller and kustomize-controller, and their CRDs (tests/gitops/flux/build.sh)
 # Cached under $KVO_CACHE (default ~/.cache/kvoffload)/<tool>-<pinned lib>-<source hash>/, rebuilt
 # only when missing. Prints `name=path` per tool on stdout.
 set -euo pipefail
@@ -30,3 +31,4 @@ build() {
 
 build argocd-health github.com/yuin/gopher-lua
 build kstatus-check github.com/fluxcd/cli-utils
+"$HERE/flux/build.sh"

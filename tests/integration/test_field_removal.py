@@ -259,7 +259,8 @@ def test_removing_any_optional_field_removes_it_from_the_children(cluster, names
                 continue
             if not covers(child, have):
                 failures.append(f"{row.path}: live {key(child)} differs from the rendering without the field")
-            gone = [p for p in leaves(olds.get(key(child), {})) if p not in leaves(child) and has_path(have, p)]
+            old_child = olds.get(key(child))
+            gone = [p for p in leaves(old_child) if p not in leaves(child) and has_path(have, p)] if old_child else []
             if gone:
                 failures.append(f"{row.path}: live {key(child)} still holds {gone[:5]}")
         if not row.renders:

@@ -4,6 +4,7 @@ cached kinds make no request, and writes land in the cache (read-your-writes).""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import kopf
@@ -201,6 +202,8 @@ def test_kopf_watches_every_cached_kind_and_only_our_children_and_pods():
         want = [] if kind == "KVOffloadServe" else [OWNER]
         assert settings.watching.label_selectors.collect(resource) == want, kind
     assert settings.watching.server_timeout == 300 and settings.watching.client_timeout == 310
+    first = list(itertools.islice(iter(settings.networking.error_backoffs), 6))
+    assert first == [1, 2, 4, 8, 10, 10] and list(itertools.islice(iter(settings.networking.error_backoffs), 2)) == [1, 2]
 
 
 def test_a_late_delete_of_an_earlier_incarnation_does_not_drop_the_new_one():
@@ -209,3 +212,20 @@ def test_a_late_delete_of_an_earlier_incarnation_does_not_drop_the_new_one():
     s.observe(obj("ConfigMap", "c", 30))  # deleted at 20 and re-created by us at 30; the watch lags
     assert s.apply_event("DELETED", obj("ConfigMap", "c", 20)) == set()
     assert s.get("ns", "c")["metadata"]["resourceVersion"] == "30"
+
+
+def test_the_initial_listing_released_after_the_gate_is_not_a_relist():
+    """kopf releases the initial LIST's events only once every kind is listed, mixed with watch events of
+    objects made meanwhile: none of that is a relist, and nothing may be dropped for it."""
+    async def scenario() -> None:
+        c = cache.Cache(None, lambda *a: None, settle=0.05)
+        c.put("v1", "ConfigMap", obj("ConfigMap", "listed", 1))
+        c.put("v1", "ConfigMap", obj("ConfigMap", "listed-too", 2))
+        c.put("v1", "ConfigMap", obj("ConfigMap", "added", 3))  # created after the LIST, before the gate
+        assert c.event("v1", "ConfigMap", None, obj("ConfigMap", "listed", 1))
+        c.event("v1", "ConfigMap", "ADDED", obj("ConfigMap", "added", 3))
+        c.event("v1", "ConfigMap", None, obj("ConfigMap", "listed-too", 2))
+        await asyncio.sleep(0.2)
+        assert not c.relists and len(c.by_kind["ConfigMap"]) == 3 and not c.unreleased
+
+    asyncio.run(scenario())

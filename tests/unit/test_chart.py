@@ -18,6 +18,8 @@ import yaml
 
 import kvtest
 from kvoffload.api import crd, settings
+from kvoffload.api.errors import ConfigError
+from kvoffload.api.spec import parse
 from kvoffload.cli import generate
 from kvoffload.engine import images
 
@@ -28,6 +30,7 @@ STANDARD_LABELS = ("helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io
                    "app.kubernetes.io/version", "app.kubernetes.io/managed-by")
 # Free-form string maps: the only objects whose keys the schema cannot list.
 STRING_MAPS = {"labels", "annotations", "podAnnotations", "podLabels", "nodeSelector"}
+OBJECT_MAPS = {"imageVersions"}  # operator.config.imageVersions: image -> {vllm, lmcache}
 # What the operator calls (kopf watching for cache.py; kube.py, reconcile.py, leader.py), and nothing more.
 EXPECTED_RULES = {
     ("kvoffload.io", "kvoffloadserves"): {"list", "watch"},
@@ -161,6 +164,10 @@ def test_schema_is_closed_at_every_object_level():
         if key in STRING_MAPS:
             assert node.get("additionalProperties") == {"type": "string"}, path
             assert "properties" not in node, path
+        elif key in OBJECT_MAPS:  # keys are names (images); each value a closed object
+            value = node.get("additionalProperties")
+            assert value["type"] == "object" and value["additionalProperties"] is False and value["properties"], path
+            assert "properties" not in node, path
         else:
             assert node.get("additionalProperties") is False, f"{path} is not closed (additionalProperties: false)"
             assert node.get("properties"), f"{path} lists no properties"
@@ -254,6 +261,22 @@ def test_custom_roots_scenario_reaches_the_operator(helm):
     assert s.nvme_selector() == {"node.example.com/local-nvme": "present"}
     assert s.default_image == "registry.example.com/mirror/vllm-lmcache:0.26.0-0.5.3"
     assert s.python_hash_seed == "42" and s.headroom_percent == 15 and s.labels == {"team": "inference"}
+    # The mirrored serving image renders for the pair the admin declared, like the image it mirrors.
+    minimal = {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "engine": {"maxModelLen": 8192},
+               "offload": {"cpu": {"size": "8Gi"}}}
+    engine = parse(minimal, s).engine
+    assert (engine.image, engine.vllm_version, engine.lmcache_version) == (s.default_image, "0.26.0", "0.5.3")
+    with pytest.raises(ConfigError) as err:
+        parse(minimal, dataclasses.replace(s, image_versions={}))
+    assert err.value.field == "spec.engine.vllmVersion" and "imageVersions" in err.value.message
+
+
+@pytest.mark.parametrize("bad", [{"img": {"lmcache": "0.5.3"}}, {"img": {"vllm": "0.26.0", "torch": "2.11.0"}},
+                                 {"img": "0.26.0"}, {"img": {"vllm": 26}}])
+def test_image_versions_are_checked_with_the_key_named(bad):
+    with pytest.raises(ConfigError) as err:
+        settings.from_dict({"imageVersions": bad})
+    assert err.value.field == "operator config imageVersions['img']"
 
 
 def test_exporter_image_follows_the_operator_image_unless_set(helm):

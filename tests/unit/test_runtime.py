@@ -221,3 +221,26 @@ def test_the_liveness_probe_fails_once_a_worker_died():
 
     asyncio.run(scenario())
 
+
+
+def test_a_refused_status_is_told_from_a_stale_resource_version():
+    """Both are 422 Invalid from kube-apiserver 1.37 (bodies as it sends them): a failed resourceVersion
+    test of our JSON patch names no field (someone wrote first: reconcile again), a schema refusal does."""
+    from kvoffload.controller.kube import ApiError, Kube
+
+    stale = ('{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure","message":"the server rejected our '
+             'request due to an error in our request","reason":"Invalid","details":{},"code":422}')
+    invalid = ('{"kind":"Status","status":"Failure","message":"KVOffloadServe.kvoffload.io \\"x\\" is invalid: '
+               '[status.conditions[0].status: Unsupported value: \\"Maybe\\"]","reason":"Invalid","details":{"name":"x",'
+               '"causes":[{"reason":"FieldValueNotSupported","field":"status.conditions[0].status"}]},"code":422}')
+
+    class Refusing(Kube):
+        def __init__(self, body: str) -> None:
+            self.body = body
+
+        def replace_status(self, path, status, resource_version):
+            raise ApiError(422, "Unprocessable Entity", self.body)
+
+    assert reconcile._write_status(Refusing(stale), "ns", "x", {}, "1") is None
+    with pytest.raises(reconcile.StatusRefused, match="status.conditions"):
+        reconcile._write_status(Refusing(invalid), "ns", "x", {}, "1")

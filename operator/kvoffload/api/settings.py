@@ -17,6 +17,10 @@ class Settings:
     allowed_disk_roots: tuple[str, ...] = ("/mnt/nvme", "/var/lib/kvoffload")
     # Default serving image; its (vLLM, LMCache) pair comes from kvoffload.engine.images.
     default_image: str = "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3"
+    # Serving images the admin built or mirrored under their own names, with the pair each holds
+    # ({image: {vllm: "0.26.0", lmcache: "0.5.3"}}; no lmcache: a plain vLLM image, vllm-native only).
+    # The operator renders for them as for the images it knows; EngineVerified checks the pods.
+    image_versions: dict[str, dict[str, str]] = field(default_factory=dict)
     # Image of the exporter sidecar (the operator image carries the exporter too).
     exporter_image: str = "ghcr.io/kvoffload/kvoffload:0.1.0"
     exporter_image_pull_policy: str = "IfNotPresent"
@@ -76,6 +80,11 @@ def from_dict(data: dict[str, Any]) -> Settings:
             raise ConfigError(f"operator config {key}", f"unknown setting; allowed: {', '.join(sorted(by_camel))}")
         name = by_camel[key]
         kwargs[name] = tuple(value) if name == "allowed_disk_roots" else value
+    for image, pair in (kwargs.get("image_versions") or {}).items():
+        if not isinstance(pair, dict) or not isinstance(pair.get("vllm"), str) or set(pair) - {"vllm", "lmcache"} \
+                or not isinstance(pair.get("lmcache", ""), str):
+            raise ConfigError(f"operator config imageVersions[{image!r}]",
+                              f"must be {{vllm: VERSION, lmcache: VERSION}} (lmcache optional), got {pair!r}")
     for name, kind, least in (("events_per_second", (int, float), 0), ("event_burst", int, 1), ("cpu_read_gbps", (int, float), 1e-6),
                               ("disk_read_gbps", (int, float), 1e-6), ("prefill_tokens_per_second", (int, float), 0)):
         value = kwargs.get(name, getattr(Settings, name))

@@ -311,7 +311,8 @@ def _engine(r: _Reader, settings: Settings) -> EngineSpec:
     image = _str(r, "engine.image") or settings.default_image
     backend = _declared(r.get("offload.backend"))
     pair = images.resolve(image, _str(r, "engine.vllmVersion"), _str(r, "engine.lmcacheVersion"),
-                          needs_lmcache=backend is None or backend["minLmcache"] is not None)
+                          needs_lmcache=backend is None or backend["minLmcache"] is not None,
+                          table={**images.KNOWN_IMAGES, **images.declared(settings.image_versions)})
     util = r.get("engine.gpuMemoryUtilization")
     if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
         raise ConfigError("spec.engine.gpuMemoryUtilization", f"{util!r} must be a number in (0, 1]")
@@ -348,8 +349,8 @@ def check_disk_path(path: str, allowed_roots: tuple[str, ...]) -> str:
     roots = ", ".join(allowed_roots) or "(none: the admin allowed no hostPath roots)"
     if not path.startswith("/"):
         raise ConfigError(field_, f"{path!r} must be an absolute path under an allowed root: {roots}")
-    if any(seg in (".", "..") for seg in path.split("/")) or "//" in path or posixpath.normpath(path) != path.rstrip("/"):
-        raise ConfigError(field_, f"{path!r} must be normalized: no '.', '..' or '//' segments")
+    if not rules.DISK_PATH_NORMALIZED.holds(path) or posixpath.normpath(path) != path.rstrip("/"):
+        raise ConfigError(field_, rules.DISK_PATH_NORMALIZED.message)
     path = path.rstrip("/")
     for root in allowed_roots:
         root = posixpath.normpath(root)

@@ -187,6 +187,9 @@ class Cache:
             self.stores[(m["base"], m["plural"])] = store
             self.by_kind[kind] = store
         self.filled = False  # kopf released its first event handler: every kind was listed and stored
+        # Objects stored before that whose event handler has not run yet: their "listed" event is the
+        # initial LIST's, released by kopf only now, not a relist.
+        self.unreleased: set[tuple[str, str, str]] = set()
         self.relists: dict[tuple[str, str | None], _Relist] = {}
         self.dropped = 0  # objects a relist showed gone
 
@@ -196,15 +199,21 @@ class Cache:
 
     def put(self, api_version: str, kind: str, body: Obj) -> None:
         """kopf's index handler: an object as listed, added or modified."""
-        self._touch(kind, self.by_kind[kind].apply_event("MODIFIED", slim(body, api_version, kind)))
+        obj = slim(body, api_version, kind)
+        if not self.filled:
+            self.unreleased.add((kind, obj["metadata"].get("namespace", ""), obj["metadata"]["name"]))
+        self._touch(kind, self.by_kind[kind].apply_event("MODIFIED", obj))
 
     def event(self, api_version: str, kind: str, type_: str | None, body: Obj) -> bool:
         """kopf's event handler (after `put` for anything but a deletion). Returns True on the first call:
         the caches are filled."""
         first, self.filled = not self.filled, True
+        meta = body.get("metadata", {})
+        initial = (kind, meta.get("namespace", ""), meta.get("name", "")) in self.unreleased
+        self.unreleased.discard((kind, meta.get("namespace", ""), meta.get("name", "")))
         if type_ == "DELETED":
             self._touch(kind, self.by_kind[kind].apply_event("DELETED", slim(body, api_version, kind)))
-        elif type_ is None and not first:  # listed once the caches were filled: kopf relists this kind
+        elif type_ is None and not initial:  # listed again once the caches were filled: kopf relists this kind
             self._listed(kind, body)
         return first
 

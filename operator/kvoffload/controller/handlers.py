@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import kopf
@@ -29,6 +30,18 @@ from .runtime import Runtime
 NAMESPACES_ENV = "KVOFFLOAD_NAMESPACES"  # comma-separated; empty: every namespace. Set by `kvoffload run`.
 METRICS_ENV = "KVOFFLOAD_METRICS_LISTEN"  # ADDR:PORT of the operator's /metrics; empty: none. Set by `kvoffload run`.
 log = logging.getLogger("kvoffload.operator")
+
+
+class Forever:
+    """Backoffs that never run out (1 s doubling to 10 s): kopf's LISTs and WATCHes retry an API server
+    that is down for as long as it is down, instead of giving up (and stopping the operator) after
+    kopf's default 54 s. Not a Sized iterable, so kopf counts no last attempt; a fresh iterator per request."""
+
+    def __iter__(self) -> Iterator[float]:
+        delay = 1.0
+        while True:
+            yield delay
+            delay = min(delay * 2, 10.0)
 
 
 class NoDiffBase(kopf.DiffBaseStorage):
@@ -75,6 +88,7 @@ def tune(settings: kopf.OperatorSettings) -> None:
     settings.persistence.diffbase_storage = NoDiffBase()
     settings.watching.server_timeout = 300  # watches never go idle; the client gives the server 10 s more
     settings.watching.client_timeout = 310
+    settings.networking.error_backoffs = Forever()
     for api_version, kind in KINDS:
         if kind != crd.KIND:  # only our children and pods: the API server filters on the owner label
             settings.watching.label_selectors[_resource(api_version, kind)] = render.OWNER_LABEL

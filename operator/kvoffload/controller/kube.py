@@ -24,7 +24,8 @@ class ApiError(Exception):
             doc = {}
         doc = doc if isinstance(doc, dict) else {}
         self.message = doc.get("message", body)
-        self.status_reason = doc.get("reason", "")  # the API server's Status reason: Invalid, Conflict, NotFound, ...
+        # The fields a refused object broke (details.causes); none when, e.g., a JSON patch's test failed.
+        self.causes: list[dict[str, Any]] = (doc.get("details") or {}).get("causes") or []
         super().__init__(f"{status} {reason}: {self.message}")
 
 

@@ -169,9 +169,9 @@ def _write_status(kube: Kube, namespace: str, name: str, status: dict[str, Any],
     try:
         return kube.replace_status(cr_path(namespace, name), status, resource_version)
     except ApiError as exc:
-        if exc.status == 422 and exc.status_reason == "Invalid":  # the status broke the schema
+        if exc.status == 422 and exc.causes:  # the status broke the schema: the API server names the fields
             raise StatusRefused(exc) from None
-        if exc.status in (404, 409, 422):  # gone, or changed under us (our resourceVersion test failed: 422)
+        if exc.status in (404, 409, 422):  # gone, or changed under us (our resourceVersion test failed: 422, no causes)
             return None
         raise
 

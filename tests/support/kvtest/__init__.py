@@ -11,6 +11,7 @@
   kvtest.exporter    stand-ins for vLLM and LMCache, the exporter as a subprocess
   kvtest.readme      the commands the README shows
   kvtest.gitops      Argo CD's Lua health runner and the kstatus checker (tests/gitops/build.sh), fixture helpers
+  kvtest.flux        Flux's source-controller and kustomize-controller as processes, a git server on 127.0.0.1
   python -m kvtest up|down|status   the CLI behind `make cluster-up/down/status`
 """
 

@@ -33,7 +33,7 @@ class Dockerfile:
         for op, rest in self.instructions:
             if op == "ARG" and "=" in rest:
                 k, v = rest.split("=", 1)
-                self.args.setdefault(k, v.strip('"'))
+                self.args.setdefault(k, self.expand(v.strip('"')))  # a default may use earlier ARGs
 
     def expand(self, text: str) -> str:
         return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: self.args.get(m.group(1) or m.group(2), m.group(0)), text)

@@ -1,5 +1,6 @@
 """GitOps test tools (tests/gitops/build.sh builds them, cached under ~/.cache/kvoffload): Argo CD's
-Lua health runner and the kstatus checker; and the captured-fixture helpers of the Argo CD table."""
+Lua health runner, the kstatus checker and Flux's controllers (kvtest.flux runs those); and the
+captured-fixture helpers of the Argo CD table."""
 
 from __future__ import annotations
 
