@@ -11,7 +11,7 @@ VLLM_VERSION := 0.26.0
 LMCACHE_VERSION := 0.5.3
 ENGINE_VENV := $(HOME)/.cache/kvoffload/engine-vllm-$(VLLM_VERSION)-lmcache-$(LMCACHE_VERSION)
 
-.PHONY: venv operator-wheels serving-wheels images standin-image engine-venv engine-metadata engine-tables system-deps cluster-build gitops-tools cluster-up cluster-down cluster-status generate lint typecheck check unit integration test demo demo-down bench clean
+.PHONY: node-build venv operator-wheels serving-wheels images standin-image engine-venv engine-metadata engine-tables system-deps cluster-build gitops-tools cluster-up cluster-down cluster-status generate lint typecheck check unit integration test demo demo-down bench clean
 
 venv: $(VENV)/.done
 $(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
@@ -57,16 +57,24 @@ engine-tables: engine-venv
 
 # Debian packages the tests need: a real Prometheus (the exporter's scrape test), objdump (LMCache's
 # compiled L1 allocator, tests/engine/test_l1_first_touch.py), and the image builders: podman/buildah,
-# runc (Debian's crun refuses this VM's hybrid cgroups) and debootstrap (the local base images).
-SYSTEM_DEPS := prometheus:prometheus objdump:binutils podman:podman buildah:buildah runc:runc debootstrap:debootstrap
+# runc (Debian's crun refuses this VM's hybrid cgroups) and debootstrap (the local base images); the real
+# node's (kvtest.node): nft (its guard, kube-proxy's nftables mode), iptables (kubelet's chains), ip, mount,
+# conntrack, and gcc + libc6-dev's libc.a (pause.c, linked statically). runc is also the node's OCI runtime.
+SYSTEM_DEPS := prometheus:prometheus objdump:binutils podman:podman buildah:buildah runc:runc debootstrap:debootstrap \
+  nft:nftables iptables:iptables ip:iproute2 conntrack:conntrack gcc:gcc
 system-deps:
-	@missing=$$(for d in $(SYSTEM_DEPS); do command -v $${d%%:*} >/dev/null || echo $${d##*:}; done); \
+	@missing=$$(for d in $(SYSTEM_DEPS); do command -v $${d%%:*} >/dev/null || echo $${d##*:}; done; \
+	  gcc -print-file-name=libc.a | grep -q / || echo libc6-dev); \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	  else echo "install these Debian packages (apt-get install $$missing)"; exit 1; fi; fi
 
 cluster-build:
 	tests/cluster/build.sh
+
+# The real node's kubelet, kube-proxy, containerd, CNI plugins and pause (cached by version; tests/cluster/build-node.sh).
+node-build: cluster-build
+	tests/cluster/build-node.sh
 
 # Argo CD's Lua health runner (gopher-lua), the kstatus checker (Helm v4's kstatus) and Flux's
 # source-controller and kustomize-controller with their CRDs, cached by version.
@@ -103,15 +111,16 @@ check: lint typecheck
 unit: venv operator-wheels gitops-tools
 	$(BIN)/python -m pytest tests/unit -q
 
-integration: venv system-deps cluster-build gitops-tools
-	KVO_REQUIRE_CLUSTER=1 $(BIN)/python -m pytest tests/integration -q
+integration: venv system-deps operator-wheels cluster-build node-build gitops-tools
+	KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_REAL_NODE=1 $(BIN)/python -m pytest tests/integration -q
 
 # `make check` first (fails fast, before any build), then the unit tests again with every tool, the engine
-# fidelity tests and everything on the real control plane (started from the cached build, stopped after).
-test: check operator-wheels serving-wheels engine-venv engine-metadata system-deps cluster-build gitops-tools
-	KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_ENGINE=1 $(BIN)/python -m pytest tests -q
+# fidelity tests and everything on the real control plane and the real node (started from the cached
+# builds, stopped after).
+test: check operator-wheels serving-wheels engine-venv engine-metadata system-deps cluster-build node-build gitops-tools
+	KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_REAL_NODE=1 KVO_REQUIRE_ENGINE=1 $(BIN)/python -m pytest tests -q
 
-demo: venv cluster-build
+demo: venv system-deps operator-wheels cluster-build node-build
 	tests/cluster/demo.sh
 
 demo-down: venv

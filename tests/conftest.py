@@ -11,6 +11,14 @@ Fixtures:
              run operator code in-process), .wait_until(fn, timeout, message), .cluster (the
              kvtest.Cluster).
   crd_installed  module-scoped: the project's CRD applied (crds/, server-side) and Established.
+  demo       session-scoped: `make demo` run from a fresh clone of this tree (its own .cluster, the
+             shared caches): a control plane with a REAL node (kubelet + containerd, kvtest.node) beside
+             the kwok fleet, the chart installed, the operator running in-cluster on the real node.
+             Yields a ClusterHandle on that cluster (.demo_dir: the clone, .demo_log: its output).
+             One real node per machine: the tests that need one share it. Stopped at the end unless
+             KVO_KEEP_CLUSTER=1. Needs root and tests/cluster/build-node.sh's binaries: without them
+             those tests skip, unless KVO_REQUIRE_REAL_NODE is set (make test), when they fail.
+             KVO_DEMO_CLUSTER_DIR=<a running demo's .cluster> reuses that cluster (and leaves it running).
   namespace  a fresh namespace per test (unique name, label kvoffload.io/test=true, its
              `default` ServiceAccount present), deleted after the test (not awaited).
 
@@ -93,6 +101,66 @@ def cluster():
                 print(f"cluster teardown problems: {problems}", file=sys.stderr)
 
 
+def fresh_clone(dest: Path) -> Path:
+    """This tree as a new user gets it: a `git clone` of HEAD, plus the working tree's uncommitted
+    changes (so that a run on work in progress tests that work), nothing git ignores."""
+    root = kvtest.ROOT
+    subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(root), str(dest)], check=True)
+    changed = subprocess.run(["git", "ls-files", "-z", "-m", "-o", "-d", "--exclude-standard"], cwd=root,
+                             capture_output=True, text=True, check=True).stdout.split("\0")
+    for rel in filter(None, changed):
+        src, dst = root / rel, dest / rel
+        if src.is_file():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(src.read_bytes())
+            dst.chmod(src.stat().st_mode)
+        elif not src.exists() and dst.exists():
+            dst.unlink()  # deleted in the working tree
+    return dest
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory):
+    why = None
+    if os.geteuid() != 0:
+        why = "the real node needs root"
+    elif kvtest.missing_binaries() or kvtest.missing_node_binaries():
+        why = (f"missing {kvtest.missing_binaries() + kvtest.missing_node_binaries()} "
+               f"(make cluster-build node-build system-deps)")
+    elif kvtest.node.lock_holder() and not os.environ.get("KVO_DEMO_CLUSTER_DIR"):
+        why = f"another real node runs on this machine ({kvtest.node.lock_holder()})"
+    if why:
+        if os.environ.get("KVO_REQUIRE_REAL_NODE"):
+            pytest.fail(why + " (KVO_REQUIRE_REAL_NODE is set)", pytrace=False)
+        pytest.skip(why)
+    reuse = os.environ.get("KVO_DEMO_CLUSTER_DIR")  # a cluster a `make demo` left running: iterate on the tests
+    if reuse:
+        c = kvtest.Cluster(dir=Path(reuse).resolve())
+        if not c.running() or not c.real_node:
+            pytest.fail(f"KVO_DEMO_CLUSTER_DIR={reuse}: no running cluster with a real node there", pytrace=False)
+        handle = ClusterHandle(c, False)
+        handle.demo_dir, handle.demo_log, handle.demo_rc = None, None, None
+        yield handle
+        return
+    clone = fresh_clone(tmp_path_factory.mktemp("fresh") / "kvoffload")
+    log = clone.parent / "make-demo.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVO_CLUSTER_DIR", "KUBECONFIG", "VIRTUAL_ENV"))}
+    c = kvtest.Cluster(dir=clone / ".cluster", real_node=True)
+    try:
+        with open(log, "w") as out:
+            cp = subprocess.run(["make", "demo"], cwd=clone, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                timeout=2400)
+        handle = ClusterHandle(c, True)
+        handle.demo_dir, handle.demo_log = clone, log
+        handle.demo_rc = cp.returncode
+        yield handle
+    finally:
+        if os.environ.get("KVO_KEEP_CLUSTER") != "1":
+            problems = c.down()
+            if problems:
+                print(f"real-node cluster teardown problems: {problems}", file=sys.stderr)
+
+
 @pytest.fixture
 def namespace(cluster, request):
     base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")
@@ -103,6 +171,16 @@ def namespace(cluster, request):
     finally:
         with contextlib.suppress(Exception):
             cluster.client.delete("namespace", name, missing_ok=True)
+
+
+@pytest.fixture
+def node_ns(demo):
+    """A fresh namespace in the demo's cluster (the one with the real node), deleted after the test."""
+    name = f"t-node-{uuid.uuid4().hex[:8]}"
+    demo.client.namespace(name, labels={"kvoffload.io/test": "true"})
+    yield name
+    with contextlib.suppress(Exception):
+        demo.client.delete("namespace", name, missing_ok=True)
 
 
 @pytest.fixture(scope="module")

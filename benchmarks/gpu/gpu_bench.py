@@ -72,6 +72,8 @@ def log(msg: str) -> None:
 def _kill_all() -> None:
     for p in list(_CHILDREN):
         stop(p, grace=5)
+    if "gpu_pod" in sys.modules:  # --runtime crun: the containers are crun's, not our children
+        sys.modules["gpu_pod"].stop_all()
 
 
 def stop(p: subprocess.Popen, grace: float = 30) -> None:
@@ -364,7 +366,7 @@ class Engine:
         t0 = time.perf_counter()
         status, body = http_req(self.port, "POST", "/v1/completions",
                                 {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0,
-                                 "return_token_ids": True}, timeout=300)
+                                 "return_token_ids": True}, timeout=REQUEST_TIMEOUT_S)
         ttft = time.perf_counter() - t0
         if status != 200:
             raise RuntimeError(f"completion: HTTP {status}: {body[:500]}")
@@ -375,6 +377,11 @@ class Engine:
             extra["l1_used_bytes_delta"] = l1_used(server_status(self.status_url)) - l1_before
         text = log_lines_between(self.logfile, off)
         got = [int(x[0]) for x in RETRIEVED.findall(text)]
+        stored = STORED.findall(text)  # LMCache's own split of a store: GPU->CPU copy vs put into the tiers
+        extra.update({"lmcache_stored_tokens": sum(int(x[0]) for x in stored),
+                      "lmcache_store_ms": round(sum(float(x[1]) for x in stored), 3),
+                      "lmcache_offload_ms": round(sum(float(x[2]) for x in stored), 3),
+                      "lmcache_put_ms": round(sum(float(x[3]) for x in stored), 3)})
         return {"ttft_s": round(ttft, 5), "tokens": len(ids), **{k: after[k] - before[k] for k in after}, **extra,
                 "lmcache_retrieved_tokens": sum(got), "lmcache_retrieve_lines": len(got),
                 "lmcache_load_skipped_lines": text.count("start_load_kv, but the attn_metadata is None")}
@@ -443,6 +450,7 @@ def scan_disk(path: str) -> tuple[int, int, int]:
 
 
 QUIET_S = 2.0  # the disk dir counts as quiet after this long without a change (--quiet-s)
+REQUEST_TIMEOUT_S = 300.0  # one completion (--request-timeout)
 STATS_WAIT_S = 0.3  # after a response, for vLLM to publish the request's counters (--stats-wait-s)
 
 
@@ -468,10 +476,10 @@ def wait_disk_quiet(path: str, deadline_s: float = 60, still_s: float | None = N
     return newest
 
 
-def engine_read(port: int, run: gpu_manifests.LocalRun, disk_dir: str | None,
+def engine_read(port: int, multiproc_dir: str | None, disk_dir: str | None,
                 status_url: str | None = None) -> gpu_counters.EngineRead:
     v = vllm_page(port)
-    lm = lmcache_text(run.multiproc_dir)
+    lm = lmcache_text(multiproc_dir)
     srv = server_status(status_url)
     if disk_dir and os.path.isdir(disk_dir):
         b, f, free = scan_disk(disk_dir)
@@ -503,6 +511,7 @@ def log_lines_between(logfile: Path, start: int) -> str:
 
 DISK_READ = re.compile(r"Disk read size: (\d+) bytes")
 RETRIEVED = re.compile(r"Retrieved (\d+) out of (\d+) required tokens.*?size: ([\d.]+) gb, cost ([\d.]+) ms, throughput: ([\d.]+) GB/s")
+STORED = re.compile(r"Stored (\d+) out of total \d+ tokens.*?cost ([\d.]+) ms.*?offload_time: ([\d.]+) ms, put_time: ([\d.]+) ms")
 PREFETCH = re.compile(r"Prefetching (\d+) keys from disk")
 HIT = re.compile(r"LMCache hit tokens: (\d+), need to load: (\d+)")
 
@@ -514,6 +523,20 @@ def lmcache_log_facts(text: str) -> dict[str, Any]:
     return {"disk_read_lines": len(reads), "disk_read_bytes": sum(reads), "retrieved": retrieved,
             "disk_prefetch_keys": sum(int(x) for x in PREFETCH.findall(text)),
             "hits": [{"hit": int(a), "load": int(b)} for a, b in HIT.findall(text)]}
+
+
+SERVER_STRATEGY = re.compile(r"Using (\w+) non-GPU transfer strategy")
+SERVER_STORED = re.compile(r"Stored (\d+) tokens in ([\d.]+) seconds")
+SERVER_RETRIEVED = re.compile(r"Retrieved (\d+) tokens in ([\d.]+) seconds")
+
+
+def server_log_facts(text: str) -> dict[str, Any]:
+    """What the LMCache server (lmcache-server backend) logged: how KV travels (shm or pickle) and
+    its store/retrieve times."""
+    def rows(rx: re.Pattern) -> list[dict[str, float]]:
+        return [{"tokens": int(a), "s": float(b)} for a, b in rx.findall(text)]
+    return {"transfer": SERVER_STRATEGY.findall(text), "stored": rows(SERVER_STORED), "retrieved": rows(SERVER_RETRIEVED),
+            "errors": len(re.findall(r"LMCache ERROR", text))}
 
 
 def per_worker(text: str) -> dict[str, dict[str, float]]:
@@ -555,81 +578,153 @@ def drop_page_cache() -> bool:
 
 # ---------------------------------------------------------------- one engine run
 
+def overrides_for(kind: str, args: argparse.Namespace) -> tuple[dict[str, Any] | None, dict[str, str]]:
+    """The disk run's LMCache overrides and every run's extra engine env."""
+    extra = dict(kv.split("=", 1) for kv in args.engine_env)
+    overrides = json.loads(args.lmcache_overrides) if args.lmcache_overrides else None
+    if kind == "disk":
+        overrides = {**(overrides or {}), "max_local_cpu_size": args.disk_cpu_gib,
+                     "extra_config": {**((overrides or {}).get("extra_config") or {}), "use_odirect": True}}
+        extra["LMCACHE_LOG_LEVEL"] = "DEBUG"
+    return overrides, extra
+
+
+class HostTarget:
+    """The rendered pod's containers as local processes on this host (gpu_manifests.localize)."""
+
+    def __init__(self, kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any], args: argparse.Namespace,
+                 tag: str) -> None:
+        work = Path(args.work)
+        self.args, self.tag = args, tag
+        self.disk_dir = f"{args.disk_root}/kvbench-{tag}/{rendered.namespace}/{rendered.name}/{rendered.name}-0"
+        self.disk_root = f"{args.disk_root}/kvbench-{tag}"
+        self.layout = gpu_manifests.Layout(root=str(work / tag), model_dir=str(work / "model"), disk_dir=self.disk_dir,
+                                           port=free_port(), exporter_port=free_port(), python=args.python)
+        self.connector = kind != "baseline"
+        overrides, extra = overrides_for(kind, args)
+        self.run = run = gpu_manifests.localize(rendered, self.layout, connector=self.connector, model_config=cfg,
+                                                lmcache_overrides=overrides, extra_env=extra)
+        self.port, self.exporter_port, self.multiproc_dir = self.layout.port, self.layout.exporter_port, run.multiproc_dir
+        self.lmcache = run.lmcache
+        self.status_url = gpu_manifests.flag(run.exporter_argv or [], "--lmcache-server-url") if run.sidecars else None
+        self.engine_argv = run.engine_argv
+        self.served_model = gpu_manifests.flag(run.engine_argv, "--served-model-name") or self.layout.model_dir
+        self.describe = {"changes": run.changes, "argv": run.engine_argv, "env": run.engine_env,
+                         "lmcache": run.lmcache if self.connector else None, "exporter_argv": run.exporter_argv,
+                         "sidecars": [{"name": sc.name, "argv": sc.argv, "memory_limit": sc.memory_limit} for sc in run.sidecars]}
+        self.proc: subprocess.Popen | None = None
+        self.exporter: subprocess.Popen | None = None
+        self.side: list[tuple[gpu_manifests.Sidecar, subprocess.Popen, str | None, MemSampler]] = []
+        self.engine_cgroup: str | None = None
+        self.logdir = Path(args.out) / "logs"
+        self.elog = self.logdir / f"{tag}-engine.log"
+
+    def prepare(self, res: dict[str, Any]) -> None:
+        for d in self.run.fresh_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+            os.makedirs(d, exist_ok=True)
+        for path, text in self.run.files.items():
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text)
+        res["init"] = []
+        for argv in self.run.init_argvs:
+            r = subprocess.run(argv, env={**os.environ, **BASE_ENV}, capture_output=True, text=True, timeout=300)
+            res["init"].append({"argv0": argv[:3], "rc": r.returncode, "output": (r.stdout + r.stderr)[-500:]})
+            log(f"{self.tag}: init {r.returncode}: {(r.stdout + r.stderr).strip()[-200:]}")
+        self.engine_cgroup = cgroup_make(f"kvbench-{self.tag}")
+        res["cgroup"] = self.engine_cgroup
+
+    def start_sidecars(self, res: dict[str, Any]) -> None:
+        for sc in self.run.sidecars:
+            log(f"{self.tag}: starting sidecar {sc.name}")
+            p, scg, ready = start_sidecar(sc, self.tag, self.logdir, self.args.start_timeout / 2)
+            ms = MemSampler(scg)
+            ms.start()
+            self.side.append((sc, p, scg, ms))
+            res.setdefault("sidecar_ready_s", {})[sc.name] = ready
+            log(f"{self.tag}: sidecar {sc.name} ready after {ready} s")
+
+    def start_engine(self) -> subprocess.Popen:
+        self.proc = spawn(self.run.engine_argv, {**os.environ, **BASE_ENV, **self.run.engine_env}, self.elog, self.engine_cgroup)
+        return self.proc
+
+    def engine_pids(self) -> list[int]:
+        return tree_pids(self.proc.pid) if self.proc else []
+
+    def start_exporter(self) -> subprocess.Popen | None:
+        if not self.run.exporter_argv:
+            return None
+        self.exporter = spawn(self.run.exporter_argv, {**os.environ, **self.run.exporter_env}, self.logdir / f"{self.tag}-exporter.log")
+        return self.exporter
+
+    def stop_exporter(self) -> None:
+        if self.exporter is not None:
+            stop(self.exporter, grace=5)
+        self.exporter = None
+
+    def sidecar_facts(self) -> dict[str, Any]:
+        return {sc.name: {"cgroup": cgroup_stat(scg), **rss_bytes(tree_pids(p.pid))} for sc, p, scg, _ms in self.side}
+
+    def stop(self, res: dict[str, Any]) -> None:
+        self.stop_exporter()
+        if self.proc is not None:
+            stop(self.proc, grace=30)
+        for sc, p, scg, ms in self.side:
+            stop(p, grace=10)
+            ms.halt.set()
+            ms.join(5)
+            res.setdefault("sidecar_memory", {})[sc.name] = {"limit": sc.memory_limit, **ms.summary()}
+
+    def cleanup(self) -> None:
+        for c in [self.engine_cgroup, *(scg for _sc, _p, scg, _ms in self.side)]:
+            if c:
+                try:
+                    os.rmdir(c)
+                except OSError:
+                    pass
+        shutil.rmtree(self.disk_root, ignore_errors=True)
+
+
 def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any], args: argparse.Namespace,
                out: dict[str, Any]) -> None:
     tag = f"{kind}-tp{rendered.tp}{args.tag_suffix}"
-    work = Path(args.work)
-    root = work / tag
-    disk_dir = f"{args.disk_root}/kvbench-{tag}/{rendered.namespace}/{rendered.name}/{rendered.name}-0"
-    layout = gpu_manifests.Layout(root=str(root), model_dir=str(work / "model"), disk_dir=disk_dir,
-                                  port=free_port(), exporter_port=free_port(), python=args.python)
+    if args.runtime == "crun":
+        import gpu_pod
+        target = gpu_pod.PodTarget(kind, rendered, cfg, args, tag, BASE_ENV, sys.modules[__name__])
+    else:
+        target = HostTarget(kind, rendered, cfg, args, tag)
     connector = kind != "baseline"
-    overrides = extra = None
-    extra = dict(kv.split("=", 1) for kv in args.engine_env)
-    if kind == "disk":
-        overrides = {"max_local_cpu_size": args.disk_cpu_gib, "extra_config": {"use_odirect": True}}
-        extra["LMCACHE_LOG_LEVEL"] = "DEBUG"
-    run = gpu_manifests.localize(rendered, layout, connector=connector, model_config=cfg,
-                                 lmcache_overrides=overrides, extra_env=extra)
-    res: dict[str, Any] = {"kind": kind, "tp": rendered.tp, "backend": rendered.backend, "changes": run.changes,
-                           "argv": run.engine_argv, "env": run.engine_env, "lmcache": run.lmcache if connector else None,
-                           "exporter_argv": run.exporter_argv, "memory_limit": rendered.vllm.memory_limit,
-                           "sidecars": [{"name": sc.name, "argv": sc.argv, "memory_limit": sc.memory_limit} for sc in run.sidecars]}
-    status_url = gpu_manifests.flag(run.exporter_argv or [], "--lmcache-server-url") if run.sidecars else None
+    disk_dir, status_url = target.disk_dir, target.status_url
+    res: dict[str, Any] = {"kind": kind, "tp": rendered.tp, "backend": rendered.backend, "runtime": args.runtime,
+                           "memory_limit": rendered.vllm.memory_limit, **target.describe}
     out["runs"][tag] = res
-    for d in run.fresh_dirs:
-        shutil.rmtree(d, ignore_errors=True)
-        os.makedirs(d, exist_ok=True)
-    for path, text in run.files.items():
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text)
-    served_model = gpu_manifests.flag(run.engine_argv, "--served-model-name") or layout.model_dir
-    kv_bpt = gpu_manifests.kv_bytes_per_token(cfg, gpu_manifests.flag(run.engine_argv, "--kv-cache-dtype") or "auto")
+    kv_bpt = gpu_manifests.kv_bytes_per_token(cfg, gpu_manifests.flag(target.engine_argv, "--kv-cache-dtype") or "auto")
     res["kv_bytes_per_token"] = kv_bpt
-
-    res["init"] = []
-    for argv in run.init_argvs:
-        r = subprocess.run(argv, env={**os.environ, **BASE_ENV}, capture_output=True, text=True, timeout=300)
-        res["init"].append({"argv0": argv[:3], "rc": r.returncode, "output": (r.stdout + r.stderr)[-500:]})
-        log(f"{tag}: init {r.returncode}: {(r.stdout + r.stderr).strip()[-200:]}")
-    cg = cgroup_make(f"kvbench-{tag}")
-    res["cgroup"] = cg
-    sampler = MemSampler(cg)
-    sampler.start()
-    elog = Path(args.out) / "logs" / f"{tag}-engine.log"
-    xlog = Path(args.out) / "logs" / f"{tag}-exporter.log"
-    env = {**os.environ, **BASE_ENV, **run.engine_env}
     t0 = time.monotonic()
-    side: list[tuple[gpu_manifests.Sidecar, subprocess.Popen, str | None, MemSampler]] = []
-    proc = exporter = None
+    sampler: MemSampler | None = None
     try:
-        for sc in run.sidecars:
-            log(f"{tag}: starting sidecar {sc.name}")
-            p, scg, ready = start_sidecar(sc, tag, Path(args.out) / "logs", args.start_timeout / 2)
-            ms = MemSampler(scg)
-            ms.start()
-            side.append((sc, p, scg, ms))
-            res.setdefault("sidecar_ready_s", {})[sc.name] = ready
-            log(f"{tag}: sidecar {sc.name} ready after {ready} s")
+        target.prepare(res)
+        sampler = MemSampler(target.engine_cgroup)
+        sampler.start()
+        target.start_sidecars(res)
         if status_url:
             res["server_status_start"] = server_status(status_url)
-        log(f"{tag}: starting vLLM on 127.0.0.1:{layout.port}")
-        proc = spawn(run.engine_argv, env, elog, cg)
-        wait_http(layout.port, "/health", time.monotonic() + args.start_timeout, proc, f"vLLM ({tag})")
+        log(f"{tag}: starting vLLM on 127.0.0.1:{target.port}")
+        proc = target.start_engine()
+        wait_http(target.port, "/health", time.monotonic() + args.start_timeout, proc, f"vLLM ({tag})")
         res["start_s"] = round(time.monotonic() - t0, 1)
         log(f"{tag}: healthy after {res['start_s']} s")
-        if run.exporter_argv:
-            xenv = {**os.environ, **run.exporter_env}
-            exporter = spawn(run.exporter_argv, xenv, xlog)
+        exporter = target.start_exporter()
+        if exporter is not None:
             try:  # an exporter that fails is a finding; the engine's figures are still measured
-                wait_http(layout.exporter_port, "/metrics", time.monotonic() + 60, exporter, "exporter")
+                wait_http(target.exporter_port, "/metrics", time.monotonic() + 60, exporter, "exporter")
             except RuntimeError as exc:
                 res["exporter_error"] = str(exc)
                 log(f"{tag}: EXPORTER ERROR {exc}")
-                stop(exporter, grace=5)
+                target.stop_exporter()
                 exporter = None
-        eng = Engine(layout.port, served_model, proc, elog, status_url)
-        res["memory_healthy"] = {"meminfo": meminfo(), "cgroup": cgroup_stat(cg), **rss_bytes(tree_pids(proc.pid))}
+        eng = Engine(target.port, target.served_model, proc, target.elog, status_url)
+        res["memory_healthy"] = {"meminfo": meminfo(), "cgroup": cgroup_stat(target.engine_cgroup), **rss_bytes(target.engine_pids())}
         eng.complete(prompt(1, 512))  # warm-up, not measured
         n, reps = args.prompt_tokens, args.reps
         seed = {"connector": 100, "baseline": 200, "disk": 300}[kind] + 1000 * rendered.tp
@@ -646,7 +741,7 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
                                                     f"load skipped {v[-1]['lmcache_load_skipped_lines']}x)" for k, v in phases.items()))
         else:
             per_prompt = n * kv_bpt
-            cpu_total = float((run.lmcache or {}).get("max_local_cpu_size", 5.0)) * 2**30 * rendered.tp
+            cpu_total = float((target.lmcache or {}).get("max_local_cpu_size", 5.0)) * 2**30 * rendered.tp
             n_flush = math.ceil(cpu_total / per_prompt) + 1
             res["flush_prompts"] = n_flush
             proofs = []
@@ -657,14 +752,14 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
                     eng.complete(prompt(seed + 10 * r + 1 + k, n))
                 wait_disk_quiet(disk_dir)
                 eng.reset_prefix_cache()
-                pre = gpu_counters.Page(lmcache_text(run.multiproc_dir))
+                pre = gpu_counters.Page(lmcache_text(target.multiproc_dir))
                 dropped = drop_page_cache()
-                pids = tree_pids(proc.pid)
-                io0, blk0, off = proc_read_bytes(pids), block_read_bytes(), elog.stat().st_size
+                pids = target.engine_pids()
+                io0, blk0, off = proc_read_bytes(pids), block_read_bytes(), target.elog.stat().st_size
                 one = eng.complete(a)
                 time.sleep(0.5)
-                io1, blk1 = proc_read_bytes(tree_pids(proc.pid)), block_read_bytes()
-                facts = lmcache_log_facts(log_lines_between(elog, off))
+                io1, blk1 = proc_read_bytes(target.engine_pids()), block_read_bytes()
+                facts = lmcache_log_facts(log_lines_between(target.elog, off))
                 phases.setdefault("disk", []).append(one)
                 eng.reset_prefix_cache()
                 phases.setdefault("after_disk_reset", []).append(eng.complete(a))
@@ -678,30 +773,29 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
                     f"proc read {(io1 - io0) / 1e9:.2f} GB, LMCache disk reads {facts['disk_read_bytes'] / 1e9:.2f} GB")
             res["disk_proof"] = proofs
         res["phases"] = phases
-        res["per_worker"] = per_worker(lmcache_text(run.multiproc_dir))
-        if os.path.isdir(disk_dir):
+        res["per_worker"] = per_worker(lmcache_text(target.multiproc_dir))
+        if disk_dir and os.path.isdir(disk_dir):
             wait_disk_quiet(disk_dir, deadline_s=20)
             res["disk_by_worker"] = disk_by_worker(disk_dir)
-        res["memory_after_phases"] = {"meminfo": meminfo(), "cgroup": cgroup_stat(cg), **rss_bytes(tree_pids(proc.pid)),
-                                      "sidecars": {sc.name: {"cgroup": cgroup_stat(scg), **rss_bytes(tree_pids(p.pid))}
-                                                   for sc, p, scg, _ms in side}}
+        res["memory_after_phases"] = {"meminfo": meminfo(), "cgroup": cgroup_stat(target.engine_cgroup),
+                                      **rss_bytes(target.engine_pids()), "sidecars": target.sidecar_facts()}
 
         # Exporter vs engine, once the disk tier is quiet and the exporter has rescanned it.
         if exporter is not None:
-            quiet = wait_disk_quiet(disk_dir) if os.path.isdir(disk_dir) else time.time()
+            quiet = wait_disk_quiet(disk_dir) if disk_dir and os.path.isdir(disk_dir) else time.time()
             end = time.monotonic() + args.rescan_wait
             xtext = ""
             while time.monotonic() < end:
-                xtext = http_req(layout.exporter_port, "GET", "/metrics")[1]
+                xtext = http_req(target.exporter_port, "GET", "/metrics")[1]
                 ts = gpu_counters.Page(xtext).get("kvoffload_disk_last_rescan_timestamp_seconds")
                 if ts is None or ts >= quiet + 0.5:
                     break
                 time.sleep(1)
-            before = engine_read(layout.port, run, disk_dir, status_url)
-            xtext = http_req(layout.exporter_port, "GET", "/metrics")[1]
-            after = engine_read(layout.port, run, disk_dir, status_url)
+            before = engine_read(target.port, target.multiproc_dir, disk_dir, status_url)
+            xtext = http_req(target.exporter_port, "GET", "/metrics")[1]
+            after = engine_read(target.port, target.multiproc_dir, disk_dir, status_url)
             checks = gpu_counters.compare(xtext, before, after, kv_bytes_per_token=kv_bpt,
-                                          lmcache_config=run.lmcache if connector else None, tp=rendered.tp,
+                                          lmcache_config=target.lmcache if connector else None, tp=rendered.tp,
                                           connector=connector, served=True, backend=rendered.backend)
             res["checks"] = [c.to_dict() for c in checks]
             res["per_worker"] = per_worker(after.lmcache)  # after LMCache's stats logger has flushed
@@ -718,32 +812,18 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
         res["error"] = f"{type(exc).__name__}: {exc}"
         log(f"{tag}: ERROR {res['error']}")
     finally:
-        if exporter is not None:
-            stop(exporter, grace=5)
-        if proc is not None:
-            stop(proc, grace=30)
-        for sc, p, scg, ms in side:
-            stop(p, grace=10)
-            ms.halt.set()
-            ms.join(5)
-            res.setdefault("sidecar_memory", {})[sc.name] = {"limit": sc.memory_limit, **ms.summary()}
+        target.stop(res)
         res["gpu_free_wait_s"] = wait_gpus_free()
-        sampler.halt.set()
-        sampler.join(5)
-        res["memory"] = sampler.summary()
-        res["memory_trace"] = sampler.trace()
-        for c in [cg, *(scg for _sc, _p, scg, _ms in side)]:
-            if c:
-                try:
-                    os.rmdir(c)
-                except OSError:
-                    pass
-        shutil.rmtree(f"{args.disk_root}/kvbench-{tag}", ignore_errors=True)
+        if sampler is not None:
+            sampler.halt.set()
+            sampler.join(5)
+            res["memory"] = sampler.summary()
+            res["memory_trace"] = sampler.trace()
+        target.cleanup()
         res["wall_s"] = round(time.monotonic() - t0, 1)
         save(out, args)
         try:
-            tail = elog.read_text(errors="replace").splitlines()[-40:]
-            res["engine_log_tail"] = tail
+            res["engine_log_tail"] = target.elog.read_text(errors="replace").splitlines()[-40:]
         except OSError:
             pass
 
@@ -858,16 +938,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=0, help="start no engine run later than this many s minus --run-estimate-s")
     ap.add_argument("--run-estimate-s", type=float, default=150)
     ap.add_argument("--quiet-s", type=float, default=2.0, help="disk dir quiet after this long unchanged")
+    ap.add_argument("--request-timeout", type=float, default=300, help="longest wait for one completion")
     ap.add_argument("--stats-wait-s", type=float, default=0.3, help="wait after a response before reading counters")
     ap.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment for every engine (recorded as a change)")
     ap.add_argument("--tag-suffix", default="", help="appended to run names (e.g. -v1runner)")
+    ap.add_argument("--lmcache-overrides", help="JSON merged into the rendered LMCache config (recorded as a change)")
+    ap.add_argument("--runtime", choices=("host", "crun"), default="host",
+                    help="host: local processes; crun: each container under crun with its captured OCI spec (gpu_pod)")
+    ap.add_argument("--oci", action="append", default=[], metavar="DIR",
+                    help="--runtime crun: the captured specs of each --rendered pod, in the same order")
+    ap.add_argument("--crun", default="crun", help="the crun binary (--runtime crun)")
+    ap.add_argument("--oci-template", metavar="FILE",
+                    help="--runtime crun, no capture of these pods: each container's spec derived from this captured spec")
+    ap.add_argument("--oci-other-shape", action="store_true",
+                    help="--runtime crun: the captures are of pods of another backend (mounts added/dropped, listed)")
+    ap.add_argument("--oci-alias", action="append", default=[], metavar="RENDERED=CAPTURED",
+                    help="--runtime crun: use the captured spec of container CAPTURED for the rendered container RENDERED")
+    ap.add_argument("--keep-volume", action="append", default=[], metavar="VOLUME",
+                    help="--runtime crun: an emptyDir kept across runs (home: vLLM's compile cache; recorded as a change)")
     ap.add_argument("--no-probe", action="store_true")
     ap.add_argument("--probe-only", action="store_true", help="host facts and bandwidths only, no engine")
     ap.add_argument("--no-smoke", action="store_true")
     args = ap.parse_args(argv)
-    global QUIET_S, STATS_WAIT_S
-    QUIET_S, STATS_WAIT_S = args.quiet_s, args.stats_wait_s
+    global QUIET_S, STATS_WAIT_S, REQUEST_TIMEOUT_S
+    QUIET_S, STATS_WAIT_S, REQUEST_TIMEOUT_S = args.quiet_s, args.stats_wait_s, args.request_timeout
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     atexit.register(_kill_all)
@@ -882,7 +977,14 @@ def main(argv: list[str] | None = None) -> int:
             save(out, args)
         if args.probe_only:
             return 0
-        for path in args.rendered:
+        if args.runtime == "crun":
+            import gpu_pod
+            if len(args.oci) != len(args.rendered) and not args.oci_template:
+                raise SystemExit("--runtime crun: one --oci DIR per --rendered file, or --oci-template")
+            gpu_pod.SANDBOX.update(gpu_pod.enter_sandbox("kvbench"))
+            out["oci_host"] = gpu_pod.host_facts().__dict__
+        for i, path in enumerate(args.rendered):
+            args.oci_dir = args.oci[i] if args.oci else None
             rendered = load_rendered(path, args.python)
             cfg = json.loads(Path(args.config_json).read_text()) if args.config_json else catalog_config(
                 gpu_manifests.flag(gpu_manifests.vllm_argv(rendered.vllm)[0], "--served-model-name")

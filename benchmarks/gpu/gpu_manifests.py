@@ -26,6 +26,7 @@ change outside a cluster, and lists every change (`LocalRun.changes`) so the rep
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ class Mount:
     volume: str
     path: str
     read_only: bool = False
+    sub_path: str = ""  # subPath, or subPathExpr ($(VAR) from the container's env)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,9 @@ class Container:
     memory_limit: int | None
     restart_policy: str | None = None  # "Always" on an init container: a native sidecar
     startup_probe: tuple[str, ...] = ()  # exec probe argv, if any
+    image: str = ""
+    security: dict[str, Any] = field(default_factory=dict)  # the pod's securityContext, then the container's over it
+    cpu_request: str | None = None
 
 
 @dataclass(frozen=True)
@@ -106,7 +111,7 @@ class Rendered:
         raise ManifestError(f"LMCACHE_CONFIG_FILE {path} is not in a mounted ConfigMap")
 
 
-def _container(c: dict[str, Any]) -> Container:
+def _container(c: dict[str, Any], pod_security: dict[str, Any] | None = None) -> Container:
     env, fields = {}, {}
     for e in c.get("env") or []:
         if "value" in e:
@@ -119,9 +124,12 @@ def _container(c: dict[str, Any]) -> Container:
     probe = ((c.get("startupProbe") or {}).get("exec") or {}).get("command") or ()
     return Container(name=c["name"], command=tuple(c.get("command") or ()), args=tuple(str(a) for a in c.get("args") or ()),
                      env=env, env_fields=fields,
-                     mounts=tuple(Mount(m["name"], m["mountPath"], bool(m.get("readOnly"))) for m in c.get("volumeMounts") or ()),
+                     mounts=tuple(Mount(m["name"], m["mountPath"], bool(m.get("readOnly")), m.get("subPathExpr") or m.get("subPath") or "")
+                                  for m in c.get("volumeMounts") or ()),
                      memory_limit=None if limit is None else quantity(limit), restart_policy=c.get("restartPolicy"),
-                     startup_probe=tuple(str(a) for a in probe))
+                     startup_probe=tuple(str(a) for a in probe), image=c.get("image", ""),
+                     security={**(pod_security or {}), **(c.get("securityContext") or {})},
+                     cpu_request=((c.get("resources") or {}).get("requests") or {}).get("cpu"))
 
 
 def flag(args: tuple[str, ...] | list[str], name: str) -> str | None:
@@ -144,12 +152,13 @@ def parse_rendered(text: str) -> Rendered:
         raise ManifestError(f"expected one StatefulSet in the rendered stream, found {len(sets)}")
     sts = sets[0]
     pod = sts["spec"]["template"]["spec"]
-    containers = {c["name"]: _container(c) for c in pod["containers"]}
+    sec = pod.get("securityContext") or {}
+    containers = {c["name"]: _container(c, sec) for c in pod["containers"]}
     if "vllm" not in containers:
         raise ManifestError(f"no container named vllm (found {', '.join(containers)})")
     vllm = containers["vllm"]
     tp = int(flag(vllm_argv(vllm)[0], "--tensor-parallel-size") or 1)
-    inits = [_container(c) for c in pod.get("initContainers") or ()]
+    inits = [_container(c, sec) for c in pod.get("initContainers") or ()]
     return Rendered(name=sts["metadata"]["name"], namespace=sts["metadata"].get("namespace", "default"),
                     vllm=vllm, exporter=containers.get("exporter"),
                     volumes={v["name"]: {k: x for k, x in v.items() if k != "name"} for v in pod.get("volumes") or []},
@@ -238,6 +247,24 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     for k, v in over.items():
         out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+def _configmap_files(r: Rendered, dirs: dict[str, str]) -> dict[str, str]:
+    """ConfigMap volumes: host path -> content, in the volume's host directory."""
+    files = {}
+    for name, source in r.volumes.items():
+        cm = (source.get("configMap") or {}).get("name")
+        if cm is not None:
+            for key, text in r.config_maps.get(cm, {}).items():
+                files[f"{dirs[name]}/{key}"] = text
+    return files
+
+
+def _overridden(lmcache: dict[str, Any], overrides: dict[str, Any] | None, changes: list[str]) -> dict[str, Any]:
+    if not overrides:
+        return lmcache
+    changes.append(f"LMCache config overrides {json.dumps(overrides, sort_keys=True)}")
+    return _deep_merge(lmcache, overrides)
 
 
 def _map_json_paths(value: str, host) -> str:
@@ -346,15 +373,8 @@ def localize(r: Rendered, layout: Layout, *, connector: bool = True, model_confi
     engine_argv = [layout.python, *VLLM_ENTRY, "serve", *out]
     changes.append("vllm -> python -m vllm.entrypoints.cli.main")
 
-    files: dict[str, str] = {}
+    files = _configmap_files(r, dirs)
     fresh = sorted({d for d in dirs.values() if d != "/dev/shm"})
-    # ConfigMap volumes: their files, written where the mount maps.
-    for name, source in r.volumes.items():
-        cm = (source.get("configMap") or {}).get("name")
-        if cm is not None:
-            for key, text in r.config_maps.get(cm, {}).items():
-                files[f"{dirs[name]}/{key}"] = text
-
     lmcache = r.lmcache_config()
     lmcache_path = env.get("LMCACHE_CONFIG_FILE")
     if lmcache is not None and lmcache_path:
@@ -365,9 +385,7 @@ def localize(r: Rendered, layout: Layout, *, connector: bool = True, model_confi
             mapped = host(path.rstrip("/") or "/")
             lmcache["local_disk"] = ("file://" if raw.startswith("file://") else "") + mapped.rstrip("/") + "/"
             changes.append(f"LMCache local_disk {raw} -> {lmcache['local_disk']}")
-        if lmcache_overrides:
-            lmcache = _deep_merge(lmcache, lmcache_overrides)
-            changes.append(f"LMCache config overrides {json.dumps(lmcache_overrides, sort_keys=True)}")
+        lmcache = _overridden(lmcache, lmcache_overrides, changes)
         files[lmcache_path] = yaml.safe_dump(lmcache, sort_keys=True)
     if model_config is not None:
         files[f"{layout.model_dir}/config.json"] = json.dumps(model_config, indent=2, sort_keys=True) + "\n"
@@ -420,6 +438,174 @@ def localize(r: Rendered, layout: Layout, *, connector: bool = True, model_confi
     return LocalRun(engine_argv=engine_argv, engine_env=env, exporter_argv=exporter_argv, exporter_env=exporter_env,
                     files=files, fresh_dirs=fresh, init_argvs=init_argvs, lmcache=lmcache, lmcache_path=lmcache_path,
                     multiproc_dir=env.get("PROMETHEUS_MULTIPROC_DIR"), changes=changes, sidecars=sidecars)
+
+
+# ---------------------------------------------------------------- containers (gpu_pod: crun)
+
+POD_IP = "127.0.0.1"  # the pod's network namespace has loopback only (gpu_pod)
+MODEL_DIR = "kvbench-model"  # in the models volume: config.json for --load-format dummy
+
+
+@dataclass(frozen=True)
+class PodContainer:
+    """One container of the rendered pod as a container runtime runs it: the rendered paths stay
+    (volumes are mounted where the pod mounts them); only what `containerize` lists changes."""
+    name: str
+    role: str  # init | sidecar | main | exporter
+    image: str
+    argv: list[str]
+    env: dict[str, str]
+    mounts: dict[str, tuple[str, bool]]  # mountPath -> (host path, read-only), subPath(Expr) resolved
+    memory_limit: int | None
+    probe: list[str]  # exec startupProbe, run inside the container; [] = none
+    security: dict[str, Any] = field(default_factory=dict)
+    cpu_request: str | None = None
+
+
+@dataclass
+class PodRun:
+    containers: list[PodContainer]
+    volume_dirs: dict[str, str]  # volume -> host directory
+    memory_volumes: dict[str, int | None]  # medium: Memory emptyDirs -> sizeLimit (a tmpfs of that size)
+    files: dict[str, str]  # host path -> content
+    fresh_dirs: list[str]
+    lmcache: dict[str, Any] | None
+    multiproc_dir: str | None  # host directory of PROMETHEUS_MULTIPROC_DIR
+    disk_dir: str | None  # host directory the exporter's --disk-dir is
+    port: int  # vLLM's, in the pod's network namespace
+    exporter_port: int | None
+    status_url: str | None  # the LMCache server's /status (lmcache-server)
+    changes: list[str] = field(default_factory=list)
+    host_path_volumes: tuple[str, ...] = ()
+
+    def container(self, role: str) -> PodContainer | None:
+        return next((c for c in self.containers if c.role == role), None)
+
+
+def _pod_volume_dirs(r: Rendered, root: str, disk_root: str) -> dict[str, str]:
+    """Each volume's host directory: hostPath -> disk_root (the node's directory), others under root."""
+    return {name: disk_root if "hostPath" in src else f"{root}/volumes/{name}" for name, src in r.volumes.items()}
+
+
+def _env_of(c: Container, fields: dict[str, str]) -> dict[str, str]:
+    env = dict(c.env)
+    env.update({k: fields[p] for k, p in c.env_fields.items() if p in fields})
+    return env
+
+
+def _mounts_of(c: Container, env: dict[str, str], dirs: dict[str, str]) -> dict[str, tuple[str, bool]]:
+    out = {}
+    for m in c.mounts:
+        missing = sorted({v for v in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", m.sub_path) if not env.get(v)})
+        if missing:  # kubelet's ExpandContainerVolumeMounts: the container is never created
+            raise ManifestError(f"container {c.name}: volumeMount {m.path} subPathExpr {m.sub_path!r}: missing value for "
+                                f"{', '.join(missing)} (kubelet: CreateContainerConfigError)")
+        sub = _expand(m.sub_path, env).strip("/")
+        out[m.path.rstrip("/") or "/"] = (dirs[m.volume] + (f"/{sub}" if sub else ""), m.read_only)
+    return out
+
+
+def containerize(r: Rendered, root: str, disk_root: str, *, connector: bool = True,
+                 model_config: dict[str, Any] | None = None, lmcache_overrides: dict[str, Any] | None = None,
+                 extra_env: dict[str, str] | None = None, serving_env: dict[str, str] | None = None,
+                 kept: dict[str, str] | None = None) -> PodRun:
+    """The rendered pod's containers for a container runtime. Changes, each listed in `changes`:
+    the model -> a directory in the models volume holding config.json, + --load-format dummy
+    --skip-tokenizer-init; downward-API values of the first pod (POD_IP: loopback); the
+    $(VAR) expansion kubelet does in command and args; VLLM_SERVER_DEV_MODE=1 and `serving_env`
+    (offline, no usage reports) for the serving image's containers and `extra_env` for vLLM; the
+    LMCache config overrides; the baseline drops the offload flags and the sidecars. `kept` maps
+    emptyDir volumes to host directories that outlive the run (vLLM's compile cache in home)."""
+    fields = {**_field_values(r), "status.podIP": POD_IP}
+    dirs = {**_pod_volume_dirs(r, root, disk_root), **(kept or {})}
+    changes = [f"env from the downward API: {json.dumps(fields, sort_keys=True)}"]
+    changes += [f"volume {n}: {d}, kept across runs (a new pod's emptyDir starts empty): start-up time only"
+                for n, d in (kept or {}).items()]
+    containers: list[PodContainer] = []
+
+    def add(c: Container, role: str) -> PodContainer:
+        env = _env_of(c, fields)
+        if c.image == r.vllm.image:
+            env.update(serving_env or {})
+        argv = [_expand(a, env) for a in [*c.command, *c.args]]
+        probe = [_expand(a, env) for a in c.startup_probe]
+        pc = PodContainer(c.name, role, c.image, argv, env, _mounts_of(c, env, dirs), c.memory_limit, probe, c.security,
+                          c.cpu_request)
+        containers.append(pc)
+        return pc
+
+    for c in r.init:
+        add(c, "init")
+    if connector:
+        for c in r.sidecars:
+            add(c, "sidecar")
+    elif r.sidecars:
+        changes.append(f"baseline: sidecars {', '.join(c.name for c in r.sidecars)} not run")
+    main = add(r.vllm, "main")
+    if r.exporter is not None:
+        add(r.exporter, "exporter")
+    if serving_env:
+        changes.append(f"env of the serving image's containers: {json.dumps(serving_env, sort_keys=True)}")
+
+    # vLLM: the model, dev mode, the baseline's flags.
+    full, prelude = vllm_argv(r.vllm)
+    if full[:2] != ["vllm", "serve"]:
+        raise ManifestError(f"vllm container runs {full[:2]}, expected ['vllm', 'serve'] (optionally after a sh -c prelude)")
+    models = main.mounts.get(main.env.get("HF_HOME", "/models").rstrip("/"))
+    if models is None:
+        raise ManifestError("the vllm container mounts no volume at HF_HOME: nowhere to put the model's config.json")
+    model_path = f"{main.env.get('HF_HOME', '/models').rstrip('/')}/{MODEL_DIR}"
+    head = len(main.argv) - len(full)  # the sh -c prelude's words before $0
+    argv = main.argv[:head]
+    rest = main.argv[head + 2:]
+    changes.append(f"model {rest[0]} -> {model_path} (config.json only) + --load-format dummy --skip-tokenizer-init")
+    rest[0] = model_path
+    i = 1
+    args = [rest[0]]
+    while i < len(rest):
+        if rest[i] in OFFLOAD_FLAGS and not connector:
+            changes.append(f"baseline: dropped {rest[i]} {rest[i + 1]}")
+            i += 2
+            continue
+        args.append(rest[i])
+        i += 1
+    argv += ["vllm", "serve", *args, "--load-format", "dummy", "--skip-tokenizer-init"]
+    env = {**main.env, "VLLM_SERVER_DEV_MODE": "1", **(extra_env or {})}
+    changes.append("env VLLM_SERVER_DEV_MODE=1 (POST /reset_prefix_cache)")
+    changes += [f"env {k}={v}" for k, v in (extra_env or {}).items()]
+    containers[containers.index(main)] = main = dataclasses.replace(main, argv=argv, env=env)
+
+    files = _configmap_files(r, dirs)
+    lmcache = r.lmcache_config()
+    cfg_path = main.env.get("LMCACHE_CONFIG_FILE")
+    if lmcache is not None and cfg_path:
+        lmcache = _overridden(lmcache, lmcache_overrides, changes)
+        files[_host_path(main, cfg_path)] = yaml.safe_dump(lmcache, sort_keys=True)
+    if model_config is not None:
+        files[f"{models[0]}/{MODEL_DIR}/config.json"] = json.dumps(model_config, indent=2, sort_keys=True) + "\n"
+
+    x = next((c for c in containers if c.role == "exporter"), None)
+    port = int(flag(args, "--port") or 8000)
+    exporter_port = int((flag(x.argv, "--listen") or ":9400").rsplit(":", 1)[1]) if x else None
+    disk = flag(x.argv, "--disk-dir") if x else None
+    status = flag(x.argv, "--lmcache-server-url") if x and connector and r.sidecars else None
+    mp = main.env.get("PROMETHEUS_MULTIPROC_DIR")
+    memory = {n: quantity(s["emptyDir"]["sizeLimit"]) if (s["emptyDir"] or {}).get("sizeLimit") else None
+              for n, s in r.volumes.items() if (s.get("emptyDir") or {}).get("medium") == "Memory"}
+    fresh = sorted({d for n, d in dirs.items() if "hostPath" not in r.volumes[n] and n not in (kept or {})} | {disk_root})
+    return PodRun(containers=containers, volume_dirs=dirs, memory_volumes=memory, files=files, fresh_dirs=fresh,
+                  lmcache=lmcache if connector else None, multiproc_dir=_host_path(main, mp) if mp else None,
+                  disk_dir=_host_path(x, disk) if x and disk else None, port=port, exporter_port=exporter_port,
+                  status_url=status, changes=changes,
+                  host_path_volumes=tuple(n for n, src in r.volumes.items() if "hostPath" in src))
+
+
+def _host_path(c: PodContainer, path: str) -> str:
+    """Where a path inside container c lies on the host (through its longest matching mount)."""
+    for dest in sorted(c.mounts, key=len, reverse=True):
+        if path == dest or path.startswith(dest.rstrip("/") + "/"):
+            return c.mounts[dest][0] + path[len(dest.rstrip("/")):]
+    raise ManifestError(f"container {c.name}: {path} is on no volume")
 
 
 # Hugging Face config.json fields the catalog does not carry (it holds what KV sizing needs). Each

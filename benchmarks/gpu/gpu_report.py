@@ -151,6 +151,79 @@ def checks_table(run: dict[str, Any]) -> list[str]:
     return lines
 
 
+def token_check(run: dict[str, Any]) -> str:
+    """The token generated after each reload vs the one the same prompt gave from GPU memory (connector,
+    baseline) or when computed cold (disk run): KV that came back wrong gives another token."""
+    ph = run.get("phases", {})
+    ref, reloads = ("gpu", ["after_reset"]) if "gpu" in ph else ("cold", ["disk", "after_disk_reset"])
+    parts = []
+    for b in reloads:
+        got = [(x.get("output_token_ids"), y.get("output_token_ids")) for x, y in zip(ph.get(ref, []), ph.get(b, []))]
+        got = [(x, y) for x, y in got if x is not None and y is not None]
+        if got:
+            parts.append(f"{b} = {ref}: {sum(x == y for x, y in got)}/{len(got)}")
+    return "; ".join(parts) or "no tokens recorded"
+
+
+def cold_cost_rows(runs: dict[str, Any], baseline: str) -> list[str]:
+    """What storing into LMCache adds to a cold request, per LMCache setting (connector runs) against
+    the same engine without the connector; and whether the reload stayed as fast."""
+    base = med(runs.get(baseline, {}).get("phases", {}).get("cold"))
+    lines = ["| run | LMCache overrides | cold | vs no connector | LMCache store per request (copy / put) | after reset (reload) "
+             "| tokens |", "|---|---|---|---|---|---|---|"]
+    for tag, r in runs.items():
+        ph = r.get("phases", {})
+        if r.get("kind") != "connector" or not ph.get("cold") or r.get("backend") != "lmcache":
+            continue
+        cold = med(ph["cold"])
+        over = next((c.split("overrides ", 1)[1] for c in r.get("changes", []) if c.startswith("LMCache config overrides")), "-")
+        cost = "-" if base is None or cold is None else f"+{(cold / base - 1) * 100:.1f} %"
+        store = (f"{med(ph['cold'], 'lmcache_store_ms'):.0f} ms ({med(ph['cold'], 'lmcache_offload_ms'):.0f} / "
+                 f"{med(ph['cold'], 'lmcache_put_ms'):.0f})") if med(ph["cold"], "lmcache_store_ms") is not None else "-"
+        lines.append(f"| {tag} | `{over}` | {_s(cold)} | {cost} | {store} | {_s(med(ph.get('after_reset')))} | {token_check(r)} |")
+    lines.append(f"| {baseline} | (no connector) | {_s(base)} | - | - | "
+                 f"{_s(med(runs.get(baseline, {}).get('phases', {}).get('after_reset')))} (recompute) | |")
+    return lines
+
+
+def container_rows(runs: dict[str, Any]) -> list[str]:
+    """Each container of each pod run under crun: its limit, peaks, OOM kills and exit code."""
+    lines = ["| run | container | memory limit | memory.peak (max) | anon+shmem+kernel (max) | shmem (max) | OOM kills | exit |",
+             "|---|---|---|---|---|---|---|---|"]
+    for tag, r in runs.items():
+        if r.get("runtime") != "crun":
+            continue
+        mems = {"vllm": {"limit": r.get("memory_limit"), **r.get("memory", {})}, **r.get("sidecar_memory", {})}
+        for name, m in mems.items():
+            ev = r.get("memory_events", {}).get(name, {})
+            lines.append(f"| {tag} | {name} | {_gib(m.get('limit'))} | {_gib(m.get('max_cg_peak'))} | "
+                         f"{_gib(m.get('max_cg_anon_shmem_kernel'))} | {_gib(m.get('max_cg_shmem'))} | {ev.get('oom_kill', '-')} | "
+                         f"{r.get('exit_codes', {}).get(name, '-')} |")
+    return lines
+
+
+def pod_verdicts(run: dict[str, Any]) -> list[str]:
+    """OOM kills, each container's peak against its limit, and (lmcache-server) how KV travelled and
+    which container the L1's shared memory is charged to."""
+    out = []
+    kills = {n: e.get("oom_kill", 0) for n, e in run.get("memory_events", {}).items() if e.get("oom_kill", 0)}
+    out.append("OOM-killed: " + ", ".join(f"{n} ({k}x)" for n, k in kills.items()) if kills else "no OOM kill")
+    mems = {"vllm": {"limit": run.get("memory_limit"), **run.get("memory", {})}, **run.get("sidecar_memory", {})}
+    for name, m in mems.items():
+        if m.get("limit") and m.get("max_cg_peak"):
+            share = m["max_cg_peak"] / m["limit"]
+            out.append(f"{name}: memory.peak {m['max_cg_peak'] / GiB:.1f} GiB = {share:.0%} of its {m['limit'] / GiB:.1f} GiB limit")
+    for name, f in run.get("sidecar_log_facts", {}).items():
+        if f.get("transfer"):
+            out.append(f"{name}: KV transfer {', '.join(sorted(set(f['transfer'])))}")
+    shm = {n: m.get("max_cg_shmem", 0) for n, m in mems.items() if m.get("max_cg_shmem")}
+    if len(shm) > 1:
+        top = max(shm, key=shm.get)
+        out.append(f"shared memory charged to {top} ({shm[top] / GiB:.1f} GiB; "
+                   + ", ".join(f"{n} {v / GiB:.1f} GiB" for n, v in shm.items() if n != top) + ")")
+    return out
+
+
 def plan_rows(plans: dict[str, Any], runs: dict[str, Any], group: str) -> list[str]:
     """The plan's reload/recompute for the prompt vs the measured medians."""
     con, base, disk = (runs.get(f"{k}-{group}", {}).get("phases", {}) for k in ("connector", "baseline", "disk"))
@@ -219,6 +292,13 @@ def report(results: list[dict[str, Any]], plans: dict[str, dict[str, Any]]) -> s
             out += [f"Per-rank split (connector run, {group}):", ""] + per_rank(runs[f"connector-{group}"]) + [""]
     out += ["### Host memory while the engine ran", ""] + memory_table(runs) + [""]
     out += [f"- {tag}: {memory_verdict(r)}" for tag, r in runs.items()] + [""]
+    base = next((t for t, r in runs.items() if r.get("kind") == "baseline" and r.get("runtime") == "crun"), None)
+    if base:
+        out += ["### Cold-request cost of storing into LMCache, by setting", ""] + cold_cost_rows(runs, base) + [""]
+    if any(r.get("runtime") == "crun" for r in runs.values()):
+        out += ["### Each container under crun (the captured OCI spec's limits, enforced)", ""] + container_rows(runs) + [""]
+        out += [f"- {tag}: tokens {token_check(r)}; " + "; ".join(pod_verdicts(r)) for tag, r in runs.items()
+                if r.get("runtime") == "crun"] + [""]
     for tag, r in runs.items():
         if r.get("checks"):
             bad = [f"`{c['metric']}{{{c['labels']}}}`" for c in r.get("disagreements", [])]

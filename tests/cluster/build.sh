@@ -4,45 +4,20 @@
 # rebuilt only when missing. Safe to run repeatedly; prints the bin directory.
 set -euo pipefail
 
-K8S_VERSION="${K8S_VERSION:-1.37.2}"
+# shellcheck source=tests/cluster/k8s-module.sh
+source "$(dirname "$0")/k8s-module.sh"
 KWOK_VERSION="${KWOK_VERSION:-v0.8.0}"
 HELM_VERSION="${HELM_VERSION:-v4.3.1}"
-CACHE="${KVO_CACHE:-$HOME/.cache/kvoffload}"
 BIN="$CACHE/bin-k8s-v$K8S_VERSION-kwok-$KWOK_VERSION-helm-$HELM_VERSION"
 WORK="$CACHE/src"
-export GOFLAGS="${GOFLAGS:--buildvcs=false}" CGO_ENABLED=0
 mkdir -p "$BIN" "$WORK"
-log() { echo "[build $(date +%T)] $*" >&2; }
 
 build_k8s() {
   [ -x "$BIN/kube-apiserver" ] && [ -x "$BIN/kube-controller-manager" ] && [ -x "$BIN/kube-scheduler" ] && return
   log "kube-apiserver/controller-manager/scheduler v$K8S_VERSION"
-  local d="$WORK/k8s-$K8S_VERSION"; rm -rf "$d"; mkdir -p "$d"; cd "$d"
-  go mod init example.invalid/k8sbin >/dev/null 2>&1
-  go mod edit -go=1.26 -require="k8s.io/kubernetes@v$K8S_VERSION"
-  local kgomod
-  kgomod=$(go mod download -json "k8s.io/kubernetes@v$K8S_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["GoMod"])')
-  # Every staging module k8s.io/<m> => ./staging/... becomes k8s.io/<m>@v0.<minor>.<patch>.
-  sed -n 's|^[[:space:]]*\(k8s\.io/[^ ]*\) => \./staging/src/.*|\1|p' "$kgomod" |
-    while read -r m; do go mod edit -replace="$m=$m@v0.${K8S_VERSION#1.}"; done
-  grep -E '^godebug' "$kgomod" >> go.mod || true
-  cat > tools.go <<'GO'
-//go:build tools
-package tools
-import (
-	_ "k8s.io/kubernetes/cmd/kube-apiserver"
-	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
-	_ "k8s.io/kubernetes/cmd/kube-scheduler"
-)
-GO
-  go mod tidy
-  local minor; minor=$(echo "$K8S_VERSION" | cut -d. -f2)
-  go build -p 2 -trimpath -o "$BIN/" -ldflags "-s -w \
-    -X k8s.io/component-base/version.gitVersion=v$K8S_VERSION \
-    -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor \
-    -X k8s.io/component-base/version.gitTreeState=clean \
-    -X k8s.io/client-go/pkg/version.gitVersion=v$K8S_VERSION" \
-    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler
+  local cmds=(k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler)
+  k8s_module "$WORK/k8s-$K8S_VERSION" "${cmds[@]}"
+  k8s_build "$BIN" "${cmds[@]}"
 }
 
 build_etcd() {

@@ -103,14 +103,12 @@ def test_operator_image_runs_as_the_chart_runs_it(operator_image):
     assert cp.stdout.split("\n")[:2] == ["65532", "65532"], cp.stdout + cp.stderr
     assert re.search(r"CapEff:\s+0+\n", cp.stdout) and re.search(r"NoNewPrivs:\s+1", cp.stdout), cp.stdout
     assert "Read-only file system" in cp.stdout and cp.stdout.rstrip().endswith("read-only"), cp.stdout
-    # `kvoffload plan` in the image gives what this checkout's code gives: the image holds this operator.
-    plan = ["plan", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--context", "65536", "--cpu-tier", "40Gi",
-            "--disk-tier", "200Gi", "--output", "json"]
+    # The README's `kvoffload plan` in the image prints what this checkout's code prints: the image holds this operator.
+    plan = shlex.split(next(c for c in commands() if c.startswith("kvoffload plan ")))[1:]
     cp = run(operator_image, *plan, user=CHART_USER)
     assert cp.returncode == 0, cp.stderr
     here = subprocess.run([sys.executable, "-m", "kvoffload.cli", *plan], capture_output=True, text=True, check=True)
-    assert json.loads(cp.stdout) == json.loads(here.stdout)
-    assert json.loads(cp.stdout)["inputs"]["cpuTier"] == 40 * 2**30
+    assert cp.stdout == here.stdout and "40" in cp.stdout
 
 
 def test_operator_image_serves_the_exporter_read_only(operator_image, tmp_path):
@@ -313,7 +311,9 @@ class PodmanPod:
 
     def remove(self) -> None:
         names = [f"{self.name}-{c['name']}" for c in self.spec.get("initContainers", []) + self.spec["containers"]]
-        images.podman("rm", "-f", "-t", "0", *names, f"{self.name}-infra", check=False)
+        for batch in (names, [f"{self.name}-infra"]):  # the namespace holder last: the others depend on it
+            cp = images.podman("rm", "-f", "-t", "0", "--ignore", *batch, check=False)
+            assert cp.returncode == 0, cp.stderr
         shutil.rmtree(self.shm, ignore_errors=True)
 
 

@@ -16,7 +16,6 @@ from kvtest.specs import children_by_name, serve, wait_condition, wait_ready
 pytestmark = pytest.mark.cluster
 
 SMALL = serve("svc")
-GPU_NODES = {"gpu-node-0", "gpu-node-1", "gpu-node-2", "workstation-0"}
 
 
 def test_create_runs_on_gpu_nodes_and_reports_the_budget(cluster, namespace, operator):
@@ -30,7 +29,9 @@ def test_create_runs_on_gpu_nodes_and_reports_the_budget(cluster, namespace, ope
         assert ref["uid"] == obj["metadata"]["uid"] and ref["controller"]
     pods = cluster.client.list("pods", namespace)
     assert len(pods) == 1 and pods[0]["status"]["phase"] == "Running"
-    assert pods[0]["spec"]["nodeName"] in {"gpu-node-0", "gpu-node-1", "gpu-node-2"}  # NVMe nodes only
+    nvme = {n["metadata"]["name"] for n in cluster.client.list("nodes", labels={"kvoffload.io/nvme": "true"})
+            if n["metadata"]["name"].startswith("gpu-node-")}  # the fleet's servers (tests/cluster/nodes.yaml)
+    assert nvme and pods[0]["spec"]["nodeName"] in nvme  # NVMe nodes only
     st = obj["status"]
     assert condition(obj, "ConfigValid")["status"] == "True" and condition(obj, "Scheduled")["status"] == "True"
     assert condition(obj, "DiskTierReady")["status"] == "True"

@@ -279,9 +279,11 @@ def test_image_versions_are_checked_with_the_key_named(bad):
     assert err.value.field == "operator config imageVersions['img']"
 
 
-def test_exporter_image_follows_the_operator_image_unless_set(helm):
+def test_exporter_image_follows_the_operator_repository_at_the_app_version_unless_set(helm):
+    # Not image.tag: a new operator image alone must roll no serving pod (tests/integration/test_real_node.py).
     cfg = operator_config(helm.render("--set", "image.repository=registry.local/kvo", "--set", "image.tag=9.9.9"))
-    assert cfg["exporterImage"] == "registry.local/kvo:9.9.9"
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert cfg["exporterImage"] == f"registry.local/kvo:{app_version}"
     cfg = operator_config(helm.render("--set", "operator.config.exporterImage=other/exporter:1"))
     assert cfg["exporterImage"] == "other/exporter:1"
 

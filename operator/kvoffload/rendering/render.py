@@ -244,7 +244,11 @@ def _exporter_container(owner: Owner, spec: Spec, budget: Budget, settings: Sett
         "imagePullPolicy": settings.exporter_image_pull_policy,
         "command": ["kvoffload"],
         "args": args,
-        "env": [field_env("POD_IP", "status.podIP")],
+        # kubelet expands the disk mount's subPathExpr from this container's own env, and refuses to
+        # create the container when a variable is missing (CreateContainerConfigError).
+        "env": [field_env("POD_IP", "status.podIP"),
+                *([field_env("POD_NAME", "metadata.name"), field_env("POD_NAMESPACE", "metadata.namespace")]
+                  if spec.offload.disk and spec.offload.disk.path else [])],
         "ports": [{"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "20m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}},
         "volumeMounts": mounts,

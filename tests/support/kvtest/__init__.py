@@ -7,6 +7,7 @@
   kvtest.components  one table: each control-plane component's ports, flags and health check
   kvtest.client      Client: the one API client of the tests (JSON over HTTPS, kubectl-style resource names)
   kvtest.cluster     Cluster: up/down/status, one component's stop/start/restart, its client, kubectl and helm
+  kvtest.node        the real node (containerd, runc, CNI bridge, kubelet, kube-proxy): host set-up, guard, teardown
   kvtest.operator    the operator as a subprocess (`kvoffload run`), the CRD installed
   kvtest.exporter    stand-ins for vLLM and LMCache, the exporter as a subprocess
   kvtest.readme      the commands the README shows
@@ -15,12 +16,14 @@
   python -m kvtest up|down|status   the CLI behind `make cluster-up/down/status`
 """
 
+from . import node
 from .client import ApiError, Client, condition
 from .cluster import Cluster, ClusterError, KubectlError
 from .fleet import load_fleet, make_fleet
 from .operator import OperatorProcess, sentinel
-from .paths import ROOT, bin_dir, missing_binaries
+from .paths import ROOT, bin_dir, missing_binaries, missing_node_binaries
 from .procs import listening_sockets, proc_stat, wait_until
 
 __all__ = ["ROOT", "ApiError", "Client", "Cluster", "ClusterError", "KubectlError", "OperatorProcess", "bin_dir", "listening_sockets",
-           "load_fleet", "make_fleet", "missing_binaries", "proc_stat", "condition", "sentinel", "wait_until"]
+           "load_fleet", "make_fleet", "missing_binaries", "missing_node_binaries", "node", "proc_stat", "condition",
+           "sentinel", "wait_until"]

@@ -12,12 +12,22 @@ from .fleet import load_fleet
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvtest", description="A real local Kubernetes control plane for tests and the demo.")
-    ap.add_argument("command", choices=["up", "down", "status", "bin-dir"])
+    ap.add_argument("command", choices=["up", "down", "status", "bin-dir", "load-images"])
+    ap.add_argument("images", nargs="*", help="load-images: operator, serving and/or standin (kvtest.images) into the real node")
     ap.add_argument("--nodes-config", help="fleet YAML (default tests/cluster/nodes.yaml)")
+    ap.add_argument("--real-node", action="store_true",
+                    help="a real kubelet + containerd node beside the kwok fleet (root; tests/cluster/build-node.sh)")
     a = ap.parse_args(argv)
-    c = Cluster()
+    c = Cluster(real_node=True) if a.real_node else Cluster()
     if a.command == "bin-dir":  # for shell scripts (demo.sh): where helm and the control plane live
         print(c.bin)
+        return 0
+    if a.command == "load-images":  # podman images into the running real node (demo.sh)
+        if not c.real_node:
+            ap.error(f"the cluster in {c.dir} has no real node (kvtest up --real-node)")
+        from . import node
+
+        log(f"loaded {node.load_images(c, a.images) or 'nothing new'}")
         return 0
     if a.command == "up":
         t0 = time.monotonic()

@@ -72,7 +72,8 @@ class Resource:
 
 class Client:
     def __init__(self, port: int, ca: Path, cert: tuple[Path, Path] | None = None, token: str | None = None,
-                 impersonate: str | None = None, timeout: float = 30) -> None:
+                 impersonate: str | None = None, timeout: float = 30, host: str = LOOPBACK) -> None:
+        self.host = host  # 127.0.0.1, or the real node's bridge address (kvtest.node)
         self.port = port
         self.ca = ca
         self.cert = cert
@@ -88,11 +89,12 @@ class Client:
     # ------------------------------------------------------------------------------------ identities
     def as_token(self, token: str) -> Client:
         """The same API server as a bearer token's identity (a ServiceAccount), no client certificate."""
-        return Client(self.port, self.ca, token=token, timeout=self.timeout)
+        return Client(self.port, self.ca, token=token, timeout=self.timeout, host=self.host)
 
     def as_user(self, user: str) -> Client:
         """Impersonate `user` (e.g. system:serviceaccount:ns:sa), as `kubectl --as` does."""
-        return Client(self.port, self.ca, self.cert, self.token, impersonate=user, timeout=self.timeout)
+        return Client(self.port, self.ca, self.cert, self.token, impersonate=user, timeout=self.timeout,
+                      host=self.host)
 
     # ------------------------------------------------------------------------------------ raw
     def _send(self, method: str, path: str, body: Any, content_type: str | None, params: dict | None,
@@ -108,7 +110,7 @@ class Client:
         if body is not None:
             data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
             headers["Content-Type"] = content_type or "application/json"
-        conn = http.client.HTTPSConnection(LOOPBACK, self.port, context=self._ssl,
+        conn = http.client.HTTPSConnection(self.host, self.port, context=self._ssl,
                                            timeout=timeout or self.timeout)
         conn.request(method, path, body=data, headers=headers)
         return conn, conn.getresponse()

@@ -2,7 +2,9 @@
 
 etcd + kube-apiserver + kube-controller-manager + kube-scheduler + kwok (fake GPU nodes), all bound
 to 127.0.0.1, run from the binaries that tests/cluster/build.sh caches; `components.COMPONENTS` says
-how each one runs.
+how each one runs. With `real_node` (env KVO_REAL_NODE=1, `kvtest up --real-node`) a real kubelet +
+containerd node joins beside the fleet (kvtest.node, tests/cluster/build-node.sh) and the API server
+binds the node's bridge address 198.18.0.1 instead.
 
 State (default <repository>/.cluster, env KVO_CLUSTER_DIR):
   kubeconfig            admin kubeconfig (CN=kvoffload-admin, O=system:masters)
@@ -13,6 +15,7 @@ State (default <repository>/.cluster, env KVO_CLUSTER_DIR):
   logs/<component>.log  stdout+stderr of each component
   kwok.yaml             kwok Stage objects (from $BIN/kwok-stages)
   nodes.json            the Node objects created for the fleet
+  node/                 the real node's configs, kubelet root dir, CNI state, pod logs
   .lock                 flock serialising up/down between processes
 """
 
@@ -36,13 +39,26 @@ from typing import Any, Iterable
 
 import yaml
 
-from . import procs
+from . import node, procs
 from .client import ApiError, Client
-from .components import BY_NAME, COMPONENTS, KWOK_POD_CIDR, SERVICE_CIDR, STAGES
+from .components import BY_NAME, COMPONENTS, KWOK_POD_CIDR, NODE_COMPONENTS, NODE_STAGES, SERVICE_CIDR, STAGES
 from .fleet import NODE_IP_BASE, load_fleet, node_addresses, node_pod_cidr, render_nodes
-from .paths import HELM_VERSION, K8S_VERSION, KWOK_VERSION, ROOT, bin_dir, kubectl_path, missing_binaries, state_dir
-from .pki import write_kubeconfig, write_pki
+from .paths import (
+    HELM_VERSION,
+    K8S_VERSION,
+    KWOK_VERSION,
+    ROOT,
+    bin_dir,
+    kubectl_path,
+    missing_binaries,
+    missing_node_binaries,
+    node_bin_dir,
+    state_dir,
+)
+from .pki import KUBERNETES_SERVICE_IP, write_kubeconfig, write_pki
 from .procs import LOOPBACK, alive, wait_until
+
+NODE_NAMES = {comp.name for comp in NODE_COMPONENTS}
 
 
 def log(msg: str) -> None:
@@ -63,12 +79,31 @@ class KubectlError(subprocess.CalledProcessError):
 class Cluster:
     dir: Path = field(default_factory=state_dir)
     bin: Path = field(default_factory=bin_dir)
+    # A real node (kvtest.node) beside the kwok fleet: env KVO_REAL_NODE=1, or `kvtest up --real-node`.
+    real_node: bool = field(default_factory=lambda: os.environ.get("KVO_REAL_NODE") == "1")
     _client: Client | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.state().get("processes") and self.state().get("real_node"):
+            self.real_node = True  # a running cluster's node is part of it, whatever the environment says
 
     # ------------------------------------------------------------------------------------ paths, state
     @property
     def kubeconfig(self) -> Path:
         return self.dir / "kubeconfig"
+
+    @property
+    def api_host(self) -> str:
+        """Where the API server binds: loopback, or the real node's bridge address."""
+        return node.BRIDGE_IP if self.real_node else LOOPBACK
+
+    @property
+    def service_cidr(self) -> str:
+        return node.SERVICE_CIDR if self.real_node else SERVICE_CIDR
+
+    @property
+    def components(self) -> tuple:
+        return COMPONENTS + NODE_COMPONENTS if self.real_node else COMPONENTS
 
     @property
     def pki(self) -> Path:
@@ -143,7 +178,8 @@ class Cluster:
         """The tests' API client, as the admin (cached per apiserver port: discovery is kept)."""
         port = self.state()["ports"]["kube-apiserver"]
         if self._client is None or self._client.port != port:
-            self._client = Client(port, self.pki / "ca.crt", (self.pki / "admin.crt", self.pki / "admin.key"))
+            self._client = Client(port, self.pki / "ca.crt", (self.pki / "admin.crt", self.pki / "admin.key"),
+                                  host=self.state().get("api_host", LOOPBACK))
         return self._client
 
     def request(self, method: str, path: str, port: int, timeout: float = 10) -> tuple[int, Any]:
@@ -175,7 +211,7 @@ class Cluster:
         st = self.state()
         recs, ports = st.get("processes", {}), st.get("ports", {})
         out: dict[str, tuple[bool, str]] = {}
-        for comp in COMPONENTS:
+        for comp in self.components:
             rec = recs.get(comp.name)
             if not rec or not alive(rec):
                 out[comp.name] = (False, "not running")
@@ -194,7 +230,7 @@ class Cluster:
         """All recorded processes alive and the apiserver ready (cheap reuse check)."""
         st = self.state()
         recs = st.get("processes", {})
-        if not st or any(c.name not in recs or not alive(recs[c.name]) for c in COMPONENTS):
+        if not st or any(c.name not in recs or not alive(recs[c.name]) for c in self.components):
             return False
         with contextlib.suppress(Exception):
             self.client.request("GET", "/readyz", timeout=3)  # raises unless 2xx
@@ -342,15 +378,20 @@ class Cluster:
         missing = missing_binaries(self.bin)
         if missing:
             raise ClusterError(f"missing binaries in {self.bin}: {missing}; run tests/cluster/build.sh")
+        if self.real_node and missing_node_binaries():
+            raise ClusterError(f"the real node needs {missing_node_binaries()} ({node_bin_dir()}); "
+                               f"run tests/cluster/build-node.sh and make system-deps")
         self._stop(quiet=True)  # a half-dead earlier cluster: kill what is left of it
         for attempt in range(2):
             try:
                 self._start_once(pools)
                 return
-            except ClusterError as exc:
+            except Exception as exc:  # noqa: BLE001 - whatever failed, nothing it started may stay behind
                 log(f"start failed ({exc}); stopping what started")
-                self._stop(quiet=True)
-                if attempt == 1:
+                problems = self._stop(quiet=True)
+                if problems:
+                    log(f"stopping after the failed start: {problems}")
+                if attempt == 1 or not isinstance(exc, ClusterError):  # a component that exited early: once more
                     raise
 
     def _start_once(self, pools: list[dict]) -> None:
@@ -363,20 +404,28 @@ class Cluster:
                 (d / f).unlink()
         (d / "logs").mkdir(parents=True)
         (d / "etcd").mkdir(mode=0o700)
-        write_pki(self.pki)
+        st = {"dir": str(d), "bin": str(self.bin), "kubeconfig": str(self.kubeconfig), "processes": {},
+              "real_node": self.real_node, "api_host": self.api_host}
+        self._save(st)
+        if self.real_node:
+            node.host_up(self, st)  # the bridge first: the API server binds on it
+            write_pki(self.pki, api_ips=(LOOPBACK, node.BRIDGE_IP, node.KUBERNETES_SERVICE_IP),
+                      node=(node.NAME, node.BRIDGE_IP))
+        else:
+            write_pki(self.pki, api_ips=(LOOPBACK, KUBERNETES_SERVICE_IP))
         self._client = None  # new certificates: a cached client's TLS context holds the old ones
-        names = [name for comp in COMPONENTS for name in comp.ports]
+        names = [name for comp in self.components for name in comp.ports]
         ports = dict(zip(names, procs.free_ports(len(names))))
-        server = f"https://{LOOPBACK}:{ports['kube-apiserver']}"
+        server = f"https://{self.api_host}:{ports['kube-apiserver']}"
         write_kubeconfig(self.kubeconfig, server, self.pki, "admin")
         for user in ("kube-controller-manager", "kube-scheduler", "kwok"):
             write_kubeconfig(d / "kubeconfigs" / f"{user}.kubeconfig", server, self.pki, user)
         self._write_kwok_config()
-        st = {"dir": str(d), "bin": str(self.bin), "kubeconfig": str(self.kubeconfig),
-              "server": server, "ports": ports, "processes": {}, "service_cidr": SERVICE_CIDR,
-              "pod_cidr": KWOK_POD_CIDR, "versions": {"kubernetes": K8S_VERSION,
-                                                      "kwok": KWOK_VERSION, "helm": HELM_VERSION},
-              "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        if self.real_node:
+            node.write_configs(self, ports, server)
+        st.update({"server": server, "ports": ports, "service_cidr": self.service_cidr, "pod_cidr": KWOK_POD_CIDR,
+                   "versions": {"kubernetes": K8S_VERSION, "kwok": KWOK_VERSION, "helm": HELM_VERSION},
+                   "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         self._save(st)
         timings: dict[str, float] = {"pki": round(time.monotonic() - t0, 2)}
         node_names: list[str] = []
@@ -396,10 +445,36 @@ class Cluster:
                    and self.client.exists("configmap", "kube-root-ca.crt", "default"),
                    timeout=60, interval=0.2, message="default ServiceAccount and kube-root-ca.crt")
         timings["ready"] = round(time.monotonic() - t0, 2)
+        if self.real_node:
+            self._start_node(st, timings, t0)
         st["timings"] = timings
         st["startup_seconds"] = timings["ready"]
         self._save(st)
         log(f"cluster up in {timings['ready']:.1f}s ({timings})")
+
+    def _start_node(self, st: dict, timings: dict[str, float], t0: float) -> None:
+        """containerd (the pause image imported), then kubelet and kube-proxy; the node Ready, then the
+        host's sysctls put back and the stand-in GPUs advertised (kvtest.node)."""
+        t_node = time.monotonic()
+        for stage in NODE_STAGES:
+            for comp in stage:
+                self._spawn(st, comp, BY_NAME[comp].flags(self, st["ports"]))
+            for comp in stage:
+                self._wait_ready(st, comp, BY_NAME[comp].start_timeout)
+            if stage == ("containerd",):
+                node.import_pause(self)
+        wait_until(lambda: self._watch(st, "kubelet") and node.NAME in self.ready_nodes(), timeout=90,
+                   interval=0.2, message=f"{node.NAME} Ready")
+        st["node"] = node.after_ready(self)
+        timings["real_node_ready"] = round(time.monotonic() - t_node, 2)
+        timings["ready"] = round(time.monotonic() - t0, 2)
+
+    @staticmethod
+    def _node_env() -> dict[str, str]:
+        """The node's processes find the shim, nft, iptables, mount and the runtime on PATH."""
+        env = Cluster._component_env()
+        env["PATH"] = f"{node_bin_dir()}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        return env
 
     def _wait_ready(self, st: dict, comp: str, timeout: float) -> None:
         c = BY_NAME[comp]
@@ -419,14 +494,16 @@ class Cluster:
 
     def _spawn(self, st: dict, comp: str, args: list[str]) -> None:
         logf = self.dir / "logs" / f"{comp}.log"
+        exe = (node_bin_dir() if comp in NODE_NAMES else self.bin) / comp
         with open(logf, "ab") as out:
-            p = subprocess.Popen([str(self.bin / comp), *args], stdin=subprocess.DEVNULL,
+            p = subprocess.Popen([str(exe), *args], stdin=subprocess.DEVNULL,
                                  stdout=out, stderr=subprocess.STDOUT, cwd=self.dir,
-                                 start_new_session=True, env=self._component_env())
+                                 start_new_session=True,
+                                 env=self._node_env() if comp in NODE_NAMES else self._component_env())
         procs.CHILDREN[p.pid] = p
         stat = procs.proc_stat(p.pid)
         st["processes"][comp] = {"pid": p.pid, "pgid": p.pid, "starttime": stat[2] if stat else 0,
-                                 "log": str(logf), "cmd": [str(self.bin / comp), *args]}
+                                 "log": str(logf), "cmd": [str(exe), *args]}
         self._save(st)
 
     @staticmethod
@@ -454,7 +531,21 @@ class Cluster:
         """Kill every recorded process group (reverse start order); verify; return problems."""
         st = self.state()
         recs = st.get("processes", {})
-        order = [c.name for c in reversed(COMPONENTS) if c.name in recs] + [c for c in recs if c not in BY_NAME]
+        order = [c.name for c in reversed(COMPONENTS + NODE_COMPONENTS) if c.name in recs]
+        order += [c for c in recs if c not in BY_NAME]
+        if "containerd" in recs and alive(recs["containerd"]):
+            # kubelet and kube-proxy first (no pod restarted behind our back), then every pod while
+            # containerd can still remove them.
+            for comp in ("kubelet", "kube-proxy"):
+                if comp in recs:
+                    procs.kill(recs[comp], signal.SIGTERM)
+            with contextlib.suppress(TimeoutError):
+                wait_until(lambda: not any(alive(recs[k]) for k in ("kubelet", "kube-proxy") if k in recs),
+                           timeout=15, interval=0.1)
+            try:
+                node.remove_pods(self)
+            except Exception as exc:  # noqa: BLE001 - host_down still kills them by PID
+                log(f"removing the node's pods through containerd: {exc}")
         for comp in order:
             procs.kill(recs[comp], signal.SIGTERM)
         deadline = time.monotonic() + 15
@@ -490,6 +581,9 @@ class Cluster:
                 break
             time.sleep(0.1)
         problems += [f"port still bound: {b}" for b in bound]
+        if st.get("host"):
+            problems += node.host_down(self, st)
+            self._save(st)
         if recs:
             st["processes"] = {}
             st["stopped_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -520,7 +614,7 @@ class Cluster:
                  f"startup {st.get('startup_seconds')}s)",
                  f"kubeconfig: {self.kubeconfig}", f"server: {st['server']}",
                  f"{'COMPONENT':25} {'PID':>7} {'PORT':>12} {'RSS MiB':>8}  HEALTH"]
-        for comp in COMPONENTS:
+        for comp in self.components:
             ok, detail = health.get(comp.name, (False, "?"))
             pid = st["processes"].get(comp.name, {}).get("pid", "-")
             port = ",".join(str(ports[k]) for k in comp.ports) or "-"

@@ -12,6 +12,7 @@ import http.client
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from . import node
 from .client import ApiError
 from .fleet import KWOK_ANNOTATION
 from .procs import LOOPBACK
@@ -58,17 +59,27 @@ def _etcd_flags(c: Cluster, p: Ports) -> list[str]:
 
 def _apiserver_flags(c: Cluster, p: Ports) -> list[str]:
     k = c.pki
+    if c.real_node:
+        # Bound to the bridge: kubelet, kube-proxy and the pods (through the `kubernetes` Service's
+        # Endpoints, which refuse loopback) reach it there; the Node authorizer for the kubelet.
+        node_flags = ["--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
+                      f"--kubelet-client-certificate={k / 'apiserver-kubelet-client.crt'}",
+                      f"--kubelet-client-key={k / 'apiserver-kubelet-client.key'}",
+                      f"--kubelet-certificate-authority={k / 'ca.crt'}"]
+    else:
+        # No Endpoints for the `kubernetes` Service (its only address would be loopback).
+        node_flags = ["--authorization-mode=RBAC", "--endpoint-reconciler-type=none"]
     return [
+        *node_flags,
         f"--etcd-servers=http://{LOOPBACK}:{p['etcd-client']}",
-        f"--bind-address={LOOPBACK}", f"--advertise-address={LOOPBACK}",
+        f"--bind-address={c.api_host}", f"--advertise-address={c.api_host}",
         f"--secure-port={p['kube-apiserver']}", f"--cert-dir={k}",
         f"--tls-cert-file={k / 'apiserver.crt'}", f"--tls-private-key-file={k / 'apiserver.key'}",
         f"--client-ca-file={k / 'ca.crt'}",
-        "--authorization-mode=RBAC",
-        f"--service-account-issuer=https://{LOOPBACK}:{p['kube-apiserver']}",
+        f"--service-account-issuer=https://{c.api_host}:{p['kube-apiserver']}",
         f"--service-account-key-file={k / 'sa.pub'}",
         f"--service-account-signing-key-file={k / 'sa.key'}",
-        f"--service-cluster-ip-range={SERVICE_CIDR}",
+        f"--service-cluster-ip-range={c.service_cidr}",
         "--allow-privileged=true",
         f"--requestheader-client-ca-file={k / 'front-proxy-ca.crt'}",
         "--requestheader-allowed-names=front-proxy-client",
@@ -77,8 +88,6 @@ def _apiserver_flags(c: Cluster, p: Ports) -> list[str]:
         "--requestheader-extra-headers-prefix=X-Remote-Extra-",
         f"--proxy-client-cert-file={k / 'front-proxy-client.crt'}",
         f"--proxy-client-key-file={k / 'front-proxy-client.key'}",
-        # No Endpoints for the `kubernetes` Service (its only address would be loopback).
-        "--endpoint-reconciler-type=none",
         # logs/exec/port-forward would dial the node's InternalIP (loopback), never a
         # Hostname that needs DNS.
         "--kubelet-preferred-address-types=InternalIP",
@@ -107,7 +116,7 @@ def _kcm_flags(c: Cluster, p: Ports) -> list[str]:
         f"--cluster-signing-cert-file={k / 'ca.crt'}", f"--cluster-signing-key-file={k / 'ca.key'}",
         "--use-service-account-credentials=true", "--leader-elect=false",
         "--controllers=*", "--allocate-node-cidrs=false",
-        f"--service-cluster-ip-range={SERVICE_CIDR}",
+        f"--service-cluster-ip-range={c.service_cidr}",
         "--kube-api-qps=200", "--kube-api-burst=400", "--profiling=false",
     ]
 
@@ -179,6 +188,14 @@ COMPONENTS = (
     # Started with the controllers; the nodes it drives becoming Ready is the start-up's last wait.
     Component("kwok", (), _kwok_flags, _kwok_health, start_timeout=60, ready=lambda c, p: True),
 )
-BY_NAME = {comp.name: comp for comp in COMPONENTS}
+# The real node (kvtest.node), after the control plane: the runtime, then kubelet and kube-proxy.
+NODE_COMPONENTS = (
+    Component("containerd", (), node.containerd_flags, node.containerd_health, start_timeout=90),
+    Component("kubelet", ("kubelet", "kubelet-healthz"), node.kubelet_flags, node.kubelet_health, start_timeout=60),
+    Component("kube-proxy", ("kube-proxy-healthz", "kube-proxy-metrics"), node.kube_proxy_flags,
+              node.kube_proxy_health, start_timeout=60),
+)
+BY_NAME = {comp.name: comp for comp in COMPONENTS + NODE_COMPONENTS}
 # Start-up stages: each waits until its components are ready before the next starts.
 STAGES = (("etcd",), ("kube-apiserver",), ("kube-controller-manager", "kube-scheduler", "kwok"))
+NODE_STAGES = (("containerd",), ("kubelet", "kube-proxy"))

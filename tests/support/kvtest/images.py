@@ -68,6 +68,9 @@ LOGS = CACHE / "image-builds"  # the last build's output per tag
 ARCHIVES = CACHE / "image-archives"  # docker-archive tars for containerd (save)
 
 
+REPLACED: list[str] = []  # ids of images a build untagged, removed once the chain is rebuilt
+
+
 class BuildFailed(RuntimeError):
     def __init__(self, message: str, output: str) -> None:
         super().__init__(message)
@@ -202,6 +205,7 @@ def python_base() -> str:
     tar = rootfs()
     key = hashlib.sha256(f"{tar}:{tar.stat().st_size}:{tar.stat().st_mtime_ns}".encode()).hexdigest()[:16]
     if label(PYTHON_BASE, KEY_LABEL) != key:
+        REPLACED.extend([i for i in [image_id(PYTHON_BASE)] if i])
         podman("import", "--change", f"LABEL {KEY_LABEL}={key}", "--change", 'CMD ["python3"]',
                str(tar), PYTHON_BASE)
         log(f"imported {PYTHON_BASE}")
@@ -224,8 +228,10 @@ def build_image(img: Image, force: bool = False) -> subprocess.CompletedProcess 
     key = build_key(img)
     if not force and label(img.tag, KEY_LABEL) == key:
         return None
-    # docker format: the OCI format drops SHELL, and the serving Dockerfile's pipefail with it.
-    cmd = ["build", "--format=docker", "--force-rm", "--network=none", "--pull=never", *RUN_LIMITS,
+    # docker format: the OCI format drops SHELL, and the serving Dockerfile's pipefail with it. No
+    # intermediate images (--layers=false): the build key is the cache, and intermediates would keep a
+    # replaced 8 GiB base alive.
+    cmd = ["build", "--format=docker", "--layers=false", "--force-rm", "--network=none", "--pull=never", *RUN_LIMITS,
            "-f", str(img.dockerfile), "-t", img.tag,
            "--label", f"{KEY_LABEL}={key}"]
     if img.base:
@@ -245,7 +251,7 @@ def build_image(img: Image, force: bool = False) -> subprocess.CompletedProcess 
                           cp.stdout + cp.stderr)
     log(f"built {img.tag} in {time.monotonic() - t0:.0f}s, {size(img.tag) / 2**30:.2f} GiB")
     if replaced and replaced != image_id(img.tag):
-        podman("rmi", replaced, check=False)  # the previous build of this tag (kept while an image uses it)
+        REPLACED.append(replaced)
     return cp
 
 
@@ -258,6 +264,8 @@ def build(name: str) -> str:
     for step in chain:
         with locked(f"image-{step}"):
             build_image(table[step])
+    while REPLACED:  # the previous builds of these tags, images built on them first
+        podman("rmi", REPLACED.pop(), check=False)
     return table[name].tag
 
 

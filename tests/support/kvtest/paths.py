@@ -55,3 +55,22 @@ def missing_binaries(bdir: Path | None = None) -> list[str]:
     except FileNotFoundError:
         missing.append("kubectl")
     return missing
+
+
+CONTAINERD_VERSION = os.environ.get("CONTAINERD_VERSION", "v2.4.2")
+CNI_VERSION = os.environ.get("CNI_VERSION", "v1.10.0")
+NODE_BINARIES = ("kubelet", "kube-proxy", "containerd", "ctr", "containerd-shim-runc-v2",
+                 "cni/bridge", "cni/host-local", "cni/loopback", "cni/portmap", "pause/pause")
+
+
+def node_bin_dir() -> Path:
+    """Where build-node.sh puts the real node's binaries (env KVO_NODE_BIN_DIR overrides)."""
+    if os.environ.get("KVO_NODE_BIN_DIR"):
+        return Path(os.environ["KVO_NODE_BIN_DIR"]).resolve()
+    cache = Path(os.environ.get("KVO_CACHE", Path.home() / ".cache" / "kvoffload"))
+    return cache / f"node-k8s-v{K8S_VERSION}-containerd-{CONTAINERD_VERSION}-cni-{CNI_VERSION}"
+
+
+def missing_node_binaries() -> list[str]:
+    missing = [b for b in NODE_BINARIES if not os.access(node_bin_dir() / b, os.X_OK)]
+    return missing + [t for t in ("nft", "ip", "iptables", "runc") if not shutil.which(t, path="/usr/sbin:/usr/bin:/sbin:/bin")]

@@ -13,8 +13,12 @@ from .procs import LOOPBACK
 KUBERNETES_SERVICE_IP = "127.3.0.1"  # the first address of the Service CIDR (components.SERVICE_CIDR)
 
 
-def write_pki(d: Path) -> None:
-    """CA, serving certs, client certs and the service-account key pair (cryptography)."""
+def write_pki(d: Path, api_ips: Iterable[str] = (LOOPBACK, KUBERNETES_SERVICE_IP), node: tuple[str, str] | None = None) -> None:
+    """CA, serving certs, client certs and the service-account key pair (cryptography).
+
+    `api_ips`: the API server's addresses (its certificate's IP SANs). `node` = (name, IP) of a real
+    node (kvtest.node): its kubelet's client and serving certificates, kube-proxy's, and the API
+    server's client certificate for kubelets (logs, exec, port-forward)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec, rsa
@@ -78,7 +82,7 @@ def write_pki(d: Path) -> None:
     issue("apiserver", "kube-apiserver", server=True,
           dns=local_dns + ["kubernetes", "kubernetes.default", "kubernetes.default.svc",
                            "kubernetes.default.svc.cluster.local"],
-          ips=[LOOPBACK, KUBERNETES_SERVICE_IP])
+          ips=list(api_ips))
     issue("kube-controller-manager-serving", "kube-controller-manager", server=True,
           dns=local_dns, ips=[LOOPBACK])
     issue("kube-scheduler-serving", "kube-scheduler", server=True, dns=local_dns, ips=[LOOPBACK])
@@ -87,6 +91,12 @@ def write_pki(d: Path) -> None:
     issue("kube-scheduler", "system:kube-scheduler")
     # kwok plays every kubelet of the fleet (node status, leases, pod status, deletes).
     issue("kwok", "kwok-controller", "system:masters")
+    if node:
+        node_name, node_ip = node
+        issue("kubelet", f"system:node:{node_name}", "system:nodes")  # the Node authorizer's identity
+        issue("kubelet-serving", f"system:node:{node_name}", server=True, dns=[node_name], ips=[node_ip])
+        issue("kube-proxy", "system:kube-proxy")  # bound to system:node-proxier by default
+        issue("apiserver-kubelet-client", "kube-apiserver-kubelet-client", "system:masters")
 
     # Front proxy (aggregation layer): its own CA and the apiserver's proxy client cert.
     fp_key = ec.generate_private_key(ec.SECP256R1())

@@ -1,0 +1,276 @@
+"""The container runner of the GPU benchmark (benchmarks/gpu: gpu_manifests.containerize, gpu_oci,
+gpu_pod) without a GPU: the rendered pod's containers as a container runtime runs them, the OCI
+specs the real node's containerd generated (benchmarks/gpu/oci, captured) rewritten for the GPU
+host, and the checks the results are judged by."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvtest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+import gpu_manifests as gm  # noqa: E402
+import gpu_oci  # noqa: E402
+import gpu_pod  # noqa: E402
+import gpu_report  # noqa: E402
+
+OCI = ROOT / "benchmarks" / "gpu" / "oci"
+PODS = {"workstation-llama31-8b": ROOT / "examples" / "workstation-llama31-8b.yaml",
+        "server-llama31-8b": ROOT / "examples" / "server-llama31-8b.yaml",
+        "native-llama31-8b": ROOT / "benchmarks" / "gpu" / "native-llama31-8b.yaml"}
+HOST = gpu_oci.Host(image_dirs=("/usr", "/opt", "/etc"),
+                    devices=(gpu_oci.Device("/dev/nvidia0", 195, 0), gpu_oci.Device("/dev/nvidiactl", 195, 255),
+                             gpu_oci.Device("/dev/nvidia-uvm", 507, 0)),
+                    rlimit_hard={"RLIMIT_NOFILE": 4096}, controllers=frozenset({"cpu", "memory", "pids", "io"}),
+                    existing=frozenset({"/etc/hosts", "/etc/resolv.conf"}))
+
+
+def rendered_text(name: str) -> str:
+    return subprocess.run([sys.executable, "-m", "kvoffload.cli", "render", "-f", str(PODS[name])], check=True,
+                          capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, gm.Rendered]:
+    return {n: gm.parse_rendered(rendered_text(n)) for n in PODS}
+
+
+def pod(r: gm.Rendered, **kw) -> gm.PodRun:
+    return gm.containerize(r, "/w/pod", "/d/node-dir", model_config={"num_hidden_layers": 32}, **kw)
+
+
+# ------------------------------------------------------------------ the rendered pod's containers
+
+def test_vllm_runs_the_rendered_command_with_only_the_model_changed(rendered):
+    for r in rendered.values():
+        run = pod(r)
+        main = run.container("main")
+        want = [*r.vllm.command, *r.vllm.args]
+        i = want.index("serve") + 1
+        assert main.argv[:i] == want[:i] and main.argv[i] == "/models/" + gm.MODEL_DIR
+        assert main.argv[i + 1:] == want[i + 1:] + ["--load-format", "dummy", "--skip-tokenizer-init"]
+        assert main.env["VLLM_SERVER_DEV_MODE"] == "1" and main.env["POD_NAME"] == f"{r.name}-0"
+        assert json.loads(run.files[f"/w/pod/volumes/models/{gm.MODEL_DIR}/config.json"]) == {"num_hidden_layers": 32}
+        assert [c.name for c in run.containers] == [*(c.name for c in r.init), *(c.name for c in r.sidecars), "vllm", "exporter"]
+
+
+def test_every_mount_lands_on_its_volume_and_subpathexpr_is_expanded(rendered):
+    r = rendered["workstation-llama31-8b"]
+    run = pod(r)
+    disk = f"/d/node-dir/{r.namespace}/{r.name}/{r.name}-0"
+    by = {c.name: c.mounts for c in run.containers}
+    # the exporter reads the directory vLLM writes and the init container empties
+    assert by["vllm"]["/kvcache"] == (disk, False) and by["prepare-disk-tier"]["/kvcache"] == (disk, False)
+    assert by["exporter"]["/kvcache"] == (disk, True) and run.disk_dir == disk
+    assert run.multiproc_dir == "/w/pod/volumes/prometheus-multiproc"
+    assert run.memory_volumes == {"dshm": gm.quantity(r.volumes["dshm"]["emptyDir"]["sizeLimit"])}
+    assert run.port == 8000 and run.exporter_port == 9400
+    assert gm.flag(run.container("exporter").argv, "--listen") == f"{gm.POD_IP}:9400"
+    assert yaml.safe_load(run.files["/w/pod/volumes/lmcache-config/lmcache.yaml"]) == r.lmcache_config()
+
+
+def test_a_subpathexpr_variable_missing_from_the_containers_env_is_refused_as_kubelet_does():
+    docs = [d for d in yaml.safe_load_all(rendered_text("workstation-llama31-8b")) if d]
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    x = next(c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "exporter")
+    x["env"] = [e for e in x["env"] if e["name"] != "POD_NAME"]  # the exporter as rendered before the fix
+    with pytest.raises(gm.ManifestError, match="exporter: volumeMount /kvcache .*missing value for POD_NAME"):
+        pod(gm.parse_rendered(yaml.safe_dump_all(docs)))
+
+
+def test_server_sidecar_runs_before_vllm_with_its_probe_and_the_baseline_drops_it(rendered):
+    r = rendered["server-llama31-8b"]
+    run = pod(r)
+    side = run.container("sidecar")
+    assert side.name == "lmcache-server" and side.argv[:2] == ["lmcache", "server"] and "--no-l1-use-lazy" in side.argv
+    assert side.probe[:2] == ["python3", "-c"] and side.env["POD_NAME"] == f"{r.name}-0"
+    assert gm.flag(side.argv, "--instance-id") == f"{r.name}-0"  # kubelet expands $(POD_NAME) in args
+    assert run.status_url == "http://127.0.0.1:8081/status"
+    base = pod(r, connector=False)
+    assert base.container("sidecar") is None and base.status_url is None
+    assert gm.CONNECTOR_FLAG not in base.container("main").argv and gm.CONNECTOR_FLAG in run.container("main").argv
+
+
+def test_kept_volumes_are_not_emptied_and_overrides_reach_the_config(rendered):
+    run = pod(rendered["workstation-llama31-8b"], kept={"home": "/w/kept-home"},
+              lmcache_overrides={"use_layerwise": True}, extra_env={"LMCACHE_LOG_LEVEL": "DEBUG"})
+    assert run.volume_dirs["home"] == "/w/kept-home" and "/w/kept-home" not in run.fresh_dirs
+    assert "/w/pod/volumes/tmp" in run.fresh_dirs and "/d/node-dir" in run.fresh_dirs
+    assert yaml.safe_load(run.files["/w/pod/volumes/lmcache-config/lmcache.yaml"])["use_layerwise"] is True
+    assert run.container("main").env["LMCACHE_LOG_LEVEL"] == "DEBUG"
+    assert "LMCACHE_LOG_LEVEL" not in run.container("exporter").env
+
+
+# ------------------------------------------------------------------ the captured specs, rewritten
+
+TEMPLATE = OCI / "hardened" / "c.json"  # the real node's CRI spec of a hardened pod (containerd 2.4.2, runc, cgroup v1)
+
+
+def captured(name: str) -> dict[str, dict]:
+    """Each container's spec as the runner derives it from the real node's spec (no capture of these pods yet)."""
+    template = json.loads(TEMPLATE.read_text())
+    r = gm.parse_rendered(rendered_text(name))
+    return {c.name: gpu_oci.from_template(template, c.security, c.cpu_request, c.memory_limit)[0] for c in pod(r).containers}
+
+
+@pytest.mark.parametrize("name", PODS)
+def test_rewrite_keeps_what_kubelet_decided_and_adds_the_gpu(name, rendered):
+    """The capture is of the rendered pod (each container's user and the pod's fsGroup), and the rewrite
+    keeps what kubelet + containerd decided."""
+    specs, r = captured(name), rendered[name]
+    run = pod(r)
+    for c in run.containers:
+        spec = specs[c.name]
+        user = spec["process"]["user"]
+        assert user["uid"] == {"exporter": 65532, "prepare-disk-tier": 0}.get(c.name, 1000), c.name
+        assert 1000 in user.get("additionalGids", []), c.name  # the pod's fsGroup
+        at = gpu_oci.Placement(rootfs=f"/w/pod/rootfs-{c.name}", pod_files="/w/pod/files", sandbox_shm="/w/pod/shm",
+                               namespaces={"network": "/proc/9/ns/net", "ipc": "/proc/9/ns/ipc", "uts": "/proc/9/ns/uts"},
+                               image_env={"PATH": "/opt/kvimage/serving/bin:/usr/bin"}, volume_mounts=c.mounts,
+                               cgroup_leaf=c.name, memory_limit=c.memory_limit, other_shape=True)
+        new, changes = gpu_oci.rewrite(spec, c.argv, c.env, HOST, at, c.name)
+        p, q = spec["process"], new["process"]
+        for key in ("user", "capabilities", "noNewPrivileges", "oomScoreAdj"):
+            assert q.get(key) == p.get(key), (c.name, key)
+        assert new["linux"]["seccomp"] == spec["linux"]["seccomp"] and new["root"]["readonly"] == spec["root"]["readonly"]
+        assert new["linux"]["resources"]["memory"]["limit"] == c.memory_limit
+        assert q["args"] == c.argv and "PATH=/opt/kvimage/serving/bin:/usr/bin" in q["env"]
+        assert all(rl["hard"] <= 4096 for rl in q.get("rlimits", []) if rl["type"] == "RLIMIT_NOFILE")
+        mounts = {m["destination"]: m for m in new["mounts"]}
+        for dest, (src, ro) in c.mounts.items():
+            assert mounts[dest]["source"] == src and ("ro" in mounts[dest]["options"]) == ro
+        assert [m["destination"] for m in new["mounts"][:3]] == ["/usr", "/opt", "/etc"]
+        assert all(not m["source"].startswith(("/var/lib/kubelet", "/var/lib/containerd", "/run/containerd"))
+                   for m in new["mounts"]), c.name
+        ns = {n["type"]: n.get("path") for n in new["linux"]["namespaces"]}
+        assert ns["network"] == "/proc/9/ns/net" and ns["ipc"] == "/proc/9/ns/ipc" and ns["uts"] == "/proc/9/ns/uts"
+        assert "path" not in next(n for n in new["linux"]["namespaces"] if n["type"] == "pid")
+        assert new["linux"]["cgroupsPath"] == f"{gpu_oci.pod_cgroup(spec)}/{c.name}"
+        devs = {d["path"]: d for d in new["linux"]["devices"]}
+        assert devs["/dev/nvidia-uvm"]["major"] == 507
+        assert {"allow": True, "type": "c", "major": 195, "minor": 255, "access": "rwm"} in new["linux"]["resources"]["devices"]
+        assert new["ociVersion"] == gpu_oci.OCI_VERSION and any("ociVersion" in ch for ch in changes)
+
+
+def test_rewrite_takes_the_rendered_limit_and_refuses_a_capture_with_other_mounts(rendered):
+    r = rendered["workstation-llama31-8b"]
+    c = pod(r).container("main")
+    spec = copy.deepcopy(captured("workstation-llama31-8b")["vllm"])
+    # as a capture of this pod would hold it: the rendered volume mounts from kubelet's directories
+    spec["mounts"] = [m for m in spec["mounts"] if "/kubelet/pods/" not in m["source"] or m["destination"] in gpu_oci.POD_FILES] + [
+        {"destination": d, "type": "bind", "source": f"/var/lib/kubelet/pods/u/volumes/kubernetes.io~empty-dir{d}",
+         "options": ["rbind", "rprivate", "ro" if ro else "rw"]} for d, (_src, ro) in c.mounts.items()]
+    spec["linux"]["resources"]["memory"].update(limit=2**30, swap=2**30)  # a pod sized for the CPU node
+    at = gpu_oci.Placement(rootfs="/r", pod_files="/f", sandbox_shm="/s", namespaces=dict.fromkeys(gpu_oci.JOINED, "/n"),
+                           image_env={}, volume_mounts=c.mounts, cgroup_leaf="vllm", memory_limit=c.memory_limit)
+    new, changes = gpu_oci.rewrite(spec, c.argv, c.env, HOST, at, "vllm")
+    assert new["linux"]["resources"]["memory"]["limit"] == c.memory_limit
+    assert any(ch.startswith(f"resources.memory.limit {2**30} (the captured pod's) -> {c.memory_limit}") for ch in changes)
+    at = gpu_oci.Placement(rootfs="/r", pod_files="/f", sandbox_shm="/s", namespaces=dict.fromkeys(gpu_oci.JOINED, "/n"),
+                           image_env={}, volume_mounts={**c.mounts, "/extra": ("/x", False)}, cgroup_leaf="vllm")
+    with pytest.raises(gpu_oci.SpecError, match="not in the captured spec"):
+        gpu_oci.rewrite(spec, c.argv, c.env, HOST, at, "vllm")
+    spec["mounts"].append({"destination": "/stray", "type": "bind", "source": "/var/lib/kubelet/x", "options": ["rbind"]})
+    with pytest.raises(gpu_oci.SpecError, match="captured mount /stray"):
+        gpu_oci.rewrite(spec, c.argv, c.env, HOST, at, "vllm")
+
+
+def test_pod_dry_run_lays_out_volumes_files_and_bundles(tmp_path, rendered):
+    r = rendered["server-llama31-8b"]
+    run = gm.containerize(r, str(tmp_path / "pod"), str(tmp_path / "node-dir"), model_config={"a": 1})
+    p = gpu_pod.Pod(run, captured("server-llama31-8b"), name=f"{r.name}-0", tag="t", work=str(tmp_path / "pod"),
+                    logdir=str(tmp_path), namespaces=dict(gpu_pod.NS_FILES), python="/opt/py/bin/python3", crun="crun",
+                    host=HOST, dry_run=True, other_shape=True)
+    p.prepare()
+    assert set(p.boxes) == {c.name for c in run.containers}
+    for name, b in p.boxes.items():
+        spec = json.loads((b.bundle / "config.json").read_text())
+        assert spec == b.spec and Path(spec["root"]["path"]).is_dir()
+        for m in spec["mounts"]:
+            if m["type"] == "bind" and m["destination"] not in HOST.image_dirs:
+                assert Path(m["source"]).exists(), (name, m["destination"])
+    assert (tmp_path / "pod" / "pod-files" / "resolv.conf").read_text() == "nameserver 127.0.0.1\n"
+    assert (tmp_path / "node-dir" / r.namespace / r.name / f"{r.name}-0").is_dir()
+    env = dict(e.split("=", 1) for e in p.box("exporter").spec["process"]["env"])
+    assert env["PYTHONPATH"] == "/opt/kvimage/operator/site" and env["PATH"].startswith("/opt/kvimage/operator/bin:/opt/py/bin:")
+
+
+# ------------------------------------------------------------------ result checks
+
+def test_verdicts_name_oom_kills_limits_transfer_and_the_l1s_container():
+    G = 2**30
+    run = {"runtime": "crun", "memory_limit": 54 * G, "memory": {"max_cg_peak": 10 * G, "max_cg_shmem": 1 * G},
+           "sidecar_memory": {"lmcache-server": {"limit": 43 * G, "max_cg_peak": 41 * G, "max_cg_shmem": 40 * G}},
+           "memory_events": {"vllm": {"oom_kill": 0}, "lmcache-server": {"oom_kill": 1}},
+           "sidecar_log_facts": {"lmcache-server": {"transfer": ["shm"]}},
+           "phases": {"gpu": [{"output_token_ids": [5]}, {"output_token_ids": [7]}],
+                      "after_reset": [{"output_token_ids": [5]}, {"output_token_ids": [8]}]}}
+    v = gpu_report.pod_verdicts(run)
+    assert v[0] == "OOM-killed: lmcache-server (1x)"
+    assert "lmcache-server: memory.peak 41.0 GiB = 95% of its 43.0 GiB limit" in v
+    assert "lmcache-server: KV transfer shm" in v
+    assert v[-1].startswith("shared memory charged to lmcache-server (40.0 GiB")
+    assert gpu_report.token_check(run) == "after_reset = gpu: 1/2"
+    disk = {"phases": {"cold": [{"output_token_ids": [1]}], "disk": [{"output_token_ids": [1]}],
+                       "after_disk_reset": [{"output_token_ids": [2]}]}}
+    assert gpu_report.token_check(disk) == "disk = cold: 1/1; after_disk_reset = cold: 0/1"
+    assert gpu_report.pod_verdicts({"memory_events": {"vllm": {"oom_kill": 0}}})[0] == "no OOM kill"
+
+
+def test_cold_cost_is_against_the_same_engine_without_the_connector():
+    def ph(cold, reset, store=None):
+        c = {"ttft_s": cold, **({"lmcache_store_ms": store, "lmcache_offload_ms": store - 5, "lmcache_put_ms": 5.0} if store else {})}
+        return {"cold": [c] * 3, "gpu": [{"ttft_s": 0.04, "output_token_ids": [3]}] * 3,
+                "after_reset": [{"ttft_s": reset, "output_token_ids": [3]}] * 3}
+    runs = {"connector-tp1-crun": {"kind": "connector", "backend": "lmcache", "phases": ph(1.217, 0.074, 117.0), "changes": []},
+            "connector-tp1-layerwise": {"kind": "connector", "backend": "lmcache", "phases": ph(1.120, 0.090, 20.0),
+                                        "changes": ['LMCache config overrides {"use_layerwise": true}']},
+            "baseline-tp1-crun": {"kind": "baseline", "backend": "lmcache", "phases": ph(1.100, 1.096)}}
+    rows = gpu_report.cold_cost_rows(runs, "baseline-tp1-crun")
+    assert rows[2] == "| connector-tp1-crun | `-` | 1.217 s | +10.6 % | 117 ms (112 / 5) | 0.074 s | after_reset = gpu: 3/3 |"
+    assert rows[3].startswith('| connector-tp1-layerwise | `{"use_layerwise": true}` | 1.120 s | +1.8 % |')
+    assert rows[-1].startswith("| baseline-tp1-crun | (no connector) | 1.100 s |") and len(rows) == 5
+
+
+def user_of(spec: dict) -> tuple:
+    u = spec["process"]["user"]
+    return u["uid"], u["gid"], u["additionalGids"]
+
+
+def test_from_template_sets_what_cri_derives_from_the_security_context(rendered):
+    template = json.loads(TEMPLATE.read_text())
+    run = pod(rendered["server-llama31-8b"])
+    derived = {c.name: gpu_oci.from_template(template, c.security, c.cpu_request, c.memory_limit) for c in run.containers}
+    init, _ = derived["prepare-disk-tier"]
+    assert user_of(init) == (0, 0, [0, 1000])
+    assert init["process"]["capabilities"]["effective"] == ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER"]
+    assert user_of(derived["exporter"][0])[:2] == (65532, 65532) and derived["exporter"][0]["root"]["readonly"] is True
+    side, changes = derived["lmcache-server"]
+    assert side["root"]["readonly"] is False  # the sidecar's securityContext sets no readOnlyRootFilesystem
+    assert derived["vllm"][0]["linux"]["resources"]["cpu"]["shares"] == 4096  # cpu request 4
+    for spec, _ in derived.values():  # the rest is the real node's: seccomp RuntimeDefault, masked paths
+        assert spec["linux"]["seccomp"] == template["linux"]["seccomp"] and spec["process"]["noNewPrivileges"] is True
+    assert changes[0].startswith("spec derived from the real node's CRI spec of pod hardened")
+
+
+def test_a_capture_of_another_backends_pod_is_refused_unless_asked_and_then_listed(rendered):
+    c = pod(rendered["workstation-llama31-8b"]).container("main")  # mounts /etc/lmcache: the server pod does not
+    spec = captured("server-llama31-8b")["vllm"]
+    kw = dict(rootfs="/r", pod_files="/f", sandbox_shm="/s", namespaces=dict.fromkeys(gpu_oci.JOINED, "/n"), image_env={},
+              volume_mounts=c.mounts, cgroup_leaf="vllm", memory_limit=c.memory_limit)
+    with pytest.raises(gpu_oci.SpecError, match="captured mount /scratch .* is neither a rendered volume mount"):
+        gpu_oci.rewrite(spec, c.argv, c.env, HOST, gpu_oci.Placement(**kw), "vllm")
+    new, changes = gpu_oci.rewrite(spec, c.argv, c.env, HOST, gpu_oci.Placement(**kw, other_shape=True), "vllm")
+    m = next(m for m in new["mounts"] if m["destination"] == "/etc/lmcache")
+    assert m["source"] == c.mounts["/etc/lmcache"][0] and m["options"] == ["rbind", "rprivate", "ro"]
+    assert any(ch.startswith("volume mount /etc/lmcache added") for ch in changes)
+    assert "captured volume mount /scratch dropped (the rendered pod has no such mount)" in changes
+    assert user_of(new) == (1000, 1000, [1000]) and new["process"]["capabilities"] == {}
