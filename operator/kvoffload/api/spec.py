@@ -163,6 +163,16 @@ class NetworkPolicySpec:
 
 
 @dataclass(frozen=True)
+class AutoscalingSpec:
+    min_replicas: int
+    max_replicas: int
+    targets: dict[str, int]  # spec.autoscaling.targets field -> its value, in crd order
+    scale_up_period: int | None  # None: derived from the start-up budget (rendering/autoscaling.py)
+    scale_down_window: int | None
+    wake_query: str | None
+
+
+@dataclass(frozen=True)
 class Spec:
     model: ModelSpec
     replicas: int
@@ -173,6 +183,7 @@ class Spec:
     metrics_enabled: bool
     metrics_port: int
     network_policy: NetworkPolicySpec | None = None
+    autoscaling: AutoscalingSpec | None = None
 
 
 def _int(r: _Reader, path: str, lo: int, hi: int) -> int:
@@ -421,6 +432,35 @@ def _network_policy(r: _Reader) -> NetworkPolicySpec | None:
                              metrics_from=_namespaces(r, "networkPolicy.metricsFrom"))
 
 
+def _autoscaling(r: _Reader, settings: Settings, metrics: bool) -> AutoscalingSpec | None:
+    if r.get("autoscaling", None) is None:
+        return None
+    bound = lambda path: _int(r, f"autoscaling.{path}", _node(f"autoscaling.{path}").get("minimum", 0),  # noqa: E731
+                              _node(f"autoscaling.{path}")["maximum"])
+    lo, hi = bound("minReplicas"), bound("maxReplicas")
+    if lo > hi:
+        raise ConfigError("spec.autoscaling.minReplicas", f"{lo} must be at most maxReplicas ({hi})")
+    names = list(_node("autoscaling.targets")["properties"])
+    if not isinstance(r.get("autoscaling.targets", None), dict) or not any(r.has(f"autoscaling.targets.{n}") for n in names):
+        raise ConfigError("spec.autoscaling.targets", f"needs at least one of {', '.join(names)}")
+    targets = {n: bound(f"targets.{n}") for n in names if r.has(f"autoscaling.targets.{n}")}
+    if "promptRecomputePercent" in targets and not metrics:
+        raise ConfigError("spec.autoscaling.targets.promptRecomputePercent",
+                          "needs spec.metrics.enabled: it is read from the exporter")
+    wake = _str(r, "autoscaling.wakeQuery")
+    if (lo == 0) != (wake is not None):
+        raise ConfigError("spec.autoscaling.wakeQuery", "is required with minReplicas 0 (scale to zero) and only then: "
+                                                        "with no replica running, nothing else says when to start one")
+    if lo == 0 and settings.autoscaler != "keda":
+        raise ConfigError("spec.autoscaling.minReplicas", f"0 (scale to zero) needs KEDA: the operator's setting autoscaler is "
+                                                          f"{settings.autoscaler!r}, and a HorizontalPodAutoscaler cannot scale "
+                                                          "to zero; allowed here: 1 to maxReplicas")
+    return AutoscalingSpec(min_replicas=lo, max_replicas=hi, targets=targets,
+                           scale_up_period=bound("scaleUpPeriodSeconds") if r.has("autoscaling.scaleUpPeriodSeconds") else None,
+                           scale_down_window=bound("scaleDownWindowSeconds") if r.has("autoscaling.scaleDownWindowSeconds") else None,
+                           wake_query=wake)
+
+
 def parse(spec: dict[str, Any], settings: Settings) -> Spec:
     if not isinstance(spec, dict):
         raise ConfigError("spec", "is required")
@@ -435,6 +475,7 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
         metrics_enabled=_bool(r, "metrics.enabled"),
         metrics_port=_int(r, "metrics.port", 1024, 65535),
         network_policy=_network_policy(r),
+        autoscaling=_autoscaling(r, settings, _bool(r, "metrics.enabled")),
     )
     backend = _declared(parsed.offload.backend)
     images.check_backend(parsed.offload.backend, backend["minVllm"], backend["minLmcache"],
