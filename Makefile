@@ -11,7 +11,7 @@ VLLM_VERSION := 0.26.0
 LMCACHE_VERSION := 0.5.3
 ENGINE_VENV := $(HOME)/.cache/kvoffload/engine-vllm-$(VLLM_VERSION)-lmcache-$(LMCACHE_VERSION)
 
-.PHONY: venv operator-wheels engine-venv engine-metadata engine-tables system-deps cluster-build gitops-tools cluster-up cluster-down cluster-status generate lint unit integration test demo demo-down bench clean
+.PHONY: venv operator-wheels serving-wheels images standin-image engine-venv engine-metadata engine-tables system-deps cluster-build gitops-tools cluster-up cluster-down cluster-status generate lint typecheck check unit integration test demo demo-down bench clean
 
 venv: $(VENV)/.done
 $(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
@@ -27,6 +27,20 @@ $(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
 operator-wheels: venv
 	$(BIN)/pip download -q -d $(HOME)/.cache/kvoffload/wheelhouse ./operator 'setuptools>=68' wheel
 
+# The LMCache wheel the serving image installs (cached), so `make images` builds without network; and
+# async-timeout, which LMCache's redis needs on Python < 3.11.3 (the local base's Debian 3.11.2).
+serving-wheels: venv
+	$(BIN)/pip download -q --no-deps -d $(HOME)/.cache/kvoffload/wheelhouse-lmcache-$(LMCACHE_VERSION) 'lmcache==$(LMCACHE_VERSION)' 'async-timeout>=4.0.3'
+
+# Both images (images/*/Dockerfile) with podman, offline, FROM local bases made from Debian's packages
+# and the engine venv (tests/support/kvtest/images.py; README "Images" builds them FROM the public ones).
+images: venv system-deps operator-wheels serving-wheels engine-venv
+	$(BIN)/python -m kvtest.images build operator serving
+
+# The stand-in engine image for the CPU-only real node (tests/images/vllm-standin), FROM the serving image.
+standin-image: images
+	$(BIN)/python -m kvtest.images build standin
+
 # vLLM + LMCache of the serving image in their own cached venv (several GB, ~10 min the first time):
 # the fidelity tests run vLLM's real parser and create_engine_config() and LMCache's real loader there.
 engine-venv:
@@ -41,15 +55,15 @@ engine-metadata: venv engine-venv
 engine-tables: engine-venv
 	$(ENGINE_VENV)/bin/python tests/engine/engine_check.py table operator/kvoffload/engine/data/vllm-$(VLLM_VERSION)-flags.json
 
-# A real Prometheus for the exporter's scrape test (Debian package).
+# Debian packages the tests need: a real Prometheus (the exporter's scrape test), objdump (LMCache's
+# compiled L1 allocator, tests/engine/test_l1_first_touch.py), and the image builders: podman/buildah,
+# runc (Debian's crun refuses this VM's hybrid cgroups) and debootstrap (the local base images).
+SYSTEM_DEPS := prometheus:prometheus objdump:binutils podman:podman buildah:buildah runc:runc debootstrap:debootstrap
 system-deps:
-	@command -v prometheus >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
-	  else echo "install prometheus (apt-get install prometheus) for the exporter scrape test"; exit 1; fi; }
-	@# objdump reads LMCache's compiled L1 allocator (tests/engine/test_l1_first_touch.py).
-	@command -v objdump >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends binutils >/dev/null; \
-	  else echo "install binutils (apt-get install binutils) for the LMCache L1 test"; exit 1; fi; }
+	@missing=$$(for d in $(SYSTEM_DEPS); do command -v $${d%%:*} >/dev/null || echo $${d##*:}; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	  else echo "install these Debian packages (apt-get install $$missing)"; exit 1; fi; fi
 
 cluster-build:
 	tests/cluster/build.sh
@@ -74,16 +88,26 @@ generate: venv
 lint: venv
 	$(BIN)/ruff check --config operator/pyproject.toml operator tests benchmarks
 
+# mypy (pinned in operator/pyproject.toml [tool.mypy]) over the operator package.
+typecheck: venv
+	cd operator && ../$(BIN)/mypy
+
+# Fast feedback, first in `make test`: lint, the type check, the generated files, the unit tests; stops at the
+# first failure. No network and no Go: unit tests that need the cached Go tools or the wheelhouse skip here and
+# run in `make test`'s full pass.
+check: lint typecheck
+	$(BIN)/python -m kvoffload.cli.generate --check
+	$(BIN)/python -m pytest tests/unit -q -x
+
 unit: venv operator-wheels gitops-tools
 	$(BIN)/python -m pytest tests/unit -q
 
 integration: venv system-deps cluster-build gitops-tools
 	KVO_REQUIRE_CLUSTER=1 $(BIN)/python -m pytest tests/integration -q
 
-# Lint, the generated files, unit tests, the engine fidelity tests, then everything on the real control plane
-# (started from the cached build, stopped after).
-test: venv lint operator-wheels engine-venv engine-metadata system-deps cluster-build gitops-tools
-	$(BIN)/python -m kvoffload.cli.generate --check
+# `make check` first (fails fast, before any build), then the unit tests again with every tool, the engine
+# fidelity tests and everything on the real control plane (started from the cached build, stopped after).
+test: check operator-wheels serving-wheels engine-venv engine-metadata system-deps cluster-build gitops-tools
 	KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_ENGINE=1 $(BIN)/python -m pytest tests -q
 
 demo: venv cluster-build

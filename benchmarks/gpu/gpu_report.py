@@ -173,11 +173,11 @@ def plan_argv(run: dict[str, Any], prompt_tokens: int, host: dict[str, Any] | No
     def flag(name: str) -> str | None:
         return argv[argv.index(name) + 1] if name in argv else None
     tp = int(flag("--tensor-parallel-size") or 1)
-    out = ["--model", flag("--served-model-name") or "", "--context", str(prompt_tokens), "--tp", str(tp),
-           "--kv-dtype", "fp8" if (flag("--kv-cache-dtype") or "").startswith("fp8") else "auto",
+    out = ["--model", flag("--served-model-name") or "", "--max-model-len", str(prompt_tokens), "--tensor-parallel-size", str(tp),
+           "--kv-cache-dtype", "fp8" if (flag("--kv-cache-dtype") or "").startswith("fp8") else "auto",
            "--gpu-memory-utilization", flag("--gpu-memory-utilization") or "0.9", "--gpu-memory", "141Gi",
-           "--cpu-tier", f"{float(lm.get('max_local_cpu_size', 0)) * tp}Gi",
-           "--disk-tier", f"{float(lm.get('max_local_disk_size', 0)) * tp}Gi", "-o", "json"]
+           "--cpu-size", f"{float(lm.get('max_local_cpu_size', 0)) * tp}Gi",
+           "--disk-size", f"{float(lm.get('max_local_disk_size', 0)) * tp}Gi", "-o", "json"]
     if host:
         if host.get("h2d_pinned_Bps"):
             out += ["--cpu-read-gbps", f"{host['h2d_pinned_Bps'] / 1e9:.3f}"]

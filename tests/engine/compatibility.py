@@ -149,9 +149,7 @@ def rendered_examples() -> tuple[list[dict], list[dict]]:
     from kvoffload.api.errors import ConfigError
     from kvoffload.api.settings import Settings
     from kvoffload.controller import pipeline
-
-    sys.path.insert(0, str(HERE))
-    from test_fidelity import case  # the fidelity tests' own case builder
+    from kvtest.fidelity import case  # the fidelity tests' case builder
 
     vllm_cases, lmcache_cases = [], []
     for path in sorted((engine_venv.ROOT / "examples").glob("*.yaml")):

@@ -5,6 +5,10 @@ inside the operator's: vLLM and LMCache are not operator dependencies.
     python engine_check.py check IN.json OUT.json  for every command line: vLLM's real `vllm serve`
                                                    parser, its serve validation and create_engine_config();
                                                    for every LMCache config: LMCache's own loader
+    python engine_check.py serve-args serve MODEL ARGS...
+                                                   one `vllm serve` command line through vLLM's parser and
+                                                   serve validation: exit 2 with vLLM's error if it refuses
+                                                   (the stand-in engine image checks its arguments so)
 
 One process serves every case (importing vLLM takes ~20 s). No GPU here: vLLM's CPU platform is
 selected the way vLLM's own `vllm bench` does it, and nothing touches the network (HF_HUB_OFFLINE).
@@ -301,8 +305,19 @@ def check(request: dict) -> dict:
         }
 
 
+def serve_args(argv: list[str]) -> None:
+    """What `vllm serve` does with a command line before it loads a model: parse, then validate."""
+    root, _, serve = serve_parser()
+    args = root.parse_args(argv)  # exits 2 with vLLM's own message on a refused flag or value
+    serve.validate(args)
+
+
 def main() -> None:
     mode, *paths = sys.argv[1:] or [""]
+    if mode == "serve-args" and paths[:1] == ["serve"]:
+        cpu_platform()
+        serve_args(paths)
+        return
     if mode == "table" and len(paths) == 1:
         cpu_platform()
         result = table()

@@ -24,7 +24,6 @@ import engine_venv
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from unit.helpers import spec  # noqa: E402  (the unit tests' base spec with dotted-path overrides)
 
 from kvoffload.api.fetch import SourceError
 from kvoffload.api.quantity import gib
@@ -34,18 +33,11 @@ from kvoffload.exporter.collector import ExporterConfig, TierCollector
 from kvoffload.exporter.lmcache_server import fetch_status
 from kvoffload.rendering import render
 from kvtest.exporter import FakeVllm
+from kvtest.specs import LLAMA_CONFIG, PAIR, spec
 
 ROOT = engine_venv.ROOT
+LLAMA = LLAMA_CONFIG
 VLLM_VERSION, LMCACHE_VERSION = engine_venv.PAIR.vllm, engine_venv.PAIR.lmcache
-PAIR = {"engine__image": f"ghcr.io/kvoffload/vllm-lmcache:{VLLM_VERSION}-{LMCACHE_VERSION}",
-        "engine__vllmVersion": VLLM_VERSION, "engine__lmcacheVersion": LMCACHE_VERSION}
-# Llama-3.1-8B's published config.json, the fields vLLM reads (no weights, no tokenizer needed).
-LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-         "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32, "head_dim": 128,
-         "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
-         "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                          "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-         "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128009, "tie_word_embeddings": False}
 # No packet leaves 127.0.0.0/8: LMCache's usage telemetry is off in every engine process started here.
 QUIET = {"DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
          "LMCACHE_DISABLE_BANNER": "1"}

@@ -14,14 +14,14 @@ import re
 
 import engine_venv
 import pytest
-from test_backends import LLAMA, PAIR
-from unit.helpers import spec  # noqa: E402  (the unit tests' base spec with dotted-path overrides)
 
 from kvoffload.api.quantity import GiB
 from kvoffload.api.settings import Settings
 from kvoffload.backends import vllm_native
 from kvoffload.controller import pipeline
 from kvoffload.rendering import render
+from kvtest.specs import LLAMA_CONFIG as LLAMA
+from kvtest.specs import PAIR, spec
 
 # Qwen2.5-7B's config.json fields vLLM reads: 28 layers (not a power of two), 4 KV heads.
 QWEN = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from importlib.metadata import Distribution
 
 import engine_venv
 import pytest
 
 from kvoffload.engine import images
-
-sys.path.insert(0, str(engine_venv.ROOT / "tests"))
-from unit.test_images import SERVING, Dockerfile  # noqa: E402
+from kvtest.dockerfile import SERVING, Dockerfile
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import engine_venv
 import pytest
-from unit.helpers import spec  # noqa: E402  (the unit tests' base spec with dotted-path overrides)
 
 from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
 from kvoffload.engine import images
 from kvoffload.rendering import render
+from kvtest.specs import spec
 
 BACKENDS = {"lmcache": {}, "lmcache-server": {}, "vllm-native": {"offload__disk": None}}
 # The containers that run vLLM or LMCache code, per backend (the others run sh, a stdlib script or kvoffload).

@@ -7,22 +7,15 @@ from __future__ import annotations
 import copy
 
 import pytest
-from test_operator import children, operator, wait_ready  # noqa: F401
 
 from kvtest import ApiError, condition
+from kvtest.specs import PAIR, children_by_name, wait_ready
+from kvtest.specs import serve as _serve
 
 pytestmark = pytest.mark.cluster
 
-PAIR = {"image": "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", "vllmVersion": "0.26.0", "lmcacheVersion": "0.5.3"}
-
-
 def serve(name: str, backend: str, disk: bool = True) -> dict:
-    offload = {"backend": backend, "cpu": {"size": "16Gi"}}
-    if disk:
-        offload["disk"] = {"path": "/mnt/nvme/lmcache", "size": "100Gi"}
-    return {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe", "metadata": {"name": name},
-            "spec": {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen": 16384, **PAIR},
-                     "offload": offload, "resources": {"gpuMemory": "141Gi"}}}
+    return _serve(name, **PAIR, offload__backend=backend, **({} if disk else {"offload__disk": None}))
 
 
 @pytest.mark.parametrize("obj, needle", [
@@ -60,8 +53,9 @@ def test_each_backend_reconciles_with_its_conditions(cluster, namespace, operato
     assert "OffloadingConnector" in condition(got["native"], "OffloadActive")["message"]
     assert condition(got["native"], "DiskTierReady")["reason"] == "NotConfigured"
     assert condition(got["server"], "DiskTierReady")["status"] == "True"
-    assert ("ConfigMap", "inproc-lmcache") in children(cluster, namespace, "inproc")
-    assert not any(k[0] == "ConfigMap" for k in children(cluster, namespace, "server") | children(cluster, namespace, "native"))
+    assert ("ConfigMap", "inproc-lmcache") in children_by_name(cluster.client, namespace, "inproc")
+    kids = children_by_name(cluster.client, namespace, "server") | children_by_name(cluster.client, namespace, "native")
+    assert not any(k[0] == "ConfigMap" for k in kids)
     server = pod_spec(cluster, namespace, "server")
     sidecar = next(c for c in server["initContainers"] if c["name"] == "lmcache-server")
     assert sidecar["restartPolicy"] == "Always"  # the API server accepted a native sidecar
@@ -104,7 +98,7 @@ def test_switching_backend_is_a_rolling_change(cluster, namespace, operator):  #
     old = {v["name"]: v for v in before["spec"]["volumes"]}
     assert vol["kv-disk"]["hostPath"] == old["kv-disk"]["hostPath"]
     assert vol["dshm"]["emptyDir"]["sizeLimit"] != old["dshm"]["emptyDir"]["sizeLimit"]  # now holds the L1 too
-    assert not any(k[0] == "ConfigMap" for k in children(cluster, namespace, "svc"))  # pruned
+    assert not any(k[0] == "ConfigMap" for k in children_by_name(cluster.client, namespace, "svc"))  # pruned
     assert after["status"]["budget"]["backend"] == "lmcache-server"
 
     to_native = copy.deepcopy(to_server)
@@ -123,4 +117,4 @@ def test_switching_backend_is_a_rolling_change(cluster, namespace, operator):  #
     back = copy.deepcopy(obj)  # and back to the in-process default: the ConfigMap returns
     cluster.client.apply(back, namespace)
     wait_ready(cluster, namespace, "svc", generation=4, timeout=240)
-    assert ("ConfigMap", "svc-lmcache") in children(cluster, namespace, "svc")
+    assert ("ConfigMap", "svc-lmcache") in children_by_name(cluster.client, namespace, "svc")

@@ -18,7 +18,6 @@ One operator subprocess and one namespace serve the whole module.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import re
 import uuid
@@ -28,35 +27,13 @@ from typing import Any
 import pytest
 
 from kvtest import ApiError, OperatorProcess, condition
+from kvtest.specs import DELETE, live_children, patched, serve
 
 pytestmark = pytest.mark.cluster
 
 API, OPERATOR = "api", "operator"
-CHILD_KINDS = ("configmaps", "services", "statefulsets", "poddisruptionbudgets")
 
-VALID: dict[str, Any] = {
-    "apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe",
-    "metadata": {"name": "placeholder"},
-    "spec": {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen": 16384},
-             "offload": {"cpu": {"size": "16Gi"}, "disk": {"path": "/mnt/nvme/lmcache", "size": "100Gi"}},
-             "resources": {"gpuMemory": "141Gi"}},
-}
-DELETE = object()
-
-
-def patched(changes: dict[str, Any]) -> dict[str, Any]:
-    """VALID with dotted-path changes (`spec.offload.disk.path`); DELETE removes the key."""
-    obj = copy.deepcopy(VALID)
-    for dotted, value in changes.items():
-        *parents, leaf = dotted.split(".")
-        node = obj
-        for part in parents:
-            node = node.setdefault(part, {})
-        if value is DELETE:
-            node.pop(leaf, None)
-        else:
-            node[leaf] = value
-    return obj
+VALID = serve("placeholder")
 
 
 @dataclass(frozen=True)
@@ -72,7 +49,7 @@ class Case:
         return self.changes.get("metadata.name") or re.sub(r"[^a-z0-9]+", "-", self.id.lower()).strip("-")[:52].rstrip("-")
 
     def manifest(self) -> dict[str, Any]:
-        obj = patched(self.changes)
+        obj = patched(VALID, self.changes)
         obj["metadata"]["name"] = self.name
         return obj
 
@@ -187,6 +164,23 @@ CASES = [
          "spec.engine.env", "VLLM_NO_USAGE_STATS"),
     Case("env POD_NAMESPACE redirects disk", {"spec.engine.env": [{"name": "POD_NAMESPACE", "value": "victim"}]}, API,
          "spec.engine.env", "POD_NAMESPACE"),
+    # what the operator decides in the pod (kvoffload/api/managed.py): refused by name, with the reason
+    Case("env CUDA_VISIBLE_DEVICES", {"spec.engine.env": [{"name": "CUDA_VISIBLE_DEVICES", "value": "0,1,2,3"}]}, API,
+         "spec.engine.env", "CUDA_VISIBLE_DEVICES is managed by the operator: the operator decides which GPUs"),
+    Case("env NVIDIA_VISIBLE_DEVICES all", {"spec.engine.env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}, API,
+         "spec.engine.env", "NVIDIA_VISIBLE_DEVICES is managed by the operator"),
+    Case("env HF_HOME elsewhere", {"spec.engine.env": [{"name": "HF_HOME", "value": "/root/.cache"}]}, API,
+         "spec.engine.env", "HF_HOME is managed by the operator: the operator decides where the engine's weights"),
+    Case("env TMPDIR elsewhere", {"spec.engine.env": [{"name": "A", "value": "1"}, {"name": "TMPDIR", "value": "/dev/shm"}]},
+         API, "spec.engine.env", "TMPDIR is managed by the operator"),
+    Case("env HOME and LMCACHE", {"spec.engine.env": [{"name": "HOME", "value": "/"}, {"name": "LMCACHE_X", "value": "1"}]},
+         API, "spec.engine.env", "HOME is managed by the operator: the operator decides where the engine's weights, caches and "
+                                 "temporary files go"),
+    Case("metrics port is vLLM's", {"spec.metrics": {"port": 8000}}, API, "spec.metrics.port",
+         "8000 is the vllm container's port"),
+    Case("metrics port is the LMCache server's", {"spec.metrics": {"port": 5555}}, API, "spec.metrics.port",
+         "5555 is the lmcache-server container's ZMQ port"),
+    Case("metrics port is the server's HTTP", {"spec.metrics": {"port": 8081}}, API, "spec.metrics.port", "8081"),
     Case("flag api-key literal", {"spec.engine.extraArgs": ["--api-key=secret"]}, API, "spec.engine.extraArgs", "--api-key"),
     Case("env VLLM_API_KEY literal", {"spec.engine.env": [{"name": "VLLM_API_KEY", "value": "secret"}]}, API, "spec.engine.env",
          "VLLM_API_KEY"),
@@ -315,10 +309,10 @@ def serves(cluster, ns: str) -> dict[str, dict[str, Any]]:
 
 
 def children(cluster, ns: str) -> dict[str, list[dict[str, Any]]]:
+    """The operator's children in the namespace, by owning resource."""
     out: dict[str, list[dict[str, Any]]] = {}
-    for kind in CHILD_KINDS:
-        for item in cluster.client.list(kind, ns, labels="kvoffload.io/serve"):
-            out.setdefault(item["metadata"]["labels"]["kvoffload.io/serve"], []).append(item)
+    for item in live_children(cluster.client, ns):
+        out.setdefault(item["metadata"]["labels"]["kvoffload.io/serve"], []).append(item)
     return out
 
 
@@ -348,6 +342,23 @@ def test_api_server_refuses(cluster, ns, api_results, case):
     assert case.field in res.stderr, res.stderr
     assert case.needle in res.stderr, res.stderr
     assert case.name not in stored and case.name not in kids
+
+
+# Cases refused by a rule of kvoffload.api.rules: the parser refuses the same spec with the same message.
+RULE_CASES = [c for c in API_CASES if c.id.startswith(("env ", "metrics port", "conflict "))]
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=[c.id for c in RULE_CASES])
+def test_api_server_and_parser_say_the_same(api_results, case):
+    from kvoffload.api.errors import ConfigError
+    from kvoffload.api.settings import Settings
+    from kvoffload.api.spec import parse
+
+    results, _, _ = api_results
+    with pytest.raises(ConfigError) as err:
+        parse(case.manifest()["spec"], Settings())
+    assert err.value.field == case.field and case.needle in err.value.message
+    assert err.value.message in results[case.id].stderr, (err.value.message, results[case.id].stderr)
 
 
 # ----------------------------------------------------------------------------- refused by the operator
@@ -385,7 +396,7 @@ def test_operator_refuses(operator_verdicts, case):
 def test_operator_changes_nothing_when_a_running_serve_turns_bad(cluster, ns, operator):
     """A valid serve runs; invalid updates (refused by the API server or by the operator) leave its children alone."""
     name = "running"
-    good = patched({"metadata.name": name})
+    good = patched(VALID, {"metadata.name": name})
     assert apply_error(cluster, ns, good) is None
 
     def ready():

@@ -26,6 +26,7 @@ import pytest
 
 import kvtest
 from kvtest import OperatorProcess
+from kvtest.specs import live_children
 
 pytestmark = pytest.mark.cluster
 
@@ -89,9 +90,8 @@ def patch_spec(c: kvtest.Cluster, ns: str, name: str, patch: dict[str, Any]) -> 
 
 
 def children(c: kvtest.Cluster, ns: str) -> list[dict[str, Any]]:
-    """Every ConfigMap, Service, StatefulSet and PDB in the namespace (labelled by us or not)."""
-    return [obj for resource in ("configmaps", "services", "statefulsets", "poddisruptionbudgets")
-            for obj in c.client.list(resource, ns)]
+    """Every object of the operator's child kinds in the namespace (labelled by us or not)."""
+    return live_children(c.client, ns, labelled=False)
 
 
 def ready(obj: dict[str, Any]) -> bool:

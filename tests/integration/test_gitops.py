@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
@@ -26,16 +25,10 @@ import yaml
 
 from kvtest import ROOT, OperatorProcess, condition
 from kvtest import gitops as gt
+from kvtest.specs import serve
 
 pytestmark = pytest.mark.cluster
 
-VALID = {
-    "apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe",
-    "metadata": {"name": "svc"},
-    "spec": {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen": 16384},
-             "offload": {"cpu": {"size": "16Gi"}, "disk": {"path": "/mnt/nvme/lmcache", "size": "100Gi"}},
-             "resources": {"gpuMemory": "141Gi"}},
-}
 BAD_PATH = "/etc/lmcache"  # the API server accepts it; the operator refuses it (outside the allowed roots)
 WAIT_CHART = ROOT / "tests/gitops/wait-chart"
 CRASH_LOOP = {  # a pod status as kubelet writes it for a container in a crash loop
@@ -46,18 +39,6 @@ CRASH_LOOP = {  # a pod status as kubelet writes it for a container in a crash l
                            "state": {"waiting": {"reason": "CrashLoopBackOff",
                                                  "message": "back-off 2m40s restarting failed container=vllm"}}}],
 }
-
-
-def serve(name: str, **spec_patch) -> dict:
-    obj = copy.deepcopy(VALID)
-    obj["metadata"]["name"] = name
-    for dotted, value in spec_patch.items():
-        *parents, leaf = dotted.split("__")
-        node = obj["spec"]
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return obj
 
 
 def wait_for(cluster, ns, name, pred, message, timeout=120):
@@ -189,14 +170,6 @@ def test_fixtures_are_live_captures(captured):
 
 # --- helm install --wait (Helm v4: kstatus watcher) -----------------------------------------------
 
-@pytest.fixture
-def operator(cluster, crd_installed, namespace):
-    proc = OperatorProcess(cluster.env, [namespace])
-    yield proc
-    proc.stop()
-    print(proc.output()[-3000:])
-
-
 def helm_install(cluster, ns, release, timeout_s, **values):
     args = ["install", release, str(WAIT_CHART), "-n", ns, "--wait=watcher", "--timeout", f"{timeout_s}s"]
     for key, value in values.items():
@@ -291,7 +264,7 @@ def test_kubectl_kvs_why_explains_in_plain_words(cluster, namespace, operator):
     missing = kubectl_kvs(cluster, "why", "nope", "-n", namespace)
     assert missing.returncode == 1 and "not found" in missing.stderr
 
-    plan = kubectl_kvs(cluster, "plan", "--model", "Qwen/Qwen2.5-7B-Instruct", "--cpu-tier", "16Gi")
+    plan = kubectl_kvs(cluster, "plan", "--model", "Qwen/Qwen2.5-7B-Instruct", "--cpu-size", "16Gi")
     assert plan.returncode == 0 and "cpu" in plan.stdout
     rendered = kubectl_kvs(cluster, "render", "-f", str(ROOT / "examples/cpu-tier-qwen25-7b.yaml"))
     assert rendered.returncode == 0 and "kind: StatefulSet" in rendered.stdout

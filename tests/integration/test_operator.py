@@ -10,57 +10,19 @@ import time
 import pytest
 
 from kvoffload.engine.images import resolve
-from kvtest import ROOT, ApiError, OperatorProcess, condition
+from kvtest import ROOT, ApiError, condition
+from kvtest.specs import children_by_name, serve, wait_condition, wait_ready
 
 pytestmark = pytest.mark.cluster
 
-SMALL = {
-    "apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe",
-    "metadata": {"name": "svc"},
-    "spec": {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen": 16384},
-             "offload": {"cpu": {"size": "16Gi"}, "disk": {"path": "/mnt/nvme/lmcache", "size": "100Gi"}},
-             "resources": {"gpuMemory": "141Gi"}},
-}
+SMALL = serve("svc")
 GPU_NODES = {"gpu-node-0", "gpu-node-1", "gpu-node-2", "workstation-0"}
-
-
-@pytest.fixture
-def operator(cluster, crd_installed, namespace):
-    proc = OperatorProcess(cluster.env, [namespace])
-    yield proc
-    proc.stop()
-    print(proc.output()[-5000:])
-
-
-def wait_cond(cluster, ns, name, type_, status, timeout=90, reason=None):
-    def check():
-        obj = cluster.client.get_or_none("kvs", name, ns)
-        c = condition(obj, type_)
-        return obj if c.get("status") == status and (reason is None or c.get("reason") == reason) else None
-    return cluster.wait_until(check, timeout=timeout, message=f"{name} {type_}={status}")
-
-
-def wait_ready(cluster, ns, name, generation=None, timeout=120):
-    def check():
-        obj = cluster.client.get_or_none("kvs", name, ns)
-        gen = generation or obj["metadata"]["generation"]
-        ok = condition(obj, "Ready").get("status") == "True" and obj["status"].get("observedGeneration") == gen
-        return obj if ok else None
-    return cluster.wait_until(check, timeout=timeout, message=f"{name} Ready at its generation")
-
-
-def children(cluster, ns, name):
-    out = {}
-    for kind in ("configmap", "service", "statefulset", "poddisruptionbudget"):
-        for item in cluster.client.list(kind, ns, labels={"kvoffload.io/serve": name}):
-            out[(item["kind"], item["metadata"]["name"])] = item
-    return out
 
 
 def test_create_runs_on_gpu_nodes_and_reports_the_budget(cluster, namespace, operator):
     cluster.client.apply(SMALL, namespace)
     obj = wait_ready(cluster, namespace, "svc")
-    kids = children(cluster, namespace, "svc")
+    kids = children_by_name(cluster.client, namespace, "svc")
     assert set(kids) == {("ConfigMap", "svc-lmcache"), ("Service", "svc"), ("Service", "svc-pods"),
                          ("StatefulSet", "svc"), ("PodDisruptionBudget", "svc")}
     for child in kids.values():
@@ -115,7 +77,7 @@ def test_delete_garbage_collects_children(cluster, namespace, operator):
     cluster.client.apply(SMALL, namespace)
     wait_ready(cluster, namespace, "svc")
     cluster.client.delete("kvs", "svc", namespace, wait=True, timeout=60)
-    cluster.wait_until(lambda: not children(cluster, namespace, "svc"), timeout=90, message="children garbage-collected")
+    cluster.wait_until(lambda: not children_by_name(cluster.client, namespace, "svc"), timeout=90, message="children garbage-collected")
 
 
 def test_drift_is_repaired(cluster, namespace, operator):
@@ -167,20 +129,20 @@ def test_operator_refuses_what_only_it_can_see(cluster, namespace, operator):
     obj = copy.deepcopy(SMALL)
     obj["spec"]["offload"]["disk"]["path"] = "/etc/lmcache"  # well-formed, but outside the allowed roots
     cluster.client.apply(obj, namespace)
-    found = wait_cond(cluster, namespace, "svc", "ConfigValid", "False")
+    found = wait_condition(cluster, namespace, "svc", "ConfigValid", "False")
     assert "spec.offload.disk.path" in condition(found, "ConfigValid")["message"]
     assert "allowed roots" in condition(found, "ConfigValid")["message"]
-    assert children(cluster, namespace, "svc") == {}
+    assert children_by_name(cluster.client, namespace, "svc") == {}
     # Fixing it creates the children; breaking it again changes nothing that exists.
     cluster.client.apply(SMALL, namespace)
     wait_ready(cluster, namespace, "svc")
-    before = {k: v["metadata"]["resourceVersion"] for k, v in children(cluster, namespace, "svc").items()}
+    before = {k: v["metadata"]["resourceVersion"] for k, v in children_by_name(cluster.client, namespace, "svc").items()}
     bad_tp = copy.deepcopy(SMALL)
     bad_tp["spec"]["engine"]["tensorParallelSize"] = 3  # Qwen2.5-7B: 28 heads, 4 KV heads; vLLM refuses TP 3
     cluster.client.apply(bad_tp, namespace)
-    found = wait_cond(cluster, namespace, "svc", "ConfigValid", "False")
+    found = wait_condition(cluster, namespace, "svc", "ConfigValid", "False")
     assert "spec.engine.tensorParallelSize" in condition(found, "ConfigValid")["message"]
-    after = {k: v["metadata"]["resourceVersion"] for k, v in children(cluster, namespace, "svc").items()}
+    after = {k: v["metadata"]["resourceVersion"] for k, v in children_by_name(cluster.client, namespace, "svc").items()}
     assert after == before
 
 
@@ -188,7 +150,7 @@ def test_too_big_for_every_node_is_unschedulable(cluster, namespace, operator):
     obj = copy.deepcopy(SMALL)
     obj["spec"]["offload"]["cpu"]["size"] = "3Ti"  # nodes have at most 2 TiB
     cluster.client.apply(obj, namespace)
-    found = wait_cond(cluster, namespace, "svc", "Scheduled", "False", reason="Unschedulable")
+    found = wait_condition(cluster, namespace, "svc", "Scheduled", "False", reason="Unschedulable")
     assert "Insufficient memory" in condition(found, "Scheduled")["message"]
     assert condition(found, "Ready")["status"] == "False"
 
@@ -201,7 +163,7 @@ def test_steady_state_writes_nothing(cluster, namespace, operator):
     def versions():
         kvs = cluster.client.get("kvs", "svc", namespace)
         return {("kvs", "svc"): kvs["metadata"]["resourceVersion"],
-                **{k: v["metadata"]["resourceVersion"] for k, v in children(cluster, namespace, "svc").items()}}
+                **{k: v["metadata"]["resourceVersion"] for k, v in children_by_name(cluster.client, namespace, "svc").items()}}
 
     before = versions()
     log_before = operator.output().count("apply ")
@@ -242,26 +204,26 @@ def test_offload_active_and_engine_versions_come_from_the_pods_exporter(cluster,
         try:
             # vLLM never asked a KV connector and no LMCache figures: nothing proven. The operator
             # re-probes at its next reconcile (resyncSeconds: 20 in tests).
-            found = wait_cond(cluster, namespace, "svc", "OffloadActive", "False", timeout=60, reason="NoLMCacheActivity")
+            found = wait_condition(cluster, namespace, "svc", "OffloadActive", "False", timeout=60, reason="NoLMCacheActivity")
             assert condition(found, "EngineVerified")["reason"] == "EngineVersionsMatch"
             assert found["status"]["versions"]["running"] == [
                 {**rendered, "torch": "2.11.0+cu130", "podCount": 1, "pods": [pod_name]}]
             # The reference run (V2 runner): vLLM counted 64,028 tokens loaded, LMCache retrieved none.
             vllm.body = (fixtures / "vllm-0.26.0-lmcache-0.5.3-h200/vllm-metrics-with-lmcache.txt").read_text()
-            found = wait_cond(cluster, namespace, "svc", "OffloadActive", "False", timeout=60, reason="ExternalHitsNotLoaded")
+            found = wait_condition(cluster, namespace, "svc", "OffloadActive", "False", timeout=60, reason="ExternalHitsNotLoaded")
             message = condition(found, "OffloadActive")["message"]
             assert message.startswith("1/1 pods") and "vLLM counted 64,028 prompt tokens as loaded from LMCache" in message
             assert "lmcache:num_retrieve_requests_total 0" in message
             # The V1 runner (what the operator renders for this pair): LMCache retrieved 6 times.
             vllm.body = (fixtures / "vllm-0.26.0-lmcache-0.5.3-h200-v1runner/vllm-metrics-with-lmcache.txt").read_text()
-            found = wait_cond(cluster, namespace, "svc", "OffloadActive", "True", timeout=60)
+            found = wait_condition(cluster, namespace, "svc", "OffloadActive", "True", timeout=60)
             assert "1/1 pods" in condition(found, "OffloadActive")["message"]
 
             # The image holds another pair than the one rendered for.
             other = ({"vllm": "0.26.0", "lmcache": "0.5.3"} if rendered != {"vllm": "0.26.0", "lmcache": "0.5.3"}
                      else {"vllm": "0.27.1", "lmcache": "0.5.4"})
             versions.write_text(json.dumps({**other, "torch": "2.13.0"}))
-            found = wait_cond(cluster, namespace, "svc", "EngineVerified", "False", timeout=60, reason="EngineVersionMismatch")
+            found = wait_condition(cluster, namespace, "svc", "EngineVerified", "False", timeout=60, reason="EngineVersionMismatch")
             assert condition(found, "EngineVerified")["message"].startswith(
                 f"rendered for vLLM {rendered['vllm']} + LMCache {rendered['lmcache']}, "
                 f"pod {pod_name} runs vLLM {other['vllm']} + LMCache {other['lmcache']}")
@@ -270,7 +232,7 @@ def test_offload_active_and_engine_versions_come_from_the_pods_exporter(cluster,
         finally:
             exporter.terminate()
             exporter.wait(10)
-    found = wait_cond(cluster, namespace, "svc", "OffloadActive", "Unknown", timeout=60, reason="ExporterUnreachable")
+    found = wait_condition(cluster, namespace, "svc", "OffloadActive", "Unknown", timeout=60, reason="ExporterUnreachable")
     assert condition(found, "EngineVerified")["reason"] == "VersionsNotReported"
 
 
@@ -280,9 +242,9 @@ def test_pass_through_fields_the_api_server_refuses_are_config_errors(cluster, n
     obj = copy.deepcopy(SMALL)
     obj["spec"]["scheduling"] = {"tolerations": [{"key": "gpu", "operator": "Sometimes"}]}
     cluster.client.apply(obj, namespace)
-    found = wait_cond(cluster, namespace, "svc", "ConfigValid", "False")
+    found = wait_condition(cluster, namespace, "svc", "ConfigValid", "False")
     msg = condition(found, "ConfigValid")["message"]
     assert "refused the rendered" in msg and "tolerations" in msg
-    assert children(cluster, namespace, "svc") == {}
+    assert children_by_name(cluster.client, namespace, "svc") == {}
     cluster.client.apply(SMALL, namespace)
     wait_ready(cluster, namespace, "svc")

@@ -13,8 +13,8 @@ from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings, from_dict
 from kvoffload.controller import conditions, pipeline
 from kvoffload.rendering import autoscaling
-
-from .helpers import ROOT, spec
+from kvtest import ROOT
+from kvtest.specs import spec
 
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "autoscaling" / "llama31-8b.yaml").read_text())
 KEDA = Settings(autoscaler="keda", prometheus_address="http://prometheus.monitoring.svc:9090")

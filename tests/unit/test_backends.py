@@ -16,8 +16,7 @@ from kvoffload.backends import lmcache_server
 from kvoffload.controller import conditions, pipeline
 from kvoffload.controller.probe import Reading
 from kvoffload.rendering import render
-
-from .helpers import spec
+from kvtest.specs import spec
 
 PAIR = {"engine__image": "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", "engine__vllmVersion": "0.26.0",
         "engine__lmcacheVersion": "0.5.3"}
@@ -171,7 +170,7 @@ def test_offload_condition_names_the_backend(backend, reason):
 
 def test_plan_cli_backend():
     run = [sys.executable, "-m", "kvoffload.cli", "plan", "--model", "meta-llama/Llama-3.1-8B-Instruct",
-           "--context", "32768", "--cpu-tier", "40Gi"]
+           "--max-model-len", "32768", "--cpu-size", "40Gi"]
     out = subprocess.run(run + ["--backend", "lmcache-server", "-o", "json"], capture_output=True, text=True, check=True)
     doc = json.loads(out.stdout)
     assert doc["backend"] == "lmcache-server" and doc["serverMemory"]["request"] == 3 * GiB
@@ -179,5 +178,5 @@ def test_plan_cli_backend():
     native = subprocess.run(run + ["--backend", "vllm-native"], capture_output=True, text=True, check=True).stdout
     assert "cpu_tier" in native and "64 GiB pinned for a 40 GiB tier" in native
     assert "a 32 GiB or 64 GiB tier pins no more than its size for this model" in native
-    bad = subprocess.run(run + ["--backend", "vllm-native", "--disk-tier", "100Gi"], capture_output=True, text=True)
-    assert bad.returncode != 0 and "--disk-tier" in bad.stderr and "--backend vllm-native" in bad.stderr
+    bad = subprocess.run(run + ["--backend", "vllm-native", "--disk-size", "100Gi"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "--disk-size" in bad.stderr and "--backend vllm-native" in bad.stderr

@@ -18,6 +18,8 @@ import yaml
 
 import kvtest
 from kvoffload.api import crd, settings
+from kvoffload.api.errors import ConfigError
+from kvoffload.api.spec import parse
 from kvoffload.cli import generate
 from kvoffload.engine import images
 
@@ -28,6 +30,7 @@ STANDARD_LABELS = ("helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io
                    "app.kubernetes.io/version", "app.kubernetes.io/managed-by")
 # Free-form string maps: the only objects whose keys the schema cannot list.
 STRING_MAPS = {"labels", "annotations", "podAnnotations", "podLabels", "nodeSelector"}
+OBJECT_MAPS = {"imageVersions"}  # operator.config.imageVersions: image -> {vllm, lmcache}
 # What the operator calls (kopf watching for cache.py; kube.py, reconcile.py, leader.py), and nothing more.
 EXPECTED_RULES = {
     ("kvoffload.io", "kvoffloadserves"): {"list", "watch"},
@@ -37,6 +40,7 @@ EXPECTED_RULES = {
     ("apps", "statefulsets"): {"list", "watch", "create", "patch", "delete"},
     ("policy", "poddisruptionbudgets"): {"list", "watch", "create", "patch", "delete"},
     ("networking.k8s.io", "networkpolicies"): {"list", "watch", "create", "patch", "delete"},
+    ("autoscaling", "horizontalpodautoscalers"): {"list", "watch", "create", "patch", "delete"},
     ("", "pods"): {"list", "watch"},
     ("", "events"): {"create"},
 }
@@ -161,6 +165,10 @@ def test_schema_is_closed_at_every_object_level():
         if key in STRING_MAPS:
             assert node.get("additionalProperties") == {"type": "string"}, path
             assert "properties" not in node, path
+        elif key in OBJECT_MAPS:  # keys are names (images); each value a closed object
+            value = node.get("additionalProperties")
+            assert value["type"] == "object" and value["additionalProperties"] is False and value["properties"], path
+            assert "properties" not in node, path
         else:
             assert node.get("additionalProperties") is False, f"{path} is not closed (additionalProperties: false)"
             assert node.get("properties"), f"{path} lists no properties"
@@ -254,6 +262,22 @@ def test_custom_roots_scenario_reaches_the_operator(helm):
     assert s.nvme_selector() == {"node.example.com/local-nvme": "present"}
     assert s.default_image == "registry.example.com/mirror/vllm-lmcache:0.26.0-0.5.3"
     assert s.python_hash_seed == "42" and s.headroom_percent == 15 and s.labels == {"team": "inference"}
+    # The mirrored serving image renders for the pair the admin declared, like the image it mirrors.
+    minimal = {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "engine": {"maxModelLen": 8192},
+               "offload": {"cpu": {"size": "8Gi"}}}
+    engine = parse(minimal, s).engine
+    assert (engine.image, engine.vllm_version, engine.lmcache_version) == (s.default_image, "0.26.0", "0.5.3")
+    with pytest.raises(ConfigError) as err:
+        parse(minimal, dataclasses.replace(s, image_versions={}))
+    assert err.value.field == "spec.engine.vllmVersion" and "imageVersions" in err.value.message
+
+
+@pytest.mark.parametrize("bad", [{"img": {"lmcache": "0.5.3"}}, {"img": {"vllm": "0.26.0", "torch": "2.11.0"}},
+                                 {"img": "0.26.0"}, {"img": {"vllm": 26}}])
+def test_image_versions_are_checked_with_the_key_named(bad):
+    with pytest.raises(ConfigError) as err:
+        settings.from_dict({"imageVersions": bad})
+    assert err.value.field == "operator config imageVersions['img']"
 
 
 def test_exporter_image_follows_the_operator_image_unless_set(helm):
@@ -388,6 +412,17 @@ def test_scheduling_values(helm):
     assert pod["priorityClassName"] == "system-cluster-critical"
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
     assert dep["spec"]["template"]["metadata"]["annotations"]["a"] == "b"
+
+
+def test_keda_autoscaler_adds_scaledobjects_only(helm):
+    """operator.config.autoscaler keda: the operator also applies, lists and prunes ScaledObjects (not watched)."""
+    docs = helm.render("--set", "operator.config.autoscaler=keda",
+                       "--set", "operator.config.prometheusAddress=http://prometheus.monitoring.svc:9090")
+    assert _rules(one(docs, "ClusterRole")) == {**EXPECTED_RULES, ("keda.sh", "scaledobjects"): {"list", "create", "patch", "delete"}}
+    config = yaml.safe_load(next(c for c in find(docs, "ConfigMap") if "config.yaml" in c.get("data", {}))["data"]["config.yaml"])
+    assert (config["autoscaler"], config["prometheusAddress"]) == ("keda", "http://prometheus.monitoring.svc:9090")
+    cp = helm("template", "kvo", CHART, "--set", "operator.config.autoscaler=argo", check=False)
+    assert cp.returncode != 0 and "autoscaler" in cp.stderr
 
 
 def test_existing_service_account(helm):

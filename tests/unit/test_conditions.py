@@ -1,6 +1,5 @@
 """observe: conditions are a pure function of what was read; the clock is injected."""
 
-from datetime import datetime, timezone
 
 import pytest
 
@@ -9,32 +8,11 @@ from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
 from kvoffload.controller import conditions, pipeline
 from kvoffload.controller.probe import Reading
-
-from .helpers import spec
-
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
-T1 = datetime(2026, 1, 2, tzinfo=timezone.utc)
-
-
-def body(generation=1, status=None):
-    return {"metadata": {"name": "svc", "namespace": "ns", "generation": generation}, "status": status or {}}
+from kvtest.specs import T0, T1, body, pod, ready_pod, spec, sts
 
 
 def desired(**patch):
     return pipeline.desired("svc", "ns", "u", spec(**patch), Settings())
-
-
-def sts(replicas=1, ready=1, updated=1, gen=1, observed=1, current="r1", update="r1"):
-    return {"metadata": {"generation": gen}, "status": {"replicas": replicas, "readyReplicas": ready, "updatedReplicas": updated,
-                                                        "observedGeneration": observed, "currentRevision": current,
-                                                        "updateRevision": update}}
-
-
-def pod(name="svc-0", node="gpu-node-0", scheduled=True, message="", initialized=True):
-    conds = [{"type": "PodScheduled", "status": "True" if scheduled else "False",
-              **({} if scheduled else {"reason": "Unschedulable", "message": message})},
-             {"type": "Initialized", "status": "True" if initialized else "False"}]
-    return {"metadata": {"name": name}, "spec": {"nodeName": node} if scheduled else {}, "status": {"conditions": conds}}
 
 
 def by_type(status):
@@ -103,12 +81,6 @@ def test_status_is_stable_for_the_same_inputs():
     a = conditions.status(body(), desired(), None, conditions.Observed(sts(), [pod()]), T0)
     b = conditions.status(body(status=a), desired(), None, conditions.Observed(sts(), [pod()]), T1)
     assert a == b  # so a no-op reconcile writes nothing
-
-
-def ready_pod(name="svc-0"):
-    p = pod(name)
-    p["status"]["conditions"].append({"type": "Ready", "status": "True"})
-    return p
 
 
 def offload(probes, **patch):
@@ -238,7 +210,7 @@ PAIRS = [  # (what was read, Ready, (Reconciling), (Stalled))
      ("True", "AllReplicasReady"), ("False", "Converged"), ("False", "SpecAccepted")),
     ("invalid", lambda: conditions.status(body(3), None, ConfigError("spec.offload.disk.path", "'/etc' is outside"),
                                           conditions.Observed(None, []), T0),
-     ("False", "ConfigInvalid"), ("False", "Stalled"), ("True", "InvalidSpec")),
+     ("False", "InvalidSpec"), ("False", "Stalled"), ("True", "InvalidSpec")),
     ("rolling out", lambda: conditions.status(body(2), desired(), None,
                                               conditions.Observed(sts(gen=2, observed=2, updated=0, update="r2"), [pod()]), T0),
      ("False", "RollingOut"), ("True", "RollingOut"), ("False", "SpecAccepted")),
@@ -306,3 +278,19 @@ def test_pods_not_created_point_at_the_statefulset_events():
     assert "2 pod(s) not created yet" in cond.message and "violates PodSecurity" in cond.message
     created = {"metadata": {"name": "svc-0"}, "spec": {}, "status": {}}
     assert "not created" not in c._scheduled(1, [created]).message
+
+
+def test_every_condition_and_reason_is_declared_once():
+    """Types and reasons come from kvoffload.api.conditions (the CRD text and the chart's NOTES read it); a reason that
+    is not declared there cannot be written, and a refused spec says InvalidSpec on every condition that names one."""
+    from kvoffload.api import conditions as declared
+    from kvoffload.api import crd
+    from kvoffload.cli import generate
+
+    assert conditions.TYPES == declared.TYPES
+    with pytest.raises(ValueError, match="not declared"):
+        conditions.Cond("Ready", "False", "ConfigInvalid", "x")
+    st = conditions.status(body(3), None, ConfigError("spec.offload.disk.path", "'/etc' is outside"), conditions.Observed(None, []), T0)
+    assert {c["reason"] for c in st["conditions"] if c["type"] not in ("Reconciling",)} == {"InvalidSpec"}
+    assert crd.status_schema()["properties"]["conditions"]["description"] == declared.summary()
+    assert all(f"{c.type}: {c.description}" in generate.conditions_tpl() for c in declared.CONDITIONS)

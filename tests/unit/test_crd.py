@@ -6,8 +6,7 @@ from kvoffload.api import crd
 from kvoffload.api.settings import Settings
 from kvoffload.api.spec import parse
 from kvoffload.cli import generate
-
-from .helpers import ROOT
+from kvtest import ROOT
 
 FULL_SPEC = {
     "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "servedName": "llama", "kvDtype": "fp8",
@@ -18,9 +17,9 @@ FULL_SPEC = {
                "maxModelLen": 32768, "gpuMemoryUtilization": 0.9, "maxNumSeqs": 16, "tensorParallelSize": 2,
                "dtype": "bfloat16", "extraArgs": ["--enable-prefix-caching"], "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "INFO"}],
                "apiKeySecretRef": {"name": "vllm-api-key", "key": "api-key"}},
-    "offload": {"backend": "lmcache", "chunkSize": 256, "cpu": {"size": "40Gi", "evictionPolicy": "LFU"},
+    "offload": {"backend": "lmcache", "chunkSize": 256, "cpu": {"size": "40Gi", "evictionPolicy": "LFU", "readGbps": 50},
                 "disk": {"path": "/mnt/nvme/kv", "size": "100Gi", "reclaimPolicy": "Retain",
-                         "nodeSelector": {"kvoffload.io/nvme": "true"}}},
+                         "nodeSelector": {"kvoffload.io/nvme": "true"}, "readGbps": 6.5}},
     "resources": {"gpuResourceName": "nvidia.com/gpu", "gpuMemory": "80Gi", "cpu": "8", "memory": "120Gi",
                   "engineBaseline": "4Gi", "perWorkerOverhead": "2Gi", "stagingPerWorker": "1Gi", "shm": "4Gi",
                   "headroomPercent": 10},

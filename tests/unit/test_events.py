@@ -5,9 +5,7 @@ from datetime import datetime, timezone
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
 from kvoffload.controller import conditions, events, pipeline
-
-from .helpers import spec
-from .test_conditions import T0, T1, body, pod, ready_pod, sts
+from kvtest.specs import T0, T1, body, pod, ready_pod, spec, sts
 
 OWNER = {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe",
          "metadata": {"name": "svc", "namespace": "ns", "uid": "u-1", "resourceVersion": "7"}}

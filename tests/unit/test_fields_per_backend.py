@@ -17,11 +17,8 @@ from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
 from kvoffload.controller import conditions, pipeline
 from kvoffload.node import disk_cleaner
+from kvtest.specs import PAIR, spec
 
-from .helpers import spec
-
-PAIR = {"engine__image": "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", "engine__vllmVersion": "0.26.0",
-        "engine__lmcacheVersion": "0.5.3"}
 NO_DISK = {"offload__disk": None}
 SCALED = {"autoscaling__maxReplicas": 4, "autoscaling__targets__waitingRequestsPerReplica": 4}
 
@@ -57,6 +54,8 @@ CASES: dict[str, tuple[dict, object]] = {
     "offload.chunkSize": ({}, 512),
     "offload.cpu.size": ({}, "48Gi"),
     "offload.cpu.evictionPolicy": ({}, "LFU"),
+    "offload.cpu.readGbps": ({}, 5),
+    "offload.disk.readGbps": ({}, 7),
     "offload.disk.path": ({}, "/mnt/nvme/other"),
     "offload.disk.storageClassName": ({}, {"storageClassName": "local-nvme", "size": "200Gi"}),  # in place of path
     "offload.disk.size": ({}, "300Gi"),

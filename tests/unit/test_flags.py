@@ -9,8 +9,7 @@ from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
 from kvoffload.engine import flags, images
-
-from .helpers import spec
+from kvtest.specs import spec
 
 V = images.KNOWN_IMAGES[images.DEFAULT_IMAGE].vllm
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .helpers import ROOT
+from kvtest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 import gpu_counters  # noqa: E402
@@ -308,8 +308,8 @@ def test_plan_argv_and_plan_rows_use_the_same_prompt_and_host():
                     "--tensor-parallel-size", "2", "--kv-cache-dtype", "fp8", "--gpu-memory-utilization", "0.95"],
            "lmcache": {"max_local_cpu_size": 20.0, "max_local_disk_size": 100.0}}
     argv = gpu_report.plan_argv(run, 32768, RESULTS["host"])
-    assert argv[argv.index("--cpu-tier") + 1] == "40.0Gi" and argv[argv.index("--tp") + 1] == "2"
-    assert argv[argv.index("--cpu-read-gbps") + 1] == "50.000" and argv[argv.index("--context") + 1] == "32768"
+    assert argv[argv.index("--cpu-size") + 1] == "40.0Gi" and argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert argv[argv.index("--cpu-read-gbps") + 1] == "50.000" and argv[argv.index("--max-model-len") + 1] == "32768"
     out = subprocess.run([sys.executable, "-m", "kvoffload.cli", "plan", *argv], capture_output=True, text=True, check=True)
     plan = json.loads(out.stdout)
     rows = "\n".join(gpu_report.plan_rows({"host": plan}, RESULTS["runs"], "tp1"))

@@ -22,49 +22,10 @@ import yaml
 
 from kvoffload.api import settings
 from kvoffload.engine import images
+from kvtest.dockerfile import OPERATOR, SERVING, Dockerfile
 
 ROOT = Path(__file__).resolve().parents[2]
-OPERATOR = ROOT / "images" / "operator" / "Dockerfile"
-SERVING = ROOT / "images" / "serving" / "Dockerfile"
 SERVING_IMAGE = images.DEFAULT_IMAGE
-
-
-class Dockerfile:
-    """Instructions of a Dockerfile (continuations joined, comments dropped) with ARG defaults resolved."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.text = path.read_text()
-        self.instructions: list[tuple[str, str]] = []
-        buf = ""
-        for line in self.text.splitlines():
-            if not buf and (not line.strip() or line.lstrip().startswith("#")):
-                continue
-            if line.rstrip().endswith("\\"):
-                buf += line.rstrip()[:-1] + " "
-                continue
-            buf += line
-            op, _, rest = buf.strip().partition(" ")
-            self.instructions.append((op.upper(), rest.strip()))
-            buf = ""
-        self.args: dict[str, str] = {}
-        for op, rest in self.instructions:
-            if op == "ARG" and "=" in rest:
-                k, v = rest.split("=", 1)
-                self.args.setdefault(k, v.strip('"'))
-
-    def expand(self, text: str) -> str:
-        return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: self.args.get(m.group(1) or m.group(2), m.group(0)), text)
-
-    def all(self, op: str) -> list[str]:
-        return [self.expand(rest) for o, rest in self.instructions if o == op]
-
-    def labels(self) -> dict[str, str]:
-        out = {}
-        for rest in self.all("LABEL"):
-            for k, v in re.findall(r'([\w.\-]+)="([^"]*)"', rest):
-                out[k] = v
-        return out
 
 
 @pytest.fixture(scope="module")

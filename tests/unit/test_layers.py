@@ -76,3 +76,21 @@ def test_exporter_starts_small():
             "sorted(m for m in sys.modules if m.startswith(('kvoffload.controller', 'kvoffload.planning', 'kvoffload.rendering'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[] []"
+
+
+def test_no_backend_is_compared_by_name_outside_its_module():
+    """Everything a backend does differently lives in its module (backends/): elsewhere a `backend == "..."`
+    (or `in`, `!=`) would be a second place to change when a backend is added."""
+    from kvoffload import backends
+
+    found = []
+    for path in sorted(PACKAGE.glob("*/*.py")):
+        if path.parent.name == "backends":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                named = any(isinstance(s, ast.Constant) and s.value in backends.NAMES for s in sides)
+                if named and "backend" in ast.unparse(node):
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found

@@ -11,6 +11,7 @@ import pytest
 from kvoffload.api.settings import Settings
 from kvoffload.controller import leader, runtime
 from kvoffload.controller.kube import ApiError
+from kvtest.operator import drain
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 CFG = leader.LeaseConfig(namespace="ops", name="kvoffload-operator", identity="me")
@@ -182,16 +183,6 @@ def test_leader_steps_down_when_it_cannot_renew(monkeypatch):
 
     asyncio.run(asyncio.wait_for(scenario(), 5))
     assert changes == [True, False]
-
-
-async def drain(rt: runtime.Runtime) -> None:
-    """Run the Runtime's workers until nothing is queued or running."""
-    rt._serve()
-    for _ in range(500):
-        await asyncio.sleep(0.01)
-        if not rt.queued and not rt.running:
-            return
-    raise AssertionError("queue did not drain")
 
 
 def serve(name: str) -> dict[str, Any]:

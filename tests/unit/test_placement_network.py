@@ -8,14 +8,10 @@ import pytest
 
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
-from kvoffload.controller import pipeline
 from kvoffload.rendering import render
+from kvtest.specs import rendered, spec
 
-from .helpers import spec
-
-
-def children(s: dict, settings: Settings = Settings()) -> list[dict]:
-    return pipeline.desired("svc", "team-a", "uid-1", s, settings).children
+children = rendered
 
 
 def pod_of(s: dict) -> dict:

@@ -15,8 +15,7 @@ from kvoffload.controller import pipeline
 from kvoffload.planning import sizing
 from kvoffload.planning.catalog import resolve_model
 from kvoffload.rendering import pod_security
-
-from .helpers import spec
+from kvtest.specs import spec
 
 RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret"}
 

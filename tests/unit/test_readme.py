@@ -6,9 +6,8 @@ import sys
 
 import pytest
 
+from kvtest import ROOT
 from kvtest.readme import README, commands
-
-from .helpers import ROOT
 
 CLI = [c for c in commands() if c.startswith("kvoffload ")]
 

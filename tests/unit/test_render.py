@@ -18,8 +18,8 @@ from kvoffload.controller import pipeline
 from kvoffload.engine import images
 from kvoffload.engine import versions as engine_versions
 from kvoffload.rendering import render
-
-from .helpers import EXAMPLES, ROOT, spec
+from kvtest import ROOT
+from kvtest.specs import EXAMPLES, spec
 
 GOLDEN = ROOT / "tests" / "golden"
 

@@ -10,8 +10,7 @@ import pytest
 from kvoffload.api.settings import Settings
 from kvoffload.api.spec import parse
 from kvoffload.controller import pipeline, reconcile, runtime
-
-from .test_leader import drain
+from kvtest.operator import drain
 
 SPEC = {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen": 4096},
         "offload": {"cpu": {"size": "1Gi"}}, "resources": {"gpuMemory": "141Gi"}}

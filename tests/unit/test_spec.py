@@ -6,8 +6,7 @@ from kvoffload.api import crd
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
 from kvoffload.api.spec import check_disk_path, parse
-
-from .helpers import spec
+from kvtest.specs import spec
 
 S = Settings()
 

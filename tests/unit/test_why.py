@@ -8,9 +8,7 @@ from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
 from kvoffload.cli import kubectl, why
 from kvoffload.controller import conditions, pipeline
-
-from .helpers import spec
-from .test_conditions import T0, body, pod, sts
+from kvtest.specs import T0, body, pod, spec, sts
 
 NOW = datetime(2026, 1, 1, 0, 5, tzinfo=timezone.utc)
 

@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..engine import flags, images
+from ..engine import flags
+from . import conditions, managed, rules
 
 GROUP = "kvoffload.io"
 VERSION = "v1alpha1"
@@ -26,19 +27,15 @@ SHORT_NAMES = ["kvs"]
 # flags the operator renders, and flags that change the GPU count or the memory budget). The API server
 # refuses these and their abbreviations; the operator also refuses unknown flags per vLLM version.
 REFUSED_FLAGS = flags.refused_spellings()
-# POD_NAME / POD_NAMESPACE expand the disk tier's subPathExpr: a user value would mount another pod's directory.
-# VLLM_API_KEY comes from spec.engine.apiKeySecretRef only (never a literal in the pod spec or command line).
-# VLLM_USE_V2_MODEL_RUNNER: set per engine pair (engine/images.CONNECTOR_ENV): a user value could turn LMCache's loads off.
-# DO_NOT_TRACK, VLLM_NO_USAGE_STATS: usage telemetry off (engine/images.TELEMETRY_OFF_ENV): a user value could turn it on.
-MANAGED_ENV = ("LMCACHE_CONFIG_FILE", "PYTHONHASHSEED", "PROMETHEUS_MULTIPROC_DIR", "LMCACHE_USE_EXPERIMENTAL",
-               "POD_NAME", "POD_NAMESPACE", "VLLM_API_KEY", *images.ENGINE_ENV_WHY)
-MANAGED_ENV_PREFIX = "LMCACHE_"
+# Environment variables spec.engine.env may not set, each with why (api/managed.py; api/rules.ENV refuses them).
+MANAGED_ENV = tuple(managed.ENV)
+MANAGED_ENV_PREFIX = managed.ENV_PREFIX
 
 
 @functools.cache
 def backend_declarations() -> dict[str, Any]:
     """What each spec.offload.backend declares to the API (its name, summary, engine pair and the fields it
-    refuses): data/backends.json, written by `kvoffload generate` from the backends' registry (backends/,
+    refuses): data/backends.json, written by `make generate` from the backends' registry (backends/,
     a layer above this one)."""
     return json.loads((Path(__file__).parent / "data" / "backends.json").read_text(encoding="utf-8"))
 # vLLM's FlexibleArgumentParser reads `--max_model_len` as `--max-model-len` and `--kv-transfer-config.x=y` as a
@@ -82,6 +79,14 @@ def _q(description: str, *, positive: bool = True, **kw: Any) -> Schema:
                                                                            f"and at most {MAX_QUANTITY}, e.g. 40Gi or 500G"}]})
 
 
+def _gbps(tier: str, setting: str) -> Schema:
+    """A read bandwidth in GB/s: the figure that decides whether this tier's hits beat recomputing the prefix."""
+    return {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 10000, "description": (
+        f"Read bandwidth of the {tier} back into the GPU, in GB/s (10^9 bytes per second), for this resource's nodes. It "
+        "decides whether reloading a max-length prefix from this tier is slower than recomputing it (a warning in "
+        f"ConfigValid, status.budget.reload). Defaults to the operator setting {setting}; status says which figure was used.")}
+
+
 def _o(description: str, properties: dict[str, Schema], *, required: list[str] | None = None,
        rules: list[dict[str, str]] | None = None, **kw: Any) -> Schema:
     out: Schema = {"type": "object", "description": description, "properties": properties, **kw}
@@ -121,8 +126,7 @@ def _architecture() -> Schema:
             "parameters": _i("Parameter count, used to size the weights in GPU memory (e.g. 8030261248).", minimum=1,
                              maximum=10**15, format="int64"),
         },
-        rules=[{"rule": "!has(self.kvHeads) || !has(self.attentionHeads) || self.attentionHeads % self.kvHeads == 0",
-                "fieldPath": ".kvHeads", "message": "kvHeads must divide attentionHeads"}],
+        rules=rules.at("spec.model.architecture"),
     )
 
 
@@ -187,18 +191,16 @@ def _engine() -> Schema:
                     "message": "extraArgs may not set, or abbreviate, a flag the operator manages or one that changes the GPU "
                                "count or the memory budget (also spelt with _ or as --flag.key): " + ", ".join(REFUSED_FLAGS)}]},
             "env": {"type": "array", "maxItems": 64, "description": (
-                "Extra environment variables for the vLLM container (Kubernetes EnvVar). Variables the operator manages are refused: "
-                + ", ".join(MANAGED_ENV) + " and any LMCACHE_* (put engine settings in spec.offload)."),
+                "Extra environment variables for the vLLM container (Kubernetes EnvVar). Variables the operator manages are refused, "
+                "each with its reason: the operator's own wiring, which GPUs the container sees, and where weights, caches and "
+                "temporary files go: " + ", ".join(MANAGED_ENV) + " and any LMCACHE_* (put engine settings in spec.offload)."),
                 "items": {"type": "object", "required": ["name"], "x-kubernetes-preserve-unknown-fields": True,
                           "properties": {"name": _s("Variable name.", minLength=1, maxLength=256),
                                          "value": _s("Variable value."),
                                          "valueFrom": _free("Source of the value (Kubernetes EnvVarSource).")}},
-                "x-kubernetes-validations": [{
-                    "rule": "self.all(e, !(e.name in " + _cel_list(MANAGED_ENV) + ") && !e.name.startsWith('" + MANAGED_ENV_PREFIX + "'))",
-                    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is refused by the operator only: a CEL rule over
-                    # env values (no maxLength) exceeds the API server's cost budget.
-                    "message": "env may not set a variable the operator manages: " + ", ".join(MANAGED_ENV) + " or LMCACHE_* ("
-                               + managed_env_reasons() + ")"}]},
+                # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is refused by the operator only: a CEL rule over
+                # env values (no maxLength) exceeds the API server's cost budget.
+                "x-kubernetes-validations": rules.at("spec.engine.env")},
             "apiKeySecretRef": _o(
                 "Secret holding the API key clients must send (Authorization: Bearer KEY) for vLLM's /v1 endpoints; exposed to vLLM "
                 "as VLLM_API_KEY (vLLM's --api-key, which is refused in extraArgs so the key never appears in the pod spec). "
@@ -209,14 +211,6 @@ def _engine() -> Schema:
         },
         required=["maxModelLen"],
     )
-
-
-def managed_env_reasons() -> str:
-    """Why each engine variable is managed, one clause per reason: "A, B: why; C: why"."""
-    names: dict[str, list[str]] = {}
-    for name, why in images.ENGINE_ENV_WHY.items():
-        names.setdefault(why, []).append(name)
-    return "; ".join(f"{', '.join(group)}: {why}" for why, group in names.items())
 
 
 def _cel_list(items: tuple[str, ...]) -> str:
@@ -232,7 +226,8 @@ def _offload() -> Schema:
         {"size": _q("Pinned CPU memory for KV chunks, per replica (split evenly over the tensor-parallel ranks; LMCache's "
                     "max_local_cpu_size is this ÷ tensorParallelSize, in GiB)."),
          "evictionPolicy": _s("Which chunk a full tier drops (LMCache cache_policy; applies to the CPU and disk tiers).",
-                              enum=["LRU", "LFU", "FIFO", "MRU"], default="LRU")},
+                              enum=["LRU", "LFU", "FIFO", "MRU"], default="LRU"),
+         "readGbps": _gbps("CPU tier (pinned host memory, per GPU)", "cpuReadGbps")},
         required=["size"],
     )
     disk = _o(
@@ -253,11 +248,10 @@ def _offload() -> Schema:
          "reclaimPolicy": _s("What happens to node directories when a pod or the resource goes: Delete (emptied at every pod start; "
                              "removed from nodes by the node cleaner when the resource is deleted) or Retain (left for the admin).",
                              enum=["Delete", "Retain"], default="Delete"),
-         "nodeSelector": _labels("Node labels that mark nodes with this disk; defaults to the operator's NVMe label.")},
+         "nodeSelector": _labels("Node labels that mark nodes with this disk; defaults to the operator's NVMe label."),
+         "readGbps": _gbps("disk tier (one node-local device shared by the pod's ranks)", "diskReadGbps")},
         required=["size"],
-        rules=[{"rule": "has(self.path) != has(self.storageClassName)",
-                "message": "set exactly one of spec.offload.disk.path (hostPath) or "
-                           "spec.offload.disk.storageClassName (ephemeral volume)"}],
+        rules=rules.at("spec.offload.disk"),
     )
     return _o(
         "KV-cache offloading: hot blocks stay in GPU memory, warm ones go to pinned CPU memory, cold ones to node-local "
@@ -271,6 +265,7 @@ def _offload() -> Schema:
          "cpu": cpu,
          "disk": disk},
         required=["cpu"],
+        rules=rules.at("spec.offload"),
     )
 
 
@@ -371,7 +366,9 @@ def _metrics() -> Schema:
     return _o(
         "The per-tier metrics exporter sidecar.",
         {"enabled": {"type": "boolean", "description": "Run the exporter sidecar in every pod.", "default": True},
-         "port": _i("Port of the exporter's /metrics.", minimum=1024, maximum=65535, default=9400)},
+         "port": _i("Port of the exporter's /metrics. Not a port another container of the pod listens on: "
+                    + ", ".join(map(str, managed.PORTS)) + ".", minimum=1024, maximum=65535, default=9400,
+                    **{"x-kubernetes-validations": rules.at("spec.metrics.port")})},
     )
 
 
@@ -398,9 +395,7 @@ def _autoscaling() -> Schema:
                   "Share of prompt tokens, in percent over the last 2 minutes, that neither the GPU prefix cache nor the "
                   "offload tiers served, so vLLM recomputed them (the exporter's kvoffload_prompt_tokens_total{origin=\"compute\"}); "
                   "above it the working set has outgrown the tiers. Needs spec.metrics.enabled.", minimum=1, maximum=100)},
-             rules=[{"rule": "has(self.waitingRequestsPerReplica) || has(self.kvCacheUsagePercent) || has(self.promptRecomputePercent)",
-                     "message": "spec.autoscaling.targets needs at least one of waitingRequestsPerReplica, kvCacheUsagePercent, "
-                                "promptRecomputePercent"}]),
+             rules=rules.at("spec.autoscaling.targets")),
          "scaleUpPeriodSeconds": _i("Replicas at most double per this many seconds, so that load queued while new engines start "
                                     "does not add still more. Default: the engine's start-up budget (startupSeconds), at most 1800.",
                                     minimum=1, maximum=1800),
@@ -412,17 +407,8 @@ def _autoscaling() -> Schema:
                          "your gateway for this model); a value above 0 starts the first replica, and it counts like "
                          "waitingRequestsPerReplica. KEDA only; required with minReplicas 0.", minLength=1, maxLength=1024)},
         required=["maxReplicas", "targets"],
-        rules=[{"rule": "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
-                "fieldPath": ".minReplicas", "message": "spec.autoscaling.minReplicas must be at most maxReplicas"},
-               {"rule": "(has(self.minReplicas) && self.minReplicas == 0) == has(self.wakeQuery)",
-                "fieldPath": ".wakeQuery",
-                "message": "spec.autoscaling.wakeQuery is required with minReplicas 0 (scale to zero) and only then: "
-                           "with no replica running, nothing else says when to start one"}],
+        rules=rules.at("spec.autoscaling"),
     )
-
-
-AUTOSCALE_NEEDS_METRICS = ("!has(self.autoscaling) || !has(self.autoscaling.targets.promptRecomputePercent) "
-                           "|| !has(self.metrics) || !has(self.metrics.enabled) || self.metrics.enabled")
 
 
 def spec_schema() -> Schema:
@@ -440,18 +426,7 @@ def spec_schema() -> Schema:
          "networkPolicy": _network_policy(),
          "autoscaling": _autoscaling()},
         required=["model", "engine", "offload"],
-        rules=[{"rule": "!has(self.offload.disk) || !has(self.offload.disk.nodeSelector) || !has(self.scheduling) "
-                        "|| !has(self.scheduling.nodeSelector) "
-                        "|| self.offload.disk.nodeSelector.all(k, !(k in self.scheduling.nodeSelector) "
-                        "|| self.scheduling.nodeSelector[k] == self.offload.disk.nodeSelector[k])",
-                "message": "spec.offload.disk.nodeSelector and spec.scheduling.nodeSelector disagree on a label"},
-               {"rule": "!has(self.resources) || !has(self.resources.memory) || !isQuantity(self.resources.memory) "
-                        "|| !isQuantity(self.offload.cpu.size) "
-                        "|| !quantity(self.resources.memory).isLessThan(quantity(self.offload.cpu.size))",
-                "fieldPath": ".resources.memory",
-                "message": "must hold at least the CPU tier (spec.offload.cpu.size): pinned memory is allocated in full"},
-               {"rule": AUTOSCALE_NEEDS_METRICS, "fieldPath": ".autoscaling.targets.promptRecomputePercent",
-                "message": "spec.autoscaling.targets.promptRecomputePercent needs spec.metrics.enabled: it is read from the exporter"}],
+        rules=rules.at("spec"),
     )
     _add_backend_rules(spec)
     return spec
@@ -460,9 +435,10 @@ def spec_schema() -> Schema:
 def _condition() -> Schema:
     return _o(
         "A condition (Kubernetes API conventions).",
-        {"type": _s("Ready, ConfigValid, Scheduled, OffloadActive, EngineVerified, DiskTierReady, Reconciling or Stalled."),
+        {"type": _s(", ".join(conditions.TYPES[:-1]) + " or " + conditions.TYPES[-1] + "."),
          "status": _s("True, False or Unknown.", enum=["True", "False", "Unknown"]),
-         "reason": _s("CamelCase reason."),
+         "reason": _s("CamelCase reason: " + "; ".join(f"{c.type}: {', '.join(c.reasons)}" for c in conditions.CONDITIONS)
+                      + " (Reconciling also carries Ready's)."),
          "message": _s("Human-readable detail."),
          "lastTransitionTime": _s("When status last changed.", format="date-time"),
          "observedGeneration": _i("Generation the condition was computed from.", format="int64")},
@@ -477,9 +453,7 @@ def status_schema() -> Schema:
     return _o(
         "Observed state, written by the operator.",
         {"observedGeneration": _i("Generation of the spec the operator last rolled out (0: none yet).", format="int64"),
-         "conditions": {"type": "array", "description": "Ready, ConfigValid, Scheduled, OffloadActive, EngineVerified, DiskTierReady; and "
-                                                        "Reconciling (True while converging) and Stalled (True while the spec "
-                                                        "cannot be acted on), which kstatus (Helm --wait, Flux) reads.",
+         "conditions": {"type": "array", "description": conditions.summary(),
                         "items": _condition(), "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
          "replicas": _i("Pods that exist.", format="int32"),
          "readyReplicas": _i("Pods that are Ready.", format="int32"),

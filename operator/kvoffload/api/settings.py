@@ -18,6 +18,10 @@ class Settings:
     allowed_disk_roots: tuple[str, ...] = ("/mnt/nvme", "/var/lib/kvoffload")
     # Default serving image; its (vLLM, LMCache) pair comes from kvoffload.engine.images.
     default_image: str = "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3"
+    # Serving images the admin built or mirrored under their own names, with the pair each holds
+    # ({image: {vllm: "0.26.0", lmcache: "0.5.3"}}; no lmcache: a plain vLLM image, vllm-native only).
+    # The operator renders for them as for the images it knows; EngineVerified checks the pods.
+    image_versions: dict[str, dict[str, str]] = field(default_factory=dict)
     # Image of the exporter sidecar (the operator image carries the exporter too).
     exporter_image: str = "ghcr.io/kvoffload/kvoffload:0.1.0"
     exporter_image_pull_policy: str = "IfNotPresent"
@@ -30,6 +34,14 @@ class Settings:
     staging_per_worker: str = "1Gi"
     server_baseline: str = "2Gi"  # the LMCache server process of backend lmcache-server, before its CPU tier
     headroom_percent: int = 10
+    # Read bandwidths (GB/s, 10^9 bytes per second) that decide whether a tier's hits are "slower than recompute": the
+    # cluster's own figures belong here (and per resource in spec.offload.cpu/disk.readGbps). Defaults: one H200 host
+    # (reference/h200-tier-physics.json): pinned host->GPU copy per GPU, and that host's virtual disk; a real NVMe reads
+    # 3-14 GB/s. prefill_tokens_per_second: the recompute side, per replica; 0 derives it from the same host's
+    # measured 32K-token prefill of an 8B Llama, scaled by parameters and TP.
+    cpu_read_gbps: float = 54.847573715916525
+    disk_read_gbps: float = 0.9384999892678052
+    prefill_tokens_per_second: float = 0
     # Same value in every rank and replica, or LMCache chunk hashes differ (zero hits with TP > 1).
     python_hash_seed: str = "0"
     # Ask each running pod's exporter whether offloading is proven (OffloadActive) and which vLLM /
@@ -74,7 +86,13 @@ def from_dict(data: dict[str, Any]) -> Settings:
             raise ConfigError(f"operator config {key}", f"unknown setting; allowed: {', '.join(sorted(by_camel))}")
         name = by_camel[key]
         kwargs[name] = tuple(value) if name == "allowed_disk_roots" else value
-    for name, kind, least in (("events_per_second", (int, float), 0), ("event_burst", int, 1)):
+    for image, pair in (kwargs.get("image_versions") or {}).items():
+        if not isinstance(pair, dict) or not isinstance(pair.get("vllm"), str) or set(pair) - {"vllm", "lmcache"} \
+                or not isinstance(pair.get("lmcache", ""), str):
+            raise ConfigError(f"operator config imageVersions[{image!r}]",
+                              f"must be {{vllm: VERSION, lmcache: VERSION}} (lmcache optional), got {pair!r}")
+    for name, kind, least in (("events_per_second", (int, float), 0), ("event_burst", int, 1), ("cpu_read_gbps", (int, float), 1e-6),
+                              ("disk_read_gbps", (int, float), 1e-6), ("prefill_tokens_per_second", (int, float), 0)):
         value = kwargs.get(name, getattr(Settings, name))
         if isinstance(value, bool) or not isinstance(value, kind) or value < least:
             raise ConfigError(f"operator config {_camel(name)}", f"must be a number >= {least}, got {value!r}")

@@ -17,7 +17,7 @@ from typing import Any
 from kubernetes.utils.quantity import parse_quantity
 
 from ..engine import flags, images
-from . import crd
+from . import crd, rules
 from .errors import ConfigError
 from .quantity import to_bytes
 from .settings import Settings
@@ -116,12 +116,20 @@ class EngineSpec:
 
 
 @dataclass(frozen=True)
+class Figure:
+    """A figure the planner uses and where it came from (a spec field or an operator setting), for status."""
+    value: float
+    source: str
+
+
+@dataclass(frozen=True)
 class DiskSpec:
     path: str | None
     storage_class: str | None
     size: int
     reclaim_policy: str
     node_selector: dict[str, str]
+    read_gbps: Figure | None = None  # None: the planner's default
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,8 @@ class OffloadSpec:
     cpu_size: int
     eviction_policy: str
     disk: DiskSpec | None
+    cpu_read_gbps: Figure | None = None  # None: the planner's default
+    prefill_tokens_per_second: Figure | None = None  # None: derived from the model (planning.sizing)
 
 
 @dataclass(frozen=True)
@@ -217,6 +227,12 @@ def quantity_bytes(value: Any, field_: str, *, allow_zero: bool) -> int:
     return to_bytes(value, field_, allow_zero=allow_zero)
 
 
+def _required_size(r: _Reader, path: str) -> int:
+    value = _size(r, path, required=True)
+    assert value is not None  # _size raised otherwise
+    return value
+
+
 def _size(r: _Reader, path: str, *, required: bool = False, allow_zero: bool = False) -> int | None:
     value = r.get(path)
     if value is None:
@@ -224,6 +240,19 @@ def _size(r: _Reader, path: str, *, required: bool = False, allow_zero: bool = F
             raise ConfigError(f"spec.{path}", "is required (a Kubernetes quantity such as 40Gi)")
         return None
     return quantity_bytes(value, f"spec.{path}", allow_zero=allow_zero)
+
+
+def _text(r: _Reader, path: str) -> str:
+    """A string field that always has a value here (set, or its schema default)."""
+    value = _str(r, path)
+    if value is None:
+        raise ConfigError(f"spec.{path}", "is required")
+    return value
+
+
+def _secret(r: _Reader, path: str) -> tuple[str, str] | None:
+    """(name, key) of a Secret reference, or None when unset."""
+    return (_text(r, f"{path}.name"), _text(r, f"{path}.key")) if r.has(f"{path}.name") else None
 
 
 def _str(r: _Reader, path: str) -> str | None:
@@ -278,13 +307,12 @@ def _model(r: _Reader) -> ModelSpec:
         raise ConfigError("spec.model.name", f"{name!r} must be a Hugging Face id or path (letters, digits, _ . / -)")
     arch = {k: _int(r, f"model.architecture.{k}", 1, _node(f"model.architecture.{k}")["maximum"])
             for k in ("layers", "attentionHeads", "kvHeads", "headDim", "parameters") if r.has(f"model.architecture.{k}")}
-    secret = (_str(r, "model.hfTokenSecret.name"), _str(r, "model.hfTokenSecret.key")) if r.has("model.hfTokenSecret.name") else None
     return ModelSpec(
         name=name,
         served_name=_str(r, "model.servedName") or name,
         architecture=arch,
         kv_dtype=_enum(r, "model.kvDtype"),
-        hf_token_secret=secret,
+        hf_token_secret=_secret(r, "model.hfTokenSecret"),
         cache_claim=_str(r, "model.cache.claimName"),
         cache_read_only=_bool(r, "model.cache.readOnly"),
     )
@@ -294,7 +322,8 @@ def _engine(r: _Reader, settings: Settings) -> EngineSpec:
     image = _str(r, "engine.image") or settings.default_image
     backend = _declared(r.get("offload.backend"))
     pair = images.resolve(image, _str(r, "engine.vllmVersion"), _str(r, "engine.lmcacheVersion"),
-                          needs_lmcache=backend is None or backend["minLmcache"] is not None)
+                          needs_lmcache=backend is None or backend["minLmcache"] is not None,
+                          table={**images.KNOWN_IMAGES, **images.declared(settings.image_versions)})
     util = r.get("engine.gpuMemoryUtilization")
     if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
         raise ConfigError("spec.engine.gpuMemoryUtilization", f"{util!r} must be a number in (0, 1]")
@@ -310,10 +339,7 @@ def _engine(r: _Reader, settings: Settings) -> EngineSpec:
             raise ConfigError("spec.engine.env", "every entry needs a name (a string of at most 256 characters)")
         if not isinstance(var.get("value", ""), str) or not isinstance(var.get("valueFrom", {}), dict):
             raise ConfigError("spec.engine.env", f"{name}: value must be a string and valueFrom an object")
-        if name in crd.MANAGED_ENV or name.startswith(crd.MANAGED_ENV_PREFIX):
-            why = images.ENGINE_ENV_WHY.get(name)
-            raise ConfigError("spec.engine.env", f"{name} is managed by the operator ({', '.join(crd.MANAGED_ENV)}, LMCACHE_*)"
-                              + (f": {why}" if why else ""))
+    rules.ENV.check(r.spec)  # before the flag table's checks of the values: a managed name is refused whatever it says
     flags.check_env(env, pair.vllm)
     return EngineSpec(
         image=image, vllm_version=pair.vllm, lmcache_version=pair.lmcache,
@@ -324,8 +350,7 @@ def _engine(r: _Reader, settings: Settings) -> EngineSpec:
         dtype=_enum(r, "engine.dtype"),
         extra_args=tuple(str(a) for a in extra),
         env=env,
-        api_key_secret=(_str(r, "engine.apiKeySecretRef.name"), _str(r, "engine.apiKeySecretRef.key"))
-        if r.has("engine.apiKeySecretRef.name") else None,
+        api_key_secret=_secret(r, "engine.apiKeySecretRef"),
     )
 
 
@@ -347,28 +372,44 @@ def check_disk_path(path: str, allowed_roots: tuple[str, ...]) -> str:
     raise ConfigError(field_, f"{path!r} is outside the allowed roots: {roots}")
 
 
+def _figure(r: _Reader, path: str, setting: str, default: float) -> Figure:
+    """A positive number from the spec, else the operator's setting, with where it came from."""
+    value = r.get(path)
+    if value is None:
+        if isinstance(default, bool) or not isinstance(default, (int, float)) or not default > 0:
+            raise ConfigError(f"operator setting {setting}", f"{default!r} must be a number > 0")
+        return Figure(float(default), f"operator setting {setting}")
+    node = _node(path)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= node["maximum"]:
+        raise ConfigError(f"spec.{path}", f"{value!r} must be a number in (0, {node['maximum']}]")
+    return Figure(float(value), f"spec.{path}")
+
+
 def _offload(r: _Reader, settings: Settings) -> OffloadSpec:
     backend, policy = _enum(r, "offload.backend"), _enum(r, "offload.cpu.evictionPolicy")
-    for name, path, allowed, tail in crd.backend_refusals():  # the fields this backend cannot honour, first
-        value = r.get(path, None)
+    for name, refused, allowed, tail in crd.backend_refusals():  # the fields this backend cannot honour, first
+        value = r.get(refused, None)
         if name == backend and value is not None and (allowed is None or value not in allowed):
-            raise ConfigError(f"spec.{path}", tail)
-    cpu = _size(r, "offload.cpu.size", required=True)
+            raise ConfigError(f"spec.{refused}", tail)
+    cpu = _required_size(r, "offload.cpu.size")
     disk = None
     if r.get("offload.disk") is not None:
         path, sc = _str(r, "offload.disk.path"), _str(r, "offload.disk.storageClassName")
-        if (path is None) == (sc is None):
-            raise ConfigError("spec.offload.disk", "set exactly one of path (hostPath) or storageClassName (ephemeral volume)")
+        rules.DISK_ONE_OF.check(r.spec)
         node_selector = _str_map(r, "offload.disk.nodeSelector") or (settings.nvme_selector() if path else {})
         disk = DiskSpec(
             path=check_disk_path(path, settings.allowed_disk_roots) if path is not None else None,
             storage_class=sc,
-            size=_size(r, "offload.disk.size", required=True),
+            size=_required_size(r, "offload.disk.size"),
             reclaim_policy=_enum(r, "offload.disk.reclaimPolicy"),
             node_selector=node_selector,
+            read_gbps=_figure(r, "offload.disk.readGbps", "diskReadGbps", settings.disk_read_gbps),
         )
+    prefill = settings.prefill_tokens_per_second
     return OffloadSpec(backend=backend, chunk_size=_int(r, "offload.chunkSize", 16, 8192), cpu_size=cpu,
-                       eviction_policy=policy, disk=disk)
+                       eviction_policy=policy, disk=disk,
+                       cpu_read_gbps=_figure(r, "offload.cpu.readGbps", "cpuReadGbps", settings.cpu_read_gbps),
+                       prefill_tokens_per_second=None if not prefill else Figure(prefill, "operator setting prefillTokensPerSecond"))
 
 
 def _resources(r: _Reader, settings: Settings) -> ResourcesSpec:
@@ -385,7 +426,7 @@ def _resources(r: _Reader, settings: Settings) -> ResourcesSpec:
         if isinstance(headroom, bool) or not isinstance(headroom, int) or not 0 <= headroom <= 100:
             raise ConfigError("operator setting headroomPercent", f"{headroom!r} must be an integer in [0, 100]")
     return ResourcesSpec(
-        gpu_resource_name=_str(r, "resources.gpuResourceName"),
+        gpu_resource_name=_text(r, "resources.gpuResourceName"),
         gpu_memory=_size(r, "resources.gpuMemory")
         or to_bytes(settings.default_gpu_memory, "operator setting defaultGpuMemory", allow_zero=False),
         cpu=str(cpu),
@@ -432,26 +473,18 @@ def _network_policy(r: _Reader) -> NetworkPolicySpec | None:
                              metrics_from=_namespaces(r, "networkPolicy.metricsFrom"))
 
 
-def _autoscaling(r: _Reader, settings: Settings, metrics: bool) -> AutoscalingSpec | None:
+def _autoscaling(r: _Reader, settings: Settings) -> AutoscalingSpec | None:
     if r.get("autoscaling", None) is None:
         return None
     bound = lambda path: _int(r, f"autoscaling.{path}", _node(f"autoscaling.{path}").get("minimum", 0),  # noqa: E731
                               _node(f"autoscaling.{path}")["maximum"])
     lo, hi = bound("minReplicas"), bound("maxReplicas")
-    if lo > hi:
-        raise ConfigError("spec.autoscaling.minReplicas", f"{lo} must be at most maxReplicas ({hi})")
     names = list(_node("autoscaling.targets")["properties"])
-    if not isinstance(r.get("autoscaling.targets", None), dict) or not any(r.has(f"autoscaling.targets.{n}") for n in names):
-        raise ConfigError("spec.autoscaling.targets", f"needs at least one of {', '.join(names)}")
+    if not isinstance(r.get("autoscaling.targets", None), dict):
+        raise ConfigError("spec.autoscaling.targets", f"is required: an object with at least one of {', '.join(names)}")
     targets = {n: bound(f"targets.{n}") for n in names if r.has(f"autoscaling.targets.{n}")}
-    if "promptRecomputePercent" in targets and not metrics:
-        raise ConfigError("spec.autoscaling.targets.promptRecomputePercent",
-                          "needs spec.metrics.enabled: it is read from the exporter")
-    wake = _str(r, "autoscaling.wakeQuery")
-    if (lo == 0) != (wake is not None):
-        raise ConfigError("spec.autoscaling.wakeQuery", "is required with minReplicas 0 (scale to zero) and only then: "
-                                                        "with no replica running, nothing else says when to start one")
-    if lo == 0 and settings.autoscaler != "keda":
+    wake = _str(r, "autoscaling.wakeQuery")  # min/max, targets, wakeQuery and metrics: api/rules.py (AUTOSCALING_*)
+    if lo == 0 and wake is not None and settings.autoscaler != "keda":
         raise ConfigError("spec.autoscaling.minReplicas", f"0 (scale to zero) needs KEDA: the operator's setting autoscaler is "
                                                           f"{settings.autoscaler!r}, and a HorizontalPodAutoscaler cannot scale "
                                                           "to zero; allowed here: 1 to maxReplicas")
@@ -475,15 +508,15 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
         metrics_enabled=_bool(r, "metrics.enabled"),
         metrics_port=_int(r, "metrics.port", 1024, 65535),
         network_policy=_network_policy(r),
-        autoscaling=_autoscaling(r, settings, _bool(r, "metrics.enabled")),
+        autoscaling=_autoscaling(r, settings),
     )
+    rules.check(spec)  # the CRD's CEL rules, each declared once in api/rules.py
     backend = _declared(parsed.offload.backend)
+    assert backend is not None  # _enum held the backend to the declared names
     images.check_backend(parsed.offload.backend, backend["minVllm"], backend["minLmcache"],
                          images.EnginePair(parsed.engine.vllm_version, parsed.engine.lmcache_version))
-    if parsed.resources.memory is not None and parsed.resources.memory < parsed.offload.cpu_size:
-        raise ConfigError("spec.resources.memory",
-                          "must hold at least the CPU tier (spec.offload.cpu.size): pinned memory is allocated in full")
     if parsed.offload.disk and parsed.offload.disk.node_selector:
+        # Only the operator knows the default NVMe label a hostPath disk tier selects.
         for key, value in parsed.offload.disk.node_selector.items():
             if parsed.scheduling.node_selector.get(key, value) != value:
                 raise ConfigError("spec.scheduling.nodeSelector", f"{key} disagrees with spec.offload.disk.nodeSelector")

@@ -1,6 +1,6 @@
 """The backends layer: one module per spec.offload.backend behind one interface (base.Backend), and the
 registry every other layer reads: the CRD's enum and rules (through api/data/backends.json, which
-`kvoffload generate` writes from here), the planner, the renderer, the exporter, the conditions and the
+`make generate` writes from here), the planner, the renderer, the exporter, the conditions and the
 CLI's choices. Imports only api/ and engine/. Adding a backend: docs/architecture.md."""
 
 from __future__ import annotations

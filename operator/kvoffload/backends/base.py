@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from ..api.spec import Spec
 
+from ..api.managed import HTTP_PORT  # noqa: F401  (declared with the pod's other ports: the spec may not reuse them)
+
 # Pod layout the generic pod and the backends' fragments share.
-HTTP_PORT = 8000
 CONFIG_DIR = "/etc/lmcache"  # where a backend's config files (Backend.config_files) are mounted
 DISK_DIR = "/kvcache"
 MULTIPROC_DIR = "/var/run/kvoffload/prometheus"
@@ -192,7 +193,7 @@ class Backend(ABC):
                 f"vllm:external_prefix_cache_queries_total > 0 AND {self.proof}.")
 
     def declaration(self) -> dict[str, Any]:
-        """What the API layer reads (api/data/backends.json, written by `kvoffload generate`)."""
+        """What the API layer reads (api/data/backends.json, written by `make generate`)."""
         return {"name": self.name, "summary": self.summary, "minVllm": ".".join(map(str, self.min_vllm)),
                 "minLmcache": None if self.min_lmcache is None else ".".join(map(str, self.min_lmcache)),
                 "refuses": {path: {"why": r.why, **({"allowed": list(r.allowed)} if r.allowed else {})}

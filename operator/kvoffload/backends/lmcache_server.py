@@ -18,14 +18,15 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+# The server's ZMQ port, and its HTTP /healthcheck and /status (L1/L2 usage, registered engines; not /metrics in 0.5.3):
+# declared with the pod's other ports in api/managed.py, which spec.metrics.port may not reuse.
+from ..api.managed import SERVER_HTTP_PORT, SERVER_ZMQ_PORT
 from ..api.quantity import format_bytes, gib
 from .base import DISK_DIR, Backend, BudgetView, MemoryTerm, Reasons, Refusal, Seen, Sidecar, Sizing
 
 if TYPE_CHECKING:
     from ..api.spec import Spec
 
-SERVER_ZMQ_PORT = 5555
-SERVER_HTTP_PORT = 8081  # /healthcheck and /status (L1/L2 usage, registered engines); not /metrics in 0.5.3
 SERVER_TRANSFER_MODE = "engine_driven"  # the server has no GPU: vLLM's workers copy KV into its /dev/shm L1
 MP_KV_TRANSFER_CONFIG = json.dumps({
     "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",

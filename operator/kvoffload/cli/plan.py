@@ -1,8 +1,14 @@
-"""`kvoffload plan`: KV tokens per tier and pod memory for a model, without a cluster."""
+"""`kvoffload plan`: KV tokens per tier and pod memory for a model, without a cluster.
+
+Options carry the names of the CRD fields and vLLM flags they stand for, and their defaults are the CRD's and the
+operator's settings (one table each: api/crd.py, api/settings.py). `kvoffload plan -f FILE` plans KVOffloadServes as the
+operator will: the same parse -> plan path, with the operator's settings (--operator-config).
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, TypeVar
@@ -10,41 +16,55 @@ from typing import Any, Callable, TypeVar
 import yaml
 
 from .. import backends
-from ..api.errors import InputError
+from ..api import crd
+from ..api import settings as settings_mod
+from ..api.errors import ConfigError, InputError
 from ..api.quantity import format_bytes, human, to_bytes
+from ..controller import pipeline
 from ..planning.catalog import ModelArch, resolve_model
-from ..planning.sizing import Bandwidths, Budget, MemoryDefaults, PlanInput, check, plan, prefill_tokens_per_s
+from ..planning.sizing import (
+    Bandwidths,
+    Budget,
+    MemoryDefaults,
+    PlanInput,
+    StorageDefaults,
+    check,
+    plan,
+    prefill_from,
+    prefill_tokens_per_s,
+)
+from .render import desired_from_file
 
 DEFAULT_CONTEXT = 32768  # when the model's max_position_embeddings is not known
 
 # The planner's input names (sizing.PlanInput, catalog) -> the option that sets each.
 OPTION_FOR_INPUT = {
     "model": "--model",
-    "architecture": "--layers/--kv-heads/--head-dim/--params",
+    "architecture": "--layers/--kv-heads/--head-dim/--parameters",
     "layers": "--layers",
     "kv_heads": "--kv-heads",
     "attention_heads": "--attention-heads",
     "head_dim": "--head-dim",
-    "params": "--params",
+    "params": "--parameters",
     "config_json": "--config-json",
-    "kv_dtype": "--kv-dtype",
-    "max_model_len": "--context",
-    "concurrency": "--concurrency",
-    "tp": "--tp",
+    "kv_dtype": "--kv-cache-dtype",
+    "max_model_len": "--max-model-len",
+    "concurrency": "--max-num-seqs",
+    "tp": "--tensor-parallel-size",
     "gpus": "--gpus",
     "gpu_memory_utilization": "--gpu-memory-utilization",
     "weight_dtype": "--dtype",
     "activation_reserve": "--activation-reserve",
-    "prefill_tokens_per_s": "--prefill-tokens-per-s",
+    "prefill_tokens_per_s": "--prefill-tokens-per-second",
     "gpu_memory": "--gpu-memory",
     "engine_baseline": "--engine-baseline",
-    "per_worker_overhead": "--worker-overhead",
+    "per_worker_overhead": "--per-worker-overhead",
     "staging_per_worker": "--staging-per-worker",
     "shm": "--shm",
     "headroom_percent": "--headroom-percent",
     "headroom_min": "--headroom-min",
-    "cpu_size": "--cpu-tier",
-    "disk_size": "--disk-tier",
+    "cpu_size": "--cpu-size",
+    "disk_size": "--disk-size",
     "cpu_read": "--cpu-read-gbps",
     "disk_read": "--disk-read-gbps",
     "chunk_size": "--chunk-size",
@@ -53,7 +73,9 @@ OPTION_FOR_INPUT = {
     "backend": "--backend",
     "server_baseline": "--server-baseline",
 }
-
+# Weight dtypes: the CRD's spec.engine.dtype values (vLLM --dtype), and the planner's own (fp8 weights included).
+DTYPES = {**pipeline.WEIGHT_DTYPE, "bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}
+KV_CACHE_DTYPES = (*crd.schema_at("model.kvDtype")["enum"], "fp16")
 
 T = TypeVar("T")
 
@@ -76,99 +98,173 @@ def _count(raw: str) -> int:
     return int(value)
 
 
+class _Help(argparse.HelpFormatter):
+    """Shows a default once, and only when there is one (never "(default: None)")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _crd(path: str) -> Any:
+    return crd.default_at(path)
+
+
+def _setting(name: str) -> str:
+    """Help for an option whose default is an operator setting: its name and value (--operator-config changes it)."""
+    camel = settings_mod._camel(name)
+    return f"(default: operator setting {camel}, {getattr(settings_mod.Settings(), name)})"
+
+
+def _field(cls: Any, name: str) -> Any:
+    return {f.name: f.default for f in dataclasses.fields(cls)}[name]
+
+
+# The options that describe what to plan, and their defaults: -f takes none of them (the file says it all).
+_PLAN_DEFAULTS: dict[str, Any] = {}
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("plan", help="size KV tiers and pod memory for a model",
-                              description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = subparsers.add_parser("plan", help="size KV tiers and pod memory for a model", description=__doc__, formatter_class=_Help)
     integer, count, number = _number(int, "an integer"), _number(_count, "an integer"), _number(float, "a number")
-    p.add_argument("--model", required=True, help="Hugging Face id (see the built-in catalog) or any name with --layers etc.")
-    p.add_argument("--context", type=integer, help=f"max model length in tokens (default: the model's, else {DEFAULT_CONTEXT})")
-    p.add_argument("--concurrency", type=integer, default=1, help="max concurrent sequences (vLLM --max-num-seqs)")
-    p.add_argument("--gpu-memory", default="80Gi", help="memory of one GPU (quantity)")
-    p.add_argument("--gpus", type=integer, help="GPUs per replica (default: --tp)")
-    p.add_argument("--tp", type=integer, default=1, help="tensor-parallel size")
-    p.add_argument("--gpu-memory-utilization", type=number, default=0.9, help="vLLM --gpu-memory-utilization")
-    p.add_argument("--cpu-tier", default="0", help="pinned CPU tier per replica (quantity, all TP ranks together)")
-    p.add_argument("--disk-tier", default="0", help="disk tier per replica (quantity)")
-    p.add_argument("--kv-dtype", default="auto", help="auto|bf16|fp16|fp8")
-    p.add_argument("--dtype", default="bf16", help="weight dtype: bf16|fp16|fp8")
-    p.add_argument("--chunk-size", type=integer, default=256, help="LMCache chunk size, tokens")
-    p.add_argument("--backend", choices=backends.NAMES, default=backends.DEFAULT,
-                   help="who holds the offload tiers (spec.offload.backend; docs/backends.md)")
-    p.add_argument("--activation-reserve", default="2Gi", help="per-GPU memory kept for activations (quantity)")
-    arch = p.add_argument_group("architecture overrides (win over the catalog and --config-json)")
-    for opt in ("--layers", "--kv-heads", "--attention-heads", "--head-dim"):
-        arch.add_argument(opt, type=integer)
-    arch.add_argument("--params", type=count, help="parameter count, e.g. 8030261248 or 8.03e9")
-    arch.add_argument("--config-json", help="local path to the model's HF config.json")
-    mem = p.add_argument_group("pod-memory terms (quantities)")
-    mem.add_argument("--engine-baseline", help="vLLM API server + engine core (default 4Gi)")
-    mem.add_argument("--worker-overhead", help="per TP worker process (default 2Gi)")
-    mem.add_argument("--staging-per-worker", help="pinned staging buffers per TP worker (default 1Gi)")
-    mem.add_argument("--server-baseline", help="LMCache server process, --backend lmcache-server (default 2Gi)")
-    mem.add_argument("--shm", help="/dev/shm size (default 1Gi + 1Gi per TP rank)")
-    mem.add_argument("--headroom-percent", type=integer, help="headroom in percent of the terms (default 10)")
-    mem.add_argument("--headroom-min", help="least headroom (default 1Gi)")
-    bw = p.add_argument_group("reload vs recompute (defaults: measured on one H200 host)")
-    bw.add_argument("--cpu-read-gbps", type=number, help="pinned host->GPU copy, GB/s per GPU")
-    bw.add_argument("--disk-read-gbps", type=number, help="disk read, GB/s")
-    bw.add_argument("--prefill-tokens-per-s", type=number, help="prefill rate of one replica")
+    src = p.add_argument_group("what to plan: a KVOffloadServe file, or the options below")
+    src.add_argument("-f", "--filename", help="YAML file with KVOffloadServe documents ('-' for stdin), planned as the operator will")
+    src.add_argument("--namespace", default="default", help="namespace for documents that name none (with -f)")
+    src.add_argument("--operator-config", help="operator settings YAML (the chart's operator.config): the defaults of the "
+                                               "memory terms, bandwidths and GPU memory below come from it")
+
+    def opt(group: argparse._ArgumentGroup, *names: str, **kw: Any) -> None:
+        action = group.add_argument(*names, **kw)
+        _PLAN_DEFAULTS[action.dest] = action.default
+
+    opt(p, "--model", help="spec.model.name: a Hugging Face id (see the built-in catalog) or any name with --layers etc.")
+    opt(p, "--max-model-len", type=integer, help="spec.engine.maxModelLen, vLLM --max-model-len: longest sequence in tokens "
+                                                  f"(default: the model's max_position_embeddings, else {DEFAULT_CONTEXT})")
+    opt(p, "--max-num-seqs", type=integer, default=_crd("engine.maxNumSeqs"), help="spec.engine.maxNumSeqs, vLLM --max-num-seqs")
+    opt(p, "--tensor-parallel-size", "-tp", type=integer, default=_crd("engine.tensorParallelSize"),
+        help="spec.engine.tensorParallelSize, vLLM --tensor-parallel-size")
+    opt(p, "--gpus", type=integer, help="GPUs per replica (default: --tensor-parallel-size; pipeline parallelism is not modelled)")
+    opt(p, "--gpu-memory", help="spec.resources.gpuMemory: memory of one GPU (quantity) " + _setting("default_gpu_memory"))
+    opt(p, "--gpu-memory-utilization", type=number, default=_crd("engine.gpuMemoryUtilization"),
+        help="spec.engine.gpuMemoryUtilization, vLLM --gpu-memory-utilization")
+    opt(p, "--cpu-size", default="0", help="spec.offload.cpu.size: pinned CPU tier per replica (quantity, all TP ranks together)")
+    opt(p, "--disk-size", default="0", help="spec.offload.disk.size: disk tier per replica (quantity)")
+    opt(p, "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=_crd("model.kvDtype"), help="spec.model.kvDtype, vLLM --kv-cache-dtype")
+    opt(p, "--dtype", choices=tuple(DTYPES), default=_crd("engine.dtype"),
+        help="spec.engine.dtype, vLLM --dtype (auto: bf16); fp8: fp8 weights")
+    opt(p, "--chunk-size", type=integer, default=_crd("offload.chunkSize"), help="spec.offload.chunkSize: LMCache chunk, tokens")
+    opt(p, "--backend", choices=backends.NAMES, default=backends.DEFAULT,
+        help="spec.offload.backend: who holds the offload tiers (docs/backends.md)")
+    opt(p, "--activation-reserve", default=format_bytes(_field(PlanInput, "activation_reserve")),
+        help="per-GPU memory kept for activations (quantity)")
+    arch = p.add_argument_group("spec.model.architecture (wins over the catalog and --config-json)")
+    for name in ("--layers", "--kv-heads", "--attention-heads", "--head-dim"):
+        opt(arch, name, type=integer)
+    opt(arch, "--parameters", type=count, help="parameter count, e.g. 8030261248 or 8.03e9")
+    opt(arch, "--config-json", help="local path to the model's HF config.json")
+    mem = p.add_argument_group("pod-memory terms, spec.resources (quantities)")
+    opt(mem, "--engine-baseline", help="vLLM API server + engine core " + _setting("engine_baseline"))
+    opt(mem, "--per-worker-overhead", help="each TP worker process " + _setting("per_worker_overhead"))
+    opt(mem, "--staging-per-worker", help="pinned staging buffers per TP worker " + _setting("staging_per_worker"))
+    opt(mem, "--server-baseline", help="LMCache server process, --backend lmcache-server " + _setting("server_baseline"))
+    opt(mem, "--shm", help="/dev/shm size (default: 1Gi + 1Gi per TP rank)")
+    opt(mem, "--headroom-percent", type=integer, help="headroom in percent of the terms " + _setting("headroom_percent"))
+    opt(mem, "--headroom-min", default=format_bytes(_field(MemoryDefaults, "headroom_min")), help="least headroom")
+    bw = p.add_argument_group("reload vs recompute (the figures behind each SLOWER verdict)")
+    opt(bw, "--cpu-read-gbps", type=number, help="spec.offload.cpu.readGbps: pinned host->GPU copy, GB/s per GPU "
+                                                  + _setting("cpu_read_gbps"))
+    opt(bw, "--disk-read-gbps", type=number, help="spec.offload.disk.readGbps: disk read, GB/s (also the weights' read-back) "
+                                                   + _setting("disk_read_gbps"))
+    opt(bw, "--prefill-tokens-per-second", type=number, help="prefill rate of one replica (default: operator setting "
+                                                             "prefillTokensPerSecond, else derived from the model)")
     st = p.add_argument_group("weights and start-up")
-    st.add_argument("--download-mbps", type=number, help="weight download rate in MB/s for the start-up budget (default 50)")
-    st.add_argument("--weights-on-pvc", action="store_true", help="a PVC holds the weights (spec.model.cache): no pod volume for them")
+    opt(st, "--download-mbps", type=number, default=Bandwidths().weight_download / 1e6,
+        help="weight download rate in MB/s for the start-up budget")
+    opt(st, "--weights-on-pvc", action="store_true", help="a PVC holds the weights (spec.model.cache): no pod volume for them")
     p.add_argument("--output", "-o", choices=("table", "json", "yaml"), default="table")
     p.set_defaults(func=run)
 
 
-def build_input(args: argparse.Namespace) -> PlanInput:
-    model = resolve_model(args.model, layers=args.layers, kv_heads=args.kv_heads, attention_heads=args.attention_heads,
-                          head_dim=args.head_dim, params=args.params, config_json=args.config_json)
-    d = MemoryDefaults()
+def _bytes(value: str | None, option: str, default: str | int | None) -> int | None:
+    raw = default if value is None else value
+    return None if raw is None else to_bytes(raw, option if value is not None else f"operator setting for {option}")
 
-    def opt(value: str | None, name: str, default: int | None) -> int | None:
-        return default if value is None else to_bytes(value, name)
+
+def build_input(args: argparse.Namespace, settings: settings_mod.Settings | None = None) -> PlanInput:
+    s = settings or settings_mod.Settings()
+    model = resolve_model(args.model, layers=args.layers, kv_heads=args.kv_heads, attention_heads=args.attention_heads,
+                          head_dim=args.head_dim, params=args.parameters, config_json=args.config_json)
+
+    def term(value: str | None, option: str, default: str) -> int:
+        out = _bytes(value, option, default)
+        assert out is not None
+        return out
 
     memory = MemoryDefaults(
-        engine_baseline=opt(args.engine_baseline, "--engine-baseline", d.engine_baseline),
-        per_worker_overhead=opt(args.worker_overhead, "--worker-overhead", d.per_worker_overhead),
-        staging_per_worker=opt(args.staging_per_worker, "--staging-per-worker", d.staging_per_worker),
-        server_baseline=opt(args.server_baseline, "--server-baseline", d.server_baseline),
-        shm=opt(args.shm, "--shm", d.shm),
-        headroom_percent=d.headroom_percent if args.headroom_percent is None else args.headroom_percent,
-        headroom_min=opt(args.headroom_min, "--headroom-min", d.headroom_min))
-    b = Bandwidths()
+        engine_baseline=term(args.engine_baseline, "--engine-baseline", s.engine_baseline),
+        per_worker_overhead=term(args.per_worker_overhead, "--per-worker-overhead", s.per_worker_overhead),
+        staging_per_worker=term(args.staging_per_worker, "--staging-per-worker", s.staging_per_worker),
+        server_baseline=term(args.server_baseline, "--server-baseline", s.server_baseline),
+        shm=_bytes(args.shm, "--shm", None),
+        headroom_percent=s.headroom_percent if args.headroom_percent is None else args.headroom_percent,
+        headroom_min=term(args.headroom_min, "--headroom-min", args.headroom_min))
+    disk_read = s.disk_read_gbps if args.disk_read_gbps is None else args.disk_read_gbps
+    prefill = args.prefill_tokens_per_second if args.prefill_tokens_per_second is not None else s.prefill_tokens_per_second or None
     bandwidths = Bandwidths(
-        cpu_read=b.cpu_read if args.cpu_read_gbps is None else args.cpu_read_gbps * 1e9,
-        disk_read=b.disk_read if args.disk_read_gbps is None else args.disk_read_gbps * 1e9,
-        prefill_tokens_per_s=args.prefill_tokens_per_s,
-        weight_download=b.weight_download if args.download_mbps is None else args.download_mbps * 1e6,
-        weight_load=b.weight_load if args.disk_read_gbps is None else args.disk_read_gbps * 1e9)
+        cpu_read=(s.cpu_read_gbps if args.cpu_read_gbps is None else args.cpu_read_gbps) * 1e9,
+        disk_read=disk_read * 1e9,
+        prefill_tokens_per_s=prefill,
+        weight_download=args.download_mbps * 1e6,
+        weight_load=disk_read * 1e9,
+        cpu_read_from="--cpu-read-gbps" if args.cpu_read_gbps is not None else "operator setting cpuReadGbps",
+        disk_read_from="--disk-read-gbps" if args.disk_read_gbps is not None else "operator setting diskReadGbps",
+        prefill_from="--prefill-tokens-per-second" if args.prefill_tokens_per_second is not None else
+        "operator setting prefillTokensPerSecond" if prefill else "--prefill-tokens-per-second or operator setting prefillTokensPerSecond")
     return PlanInput(
         model=model,
-        max_model_len=args.context if args.context is not None else model.max_context or DEFAULT_CONTEXT,
-        concurrency=args.concurrency,
-        gpu_memory=to_bytes(args.gpu_memory, "--gpu-memory", allow_zero=False),
-        gpus=args.gpus, tp=args.tp,
+        max_model_len=args.max_model_len if args.max_model_len is not None else model.max_context or DEFAULT_CONTEXT,
+        concurrency=args.max_num_seqs,
+        gpu_memory=to_bytes(args.gpu_memory or s.default_gpu_memory, "--gpu-memory", allow_zero=False),
+        gpus=args.gpus, tp=args.tensor_parallel_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        weight_dtype=args.dtype, kv_dtype=args.kv_dtype,
-        cpu_size=to_bytes(args.cpu_tier, "--cpu-tier"),
-        disk_size=to_bytes(args.disk_tier, "--disk-tier"),
+        weight_dtype=DTYPES[args.dtype], kv_dtype=args.kv_cache_dtype,
+        cpu_size=to_bytes(args.cpu_size, "--cpu-size"),
+        disk_size=to_bytes(args.disk_size, "--disk-size"),
         chunk_size=args.chunk_size,
         backend=args.backend,
         activation_reserve=to_bytes(args.activation_reserve, "--activation-reserve"),
-        memory=memory, bandwidths=bandwidths, weights_on_pvc=args.weights_on_pvc)
+        memory=memory, bandwidths=bandwidths, weights_on_pvc=args.weights_on_pvc, storage=StorageDefaults())
+
+
+def _planned(args: argparse.Namespace) -> list[tuple[str, PlanInput, Budget]]:
+    """(title, input, budget) per plan: each KVOffloadServe of -f, or the one the options describe."""
+    if args.filename:
+        given = [dest for dest, default in _PLAN_DEFAULTS.items() if getattr(args, dest) != default]
+        if given:
+            raise ConfigError("--filename", "plans the file as the operator will; set "
+                              + ", ".join("--" + d.replace("_", "-") for d in given) + " in the file instead")
+        return [(title, pipeline.plan_input(d.spec), d.budget)
+                for title, d in desired_from_file(args.filename, args.namespace, args.operator_config)]
+    if not args.model:
+        raise ConfigError("--model", "is required (or -f FILE with KVOffloadServes)")
+    settings = settings_mod.load(args.operator_config) if args.operator_config else None
+    try:
+        inp = build_input(args, settings)
+        check(inp)
+        return [("", inp, plan(inp).named(OPTION_FOR_INPUT))]
+    except InputError as exc:
+        raise exc.named(OPTION_FOR_INPUT) from None
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        inp = build_input(args)
-        check(inp)
-        budget = plan(inp).named(OPTION_FOR_INPUT)
-    except InputError as exc:
-        raise exc.named(OPTION_FOR_INPUT) from None
+    planned = _planned(args)
     if args.output == "table":
-        print(render_table(inp, budget))
+        print("\n\n".join((f"# {title}\n" if title else "") + render_table(inp, budget) for title, inp, budget in planned))
         return 0
-    doc = {"inputs": inputs_dict(inp), **budget.to_dict()}
+    docs = [{**({"resource": title} if title else {}), "inputs": inputs_dict(inp), **budget.to_dict()} for title, inp, budget in planned]
+    doc: Any = docs[0] if len(docs) == 1 and not args.filename else docs
     print(json.dumps(doc, indent=2) if args.output == "json" else yaml.safe_dump(doc, sort_keys=False), end="\n")
     return 0
 
@@ -187,7 +283,9 @@ def inputs_dict(inp: PlanInput) -> dict[str, Any]:
             "activationReserve": inp.activation_reserve,
             "bandwidths": {"cpuReadBytesPerSecond": round(inp.bandwidths.cpu_read, 4),
                            "diskReadBytesPerSecond": round(inp.bandwidths.disk_read, 4),
-                           "prefillTokensPerSecond": round(prefill_tokens_per_s(inp), 4)}}
+                           "prefillTokensPerSecond": round(prefill_tokens_per_s(inp), 4),
+                           "cpuReadFrom": inp.bandwidths.cpu_read_from, "diskReadFrom": inp.bandwidths.disk_read_from,
+                           "prefillFrom": prefill_from(inp)}}
 
 
 def render_table(inp: PlanInput, b: Budget) -> str:
@@ -197,7 +295,7 @@ def render_table(inp: PlanInput, b: Budget) -> str:
     lines = [
         f"model     {m.hf_id}: {m.layers} layers, {m.kv_heads} KV / {m.attention_heads} attention heads, "
         f"head_dim {m.head_dim}, {m.params / 1e9:.3g}B parameters{window}",
-        f"engine    --context {L}, --concurrency {inp.concurrency}, --tp {inp.tp}, {inp.weight_dtype} weights, "
+        f"engine    --max-model-len {L}, --max-num-seqs {inp.concurrency}, --tensor-parallel-size {inp.tp}, {inp.weight_dtype} weights, "
         f"{kv_dtype} KV, {human(inp.gpu_memory)} per GPU × {inp.gpu_memory_utilization}",
         f"offload   backend {inp.backend}",
         f"KV cache  {b.kv_bytes_per_token} B/token per replica ({human(b.kv_bytes_per_token)}), "
@@ -222,6 +320,8 @@ def render_table(inp: PlanInput, b: Budget) -> str:
         lines += ["", f"reload a {L}-token prefix vs recompute it:"]
         lines += [f"  {r.tier:<6}{human(r.bytes):>12}  reload {r.reload_s:8.3f} s  recompute {r.recompute_s:8.3f} s  "
                   f"{'SLOWER than recompute' if r.slower_than_recompute else 'ok'}" for r in b.reload]
+        lines += [f"  {r.tier} read at {r.read_bytes_per_s / 1e9:.3g} GB/s ({r.read_from})" for r in b.reload]
+        lines += [f"  recompute at {b.reload[0].prefill_tokens_per_s:,.0f} tokens/s ({b.reload[0].prefill_from})"]
     if b.warnings:
         lines += ["", "warnings:"] + [f"  - {w}" for w in b.warnings]
     return "\n".join(lines)

@@ -22,24 +22,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=render_file)
 
 
-def render_file(args: argparse.Namespace) -> int:
-    settings = settings_mod.load(args.operator_config)
-    with (sys.stdin if args.filename == "-" else open(args.filename, encoding="utf-8")) as fh:
+def desired_from_file(filename: str, namespace: str, operator_config: str | None) -> list[tuple[str, pipeline.Desired]]:
+    """What the operator wants for each KVOffloadServe in a file: its own parse -> plan -> render, offline."""
+    settings = settings_mod.load(operator_config)
+    with (sys.stdin if filename == "-" else open(filename, encoding="utf-8")) as fh:
         docs = [d for d in yaml.safe_load_all(fh) if d]
     out = []
     for doc in docs:
         if doc.get("kind") != crd.KIND:
             continue
         meta = doc.get("metadata") or {}
-        name, namespace = meta.get("name", ""), meta.get("namespace", args.namespace)
+        name, ns = meta.get("name", ""), meta.get("namespace", namespace)
         try:
             # Offline there is no uid, so children carry no ownerReferences; the operator adds them.
-            out += pipeline.desired(name, namespace, "", doc.get("spec") or {}, settings).children
+            out.append((f"{ns}/{name}", pipeline.desired(name, ns, "", doc.get("spec") or {}, settings)))
         except ConfigError as exc:
-            raise ConfigError(f"{namespace}/{name} {exc.field}", exc.message) from None
+            raise ConfigError(f"{ns}/{name} {exc.field}", exc.message) from None
     if not out:
-        raise ConfigError(args.filename, f"no {crd.KIND} documents found")
-    sys.stdout.write(dump_all(out))
+        raise ConfigError(filename, f"no {crd.KIND} documents found")
+    return out
+
+
+def render_file(args: argparse.Namespace) -> int:
+    sys.stdout.write(dump_all([c for _, d in desired_from_file(args.filename, args.namespace, args.operator_config) for c in d.children]))
     return 0
 
 

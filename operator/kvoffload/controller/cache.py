@@ -269,7 +269,7 @@ class CachedKube(Kube):
         if hit is None or hit[2] is None:
             return super().get(path)
         store, ns, name = hit
-        return store.get(ns, name)
+        return store.get(ns, name) if name is not None else None
 
     def list(self, path: str, label_selector: str) -> list[Obj]:
         hit = self.cache.store_for(path)

@@ -18,6 +18,7 @@ from kubernetes.utils.quantity import parse_quantity
 
 from .. import backends
 from ..api import crd
+from ..api.conditions import INVALID_SPEC, PENDING, TYPES, reasons
 from ..api.errors import ConfigError
 from ..api.quantity import format_bytes
 from ..engine import versions as engine_versions
@@ -25,10 +26,12 @@ from ..rendering import autoscaling, render
 from .pipeline import Desired
 from .probe import Probes, Reading
 
-TYPES = ("Ready", "ConfigValid", "Scheduled", "OffloadActive", "EngineVerified", "DiskTierReady", "Reconciling", "Stalled")
 # Container states that do not heal by waiting: the pod needs a new image, config or node.
 FAILING = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
            "CreateContainerError", "RunContainerError")
+
+
+_BACKEND_REASONS = {"OffloadActive": {r for b in backends.REGISTRY.values() for r in (b.reasons.active, b.reasons.idle)}}
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,12 @@ class Cond:
     status: str  # True | False | Unknown
     reason: str
     message: str
+
+    def __post_init__(self) -> None:
+        # Every type and reason is declared once: in api/conditions.py (the CRD text and the chart's NOTES read it),
+        # and each backend's OffloadActive reasons in its module.
+        if self.reason not in reasons(self.type) | _BACKEND_REASONS.get(self.type, set()):
+            raise ValueError(f"condition {self.type} reason {self.reason!r} is not declared in kvoffload.api.conditions")
 
 
 @dataclass(frozen=True)
@@ -251,12 +260,12 @@ def progress(ready: Cond, valid: Cond) -> list[Cond]:
 def evaluate(desired: Desired | None, error: ConfigError | None, obs: Observed) -> list[Cond]:
     if error is not None or desired is None:
         msg = str(error) if error else "not evaluated"
-        ready, valid = Cond("Ready", "False", "ConfigInvalid", msg), Cond("ConfigValid", "False", "InvalidSpec", msg)
+        ready, valid = Cond("Ready", "False", INVALID_SPEC, msg), Cond("ConfigValid", "False", INVALID_SPEC, msg)
         return [ready, valid,
-                Cond("Scheduled", "Unknown", "ConfigInvalid", "no children created or changed while the spec is invalid"),
-                Cond("OffloadActive", "Unknown", "ConfigInvalid", msg),
-                Cond("EngineVerified", "Unknown", "ConfigInvalid", msg),
-                Cond("DiskTierReady", "Unknown", "ConfigInvalid", msg), *progress(ready, valid)]
+                Cond("Scheduled", "Unknown", INVALID_SPEC, "no children created or changed while the spec is invalid"),
+                Cond("OffloadActive", "Unknown", INVALID_SPEC, msg),
+                Cond("EngineVerified", "Unknown", INVALID_SPEC, msg),
+                Cond("DiskTierReady", "Unknown", INVALID_SPEC, msg), *progress(ready, valid)]
     replicas = desired.spec.replicas
     scheduled = _scheduled(replicas, obs.pods)
     ready = _ready(replicas, obs, scheduled)
@@ -273,8 +282,8 @@ def initial(body: dict[str, Any], clock: datetime | None = None) -> dict[str, An
     meta, previous = body["metadata"], body.get("status") or {}
     generation = meta.get("generation", 1)
     waiting = f"the operator has seen generation {generation} and is working on it"
-    conds = [Cond(t, "Unknown", "Pending", waiting) for t in TYPES if t not in ("Reconciling", "Stalled")]
-    conds += [Cond("Reconciling", "True", "Pending", waiting), Cond("Stalled", "Unknown", "Pending", waiting)]
+    conds = [Cond(t, "Unknown", PENDING, waiting) for t in TYPES if t not in ("Reconciling", "Stalled")]
+    conds += [Cond("Reconciling", "True", PENDING, waiting), Cond("Stalled", "Unknown", PENDING, waiting)]
     return {"observedGeneration": previous.get("observedGeneration", 0),
             "conditions": merge(previous.get("conditions"), conds, generation, clock),
             "replicas": 0, "readyReplicas": 0, "selector": f"{render.OWNER_LABEL}={meta['name']}"}

@@ -45,7 +45,7 @@ def _moved(old: dict[str, Any] | None, new: dict[str, Any], *, message: bool = F
 
 
 def transitions(previous: list[dict[str, Any]] | None, current: list[dict[str, Any]],
-                applied: list[str] = ()) -> list[Event]:
+                applied: tuple[str, ...] | list[str] = ()) -> list[Event]:
     """Events for going from `previous` to `current` conditions, and for the children just applied."""
     before, after = _by_type(previous), _by_type(current)
     out: list[Event] = []

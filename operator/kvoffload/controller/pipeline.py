@@ -18,7 +18,7 @@ from ..api.spec import PLAN_FIELDS, Spec, parse
 from ..planning import catalog, sizing
 from ..rendering import render
 
-_WEIGHT_DTYPE = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16"}
+WEIGHT_DTYPE = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16"}
 _ARCH_KW = {"layers": "layers", "attentionHeads": "attention_heads", "kvHeads": "kv_heads", "headDim": "head_dim",
             "parameters": "params"}
 
@@ -48,30 +48,50 @@ class Desired:
     applied: list[dict[str, Any]] = field(default_factory=list)  # as applied: each stamped with its hash
 
 
+def bandwidths(spec: Spec) -> sizing.Bandwidths:
+    """The figures behind "slower than recompute", from the spec or the operator's settings (parse chose), with their sources."""
+    o, b = spec.offload, sizing.Bandwidths()
+    if o.cpu_read_gbps:
+        b = dataclasses.replace(b, cpu_read=o.cpu_read_gbps.value * 1e9, cpu_read_from=o.cpu_read_gbps.source)
+    if o.disk and o.disk.read_gbps:
+        b = dataclasses.replace(b, disk_read=o.disk.read_gbps.value * 1e9, disk_read_from=o.disk.read_gbps.source)
+    if o.prefill_tokens_per_second:
+        p = o.prefill_tokens_per_second
+        b = dataclasses.replace(b, prefill_tokens_per_s=p.value, prefill_from=p.source)
+    return b
+
+
+def plan_input(spec: Spec) -> sizing.PlanInput:
+    """Spec -> the planner's input (`kvoffload plan -f` prints it next to the Budget)."""
+    r = spec.resources
+    overrides: dict[str, Any] = {_ARCH_KW[k]: v for k, v in spec.model.architecture.items()}
+    return sizing.PlanInput(
+        model=catalog.resolve_model(spec.model.name, **overrides),
+        max_model_len=spec.engine.max_model_len,
+        concurrency=spec.engine.max_num_seqs,
+        gpu_memory=r.gpu_memory,
+        tp=spec.engine.tensor_parallel_size,
+        gpu_memory_utilization=spec.engine.gpu_memory_utilization,
+        weight_dtype=WEIGHT_DTYPE[spec.engine.dtype],
+        kv_dtype=spec.model.kv_dtype,
+        cpu_size=spec.offload.cpu_size,
+        disk_size=spec.offload.disk.size if spec.offload.disk else 0,
+        chunk_size=spec.offload.chunk_size,
+        backend=spec.offload.backend,
+        memory=sizing.MemoryDefaults(engine_baseline=r.engine_baseline, per_worker_overhead=r.per_worker_overhead,
+                                     staging_per_worker=r.staging_per_worker, server_baseline=r.server_baseline, shm=r.shm,
+                                     headroom_percent=r.headroom_percent),
+        bandwidths=bandwidths(spec),
+        weights_on_pvc=spec.model.cache_claim is not None,
+    )
+
+
 def plan_for(spec: Spec) -> sizing.Budget:
     """Spec -> Budget. spec.parse held every bound, so only the planner's own rules can refuse;
     its errors and warnings come back naming CRD fields."""
     r = spec.resources
     try:
-        model = catalog.resolve_model(spec.model.name, **{_ARCH_KW[k]: v for k, v in spec.model.architecture.items()})
-        budget = sizing.plan(sizing.PlanInput(
-            model=model,
-            max_model_len=spec.engine.max_model_len,
-            concurrency=spec.engine.max_num_seqs,
-            gpu_memory=r.gpu_memory,
-            tp=spec.engine.tensor_parallel_size,
-            gpu_memory_utilization=spec.engine.gpu_memory_utilization,
-            weight_dtype=_WEIGHT_DTYPE[spec.engine.dtype],
-            kv_dtype=spec.model.kv_dtype,
-            cpu_size=spec.offload.cpu_size,
-            disk_size=spec.offload.disk.size if spec.offload.disk else 0,
-            chunk_size=spec.offload.chunk_size,
-            backend=spec.offload.backend,
-            memory=sizing.MemoryDefaults(engine_baseline=r.engine_baseline, per_worker_overhead=r.per_worker_overhead,
-                                         staging_per_worker=r.staging_per_worker, server_baseline=r.server_baseline, shm=r.shm,
-                                         headroom_percent=r.headroom_percent),
-            weights_on_pvc=spec.model.cache_claim is not None,
-        )).named(PLAN_FIELDS)
+        budget = sizing.plan(plan_input(spec)).named(PLAN_FIELDS)
     except InputError as exc:
         raise exc.named(PLAN_FIELDS) from None
     if r.memory is not None:

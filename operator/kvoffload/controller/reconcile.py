@@ -205,9 +205,10 @@ def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: date
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     if not (body.get("status") or {}).get("conditions"):
         # First sight: say "working on it" before the slow part, so no reader takes silence for success.
-        body = _write_status(kube, namespace, name, conditions.initial(body, clock), body["metadata"]["resourceVersion"])
-        if body is None:
+        written = _write_status(kube, namespace, name, conditions.initial(body, clock), body["metadata"]["resourceVersion"])
+        if written is None:
             return "conflict"
+        body = written
     meta = body["metadata"]
     desired: pipeline.Desired | None = None
     error: ConfigError | None = None
@@ -215,7 +216,9 @@ def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: date
         desired = memos.desired.get(name, namespace, meta["uid"], body.get("spec") or {}, settings)
     except ConfigError as exc:
         error = exc  # no child is created or changed while the spec is invalid
-    sts, pods, probes, applied, live = None, [], None, [], {}
+    applied: list[str] = []
+    live: dict[tuple[str, str, str], dict[str, Any]] = {}
+    sts, pods, probes = None, [], None
     if desired is not None:
         try:
             sts, applied, live = sync_children(kube, namespace, name, meta["uid"], desired.applied,

@@ -91,7 +91,7 @@ class Runtime:
         self._spawn(self._report_forever(REPORT_SECONDS), "report")
         if lease is not None:
             self.leading = False
-            self.elector = leader.Elector(lease_kube or self.kube, lease, self._on_leadership)
+            self.elector = leader.Elector(lease_kube or self.kube, lease, self._on_leadership)  # type: ignore[arg-type]
             self._spawn(self.elector.run(), "leader election")
 
     def filled(self) -> None:

@@ -98,10 +98,18 @@ def _version(text: str, field: str) -> tuple[int, ...]:
         raise ConfigError(field, f"{text!r} is not a version like 0.5.6") from None
 
 
-def resolve(image: str, vllm: str | None, lmcache: str | None, *, needs_lmcache: bool = True) -> EnginePair:
+def declared(image_versions: dict[str, dict[str, str]]) -> dict[str, KnownImage]:
+    """The admin's images (operator config imageVersions) as table entries."""
+    return {image: KnownImage(vllm=pair["vllm"], lmcache=pair.get("lmcache") or None,
+                              why="declared in the operator config imageVersions")
+            for image, pair in image_versions.items()}
+
+
+def resolve(image: str, vllm: str | None, lmcache: str | None, *, needs_lmcache: bool = True,
+            table: dict[str, KnownImage] = KNOWN_IMAGES) -> EnginePair:
     """The pair in `image`: explicit versions win, then the table; unknown images must say what they hold.
     Without `needs_lmcache` (backend vllm-native) an image without LMCache is fine: lmcache is then ""."""
-    known = KNOWN_IMAGES.get(image)
+    known = table.get(image)
     vllm = vllm or (known.vllm if known else None)
     lmcache = lmcache or (known.lmcache if known else None)
     if not needs_lmcache and vllm is not None and lmcache is None:
@@ -114,7 +122,8 @@ def resolve(image: str, vllm: str | None, lmcache: str | None, *, needs_lmcache:
             raise ConfigError(missing, f"the operator's version table does not know the {missing.rsplit('.', 1)[1][:-7]} "
                                        f"version in image {image!r}: {known.why}")
         raise ConfigError(missing, f"image {image!r} is not in the operator's version table "
-                                   f"({', '.join(sorted(KNOWN_IMAGES))}); set spec.engine.vllmVersion and spec.engine.lmcacheVersion")
+                                   f"({', '.join(sorted(table))}); set spec.engine.vllmVersion and spec.engine.lmcacheVersion "
+                                   "(or the admin lists it in the operator config imageVersions)")
     if _version(vllm, "spec.engine.vllmVersion") < MIN_VLLM:
         raise ConfigError("spec.engine.vllmVersion", f"vLLM {vllm} predates LMCacheConnectorV1; need >= {'.'.join(map(str, MIN_VLLM))}")
     if _version(lmcache, "spec.engine.lmcacheVersion") < MIN_LMCACHE:

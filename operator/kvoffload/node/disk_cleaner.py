@@ -151,7 +151,7 @@ def _entries(fd: int) -> list[tuple[str, os.stat_result | None]]:
     """Names in a directory with their lstat (None if the entry vanished), sorted for stable reports."""
     with os.scandir(fd) as it:
         names = sorted(e.name for e in it)
-    out = []
+    out: list[tuple[str, os.stat_result | None]] = []
     for n in names:
         try:
             out.append((n, os.stat(n, dir_fd=fd, follow_symlinks=False)))

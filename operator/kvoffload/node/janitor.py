@@ -105,7 +105,7 @@ class JanitorMetrics:
 
 
 def loop(cfg: SweepConfig, live_fn: LiveFn, metrics: JanitorMetrics, interval: float, stop: threading.Event,
-         on_sweep: Callable[[list[Report]], None] = lambda _reports: None) -> None:
+         on_sweep: Callable[[list[Report]], object] = lambda _reports: None) -> None:
     """Sweep every `interval` seconds until `stop` is set. A sweep that fails (API down, root missing) is
     counted and retried at the next interval; it never removes anything."""
     while not stop.is_set():

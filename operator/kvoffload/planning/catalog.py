@@ -46,8 +46,8 @@ def _family(ids: tuple[str, ...], *args: Any, **kwargs: Any) -> list[ModelArch]:
     return [_m(i, *args, **kwargs) for i in ids]
 
 
-def _qwen25(base: str, *args: Any) -> list[ModelArch]:
-    return [_m(base, *args, 131072), _m(f"{base}-Instruct", *args, 32768)]
+def _qwen25(base: str, layers: int, heads: int, kv: int, params: int) -> list[ModelArch]:
+    return [_m(base, layers, heads, kv, params, 131072), _m(f"{base}-Instruct", layers, heads, kv, params, 32768)]
 
 
 _ENTRIES: list[ModelArch] = [

@@ -59,13 +59,16 @@ from typing import Any
 
 from .. import backends
 from ..api.errors import InputError, name_inputs
-from ..api.quantity import GiB, MiB, human
+from ..api.quantity import GiB, MiB, human, to_bytes
+from ..api.settings import Settings
 from ..backends.base import MemoryTerm, Sizing
 from .catalog import ModelArch
 
+# The defaults are the operator's settings (api/settings.py, the one table the chart's values mirror).
+_DEFAULTS = Settings()
 # h200-tier-physics.json: pinned host→GPU copy, disk read, and the 32K prefill of an 8B Llama.
-H2D_PINNED_BPS = 54.847573715916525e9
-DISK_READ_BPS = 0.9384999892678052e9
+H2D_PINNED_BPS = _DEFAULTS.cpu_read_gbps * 1e9
+DISK_READ_BPS = _DEFAULTS.disk_read_gbps * 1e9
 MEASURED_PREFILL_TOKENS = 32768
 MEASURED_PREFILL_S = 1.3815045919999989
 MEASURED_PARAMS = 8_030_261_248  # the Llama-3.1-8B shape that was measured
@@ -79,13 +82,13 @@ KV_DTYPES = ("auto", *DTYPE_BYTES)
 
 @dataclass(frozen=True)
 class MemoryDefaults:
-    """Every pod-memory term, overridable."""
-    engine_baseline: int = 4 * GiB  # vLLM API server + engine core process
-    per_worker_overhead: int = 2 * GiB  # each TP worker process: torch/CUDA runtime
-    staging_per_worker: int = 1 * GiB  # pinned staging buffers for GPU<->CPU<->disk copies
-    server_baseline: int = 2 * GiB  # LMCache server process (backend lmcache-server), before its L1
+    """Every pod-memory term, overridable; the defaults are the operator's settings."""
+    engine_baseline: int = to_bytes(_DEFAULTS.engine_baseline, "engineBaseline")  # vLLM API server + engine core process
+    per_worker_overhead: int = to_bytes(_DEFAULTS.per_worker_overhead, "perWorkerOverhead")  # each TP worker: torch/CUDA runtime
+    staging_per_worker: int = to_bytes(_DEFAULTS.staging_per_worker, "stagingPerWorker")  # pinned GPU<->CPU<->disk staging
+    server_baseline: int = to_bytes(_DEFAULTS.server_baseline, "serverBaseline")  # LMCache server (lmcache-server), before its L1
     shm: int | None = None  # /dev/shm; None = 1Gi + 1Gi per TP rank
-    headroom_percent: int = 10  # of the sum above, at least headroom_min
+    headroom_percent: int = _DEFAULTS.headroom_percent  # of the sum above, at least headroom_min
     headroom_min: int = 1 * GiB
 
 
@@ -100,13 +103,17 @@ class StorageDefaults:
 
 @dataclass(frozen=True)
 class Bandwidths:
-    """Bytes/s. Defaults: h200-tier-physics.json (h2d_pinned_GBps, disk_read_GBps)."""
+    """Bytes/s. Defaults: the operator's settings (one H200 host, h200-tier-physics.json). Each `*_from` says where
+    the figure came from (an option, a spec field, an operator setting), for status and `kvoffload plan`."""
     cpu_read: float = H2D_PINNED_BPS
     disk_read: float = DISK_READ_BPS
     # None = derive: measured 8B on H200 (32768 tokens / 1.3815 s) scaled by 8B/params × TP
-    prefill_tokens_per_s: float | None = None
+    prefill_tokens_per_s: float | None = _DEFAULTS.prefill_tokens_per_second or None
     weight_download: float = WEIGHT_DOWNLOAD_BPS
     weight_load: float = DISK_READ_BPS
+    cpu_read_from: str = "operator setting cpuReadGbps"
+    disk_read_from: str = "operator setting diskReadGbps"
+    prefill_from: str = "operator setting prefillTokensPerSecond"
 
 
 @dataclass(frozen=True)
@@ -169,6 +176,10 @@ class ReloadEstimate:
     reload_s: float
     recompute_s: float
     slower_than_recompute: bool
+    read_bytes_per_s: float = 0.0  # the bandwidth that decided it ...
+    read_from: str = ""  # ... and where that figure came from
+    prefill_tokens_per_s: float = 0.0
+    prefill_from: str = ""
 
 
 @dataclass(frozen=True)
@@ -214,6 +225,10 @@ class Budget:
             "reload": [{"tier": r.tier, "tokens": r.tokens, "bytes": r.bytes,
                         "reloadSeconds": round(r.reload_s, 4), "recomputeSeconds": round(r.recompute_s, 4),
                         "slowerThanRecompute": r.slower_than_recompute} for r in self.reload],
+            # The figures that decided each verdict, and where each came from (an option, a spec field, a setting).
+            "reloadFigures": [{"tier": r.tier, "readBytesPerSecond": round(r.read_bytes_per_s, 4), "readFrom": r.read_from,
+                               "prefillTokensPerSecond": round(r.prefill_tokens_per_s, 4), "prefillFrom": r.prefill_from}
+                              for r in self.reload],
             "weights": {"bytes": self.weights.bytes, "volume": self.weights.volume,
                         "ephemeralStorage": self.weights.ephemeral_storage,
                         "storageTerms": [{"name": t.name, "bytes": t.value, "note": t.note} for t in self.weights.storage_terms],
@@ -298,6 +313,14 @@ def _refuse(inp: PlanInput) -> None:
     if inp.disk_size and not inp.cpu_size:
         raise InputError("cpu_size", "the disk tier needs a CPU tier (LMCache reads disk hits back through it); "
                          "set {cpu_size} > 0 or {disk_size} to 0")
+
+
+def prefill_from(inp: PlanInput) -> str:
+    """Where the recompute rate comes from."""
+    if inp.bandwidths.prefill_tokens_per_s is not None:
+        return inp.bandwidths.prefill_from
+    return (f"derived: {MEASURED_PREFILL_TOKENS / MEASURED_PREFILL_S:,.0f} tokens/s measured for an 8B Llama on one H200, "
+            f"× 8B / parameters × TP ({inp.bandwidths.prefill_from} unset)")
 
 
 def prefill_tokens_per_s(inp: PlanInput) -> float:
@@ -451,16 +474,18 @@ def plan(inp: PlanInput) -> Budget:
     prefill = prefill_tokens_per_s(inp)
     prefix = L * per_gpu_bpt * tp
     reload: list[ReloadEstimate] = []
-    for name, size, read_bytes, bw in (("cpu", inp.cpu_size, prefix / tp, inp.bandwidths.cpu_read),
-                                        ("disk", inp.disk_size, prefix, inp.bandwidths.disk_read)):
+    bws = inp.bandwidths
+    for name, size, read_bytes, bw, source in (("cpu", inp.cpu_size, prefix / tp, bws.cpu_read, bws.cpu_read_from),
+                                                ("disk", inp.disk_size, prefix, bws.disk_read, bws.disk_read_from)):
         if not size:
             continue
-        est = ReloadEstimate(name, L, prefix, read_bytes / bw, L / prefill, read_bytes / bw > L / prefill)
+        est = ReloadEstimate(name, L, prefix, read_bytes / bw, L / prefill, read_bytes / bw > L / prefill,
+                             bw, source, prefill, prefill_from(inp))
         reload.append(est)
         if est.slower_than_recompute:
             warnings.append(f"{name} tier: reloading a {L}-token prefix ({human(prefix)}) takes {est.reload_s:.3g} s at "
-                            f"{bw / 1e9:.3g} GB/s, recomputing it {est.recompute_s:.3g} s: hits from this tier are SLOWER "
-                            f"than recompute (it pays off above {read_bytes / est.recompute_s / 1e9:.3g} GB/s)")
+                            f"{bw / 1e9:.3g} GB/s ({source}), recomputing it {est.recompute_s:.3g} s: hits from this tier are "
+                            f"SLOWER than recompute (it pays off above {read_bytes / est.recompute_s / 1e9:.3g} GB/s)")
 
     return Budget(
         backend=inp.backend,

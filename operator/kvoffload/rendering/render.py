@@ -1,7 +1,10 @@
 """render: (KVOffloadServe metadata, Spec, Budget, Settings) -> the children, as plain dicts.
 
-Pure and deterministic: the same input always gives byte-identical manifests, so golden
-files, `kvoffload render` and the reconciler agree, and a no-op reconcile writes nothing.
+The same children for every backend: this module builds the generic pod and children, and the
+backend (backends/, spec.offload.backend) adds its fragments: vLLM flags and environment, its config
+child, its sidecars, the exporter's flags. Pure and deterministic: the same input always gives
+byte-identical manifests, so golden files, `kvoffload render` and the reconciler agree, and a no-op
+reconcile writes nothing.
 """
 
 from __future__ import annotations

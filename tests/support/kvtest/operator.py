@@ -2,11 +2,12 @@
 
 One class for the integration tests, the leader-election test (`leader_election=`), the chart-RBAC test
 (its own kubeconfig in `env`, the chart's settings file, run outside the repository) and the scale and
-latency benchmarks (`namespaces=None`: every namespace).
+latency benchmarks (`namespaces=None`: every namespace). `drain` runs an in-process Runtime's queue dry (unit tests).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -86,6 +88,16 @@ class OperatorProcess:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
         self.log.close()
+
+
+async def drain(rt: Any) -> None:
+    """Run a kvoffload.controller.runtime.Runtime's workers until nothing is queued or running."""
+    rt._serve()
+    for _ in range(500):
+        await asyncio.sleep(0.01)
+        if not rt.queued and not rt.running:
+            return
+    raise AssertionError("queue did not drain")
 
 
 SENTINEL = "kvo-sentinel"

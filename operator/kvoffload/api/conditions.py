@@ -1,0 +1,85 @@
+"""The status conditions, declared once: each type, what it says, and every reason it can carry.
+
+The CRD's descriptions (api/crd.py), the chart's NOTES (cli/generate.py) and docs/api.md are generated
+from this table, and controller/conditions.py refuses to write a reason that is not declared here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Reasons every condition but Reconciling can carry.
+PENDING = "Pending"  # first sight: the operator has seen the generation and works on it
+INVALID_SPEC = "InvalidSpec"  # the spec is refused: ConfigValid=False, and every other condition says why it is not evaluated
+
+
+@dataclass(frozen=True)
+class ConditionType:
+    type: str
+    description: str
+    reasons: dict[str, str]  # reason -> when it is set
+
+
+_COMMON = {PENDING: "the operator has seen this generation and is working on it",
+           INVALID_SPEC: "the spec is refused (ConfigValid says which field and why): nothing is created or changed"}
+_PROBES = {"MetricsDisabled": "spec.metrics.enabled is false: no exporter to ask",
+           "ProbesDisabled": "the operator does not probe exporters (operator setting probeExporters: false)"}
+
+CONDITIONS: tuple[ConditionType, ...] = (
+    ConditionType("Ready", "Every replica runs the newest pod template and is ready.", {
+        **_COMMON,
+        "AllReplicasReady": "every replica is ready and up to date",
+        "Unschedulable": "a pod cannot be placed on any node",
+        "PodsFailing": "a pod failed, or a container waits in a state that does not heal (CrashLoopBackOff, ImagePullBackOff, ...)",
+        "RollingOut": "the StatefulSet is rolling the new pod template out",
+        "ReplicasNotReady": "replicas are starting (weights download, engine start-up)"}),
+    ConditionType("ConfigValid", "The spec was accepted (parsed, planned and rendered); its message carries the planner's warnings.", {
+        PENDING: _COMMON[PENDING],
+        "Valid": "the spec is valid (warnings, if any, in the message)",
+        INVALID_SPEC: "the spec is refused: the message names the field and what is allowed"}),
+    ConditionType("Scheduled", "Every pod is bound to a node.", {
+        **_COMMON,
+        "AllPodsScheduled": "every pod is on a node",
+        "NoReplicas": "spec.replicas is 0",
+        "Unschedulable": "kube-scheduler cannot place a pod (its message says why)",
+        "PodsPending": "pods wait for a node, or are not created yet"}),
+    # Each backend adds its own proven / idle reasons (backends/, Backend.reasons; docs/backends.md).
+    ConditionType("OffloadActive", "The pods' exporters prove the offload backend serves prompt tokens "
+                                   "(kvoffload_offload_active).", {
+        **_COMMON, **_PROBES,
+        "EngineNotReady": "the engine is not ready yet",
+        "ExporterUnreachable": "no exporter answered",
+        "ExternalHitsNotLoaded": "vLLM skipped prefill for KV that LMCache never loaded: answers are wrong"}),
+    ConditionType("EngineVerified", "The pods run the vLLM / LMCache pair the operator rendered for (kvoffload_engine_info).", {
+        **_COMMON, **_PROBES,
+        "EngineVersionsMatch": "every reporting pod runs the rendered pair",
+        "EngineVersionMismatch": "a pod runs another pair than the one rendered for",
+        "VersionsNotReported": "no pod's exporter reported its versions yet"}),
+    ConditionType("DiskTierReady", "The disk tier's per-pod directories are prepared (emptied) on their nodes.", {
+        **_COMMON,
+        "NotConfigured": "spec.offload.disk is not set: CPU tier only",
+        "DirectoriesPrepared": "every pod's directory is prepared",
+        "Preparing": "pod directories are being prepared"}),
+    ConditionType("Reconciling", "True while a valid spec is not yet Ready (kstatus, read by Helm --wait and Flux); its reason is "
+                                 "Ready's.", {
+        PENDING: _COMMON[PENDING],
+        "Converged": "Ready is True",
+        "Stalled": "the spec is refused: nothing to converge to until it changes"}),
+    ConditionType("Stalled", "True while the spec cannot be acted on (kstatus); its reason is ConfigValid's.", {
+        PENDING: _COMMON[PENDING],
+        "SpecAccepted": "the spec can be acted on",
+        INVALID_SPEC: _COMMON[INVALID_SPEC]}),
+)
+BY_TYPE = {c.type: c for c in CONDITIONS}
+TYPES = tuple(BY_TYPE)
+
+
+def reasons(type_: str) -> set[str]:
+    """Every reason `type_` may carry; Reconciling also carries Ready's (it mirrors Ready while converging)."""
+    own = set(BY_TYPE[type_].reasons)
+    return own | set(BY_TYPE["Ready"].reasons) if type_ == "Reconciling" else own
+
+
+def summary() -> str:
+    """One line per condition, for the CRD's description of status.conditions and the chart's NOTES."""
+    return "; ".join(f"{c.type}: {c.description}" for c in CONDITIONS)

@@ -1,0 +1,49 @@
+"""Dockerfiles read without a Docker engine: instructions, ARG defaults, the serving image's path."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .paths import ROOT
+
+OPERATOR = ROOT / "images" / "operator" / "Dockerfile"
+SERVING = ROOT / "images" / "serving" / "Dockerfile"
+
+
+class Dockerfile:
+    """Instructions of a Dockerfile (continuations joined, comments dropped) with ARG defaults resolved."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.text = path.read_text()
+        self.instructions: list[tuple[str, str]] = []
+        buf = ""
+        for line in self.text.splitlines():
+            if not buf and (not line.strip() or line.lstrip().startswith("#")):
+                continue
+            if line.rstrip().endswith("\\"):
+                buf += line.rstrip()[:-1] + " "
+                continue
+            buf += line
+            op, _, rest = buf.strip().partition(" ")
+            self.instructions.append((op.upper(), rest.strip()))
+            buf = ""
+        self.args: dict[str, str] = {}
+        for op, rest in self.instructions:
+            if op == "ARG" and "=" in rest:
+                k, v = rest.split("=", 1)
+                self.args.setdefault(k, self.expand(v.strip('"')))  # a default may use earlier ARGs
+
+    def expand(self, text: str) -> str:
+        return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: self.args.get(m.group(1) or m.group(2), m.group(0)), text)
+
+    def all(self, op: str) -> list[str]:
+        return [self.expand(rest) for o, rest in self.instructions if o == op]
+
+    def labels(self) -> dict[str, str]:
+        out = {}
+        for rest in self.all("LABEL"):
+            for k, v in re.findall(r'([\w.\-]+)="([^"]*)"', rest):
+                out[k] = v
+        return out

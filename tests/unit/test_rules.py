@@ -1,0 +1,102 @@
+"""Each validation rule is declared once (kvoffload.api.rules) and gives the CRD's CEL rule and the parser's check with
+one message; what the operator decides in the pod (api/managed.py) the spec may not override."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvoffload.api import crd, managed, rules
+from kvoffload.api.errors import ConfigError
+from kvoffload.api.settings import Settings
+from kvoffload.api.spec import parse
+from kvoffload.controller import pipeline
+from kvtest.specs import spec
+
+S = Settings()
+BACKENDS = crd.schema_at("offload.backend")["enum"]
+
+
+def _for(backend: str, **patch):
+    return spec(offload__backend=backend, **({"offload__disk": None} if backend == "vllm-native" else {}), **patch)
+
+
+def _pod(s: dict) -> dict:
+    d = pipeline.desired("svc", "ns", "uid", s, S)
+    return next(c for c in d.children if c["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+
+
+def test_every_rule_sits_on_its_schema_node():
+    for rule in rules.RULES:
+        node = crd.spec_schema() if rule.at == "spec" else crd.schema_at(rule.at.removeprefix("spec."))
+        assert rule.cel_dict() in node["x-kubernetes-validations"], rule.at
+
+
+@pytest.mark.parametrize("name", ["CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"])
+def test_env_may_not_change_which_gpus_the_container_sees(name):
+    with pytest.raises(ConfigError) as err:
+        parse(spec(engine__env=[{"name": name, "value": "all"}]), S)
+    assert err.value.field == "spec.engine.env"
+    assert err.value.message == f"{name} is managed by the operator: {managed.ENV[name]}"
+    assert "which GPUs the container sees" in err.value.message
+
+
+@pytest.mark.parametrize("name", ["HOME", "TMPDIR", "HF_HOME", "XDG_CACHE_HOME", "TRANSFORMERS_CACHE", "HF_HUB_CACHE",
+                                  "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE"])
+def test_env_may_not_move_weights_caches_or_temporary_files(name):
+    with pytest.raises(ConfigError) as err:
+        parse(spec(engine__env=[{"name": name, "value": "/elsewhere"}]), S)
+    assert err.value.field == "spec.engine.env" and name in err.value.message
+    assert "ephemeral-storage request" in err.value.message
+
+
+def test_every_refused_variable_is_named_with_its_reason():
+    env = [{"name": "A", "value": "1"}, {"name": "HOME", "value": "/x"}, {"name": "LMCACHE_CHUNK_SIZE", "value": "8"}]
+    with pytest.raises(ConfigError) as err:
+        parse(spec(engine__env=env), S)
+    assert err.value.message == (f"HOME is managed by the operator: {managed.ENV['HOME']}; "
+                                 f"LMCACHE_CHUNK_SIZE is managed by the operator: {managed.ENV_PREFIX_WHY}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_what_the_pod_sets_the_spec_may_not(backend):
+    """Every variable the operator renders into the vllm container, where spec.engine.env lands (but the token it copies
+    from the Secret the spec names), is refused there, on every backend."""
+    pod = _pod(_for(backend, model__hfTokenSecret={"name": "hf"}))
+    rendered = {e["name"] for c in pod["containers"] if c["name"] == "vllm" for e in c["env"]}
+    assert rendered - {"HF_TOKEN"} and all(managed.env_why(n) for n in rendered - {"HF_TOKEN"}), \
+        sorted(n for n in rendered if not managed.env_why(n))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_pods_own_ports_are_the_managed_ones(backend):
+    pod = _pod(_for(backend))
+    ports = {p["containerPort"] for c in pod["containers"] for p in c.get("ports", [])}
+    ports -= {crd.default_at("metrics.port")}
+    args = [c.get("args", []) for c in pod["containers"] + pod.get("initContainers", [])]
+    listens = {int(a[i + 1]) for a in args for i, flag in enumerate(a[:-1]) if flag in ("--port", "--http-port")}
+    assert ports | listens <= set(managed.PORTS) and ports | listens
+
+
+@pytest.mark.parametrize("port", sorted(managed.PORTS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_metrics_port_may_not_collide(backend, port):
+    with pytest.raises(ConfigError) as err:
+        parse(_for(backend, metrics={"port": port}), S)
+    assert err.value.field == "spec.metrics.port"
+    assert err.value.message == f"{port} is {managed.PORTS[port]}: pick another port for the exporter"
+
+
+def test_a_free_metrics_port_is_taken():
+    assert parse(spec(metrics={"port": 9500}), S).metrics_port == 9500
+
+
+@pytest.mark.parametrize("rule, patch", [
+    (rules.KV_HEADS, {"model__architecture": {"attentionHeads": 32, "kvHeads": 3}}),
+    (rules.DISK_ONE_OF, {"offload__disk__storageClassName": "nvme"}),
+    (rules.NODE_SELECTORS, {"offload__disk__nodeSelector": {"a": "1"}, "scheduling": {"nodeSelector": {"a": "2"}}}),
+    (rules.MEMORY_HOLDS_CPU_TIER, {"resources__memory": "8Gi"}),
+])
+def test_cross_field_rules_refuse_with_the_crds_message(rule, patch):
+    with pytest.raises(ConfigError) as err:
+        parse(spec(**patch), S)
+    assert (err.value.field, err.value.message) == (rule.path, rule.message)
