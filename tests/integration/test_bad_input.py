@@ -176,6 +176,8 @@ CASES = [
     Case("env HOME and LMCACHE", {"spec.engine.env": [{"name": "HOME", "value": "/"}, {"name": "LMCACHE_X", "value": "1"}]},
          API, "spec.engine.env", "HOME is managed by the operator: the operator decides where the engine's weights, caches and "
                                  "temporary files go"),
+    Case("flag download-dir moves the weights", {"spec.engine.extraArgs": ["--download-dir=/tmp/w"]}, API, "spec.engine.extraArgs",
+         "--download-dir"),
     Case("metrics port is vLLM's", {"spec.metrics": {"port": 8000}}, API, "spec.metrics.port",
          "8000 is the vllm container's port"),
     Case("metrics port is the LMCache server's", {"spec.metrics": {"port": 5555}}, API, "spec.metrics.port",

@@ -36,7 +36,8 @@ def test_env_may_not_change_which_gpus_the_container_sees(name):
     with pytest.raises(ConfigError) as err:
         parse(spec(engine__env=[{"name": name, "value": "all"}]), S)
     assert err.value.field == "spec.engine.env"
-    assert err.value.message == f"{name} is managed by the operator: {managed.ENV[name]}"
+    assert err.value.message == f"{name} is managed by the operator: {managed.ENV[name]}."
+    assert rules.ENV.message_expression  # the API server names it too (proven in tests/integration/test_bad_input.py)
     assert "which GPUs the container sees" in err.value.message
 
 
@@ -53,8 +54,7 @@ def test_every_refused_variable_is_named_with_its_reason():
     env = [{"name": "A", "value": "1"}, {"name": "HOME", "value": "/x"}, {"name": "LMCACHE_CHUNK_SIZE", "value": "8"}]
     with pytest.raises(ConfigError) as err:
         parse(spec(engine__env=env), S)
-    assert err.value.message == (f"HOME is managed by the operator: {managed.ENV['HOME']}; "
-                                 f"LMCACHE_CHUNK_SIZE is managed by the operator: {managed.ENV_PREFIX_WHY}")
+    assert err.value.message == f"HOME is managed by the operator: {managed.ENV['HOME']}. {managed.ENV_PREFIX_WHY}."
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -100,3 +100,11 @@ def test_cross_field_rules_refuse_with_the_crds_message(rule, patch):
     with pytest.raises(ConfigError) as err:
         parse(spec(**patch), S)
     assert (err.value.field, err.value.message) == (rule.path, rule.message)
+
+
+def test_extra_args_may_not_move_the_weights():
+    """--download-dir would put the weights beside the volume sized for them: refused like HF_HOME."""
+    with pytest.raises(ConfigError) as err:
+        parse(spec(engine__extraArgs=["--download-dir", "/tmp/w"]), S)
+    assert err.value.field == "spec.engine.extraArgs" and "--download-dir" in err.value.message
+    assert "--download-dir" in crd.REFUSED_FLAGS

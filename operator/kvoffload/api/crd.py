@@ -238,8 +238,7 @@ def _offload() -> Schema:
         "reads back files of an earlier process and does not count them against its budget. " + no_threshold,
         {"path": _s("Absolute node directory under one of the operator's allowed roots (not the root itself), e.g. /mnt/nvme/lmcache.",
                     maxLength=512, pattern=r"^/[A-Za-z0-9._/-]*$",
-                    **{"x-kubernetes-validations": [{"rule": "!self.matches('(^|/)[.][.]?(/|$)') && !self.contains('//')",
-                                                     "message": "path must be absolute and normalized: no '.', '..' or '//' segments"}]}),
+                    **{"x-kubernetes-validations": rules.at("spec.offload.disk.path")}),
          "storageClassName": _s("StorageClass of a generic ephemeral volume used instead of a hostPath (Pod Security \"restricted\" and "
                                 "\"baseline\" namespaces refuse hostPath pods).",
                                 maxLength=253, pattern=DNS_SUBDOMAIN),

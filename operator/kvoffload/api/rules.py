@@ -9,12 +9,14 @@ messageExpression that renders the same text (naming the offending value), so bo
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from . import managed
 from .errors import ConfigError
+from .quantity import to_bytes
 
 
 def get(obj: Any, path: str) -> Any:
@@ -63,9 +65,15 @@ def _cel_list(items: list[str]) -> str:
     return "[" + ", ".join(cel_str(i) for i in items) + "]"
 
 
-# --- spec.engine.env: variables the operator manages (api/managed.py), refused by name with the reason.
-_WHYS = list(dict.fromkeys(managed.ENV.values()))
-_ENV_INDEX = "{" + ", ".join(f"{cel_str(n)}: {_WHYS.index(w)}" for n, w in managed.ENV.items()) + "}"
+# --- spec.engine.env: variables the operator manages (api/managed.py), refused by name with the reason. The API
+# server's messageExpression and the parser say the same: "A is managed by the operator: why A. why B." (A: the first
+# refused variable; then the reason of every group hit). CEL's cost estimator refuses joining or concatenating the
+# filtered names, and indexing a literal map of reasons, so each reason is a literal chosen by membership and the
+# text is put together by format().
+_GROUPS: dict[str, list[str]] = {}
+for _name, _why in managed.ENV.items():
+    _GROUPS.setdefault(_why, []).append(_name)
+_ENV_INDEX = "{" + ", ".join(f"{cel_str(n)}: true" for n in managed.ENV) + "}"
 _IS_MANAGED = f"(e.name in {_ENV_INDEX} || e.name.startsWith({cel_str(managed.ENV_PREFIX)}))"
 
 
@@ -74,37 +82,32 @@ def _managed_names(env: list[Any]) -> list[str]:
 
 
 def _explain_env(env: list[Any]) -> str:
-    return "; ".join(f"{name} is managed by the operator: {managed.env_why(name)}" for name in _managed_names(env))
+    names = _managed_names(env)
+    whys = [why for why, group in _GROUPS.items() if any(n in group for n in names)]
+    whys += [managed.ENV_PREFIX_WHY] if any(n.startswith(managed.ENV_PREFIX) for n in names) else []
+    return f"{names[0]} is managed by the operator:" + "".join(f" {why}." for why in whys)
 
 
-def _grouped_env_reasons() -> str:
-    names: dict[str, list[str]] = {}
-    for name, why in managed.ENV.items():
-        names.setdefault(why, []).append(name)
-    return "; ".join(f"{', '.join(group)}: {why}" for why, group in names.items())
-
-
+_CEL_WHYS = [f"(self.exists(e, e.name in {_cel_list(group)}) ? {cel_str(' ' + why + '.')} : '')" for why, group in _GROUPS.items()]
+_CEL_WHYS.append(f"(self.exists(e, e.name.startsWith({cel_str(managed.ENV_PREFIX)})) ? {cel_str(' ' + managed.ENV_PREFIX_WHY + '.')} : '')")
 ENV = Rule(
     at="spec.engine.env",
     cel=f"self.all(e, !{_IS_MANAGED})",
-    message="env may not set a variable the operator manages (" + _grouped_env_reasons() + "; " + managed.ENV_PREFIX_WHY + ")",
+    message="env may not set a variable the operator manages (" + "; ".join(f"{', '.join(g)}: {w}" for w, g in _GROUPS.items())
+            + "; " + managed.ENV_PREFIX_WHY + ")",
     holds=lambda env: not _managed_names(env),
-    message_expression=(f"self.filter(e, {_IS_MANAGED}).map(e, e.name + ' is managed by the operator: ' + "
-                        f"(e.name in {_ENV_INDEX} ? {_cel_list(_WHYS)}[{_ENV_INDEX}[e.name]] : {cel_str(managed.ENV_PREFIX_WHY)}))"
-                        ".join('; ')"),
+    message_expression=(f"'%s is managed by the operator:%s'.format([self.filter(e, {_IS_MANAGED})[0].name, "
+                        + " + ".join(_CEL_WHYS) + "])"),
     explain=_explain_env,
 )
 
-# --- spec.metrics.port: the exporter may not listen where another container of the pod does.
-_PORTS = "{" + ", ".join(f"{port}: {cel_str(who)}" for port, who in managed.PORTS.items()) + "}"
-METRICS_PORT = Rule(
-    at="spec.metrics.port",
-    cel=f"!(self in [{', '.join(map(str, managed.PORTS))}])",
-    message="port is used by another container of the serving pod: " + "; ".join(f"{p}: {w}" for p, w in managed.PORTS.items()),
-    holds=lambda port: port not in managed.PORTS,
-    message_expression=f"string(self) + ' is ' + {_PORTS}[self] + ': pick another port for the exporter'",
-    explain=lambda port: f"{port} is {managed.PORTS[port]}: pick another port for the exporter",
-)
+# --- spec.metrics.port: the exporter may not listen where another container of the pod does; one rule per port.
+def _port_rule(port: int, who: str) -> Rule:
+    return Rule(at="spec.metrics.port", cel=f"self != {port}", message=f"{port} is {who}: pick another port for the exporter",
+                holds=lambda value: value != port)
+
+
+METRICS_PORTS = tuple(_port_rule(port, who) for port, who in managed.PORTS.items())
 
 # --- cross-field rules
 KV_HEADS = Rule(
@@ -112,6 +115,12 @@ KV_HEADS = Rule(
     cel="!has(self.kvHeads) || !has(self.attentionHeads) || self.attentionHeads % self.kvHeads == 0",
     field=".kvHeads", message="kvHeads must divide attentionHeads",
     holds=lambda a: get(a, "kvHeads") is None or get(a, "attentionHeads") is None or a["attentionHeads"] % a["kvHeads"] == 0,
+)
+DISK_PATH_NORMALIZED = Rule(
+    at="spec.offload.disk.path",
+    cel="!self.matches('(^|/)[.][.]?(/|$)') && !self.contains('//')",
+    message="path must be absolute and normalized: no '.', '..' or '//' segments",
+    holds=lambda p: not isinstance(p, str) or (re.search(r"(^|/)[.][.]?(/|$)", p) is None and "//" not in p),
 )
 DISK_ONE_OF = Rule(
     at="spec.offload.disk",
@@ -133,7 +142,7 @@ NODE_SELECTORS = Rule(
 
 
 def _memory_holds(s: dict[str, Any]) -> bool:
-    from .quantity import to_bytes  # the parser has checked both quantities by now
+    # The parser has checked both quantities by now.
     memory, cpu = get(s, "resources.memory"), get(s, "offload.cpu.size")
     return memory is None or cpu is None or to_bytes(memory, "spec.resources.memory") >= to_bytes(cpu, "spec.offload.cpu.size")
 
@@ -180,8 +189,8 @@ AUTOSCALING_NEEDS_METRICS = Rule(
 )
 
 # What a backend cannot honour is declared by the backend (backends/, Backend.refuses; crd.backend_refusals).
-RULES: tuple[Rule, ...] = (ENV, METRICS_PORT, KV_HEADS, DISK_ONE_OF, NODE_SELECTORS, MEMORY_HOLDS_CPU_TIER, AUTOSCALING_TARGETS,
-                           AUTOSCALING_MIN_MAX, AUTOSCALING_WAKE, AUTOSCALING_NEEDS_METRICS)
+RULES: tuple[Rule, ...] = (ENV, *METRICS_PORTS, KV_HEADS, DISK_PATH_NORMALIZED, DISK_ONE_OF, NODE_SELECTORS, MEMORY_HOLDS_CPU_TIER,
+                           AUTOSCALING_TARGETS, AUTOSCALING_MIN_MAX, AUTOSCALING_WAKE, AUTOSCALING_NEEDS_METRICS)
 
 
 def at(path: str) -> list[dict[str, str]]:

@@ -360,8 +360,8 @@ def check_disk_path(path: str, allowed_roots: tuple[str, ...]) -> str:
     roots = ", ".join(allowed_roots) or "(none: the admin allowed no hostPath roots)"
     if not path.startswith("/"):
         raise ConfigError(field_, f"{path!r} must be an absolute path under an allowed root: {roots}")
-    if any(seg in (".", "..") for seg in path.split("/")) or "//" in path or posixpath.normpath(path) != path.rstrip("/"):
-        raise ConfigError(field_, f"{path!r} must be normalized: no '.', '..' or '//' segments")
+    if not rules.DISK_PATH_NORMALIZED.holds(path) or posixpath.normpath(path) != path.rstrip("/"):
+        raise ConfigError(field_, rules.DISK_PATH_NORMALIZED.message)
     path = path.rstrip("/")
     for root in allowed_roots:
         root = posixpath.normpath(root)

@@ -45,6 +45,7 @@ REFUSED_DESTS: dict[str, str] = {
     "cpu_offload_gb": "it changes the memory budget (weights in CPU memory the operator did not size)",
     "kv_cache_memory_bytes": "it changes the memory budget (overrides spec.engine.gpuMemoryUtilization's KV share)",
     "num_gpu_blocks_override": "it changes the memory budget (overrides the KV cache size vLLM measured)",
+    "download_dir": "it moves the weights off the pod volume the operator sized for them (HF_HOME, status.budget.weights)",
     "config": "it reads more flags from a file the operator cannot check",
     "help": "vLLM prints help and exits: the pod would restart forever",
     "headless": "it starts no API server: the pod's probes and Service would never answer",

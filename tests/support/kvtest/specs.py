@@ -51,34 +51,28 @@ LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "h
 DELETE = object()
 
 
-def spec(base: dict[str, Any] | None = None, **patch: Any) -> dict[str, Any]:
-    """`base` (BASE) with `a__b=value` overrides; a value of None deletes the key."""
-    out = copy.deepcopy(BASE if base is None else base)
-    for dotted, value in patch.items():
-        *parents, leaf = dotted.split("__")
+def _changed(obj: dict[str, Any], changes: dict[str, Any], sep: str, delete: object) -> dict[str, Any]:
+    out = copy.deepcopy(obj)
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(sep)
         node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        if value is None:
+        for part in parents:
+            node = node.setdefault(part, {})
+        if value is delete:
             node.pop(leaf, None)
         else:
             node[leaf] = value
     return out
+
+
+def spec(base: dict[str, Any] | None = None, **patch: Any) -> dict[str, Any]:
+    """`base` (BASE) with `a__b=value` overrides; a value of None deletes the key."""
+    return _changed(BASE if base is None else base, patch, "__", None)
 
 
 def patched(obj: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     """A copy of `obj` with dotted-path changes (`spec.offload.disk.path`); DELETE removes the key."""
-    out = copy.deepcopy(obj)
-    for dotted, value in changes.items():
-        *parents, leaf = dotted.split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        if value is DELETE:
-            node.pop(leaf, None)
-        else:
-            node[leaf] = value
-    return out
+    return _changed(obj, changes, ".", DELETE)
 
 
 def serve(name: str, base: dict[str, Any] | None = None, **patch: Any) -> dict[str, Any]:
