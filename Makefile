@@ -11,7 +11,7 @@ VLLM_VERSION := 0.26.0
 LMCACHE_VERSION := 0.5.3
 ENGINE_VENV := $(HOME)/.cache/kvoffload/engine-vllm-$(VLLM_VERSION)-lmcache-$(LMCACHE_VERSION)
 
-.PHONY: venv operator-wheels serving-wheels images standin-image engine-venv engine-metadata engine-tables system-deps cluster-build gitops-tools cluster-up cluster-down cluster-status generate lint typecheck check unit integration test demo demo-down bench clean
+.PHONY: venv operator-wheels serving-wheels images standin-image engine-venv engine-metadata engine-tables system-deps cluster-build gitops-tools keda cluster-up cluster-down cluster-status generate lint typecheck check unit integration test demo demo-down bench clean
 
 venv: $(VENV)/.done
 $(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
@@ -68,6 +68,10 @@ system-deps:
 cluster-build:
 	tests/cluster/build.sh
 
+# KEDA's operator and metrics API server for the autoscaling test (tests/autoscaling/build-keda.sh), cached by version.
+keda:
+	tests/autoscaling/build-keda.sh >/dev/null
+
 # Argo CD's Lua health runner (gopher-lua) and the kstatus checker (Helm v4's kstatus), cached.
 gitops-tools:
 	tests/gitops/build.sh
@@ -102,12 +106,12 @@ check: lint typecheck
 unit: venv operator-wheels gitops-tools
 	$(BIN)/python -m pytest tests/unit -q
 
-integration: venv system-deps cluster-build gitops-tools
+integration: venv system-deps cluster-build gitops-tools keda
 	KVO_REQUIRE_CLUSTER=1 $(BIN)/python -m pytest tests/integration -q
 
 # `make check` first (fails fast, before any build), then the unit tests again with every tool, the engine
 # fidelity tests and everything on the real control plane (started from the cached build, stopped after).
-test: check operator-wheels serving-wheels engine-venv engine-metadata system-deps cluster-build gitops-tools
+test: check operator-wheels serving-wheels engine-venv engine-metadata system-deps cluster-build gitops-tools keda
 	KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_ENGINE=1 $(BIN)/python -m pytest tests -q
 
 demo: venv cluster-build
