@@ -98,7 +98,7 @@ class Keda:
         if ROUTING_ON in args:
             self.apiserver_args = args
             c.restart("kube-apiserver", args=[a for a in args if a != ROUTING_ON] + ["--enable-aggregator-routing=false"])
-        client.namespace(NAMESPACE)
+        client.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
         grpc, adapter, health, metrics = free_ports(4)
         client.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": SERVICE, "namespace": NAMESPACE},
                       "spec": {"type": "ExternalName", "externalName": LOOPBACK}})
