@@ -4,13 +4,9 @@ and every expression of the Grafana dashboard evaluates. Everything binds to 127
 
 from __future__ import annotations
 
-import http.client
 import json
 import shutil
-import socket
-import subprocess
 import time
-import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,8 +15,8 @@ import pytest
 
 from kvoffload.exporter.capacity import GiB
 from kvtest.exporter import ExporterProcess, FakeVllm
+from kvtest.prometheus import PROMETHEUS, PromAPI, Prometheus
 
-PROMETHEUS = Path("/usr/bin/prometheus")
 pytestmark = pytest.mark.skipif(not PROMETHEUS.exists(),
                                 reason="/usr/bin/prometheus is absent (Debian: apt-get install -y prometheus)")
 
@@ -32,51 +28,6 @@ DASHBOARD = ROOT / "charts" / "kvoffload-operator" / "dashboards" / "kvoffload-t
 CACHE_CONFIG_INFO = ('# TYPE vllm:cache_config_info gauge\n'
                      'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n')
 KV_BYTES_PER_TOKEN = 131072
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class PromAPI:
-    def __init__(self, port: int) -> None:
-        self.port = port
-
-    def get(self, path: str, **params: str) -> tuple[int, str]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-        try:
-            conn.request("GET", f"{path}?{urllib.parse.urlencode(params)}" if params else path)
-            resp = conn.getresponse()
-            return resp.status, resp.read().decode()
-        finally:
-            conn.close()
-
-    def query(self, promql: str) -> list[dict[str, Any]]:
-        status, body = self.get("/api/v1/query", query=promql)
-        doc = json.loads(body)
-        assert status == 200 and doc["status"] == "success", f"{promql}: {body}"
-        return doc["data"]["result"]
-
-    def by(self, promql: str, label: str) -> dict[str, float]:
-        return {r["metric"].get(label, ""): float(r["value"][1]) for r in self.query(promql)}
-
-    def scalar(self, promql: str) -> float:
-        result = self.query(promql)
-        assert len(result) == 1, f"{promql}: {result}"
-        return float(result[0]["value"][1])
-
-    def wait_for(self, promql: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if self.query(promql):
-                    return
-            except (OSError, AssertionError, ValueError):
-                pass
-            time.sleep(0.3)
-        raise AssertionError(f"no result for {promql} within {timeout}s")
 
 
 @pytest.fixture
@@ -97,47 +48,17 @@ def stack(tmp_path: Path) -> Iterator[tuple[PromAPI, FakeVllm]]:
             "--lmcache-config", str(config), "--tensor-parallel-size", "2",
             "--kv-bytes-per-token", str(KV_BYTES_PER_TOKEN), "--disk-rescan-interval", "1",
             "--engine-versions-file", str(versions)]) as exporter:
-        prom_port = free_port()
         vllm_target = vllm.url.split("//", 1)[1].split("/", 1)[0]
-        (tmp_path / "prometheus.yml").write_text(json.dumps({  # JSON is YAML
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [
+        with Prometheus(tmp_path, [
                 {"job_name": "kvoffload", "static_configs": [
                     {"targets": [f"127.0.0.1:{exporter.port}"], "labels": {"namespace": "ns", "pod": "serve-0"}}]},
                 {"job_name": "vllm", "static_configs": [
                     {"targets": [vllm_target], "labels": {"namespace": "ns", "pod": "serve-0"}}]},
-            ],
-        }))
-        log = (tmp_path / "prometheus.log").open("w")
-        prom = subprocess.Popen(
-            [str(PROMETHEUS), f"--config.file={tmp_path / 'prometheus.yml'}",
-             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}",
-             "--log.level=warn"], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
-        try:
-            api = PromAPI(prom_port)
-            deadline = time.monotonic() + 30
-            while api_status(api) != 200:
-                assert prom.poll() is None, (tmp_path / "prometheus.log").read_text()
-                assert time.monotonic() < deadline, "Prometheus not ready"
-                time.sleep(0.2)
+        ]) as prom:
+            api = prom.api
             api.wait_for('kvoffload_tier_used_bytes{tier="cpu"}')
             api.wait_for("vllm:kv_cache_usage_perc")
             yield api, vllm
-        finally:
-            prom.terminate()
-            try:
-                prom.wait(15)
-            except subprocess.TimeoutExpired:
-                prom.kill()
-                prom.wait()
-            log.close()
-
-
-def api_status(api: PromAPI) -> int:
-    try:
-        return api.get("/-/ready")[0]
-    except OSError:
-        return 0
 
 
 def test_prometheus_sees_the_tier_figures(stack: tuple[PromAPI, FakeVllm]) -> None:

@@ -40,6 +40,7 @@ EXPECTED_RULES = {
     ("apps", "statefulsets"): {"list", "watch", "create", "patch", "delete"},
     ("policy", "poddisruptionbudgets"): {"list", "watch", "create", "patch", "delete"},
     ("networking.k8s.io", "networkpolicies"): {"list", "watch", "create", "patch", "delete"},
+    ("autoscaling", "horizontalpodautoscalers"): {"list", "watch", "create", "patch", "delete"},
     ("", "pods"): {"list", "watch"},
     ("", "events"): {"create"},
 }
@@ -413,6 +414,17 @@ def test_scheduling_values(helm):
     assert pod["priorityClassName"] == "system-cluster-critical"
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
     assert dep["spec"]["template"]["metadata"]["annotations"]["a"] == "b"
+
+
+def test_keda_autoscaler_adds_scaledobjects_only(helm):
+    """operator.config.autoscaler keda: the operator also applies, lists and prunes ScaledObjects (not watched)."""
+    docs = helm.render("--set", "operator.config.autoscaler=keda",
+                       "--set", "operator.config.prometheusAddress=http://prometheus.monitoring.svc:9090")
+    assert _rules(one(docs, "ClusterRole")) == {**EXPECTED_RULES, ("keda.sh", "scaledobjects"): {"list", "create", "patch", "delete"}}
+    config = yaml.safe_load(next(c for c in find(docs, "ConfigMap") if "config.yaml" in c.get("data", {}))["data"]["config.yaml"])
+    assert (config["autoscaler"], config["prometheusAddress"]) == ("keda", "http://prometheus.monitoring.svc:9090")
+    cp = helm("template", "kvo", CHART, "--set", "operator.config.autoscaler=argo", check=False)
+    assert cp.returncode != 0 and "autoscaler" in cp.stderr
 
 
 def test_existing_service_account(helm):

@@ -48,6 +48,11 @@ def test_chart_crd_equals_plain_crd_once_helm_renders_it():
     chart_crd = yaml.safe_load(rendered)
     chart_crd["metadata"].pop("annotations")
     assert chart_crd == yaml.safe_load((ROOT / generate.CRD_FILE).read_text()) == crd.crd()
+# spec.autoscaling with every field: scale to zero (wakeQuery) needs the operator setting autoscaler keda.
+AUTOSCALED_SPEC = {**FULL_SPEC, "autoscaling": {
+    "minReplicas": 0, "maxReplicas": 4, "scaleUpPeriodSeconds": 60, "scaleDownWindowSeconds": 600, "wakeQuery": "sum(queued)",
+    "targets": {"waitingRequestsPerReplica": 4, "kvCacheUsagePercent": 85, "promptRecomputePercent": 60}}}
+KEDA = Settings(autoscaler="keda", prometheus_address="http://prometheus.monitoring.svc:9090")
 
 
 def test_parser_reads_exactly_the_fields_the_schema_declares(monkeypatch):
@@ -59,6 +64,7 @@ def test_parser_reads_exactly_the_fields_the_schema_declares(monkeypatch):
     parse(FULL_SPEC, Settings())
     parse(EPHEMERAL_SPEC, Settings())
     parse(SERVER_SPEC, Settings())
+    parse(AUTOSCALED_SPEC, KEDA)
     assert read >= crd.leaf_paths(), sorted(crd.leaf_paths() - read)
     parent_paths = {p.rsplit(".", 1)[0] for p in crd.leaf_paths()} | {""}
     extra = {p for p in read - crd.leaf_paths() if p not in parent_paths}
@@ -75,7 +81,7 @@ def test_full_spec_sets_every_leaf():
             else:
                 out.add(p)
         return out
-    assert leaves(FULL_SPEC) | leaves(EPHEMERAL_SPEC) | leaves(SERVER_SPEC) == crd.leaf_paths()
+    assert leaves(FULL_SPEC) | leaves(EPHEMERAL_SPEC) | leaves(SERVER_SPEC) | leaves(AUTOSCALED_SPEC) == crd.leaf_paths()
 
 
 def _walk(node, path="spec"):

@@ -20,6 +20,7 @@ from kvoffload.node import disk_cleaner
 from kvtest.specs import PAIR, spec
 
 NO_DISK = {"offload__disk": None}
+SCALED = {"autoscaling__maxReplicas": 4, "autoscaling__targets__waitingRequestsPerReplica": 4}
 
 # field -> (what the base spec needs for the field to matter, the field's value). Every leaf of the CRD is here
 # (test_every_field_is_tried), so a new field is tried on every backend from its first commit.
@@ -80,7 +81,18 @@ CASES: dict[str, tuple[dict, object]] = {
     "metrics.port": ({}, 9500),
     "networkPolicy.servingFrom": ({}, ["clients"]),
     "networkPolicy.metricsFrom": ({"networkPolicy__servingFrom": ["clients"]}, ["prometheus"]),
+    "autoscaling.minReplicas": (SCALED, 2),
+    "autoscaling.maxReplicas": (SCALED, 6),
+    "autoscaling.targets.waitingRequestsPerReplica": ({**SCALED, "autoscaling__targets__waitingRequestsPerReplica": None,
+                                                       "autoscaling__targets__kvCacheUsagePercent": 80}, 4),
+    "autoscaling.targets.kvCacheUsagePercent": (SCALED, 80),
+    "autoscaling.targets.promptRecomputePercent": (SCALED, 50),
+    "autoscaling.scaleUpPeriodSeconds": (SCALED, 60),
+    "autoscaling.scaleDownWindowSeconds": (SCALED, 600),
+    "autoscaling.wakeQuery": ({**SCALED, "autoscaling__minReplicas": 0, "autoscaling__wakeQuery": "sum(a)"}, "sum(b)"),
 }
+# spec.autoscaling is rendered with the operator setting autoscaler keda (scale to zero needs it).
+KEDA = Settings(autoscaler="keda", prometheus_address="http://prometheus.monitoring.svc:9090")
 
 
 def base(backend: str, **patch) -> dict:
@@ -91,7 +103,7 @@ def output(s: dict) -> object:
     """What the operator does with spec `s`: the children it applies, the status it writes (nothing observed
     yet) and the node disk cleaner's verdict once the resource is gone; or the ConfigError it refuses it with."""
     try:
-        d = pipeline.desired("svc", "team-a", "uid-1", s, Settings())
+        d = pipeline.desired("svc", "team-a", "uid-1", s, KEDA if s.get("autoscaling") else Settings())
     except ConfigError as err:
         return err
     body = {"metadata": {"name": "svc", "namespace": "team-a", "generation": 1}, "spec": s}

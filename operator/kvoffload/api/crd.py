@@ -371,17 +371,59 @@ def _metrics() -> Schema:
     )
 
 
+AUTOSCALERS = ("hpa", "keda")  # the operator setting `autoscaler`: what spec.autoscaling renders
+
+
+def _autoscaling() -> Schema:
+    per = "per replica, averaged over the replicas"
+    return _o(
+        "Scale the replicas on load: the operator renders a HorizontalPodAutoscaler (autoscaling/v2) on this resource's scale "
+        "subresource, or a KEDA ScaledObject when the operator's setting autoscaler is keda. The autoscaler then owns "
+        "spec.replicas (leave it out of your manifests; docs/autoscaling.md). Several targets: the largest replica count wins.",
+        {"minReplicas": _i("Fewest replicas. 0 scales to zero when idle (KEDA only; needs wakeQuery): the first request after "
+                           "that waits a whole engine start-up (status.budget.weights.startupSeconds).",
+                           minimum=0, maximum=1000, default=1),
+         "maxReplicas": _i("Most replicas.", minimum=1, maximum=1000),
+         "targets": _o(
+             "What one replica should carry; set at least one.",
+             {"waitingRequestsPerReplica": _i(f"Requests queued in vLLM (vllm:num_requests_waiting), {per}.",
+                                              minimum=1, maximum=100000),
+              "kvCacheUsagePercent": _i(f"GPU KV-cache usage in percent (vllm:kv_cache_usage_perc x 100), {per}.",
+                                        minimum=1, maximum=100),
+              "promptRecomputePercent": _i(
+                  "Share of prompt tokens, in percent over the last 2 minutes, that neither the GPU prefix cache nor the "
+                  "offload tiers served, so vLLM recomputed them (the exporter's kvoffload_prompt_tokens_total{origin=\"compute\"}); "
+                  "above it the working set has outgrown the tiers. Needs spec.metrics.enabled.", minimum=1, maximum=100)},
+             rules=rules.at("spec.autoscaling.targets")),
+         "scaleUpPeriodSeconds": _i("Replicas at most double per this many seconds, so that load queued while new engines start "
+                                    "does not add still more. Default: the engine's start-up budget (startupSeconds), at most 1800.",
+                                    minimum=1, maximum=1800),
+         "scaleDownWindowSeconds": _i("Replicas are removed only after the load has stayed low this long (the HPA's scale-down "
+                                      "stabilization window; KEDA's cooldownPeriod before scaling to zero). Default: the engine's "
+                                      "start-up budget, at least 300, at most 3600: a replica removed too early costs a whole "
+                                      "start-up to get back.", minimum=0, maximum=3600),
+         "wakeQuery": _s("A PromQL expression for the demand that exists while no replica runs (for example requests queued in "
+                         "your gateway for this model); a value above 0 starts the first replica, and it counts like "
+                         "waitingRequestsPerReplica. KEDA only; required with minReplicas 0.", minLength=1, maxLength=1024)},
+        required=["maxReplicas", "targets"],
+        rules=rules.at("spec.autoscaling"),
+    )
+
+
 def spec_schema() -> Schema:
     spec = _o(
         "Desired state of a vLLM + LMCache service with KV-cache offloading.",
         {"model": _model(),
-         "replicas": _i("Number of serving pods (each a full copy of the model).", minimum=0, maximum=1000, default=1),
+         "replicas": _i("Number of serving pods (each a full copy of the model). With spec.autoscaling the autoscaler sets it "
+                       "through the scale subresource and the operator follows; leave it out of manifests then, or a "
+                       "re-apply resets it (docs/autoscaling.md).", minimum=0, maximum=1000, default=1),
          "engine": _engine(),
          "offload": _offload(),
          "resources": _resources(),
          "scheduling": _scheduling(),
          "metrics": _metrics(),
-         "networkPolicy": _network_policy()},
+         "networkPolicy": _network_policy(),
+         "autoscaling": _autoscaling()},
         required=["model", "engine", "offload"],
         rules=rules.at("spec"),
     )
@@ -440,6 +482,18 @@ def status_schema() -> Schema:
              "serverMemory": _s("Memory request of the LMCache server container (backend lmcache-server)."),
              "serverMemoryLimit": _s("Memory limit of the LMCache server container: its request + the L1, which it "
                                      "faults in itself when it sees a GPU (backend lmcache-server).")}),
+         "autoscaling": _o("What the autoscaler wants and why (spec.autoscaling), read from its HorizontalPodAutoscaler.", {
+             "autoscaler": _s("hpa or keda (the operator setting)."),
+             "horizontalPodAutoscaler": _s("Name of the HorizontalPodAutoscaler (KEDA's is keda-hpa-<name>)."),
+             "currentReplicas": _i("Replicas the autoscaler last saw.", format="int32"),
+             "desiredReplicas": _i("Replicas the autoscaler wants.", format="int32"),
+             "lastScaleTime": _s("When it last changed the replica count.", format="date-time"),
+             "metrics": {"type": "array", "x-kubernetes-list-type": "atomic", "description": "Each target: its value now.",
+                         "items": _o("One target.", {"target": _s("The spec.autoscaling.targets field (or wakeQuery)."),
+                                                     "current": _s("Its value now, in the target's unit."),
+                                                     "want": _s("The target's value.")})},
+             "reason": _s("The autoscaler's reason (the HorizontalPodAutoscaler's conditions)."),
+             "message": _s("The same, for humans.")}),
          "budget": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
                     "description": "The computed budget: KV bytes per token, tokens and sequences per tier, memory terms, "
                                    "/dev/shm, reload vs recompute."}},

@@ -157,8 +157,40 @@ MEMORY_HOLDS_CPU_TIER = Rule(
     holds=_memory_holds,
 )
 
+# --- spec.autoscaling
+_TARGETS = ("waitingRequestsPerReplica", "kvCacheUsagePercent", "promptRecomputePercent")
+AUTOSCALING_TARGETS = Rule(
+    at="spec.autoscaling.targets",
+    cel=" || ".join(f"has(self.{t})" for t in _TARGETS),
+    message="spec.autoscaling.targets needs at least one of " + ", ".join(_TARGETS),
+    holds=lambda t: any(get(t, n) is not None for n in _TARGETS),
+)
+AUTOSCALING_MIN_MAX = Rule(
+    at="spec.autoscaling",
+    cel="!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
+    field=".minReplicas", message="spec.autoscaling.minReplicas must be at most maxReplicas",
+    holds=lambda a: get(a, "minReplicas") is None or get(a, "maxReplicas") is None or a["minReplicas"] <= a["maxReplicas"],
+)
+AUTOSCALING_WAKE = Rule(
+    at="spec.autoscaling",
+    cel="(has(self.minReplicas) && self.minReplicas == 0) == has(self.wakeQuery)",
+    field=".wakeQuery",
+    message="spec.autoscaling.wakeQuery is required with minReplicas 0 (scale to zero) and only then: "
+            "with no replica running, nothing else says when to start one",
+    holds=lambda a: (get(a, "minReplicas") == 0) == (get(a, "wakeQuery") is not None),
+)
+AUTOSCALING_NEEDS_METRICS = Rule(
+    at="spec",
+    cel="!has(self.autoscaling) || !has(self.autoscaling.targets.promptRecomputePercent) "
+        "|| !has(self.metrics) || !has(self.metrics.enabled) || self.metrics.enabled",
+    field=".autoscaling.targets.promptRecomputePercent",
+    message="spec.autoscaling.targets.promptRecomputePercent needs spec.metrics.enabled: it is read from the exporter",
+    holds=lambda s: get(s, "autoscaling.targets.promptRecomputePercent") is None or get(s, "metrics.enabled") is not False,
+)
+
 # What a backend cannot honour is declared by the backend (backends/, Backend.refuses; crd.backend_refusals).
-RULES: tuple[Rule, ...] = (ENV, *METRICS_PORTS, KV_HEADS, DISK_PATH_NORMALIZED, DISK_ONE_OF, NODE_SELECTORS, MEMORY_HOLDS_CPU_TIER)
+RULES: tuple[Rule, ...] = (ENV, *METRICS_PORTS, KV_HEADS, DISK_PATH_NORMALIZED, DISK_ONE_OF, NODE_SELECTORS, MEMORY_HOLDS_CPU_TIER,
+                           AUTOSCALING_TARGETS, AUTOSCALING_MIN_MAX, AUTOSCALING_WAKE, AUTOSCALING_NEEDS_METRICS)
 
 
 def at(path: str) -> list[dict[str, str]]:

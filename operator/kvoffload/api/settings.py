@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from . import crd
 from .errors import ConfigError
 
 
@@ -57,6 +58,11 @@ class Settings:
     # The operator's namespace (the chart sets it): a KVOffloadServe's NetworkPolicy lets it reach the
     # exporters' metrics port when probe_exporters is on.
     operator_namespace: str = ""
+    # What spec.autoscaling renders: hpa (a HorizontalPodAutoscaler on Pods metrics, for clusters that run a
+    # custom-metrics adapter) or keda (a KEDA ScaledObject with Prometheus triggers; scale to zero).
+    autoscaler: str = "hpa"
+    # The Prometheus that KEDA's triggers query (autoscaler keda), e.g. http://prometheus.monitoring.svc:9090.
+    prometheus_address: str = ""
 
     def nvme_selector(self) -> dict[str, str]:
         key, _, value = self.nvme_node_label.partition("=")
@@ -90,6 +96,12 @@ def from_dict(data: dict[str, Any]) -> Settings:
         value = kwargs.get(name, getattr(Settings, name))
         if isinstance(value, bool) or not isinstance(value, kind) or value < least:
             raise ConfigError(f"operator config {_camel(name)}", f"must be a number >= {least}, got {value!r}")
+    autoscaler = kwargs.get("autoscaler", Settings.autoscaler)
+    if autoscaler not in crd.AUTOSCALERS:
+        raise ConfigError("operator config autoscaler", f"{autoscaler!r} is not allowed; allowed values: {', '.join(crd.AUTOSCALERS)}")
+    if autoscaler == "keda" and not kwargs.get("prometheus_address"):
+        raise ConfigError("operator config prometheusAddress", "is required with autoscaler keda (the Prometheus KEDA's "
+                                                               "triggers query, e.g. http://prometheus.monitoring.svc:9090)")
     return Settings(**kwargs)
 
 

@@ -173,6 +173,16 @@ class NetworkPolicySpec:
 
 
 @dataclass(frozen=True)
+class AutoscalingSpec:
+    min_replicas: int
+    max_replicas: int
+    targets: dict[str, int]  # spec.autoscaling.targets field -> its value, in crd order
+    scale_up_period: int | None  # None: derived from the start-up budget (rendering/autoscaling.py)
+    scale_down_window: int | None
+    wake_query: str | None
+
+
+@dataclass(frozen=True)
 class Spec:
     model: ModelSpec
     replicas: int
@@ -183,6 +193,7 @@ class Spec:
     metrics_enabled: bool
     metrics_port: int
     network_policy: NetworkPolicySpec | None = None
+    autoscaling: AutoscalingSpec | None = None
 
 
 def _int(r: _Reader, path: str, lo: int, hi: int) -> int:
@@ -462,6 +473,27 @@ def _network_policy(r: _Reader) -> NetworkPolicySpec | None:
                              metrics_from=_namespaces(r, "networkPolicy.metricsFrom"))
 
 
+def _autoscaling(r: _Reader, settings: Settings) -> AutoscalingSpec | None:
+    if r.get("autoscaling", None) is None:
+        return None
+    bound = lambda path: _int(r, f"autoscaling.{path}", _node(f"autoscaling.{path}").get("minimum", 0),  # noqa: E731
+                              _node(f"autoscaling.{path}")["maximum"])
+    lo, hi = bound("minReplicas"), bound("maxReplicas")
+    names = list(_node("autoscaling.targets")["properties"])
+    if not isinstance(r.get("autoscaling.targets", None), dict):
+        raise ConfigError("spec.autoscaling.targets", f"is required: an object with at least one of {', '.join(names)}")
+    targets = {n: bound(f"targets.{n}") for n in names if r.has(f"autoscaling.targets.{n}")}
+    wake = _str(r, "autoscaling.wakeQuery")  # min/max, targets, wakeQuery and metrics: api/rules.py (AUTOSCALING_*)
+    if lo == 0 and wake is not None and settings.autoscaler != "keda":
+        raise ConfigError("spec.autoscaling.minReplicas", f"0 (scale to zero) needs KEDA: the operator's setting autoscaler is "
+                                                          f"{settings.autoscaler!r}, and a HorizontalPodAutoscaler cannot scale "
+                                                          "to zero; allowed here: 1 to maxReplicas")
+    return AutoscalingSpec(min_replicas=lo, max_replicas=hi, targets=targets,
+                           scale_up_period=bound("scaleUpPeriodSeconds") if r.has("autoscaling.scaleUpPeriodSeconds") else None,
+                           scale_down_window=bound("scaleDownWindowSeconds") if r.has("autoscaling.scaleDownWindowSeconds") else None,
+                           wake_query=wake)
+
+
 def parse(spec: dict[str, Any], settings: Settings) -> Spec:
     if not isinstance(spec, dict):
         raise ConfigError("spec", "is required")
@@ -476,6 +508,7 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
         metrics_enabled=_bool(r, "metrics.enabled"),
         metrics_port=_int(r, "metrics.port", 1024, 65535),
         network_policy=_network_policy(r),
+        autoscaling=_autoscaling(r, settings),
     )
     rules.check(spec)  # the CRD's CEL rules, each declared once in api/rules.py
     backend = _declared(parsed.offload.backend)

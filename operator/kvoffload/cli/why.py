@@ -115,6 +115,18 @@ def _children(sts: dict[str, Any] | None, pods: list[dict[str, Any]]) -> list[st
     return out
 
 
+def _autoscaling(obj: dict[str, Any]) -> list[str]:
+    a, st = (obj.get("spec") or {}).get("autoscaling"), (obj.get("status") or {}).get("autoscaling") or {}
+    if not a:
+        return []
+    lines = ["", "Autoscaling:",
+             f"  {a.get('minReplicas', 1)} to {a['maxReplicas']} replicas by {st.get('autoscaler', 'its autoscaler')}; it owns "
+             f"spec.replicas (now {(obj.get('spec') or {}).get('replicas')}): leave it out of manifests"]
+    if st:
+        lines.append(f"  {st.get('reason', '')}: {st.get('message', '')}")
+    return lines
+
+
 def _events(events: list[dict[str, Any]], now: datetime, limit: int = 10) -> list[str]:
     def stamp(e: dict[str, Any]) -> str:
         return e.get("lastTimestamp") or e.get("eventTime") or e.get("firstTimestamp") or ""
@@ -141,6 +153,7 @@ def explain(obj: dict[str, Any], sts: dict[str, Any] | None, pods: list[dict[str
     lines += ["", "Budget:"] + _budget(st)
     if st.get("endpoint"):
         lines.append(f"  Endpoint: {st['endpoint']}")
+    lines += _autoscaling(obj)
     lines += ["", "Children:"] + _children(sts, pods)
     lines += ["", "Recent events:"] + _events(events, now)
     return "\n".join(lines) + "\n"

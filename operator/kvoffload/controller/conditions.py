@@ -14,13 +14,15 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from kubernetes.utils.quantity import parse_quantity
+
 from .. import backends
 from ..api import crd
 from ..api.conditions import INVALID_SPEC, PENDING, TYPES, reasons
 from ..api.errors import ConfigError
 from ..api.quantity import format_bytes
 from ..engine import versions as engine_versions
-from ..rendering import render
+from ..rendering import autoscaling, render
 from .pipeline import Desired
 from .probe import Probes, Reading
 
@@ -52,6 +54,7 @@ class Observed:
     statefulset: dict[str, Any] | None
     pods: list[dict[str, Any]]
     probes: Probes | None = None  # running pod -> its exporter's answer, or an error; None: not probed
+    hpa: dict[str, Any] | None = None  # the HorizontalPodAutoscaler that decides (ours or KEDA's), with spec.autoscaling
 
 
 def now_iso(clock: datetime | None = None) -> str:
@@ -329,4 +332,61 @@ def status(body: dict[str, Any], desired: Desired | None, error: ConfigError | N
         out["summary"]["serverMemory"] = format_bytes(b.server_memory)
         out["summary"]["serverMemoryLimit"] = format_bytes(b.server_memory_limit)
     out["budget"] = b.to_dict()
+    if desired.spec.autoscaling is not None:
+        out["autoscaling"] = autoscaler_status(desired, meta["name"], obs.hpa)
     return out
+
+
+# The HPA's conditions, most telling first: the first one that is not True says why it does not (or cannot) act;
+# else ScalingLimited=True says it is held at a bound; else ScalingActive says what it computed from.
+_HPA_CONDITIONS = ("AbleToScale", "ScalingActive")
+
+
+def autoscaler_status(desired: Desired, name: str, hpa: dict[str, Any] | None) -> dict[str, Any]:
+    """status.autoscaling: what the HorizontalPodAutoscaler wants and why, from its status (pure)."""
+    a = desired.spec.autoscaling
+    assert a is not None
+    keda = any(c["kind"] == autoscaling.SCALED_OBJECT[1] for c in desired.children)
+    targets = list(a.targets) + (["wakeQuery"] if a.wake_query else [])
+    out: dict[str, Any] = {"autoscaler": "keda" if keda else "hpa"}
+    if hpa is None:
+        return {**out, "reason": "AutoscalerNotFound", "message": "no HorizontalPodAutoscaler yet"
+                + (" (KEDA makes keda-hpa-" + name + " from the ScaledObject: is the KEDA operator running?)"
+                   if out["autoscaler"] == "keda" else "")}
+    st = hpa.get("status") or {}
+    out["horizontalPodAutoscaler"] = hpa["metadata"]["name"]
+    out["currentReplicas"] = st.get("currentReplicas") or 0
+    out["desiredReplicas"] = st.get("desiredReplicas") or 0
+    if st.get("lastScaleTime"):
+        out["lastScaleTime"] = st["lastScaleTime"]
+    metrics = []
+    for i, m in enumerate(st.get("currentMetrics") or []):
+        if i >= len(targets):
+            break
+        value = ((m.get(m.get("type", "").lower() or "external") or {}).get("current") or {})
+        current = value.get("averageValue") or value.get("value")
+        spec_value = a.targets.get(targets[i], a.targets.get("waitingRequestsPerReplica", 1))
+        # KEDA's queries give the target's unit; an adapter's Pods metric gives the metric's own (a ratio for percents).
+        scale = 1 if keda or targets[i] == "wakeQuery" else autoscaling.TARGETS[targets[i]].unit_scale
+        metrics.append({"target": targets[i], "current": _in_unit(current, scale), "want": str(spec_value)})
+    out["metrics"] = metrics
+    conds = {c.get("type"): c for c in st.get("conditions") or []}
+    wants = f"wants {out['desiredReplicas']} replicas (has {out['currentReplicas']})"
+    if metrics:
+        wants += ": " + ", ".join(f"{m['target']} {m['current']} (target {m['want']})" for m in metrics)
+    for t in _HPA_CONDITIONS:
+        c = conds.get(t)
+        if c and c.get("status") != "True":
+            return {**out, "reason": c.get("reason", t), "message": f"{wants}; {t}=False: {c.get('message', '')}"}
+    limited = conds.get("ScalingLimited")
+    chosen = limited if limited and limited.get("status") == "True" else conds.get("ScalingActive")
+    if chosen is None:
+        return {**out, "reason": "NotComputedYet", "message": f"{wants}; the HorizontalPodAutoscaler has not computed yet"}
+    return {**out, "reason": chosen.get("reason", ""), "message": f"{wants}; {chosen.get('message', '')}"}
+
+
+def _in_unit(quantity: str | None, scale: int) -> str:
+    """An HPA metric value (a quantity, e.g. 6667m) times `scale`, in the unit of its spec.autoscaling target."""
+    if quantity is None:
+        return "unknown"
+    return f"{round(float(parse_quantity(quantity)) * scale, 2):g}"

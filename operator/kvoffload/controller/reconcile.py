@@ -14,7 +14,7 @@ from typing import Any
 from ..api import crd
 from ..api.errors import ConfigError
 from ..api.settings import Settings
-from ..rendering import render
+from ..rendering import autoscaling, render
 from . import conditions, events, pipeline, probe
 from .kube import ApiError, Kube, collection
 
@@ -71,10 +71,10 @@ def _key(obj: dict[str, Any]) -> tuple[str, str, str]:
     return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
 
 
-def _live_children(kube: Kube, namespace: str, name: str) -> dict[tuple[str, str, str], dict[str, Any]]:
+def _live_children(kube: Kube, namespace: str, name: str, kinds: tuple[tuple[str, str], ...]) -> dict[tuple[str, str, str], dict[str, Any]]:
     selector = f"{render.OWNER_LABEL}={name}"
     live = {}
-    for api_version, kind in render.CHILD_KINDS:
+    for api_version, kind in kinds:
         for obj in kube.list(collection(api_version, kind, namespace), selector):
             obj.setdefault("apiVersion", api_version)
             obj.setdefault("kind", kind)
@@ -111,11 +111,14 @@ def _dry_run(kube: Kube, children: list[dict[str, Any]]) -> None:
 
 
 def sync_children(kube: Kube, namespace: str, name: str, uid: str, children: list[dict[str, Any]],
-                  unchecked: bool = True, covered: Covered | None = None) -> tuple[dict[str, Any] | None, list[str]]:
+                  unchecked: bool = True, covered: Covered | None = None,
+                  kinds: tuple[tuple[str, str], ...] = render.CHILD_KINDS,
+                  ) -> tuple[dict[str, Any] | None, list[str], dict[tuple[str, str, str], dict[str, Any]]]:
     """Apply children (each stamped with its rendered hash: `pipeline.stamped`) that differ from the
-    cluster, prune ours that are no longer wanted; return the StatefulSet and what was applied ("Kind name")."""
+    cluster, prune ours that are no longer wanted; return the StatefulSet, what was applied ("Kind name")
+    and the live objects of `kinds` with the owner label as read before (KEDA's HorizontalPodAutoscaler too)."""
     covered = covered or Covered()
-    live = _live_children(kube, namespace, name)
+    live = _live_children(kube, namespace, name, kinds)
     wanted = {_key(c) for c in children}
     changed = [c for c in children if _key(c) not in live or not covered(c, live[_key(c)])]
     _dry_run(kube, _to_validate(changed, unchecked))
@@ -134,7 +137,7 @@ def sync_children(kube: Kube, namespace: str, name: str, uid: str, children: lis
         if key not in wanted and _owned_by(obj, uid):
             log.info("prune %s %s/%s", key[1], namespace, key[2])
             kube.delete(f"{collection(key[0], key[1], namespace)}/{key[2]}")
-    return sts, [f"{c['kind']} {c['metadata']['name']}" for c in changed]
+    return sts, [f"{c['kind']} {c['metadata']['name']}" for c in changed], live
 
 
 # Progress details (Scheduled, replica counts, OffloadActive, messages) are written at most this often
@@ -214,11 +217,12 @@ def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: date
     except ConfigError as exc:
         error = exc  # no child is created or changed while the spec is invalid
     applied: list[str] = []
+    live: dict[tuple[str, str, str], dict[str, Any]] = {}
     sts, pods, probes = None, [], None
     if desired is not None:
         try:
-            sts, applied = sync_children(kube, namespace, name, meta["uid"], desired.applied, pipeline.unchecked(desired.spec),
-                                         memos.covered)
+            sts, applied, live = sync_children(kube, namespace, name, meta["uid"], desired.applied,
+                                               pipeline.unchecked(desired.spec), memos.covered, render.child_kinds(settings))
         except ConfigError as exc:
             desired, error = None, exc
     if desired is not None:
@@ -226,7 +230,8 @@ def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: date
             pods = kube.list(collection("v1", "Pod", namespace), f"{render.OWNER_LABEL}={name}")
         if settings.probe_exporters and desired.spec.metrics_enabled:
             probes = probe.probe_exporters(pods, desired.spec.metrics_port)
-    new_status = conditions.status(body, desired, error, conditions.Observed(sts, pods, probes), clock)
+    hpa = live.get((*autoscaling.HPA, autoscaling.name(name, settings))) if desired and desired.spec.autoscaling else None
+    new_status = conditions.status(body, desired, error, conditions.Observed(sts, pods, probes, hpa), clock)
     previous = (body.get("status") or {}).get("conditions")
     if new_status == (body.get("status") or {}):
         if applied and recorder is not None:  # drift repaired: children changed, status did not

@@ -25,7 +25,7 @@ from ..backends.base import CONFIG_DIR, CONFIG_VOLUME, DISK_DIR, HTTP_PORT, MULT
 from ..engine import images
 from ..engine import versions as engine_versions
 from ..planning.sizing import Budget
-from . import pod_security
+from . import autoscaling, pod_security
 from .network_policy import network_policy
 from .placement import topology_spread
 
@@ -42,7 +42,12 @@ CONFIG_HASH_ANNOTATION = "kvoffload.io/config-hash"
 KV_DTYPE_FLAG = {"bf16": "bfloat16", "fp8": "fp8"}
 # Kinds the operator owns, in apply order (config before the pods that mount it).
 CHILD_KINDS = (("v1", "ConfigMap"), ("v1", "Service"), ("apps/v1", "StatefulSet"), ("policy/v1", "PodDisruptionBudget"),
-               ("networking.k8s.io/v1", "NetworkPolicy"))
+               ("networking.k8s.io/v1", "NetworkPolicy"), autoscaling.HPA)
+
+
+def child_kinds(settings: Settings) -> tuple[tuple[str, str], ...]:
+    """The kinds the operator owns with these settings: KEDA's ScaledObject only where the cluster has KEDA."""
+    return CHILD_KINDS + ((autoscaling.SCALED_OBJECT,) if settings.autoscaler == "keda" else ())
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,7 @@ class Owner:
 
 def names(owner_name: str) -> dict[str, str]:
     return {"statefulset": owner_name, "configmap": f"{owner_name}-lmcache", "service": owner_name,
-            "headless": f"{owner_name}-pods", "pdb": owner_name, "networkpolicy": owner_name}
+            "headless": f"{owner_name}-pods", "pdb": owner_name, "networkpolicy": owner_name, "autoscaler": owner_name}
 
 
 def selector_labels(owner: Owner) -> dict[str, str]:
@@ -367,4 +372,7 @@ def children(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> li
     sts = statefulset(owner, spec, budget, settings, _hash(files if files is not None else backend.name), config=bool(config))
     policy = network_policy(_meta(names(owner.name)["networkpolicy"], owner, settings), spec, settings,
                             selector_labels(owner), HTTP_PORT)
-    return [*config, *services(owner, spec, settings), sts, pdb(owner, settings), *([policy] if policy else [])]
+    scaler = autoscaling.autoscaler(_meta(names(owner.name)["autoscaler"], owner, settings), owner.name, owner.namespace,
+                                    spec, budget, settings)
+    return [*config, *services(owner, spec, settings), sts, pdb(owner, settings), *([policy] if policy else []),
+            *([scaler] if scaler else [])]
