@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
-import os
 from pathlib import Path
 from typing import Any
 
