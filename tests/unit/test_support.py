@@ -30,6 +30,8 @@ def test_no_test_module_imports_another():
 
 def test_the_children_lister_reads_the_renderers_own_kinds():
     assert kvspecs.CHILD_KINDS == tuple(kind for _, kind in render.CHILD_KINDS)
-    assert kvspecs.child_resources() == ("configmaps", "services", "statefulsets", "poddisruptionbudgets", "networkpolicies")
-    kinds = {c["kind"] for c in kvspecs.rendered(kvspecs.spec(networkPolicy={"servingFrom": ["apps"]}))}
+    assert kvspecs.child_resources() == ("configmaps", "services", "statefulsets", "poddisruptionbudgets", "networkpolicies",
+                                        "horizontalpodautoscalers")
+    kinds = {c["kind"] for c in kvspecs.rendered(kvspecs.spec(networkPolicy={"servingFrom": ["apps"]}, autoscaling={
+        "maxReplicas": 4, "targets": {"waitingRequestsPerReplica": 4}}))}
     assert kinds == set(kvspecs.CHILD_KINDS)
