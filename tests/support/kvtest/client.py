@@ -136,7 +136,11 @@ class Client:
         found = [Resource("v1", r) for r in self.request("GET", "/api/v1")["resources"]]
         for group in self.request("GET", "/apis")["groups"]:
             gv = group["preferredVersion"]["groupVersion"]
-            found += [Resource(gv, r) for r in self.request("GET", f"/apis/{gv}")["resources"]]
+            try:
+                found += [Resource(gv, r) for r in self.request("GET", f"/apis/{gv}")["resources"]]
+            except ApiError as exc:
+                if exc.status != 404:  # a CRD deleted between the two GETs (another test's): its group is gone
+                    raise
         return [r for r in found if "/" not in r.plural]  # subresources are addressed through their parent
 
     def _find(self, matches: Callable[[Resource], bool], what: str) -> Resource:
