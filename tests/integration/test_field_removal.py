@@ -34,6 +34,10 @@ NO_PODS = {"replicas": 0}  # only the children matter here; the replicas row alo
 DISK = {"offload": {"disk": {"path": "/mnt/nvme/lmcache", "size": "10Gi"}}}
 CONFIG = {"resyncSeconds": 20}  # what the operator below runs with, so the test renders as it does
 SETTINGS = from_dict(CONFIG)
+# A KEDA-only field is checked against this setting in the table test; the operator below (autoscaler hpa)
+# must refuse it instead, naming the field to change.
+KEDA_SETTINGS = from_dict({**CONFIG, "autoscaler": "keda", "prometheusAddress": "http://127.0.0.1:9090"})
+SCALE = {"maxReplicas": 3, "targets": {"waitingRequestsPerReplica": 4}}
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class Row:
     needs: dict[str, Any] = field(default_factory=lambda: dict(NO_PODS))  # what else the spec must hold
     instead: dict[str, Any] | None = None  # removable only by setting its alternative (a one-of pair)
     renders: bool = True  # False: the operator only reads it (a check, the node cleaner); nothing moves
+    refused_by_hpa: str | None = None  # KEDA only: with autoscaler hpa, generation 1 is refused naming this field
 
 
 FIELDS = [
@@ -107,6 +112,17 @@ FIELDS = [
     Row("networkPolicy", {}),
     Row("networkPolicy.servingFrom", ["team-a"]),
     Row("networkPolicy.metricsFrom", ["prom"]),
+    Row("autoscaling", SCALE),  # replicas 0: the HPA controller leaves a scaled-to-zero target alone
+    Row("autoscaling.minReplicas", 2, needs={**NO_PODS, "autoscaling": SCALE}),
+    Row("autoscaling.scaleUpPeriodSeconds", 60, needs={**NO_PODS, "autoscaling": SCALE}),
+    Row("autoscaling.scaleDownWindowSeconds", 900, needs={**NO_PODS, "autoscaling": SCALE}),
+    Row("autoscaling.targets.waitingRequestsPerReplica", 8,
+        needs={**NO_PODS, "autoscaling": {**SCALE, "targets": {"kvCacheUsagePercent": 80}}}),
+    Row("autoscaling.targets.kvCacheUsagePercent", 80, needs={**NO_PODS, "autoscaling": SCALE}),
+    Row("autoscaling.targets.promptRecomputePercent", 20, needs={**NO_PODS, "autoscaling": SCALE}),
+    Row("autoscaling.wakeQuery", "sum(gateway_queued{model='m'})",
+        needs={**NO_PODS, "autoscaling": {**SCALE, "minReplicas": 0}}, instead={"minReplicas": 1},
+        refused_by_hpa="spec.autoscaling.minReplicas"),
 ]
 
 
@@ -197,7 +213,8 @@ def rendered(obj: dict[str, Any]) -> pipeline.Desired:
 def test_the_table_covers_every_optional_field():
     assert sorted(r.path for r in FIELDS) == sorted(optional_paths(crd.spec_schema()))
     for row in FIELDS:  # each row really changes what the operator renders, or says it does not
-        before, after = (pipeline.desired("x", "ns", "u", s, SETTINGS) for s in (with_field(row), without_field(row)))
+        settings = KEDA_SETTINGS if row.refused_by_hpa else SETTINGS
+        before, after = (pipeline.desired("x", "ns", "u", s, settings) for s in (with_field(row), without_field(row)))
         moved = before.applied != after.applied or before.budget.to_dict() != after.budget.to_dict()
         assert moved == row.renders, row.path
 
@@ -218,11 +235,16 @@ def live_children(cluster, ns: str, name: str) -> dict[tuple[str, str], dict[str
     return out
 
 
-def rolled_out(cluster, ns: str, name: str, generation: int) -> dict[str, Any] | None:
+def rolled_out(cluster, ns: str, name: str, generation: int, refused: str | None = None) -> dict[str, Any] | None:
+    """The resource once the operator handled `generation`: valid, or (`refused`) refused naming that field."""
     obj = cluster.client.get("kvs", name, ns)
     st = obj.get("status") or {}
     if obj["metadata"]["generation"] == generation and st.get("observedGeneration") == generation:
-        assert condition(obj, "ConfigValid")["status"] == "True", condition(obj, "ConfigValid")
+        valid = condition(obj, "ConfigValid")
+        if refused:
+            assert valid["status"] == "False" and refused in valid["message"], valid
+        else:
+            assert valid["status"] == "True", valid
         return obj
     return None
 
@@ -232,10 +254,13 @@ def test_removing_any_optional_field_removes_it_from_the_children(cluster, names
     for row in FIELDS:
         cluster.client.create({"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND,
                                "metadata": {"name": name_of(row)}, "spec": with_field(row)}, namespace)
-    before: dict[str, pipeline.Desired] = {}
+    before: dict[str, pipeline.Desired | None] = {}
     for row in FIELDS:
-        obj = cluster.wait_until(lambda row=row: rolled_out(cluster, namespace, name_of(row), 1), timeout=120,
-                                 message=f"{row.path}: generation 1 rolled out")
+        obj = cluster.wait_until(lambda row=row: rolled_out(cluster, namespace, name_of(row), 1, row.refused_by_hpa),
+                                 timeout=120, message=f"{row.path}: generation 1 rolled out")
+        if row.refused_by_hpa:  # nothing was rendered; the removal below must then roll out in full
+            before[row.path] = None
+            continue
         before[row.path] = rendered(obj)
         live = live_children(cluster, namespace, name_of(row))
         for child in before[row.path].applied:  # the field reached the live children
@@ -254,7 +279,7 @@ def test_removing_any_optional_field_removes_it_from_the_children(cluster, names
             failures.append(f"{row.path}: children {sorted(live)}, expected {sorted(new_keys)}")
         if (obj["status"].get("budget") or {}) != after.budget.to_dict():
             failures.append(f"{row.path}: status.budget is not the budget without the field")
-        olds = {key(c): c for c in old.applied}
+        olds = {key(c): c for c in old.applied} if old else {}
         for child in after.applied:
             have = live.get(key(child))
             if have is None:
@@ -266,5 +291,5 @@ def test_removing_any_optional_field_removes_it_from_the_children(cluster, names
             if gone:
                 failures.append(f"{row.path}: live {key(child)} still holds {gone[:5]}")
         if not row.renders:
-            assert old.applied == after.applied, row.path
+            assert old is not None and old.applied == after.applied, row.path
     assert not failures, "\n".join(failures)
