@@ -9,7 +9,6 @@ KUBECONFIG ?= $(CURDIR)/.cluster/kubeconfig
 # The engine pair the fidelity tests run (the serving image's pins: images/serving/Dockerfile).
 VLLM_VERSION := 0.26.0
 LMCACHE_VERSION := 0.5.3
-ENGINE_VENV := $(HOME)/.cache/kvoffload/engine-vllm-$(VLLM_VERSION)-lmcache-$(LMCACHE_VERSION)
 
 .PHONY: node-build venv operator-wheels serving-wheels images standin-image engine-venv engine-metadata engine-tables system-deps cluster-build gitops-tools keda cluster-up cluster-down cluster-status generate lint typecheck check unit integration test demo demo-down bench clean
 
@@ -41,19 +40,22 @@ images: venv system-deps operator-wheels serving-wheels engine-venv
 standin-image: images
 	$(BIN)/python -m kvtest.images build standin
 
-# vLLM + LMCache of the serving image in their own cached venv (several GB, ~10 min the first time):
-# the fidelity tests run vLLM's real parser and create_engine_config() and LMCache's real loader there.
-engine-venv:
-	PY=$(PY) tests/engine/build-venv.sh $(VLLM_VERSION) $(LMCACHE_VERSION) >/dev/null
+# vLLM + LMCache of every serving image (engine/images.serving_images()) in its own cached venv (~8-9 GB
+# each; the first time ~4 min for a wheel pair, longer for a pair whose LMCache is compiled from source):
+# the fidelity tests run vLLM's real parser and create_engine_config(), LMCache's real loader and its
+# CUDA extension's load there.
+engine-venv: venv
+	PY=$(PY) $(BIN)/python tests/engine/engine_venv.py build
 
 # What the compatibility matrix reads from PyPI (wheel metadata, LMCache wheels), fetched here at
 # install time and cached: tests never reach the network.
 engine-metadata: venv engine-venv
 	$(BIN)/python tests/engine/compatibility.py --fetch
 
-# Regenerate the operator's vLLM flag table from vLLM's own parser (a test checks it is current).
+# Regenerate the operator's vLLM flag tables, one per offered pair, from that vLLM's own parser (a test checks
+# they are current).
 engine-tables: engine-venv
-	$(ENGINE_VENV)/bin/python tests/engine/engine_check.py table operator/kvoffload/engine/data/vllm-$(VLLM_VERSION)-flags.json
+	$(BIN)/python tests/engine/engine_venv.py tables
 
 # Debian packages the tests need: a real Prometheus (the exporter's scrape test), objdump (LMCache's
 # compiled L1 allocator, tests/engine/test_l1_first_touch.py), and the image builders: podman/buildah,

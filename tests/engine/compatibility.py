@@ -11,12 +11,14 @@ Checks per pair (run with the operator's venv; the engine's code runs in the eng
 - torch pins: each wheel's own Requires-Dist (PEP 658 metadata via `pip install --dry-run --report`:
   no wheel download), cached under ~/.cache/kvoffload/wheel-metadata;
 - LMCache's CUDA extension loads against vLLM's torch, on CPU: `import torch`, then the extension's
-  shared object (found by its ELF DT_NEEDED) loaded by file. Needs a venv holding that torch (an engine
-  venv from tests/engine/build-venv.sh) and the LMCache wheel (the venv's own, or downloaded once);
-  otherwise "not checked";
+  shared object (found by its ELF DT_NEEDED) loaded by file with every symbol bound
+  (images/serving/extension_check.py). Needs a venv holding that torch (an engine venv from
+  tests/engine/build-venv.sh) and the LMCache build: for a PyPI wheel the venv's own or the wheel
+  downloaded once; for LMCache built from source, the offered pair's venv, where it was compiled
+  against that torch; otherwise "not checked";
 - vLLM's parser and create_engine_config() accept the rendered command lines of all examples, and
   LMCache's loader reads their rendered configs without a warning: where an engine venv for the
-  exact pair exists, otherwise "not checked";
+  exact pair exists (every pair the operator offers has one), otherwise "not checked";
 - ran on a GPU: only what a recorded run showed (shared/reference), never inferred.
 """
 
@@ -40,11 +42,13 @@ WHEELS = engine_venv.CACHE / "wheels"
 PY = engine_venv.site_packages(engine_venv.venv_path()).parent.name.removeprefix("python") \
     if engine_venv.venv_path().is_dir() else "3.11"  # the engine venv's Python: LMCache wheels are per Python
 
-# Pairs users run or ask about, besides the images the operator knows.
-CANDIDATES = [("0.26.0", "0.5.4"), ("0.29.0", "0.5.4"), ("0.29.0", "0.5.6"), ("0.33.0", "0.5.6")]
+# Pairs users run or ask about (with LMCache's PyPI wheel), besides the images the operator knows.
+CANDIDATES = [("0.26.0", "0.5.4", "wheel"), ("0.29.0", "0.5.4", "wheel"), ("0.29.0", "0.5.6", "wheel"),
+              ("0.33.0", "0.5.6", "wheel")]
+Pair = tuple[str, str, str]  # (vLLM, LMCache, how LMCache was built: "wheel" | "source")
 # Runs on real GPUs (evidence, not inference).
 GPU_RUNS = {
-    ("0.26.0", "0.5.3"): "yes: NVIDIA H200, 2026-11-30, the rendered workstation example with the V1 model runner: "
+    ("0.26.0", "0.5.3", "wheel"): "yes: NVIDIA H200, 2026-11-30, the rendered workstation example with the V1 model runner: "
                          "a 32,768-token prefix came back from the CPU tier in 0.074 s (1.096 s recomputed), from "
                          "the disk tier in 1.405 s (docs/benchmarks.md); 2026-12-01, every backend as real containers "
                          "(crun 1.8.1, UID 1000, read-only root, RuntimeDefault seccomp, the rendered memory limits enforced): "
@@ -91,10 +95,10 @@ def torch_pin(vllm: str) -> str | None:
     return req.removeprefix("==") if req.startswith("==") else None
 
 
-def engine_venvs() -> dict[tuple[str, str], Path]:
-    """The engine venvs `make test` builds (only those: the document must not depend on what else a machine has)."""
-    pair = (engine_venv.PAIR.vllm, engine_venv.PAIR.lmcache)
-    return {pair: engine_venv.require(*pair)}
+def engine_venvs() -> dict[Pair, Path]:
+    """The engine venvs `make test` builds, one per offered pair (only those: the document must not depend
+    on what else a machine has)."""
+    return {(p.vllm, p.lmcache, p.lmcache_from): engine_venv.require(p.vllm, p.lmcache) for p in engine_venv.PAIRS}
 
 
 def torch_of(venv: Path) -> str:
@@ -102,10 +106,11 @@ def torch_of(venv: Path) -> str:
     return info.name.removeprefix("torch-").removesuffix(".dist-info")
 
 
-def lmcache_tree(lmcache: str, venvs: dict[tuple[str, str], Path]) -> Path | None:
-    """Where LMCache `lmcache`'s files lie: an engine venv that holds it, or its wheel extracted (if downloaded)."""
-    for (_, held), venv in venvs.items():
-        if held == lmcache:
+def lmcache_tree(lmcache: str, venvs: dict[Pair, Path]) -> Path | None:
+    """Where LMCache `lmcache`'s wheel files lie: an engine venv that installed that wheel, or the wheel
+    extracted (if downloaded)."""
+    for (_, held, built), venv in venvs.items():
+        if held == lmcache and built == "wheel":
             return engine_venv.site_packages(venv)
     pattern = f"lmcache-{lmcache}-cp{PY.replace('.', '')}-*.whl"
     if not list(WHEELS.glob(pattern)):  # fetched once with pip's ordinary client (~16 MB), then cached
@@ -124,21 +129,25 @@ def lmcache_tree(lmcache: str, venvs: dict[tuple[str, str], Path]) -> Path | Non
     return tree
 
 
-def extension_load(vllm: str, lmcache: str, venvs: dict[tuple[str, str], Path]) -> str:
+def extension_load(pair: Pair, venvs: dict[Pair, Path]) -> str:
+    vllm, lmcache, built = pair
     torch = torch_pin(vllm)
-    host = next((v for v in venvs.values() if torch and torch_of(v) == torch), None)
-    tree = lmcache_tree(lmcache, venvs)
+    if built == "source":  # compiled in the pair's own venv against its torch
+        host = venvs.get(pair)
+        tree = engine_venv.site_packages(host) if host else None
+    else:
+        host = next((v for v in venvs.values() if torch and torch_of(v) == torch), None)
+        tree = lmcache_tree(lmcache, venvs)
     if host is None or tree is None:
         return f"not checked (no engine venv with torch {torch})" if host is None else f"not checked (no LMCache {lmcache} wheel)"
-    exts = [so for so in sorted((tree / "lmcache").glob("*.so"))
-            if any(n.startswith(("libcudart.so", "libc10_cuda.so", "libtorch_cuda.so")) for n in engine_venv.elf_needed(so))]
+    exts = [so for so in sorted((tree / "lmcache").glob("*.so")) if engine_venv.is_cuda_extension(so)]
     if not exts:
-        return f"no: LMCache {lmcache}'s wheel has no CUDA extension"
+        return f"no: LMCache {lmcache}'s {built} build has no CUDA extension"
     so = exts[0]
     name = "lmcache." + so.name.split(".")[0]
-    code = ("import importlib.util as u, sys, torch; s = u.spec_from_file_location(sys.argv[1], sys.argv[2]); "
-            "u.module_from_spec(s)")
-    cp = subprocess.run([engine_venv.python(host), "-c", code, name, str(so)], capture_output=True, text=True, timeout=300)
+    code = "import sys, torch, extension_check; extension_check.load(sys.argv[1], __import__('pathlib').Path(sys.argv[2]))"
+    cp = subprocess.run([engine_venv.python(host), "-c", code, name, str(so)], capture_output=True, text=True, timeout=300,
+                        cwd=engine_venv.ROOT / "images" / "serving")  # -c: the cwd is on sys.path
     if cp.returncode == 0:
         return f"yes: {name} loads against torch {torch}"
     err = cp.stderr.strip().splitlines()[-1] if cp.stderr.strip() else f"exit {cp.returncode}"
@@ -169,7 +178,7 @@ def rendered_examples() -> tuple[list[dict], list[dict]]:
     return vllm_cases, lmcache_cases
 
 
-def engine_checks(pair: tuple[str, str], venvs: dict[tuple[str, str], Path]) -> tuple[str, str]:
+def engine_checks(pair: Pair, venvs: dict[Pair, Path]) -> tuple[str, str]:
     venv = venvs.get(pair)
     if venv is None:
         return "not checked (no engine venv for this pair)", "not checked (no engine venv for this pair)"
@@ -182,28 +191,35 @@ def engine_checks(pair: tuple[str, str], venvs: dict[tuple[str, str], Path]) -> 
     return parser, loader
 
 
+NOT_RUN = "not run on a GPU"
+
+
 def rows() -> list[dict[str, str]]:
     venvs = engine_venvs()
-    pairs: list[tuple[str, tuple[str | None, str | None]]] = [
-        (image, (k.vllm, k.lmcache)) for image, k in sorted(images.KNOWN_IMAGES.items(), key=lambda kv: kv[0] != images.DEFAULT_IMAGE)]
+    offered = images.serving_images()
+    known = sorted(images.KNOWN_IMAGES.items(), key=lambda kv: (kv[0] != images.DEFAULT_IMAGE, kv[0] not in offered, kv[0]))
+    pairs: list[tuple[str, tuple[str | None, str | None, str]]] = [(image, (k.vllm, k.lmcache, k.lmcache_from)) for image, k in known]
     pairs += [("", c) for c in CANDIDATES]
     out = []
-    for image, (vllm, lmcache) in pairs:
+    for image, (vllm, lmcache, built) in pairs:
         row = {"image": f"`{image}`" + (" (default)" if image == images.DEFAULT_IMAGE else "") if image else "—",
-               "vllm": vllm or "unpinned", "lmcache": lmcache or "unpinned"}
+               "vllm": vllm or "unpinned", "offered": image in offered,
+               "lmcache": (lmcache or "unpinned") + (" (built from source)" if built == "source" else "")}
         if vllm is None or lmcache is None:
             row.update(torch="unknown: the image installs an unpinned vLLM", ext="not checked", parser="not checked",
-                       loader="not checked", gpu="not run")
+                       loader="not checked", gpu=NOT_RUN)
         else:
-            pin, lreq = torch_pin(vllm), torch_requirement("lmcache", lmcache)
-            row["torch"] = f"vLLM: torch=={pin}; LMCache: torch {lreq}"
-            row["ext"] = extension_load(vllm, lmcache, venvs)
-            row["parser"], row["loader"] = engine_checks((vllm, lmcache), venvs)
-            row["gpu"] = GPU_RUNS.get((vllm, lmcache), "not run")
+            pin = torch_pin(vllm)
+            lreq = (f"compiled against torch {torch_of(venvs[(vllm, lmcache, built)])}" if built == "source" and
+                    (vllm, lmcache, built) in venvs else f"torch {torch_requirement('lmcache', lmcache)}")
+            row["torch"] = f"vLLM: torch=={pin}; LMCache: {lreq}"
+            row["ext"] = extension_load((vllm, lmcache, built), venvs)
+            row["parser"], row["loader"] = engine_checks((vllm, lmcache, built), venvs)
+            row["gpu"] = GPU_RUNS.get((vllm, lmcache, built), NOT_RUN)
         env = images.connector_env(images.EnginePair(vllm, lmcache)) if vllm and lmcache else {}
         row["env"] = ("; ".join(f"`{k}={v}`" for k, v in sorted(env.items())) + ": " +
                       "; ".join(images.CONNECTOR_ENV_WHY[k] for k in sorted(env))) if env else (
-            "none known" if (vllm, lmcache) in GPU_RUNS else "none known (never ran on a GPU: unproven)")
+            "none known" if (vllm, lmcache, built) in GPU_RUNS else "none known (never ran on a GPU: unproven)")
         out.append(row)
     return out
 
@@ -256,21 +272,28 @@ def render() -> str:
     default = table[0]
     # The prose above claims these for the default pair: refuse to publish it when a check says otherwise.
     assert all(default[k].startswith("yes") for k in ("ext", "parser", "loader", "gpu")), default
+    # Every pair the operator offers is checked in full (its venv is part of `make test`) and works on CPU.
+    for r in table:
+        if r["offered"]:
+            assert all(r[k].startswith("yes") for k in ("ext", "parser", "loader")), r
     for r in table:
         text += "| " + " | ".join(r[k] for k in ("image", "vllm", "lmcache", "torch", "ext", "parser", "loader", "gpu",
                                                    "env")) + " |\n"
-    text += ('\n"not checked": `make test` builds an engine venv for the default pair only (tests/engine/build-venv.sh;\n'
-             "each venv is ~8 GB and ~10 minutes), so checks that need another pair's venv are not run.\n")
+    text += ('\n"not checked": `make test` builds an engine venv for each pair the operator offers (its serving images;\n'
+             "tests/engine/build-venv.sh, ~8-9 GB each), and for no other pair, so checks that need another pair's\n"
+             "venv are not run.\n")
     return text
 
 
 def fetch() -> None:
     """Everything rows() reads from PyPI, into the cache."""
     venvs = engine_venvs()
-    pairs = [(k.vllm, k.lmcache) for k in images.KNOWN_IMAGES.values()] + CANDIDATES
-    for vllm, lmcache in pairs:
+    pairs = [(k.vllm, k.lmcache, k.lmcache_from) for k in images.KNOWN_IMAGES.values()] + CANDIDATES
+    for vllm, lmcache, built in pairs:
         if vllm and lmcache:
-            metadata("vllm", vllm), metadata("lmcache", lmcache), lmcache_tree(lmcache, venvs)
+            metadata("vllm", vllm), metadata("lmcache", lmcache)
+            if built == "wheel":
+                lmcache_tree(lmcache, venvs)
 
 
 def main() -> None:

@@ -1,15 +1,17 @@
-"""The pinned engine's venv, for tests: where it is, how to ask it (engine_check.py), what its wheels hold.
+"""The pinned engines' venvs, for tests: where they are, how to ask one (engine_check.py), what its wheels hold.
 
-The venv is built by tests/engine/build-venv.sh (`make engine-venv`, part of `make test`). Without it
-the tests that need it skip, unless KVO_REQUIRE_ENGINE is set (`make test`), when they fail.
+One venv per pair the operator offers (engine/images.serving_images(): the serving images), built by
+tests/engine/build-venv.sh (`make engine-venv` = `python tests/engine/engine_venv.py build`, part of
+`make test`). Without it the tests that need it skip, unless KVO_REQUIRE_ENGINE is set (`make test`),
+when they fail.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -19,8 +21,15 @@ from kvoffload.engine import images
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-PAIR = images.KNOWN_IMAGES[images.DEFAULT_IMAGE]  # the default pair: the serving image's pins
+sys.path.insert(0, str(ROOT / "images" / "serving"))
+from extension_check import elf_needed, is_cuda_extension  # noqa: E402  (the serving image's build check)
+
+PAIR = images.KNOWN_IMAGES[images.DEFAULT_IMAGE]  # the default pair: the default serving image's pins
+PAIRS = list(images.serving_images().values())  # every pair the operator offers, the default first
 CACHE = Path(os.environ.get("KVO_CACHE", Path.home() / ".cache" / "kvoffload"))
+BUILD = HERE / "build-venv.sh"
+
+__all__ = ["elf_needed", "is_cuda_extension"]
 
 
 def venv_path(vllm: str | None = PAIR.vllm, lmcache: str | None = PAIR.lmcache) -> Path:
@@ -30,7 +39,7 @@ def venv_path(vllm: str | None = PAIR.vllm, lmcache: str | None = PAIR.lmcache) 
 def require(vllm: str | None = PAIR.vllm, lmcache: str | None = PAIR.lmcache) -> Path:
     path = venv_path(vllm, lmcache)
     if not (path / ".done").is_file():
-        message = f"no engine venv at {path}: run tests/engine/build-venv.sh {vllm} {lmcache} (make engine-venv)"
+        message = f"no engine venv at {path}: run `make engine-venv` (tests/engine/build-venv.sh {vllm} {lmcache} ...)"
         if os.environ.get("KVO_REQUIRE_ENGINE"):
             pytest.fail(message)
         pytest.skip(message)
@@ -68,32 +77,33 @@ def record(venv: Path, dist: str) -> list[str]:
     return [line.split(",")[0] for line in (info / "RECORD").read_text().splitlines() if line]
 
 
-def elf_needed(path: Path) -> list[str]:
-    """DT_NEEDED entries of an ELF64 little-endian shared object (what it links against)."""
-    data = path.read_bytes()
-    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, f"{path} is not ELF64 LE"
-    shoff, = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
-    dynamic = next(s for s in sections if s[1] == 6)  # SHT_DYNAMIC
-    strtab = sections[dynamic[6]]  # sh_link: its string table
-    needed = []
-    for off in range(dynamic[4], dynamic[4] + dynamic[5], 16):
-        tag, val = struct.unpack_from("<qQ", data, off)
-        if tag == 0:
-            break
-        if tag == 1:  # DT_NEEDED
-            start = strtab[4] + val
-            needed.append(data[start:data.index(b"\0", start)].decode())
-    return needed
-
-
 def cuda_extensions(venv: Path, dist: str = "lmcache") -> list[str]:
     """Modules of the installed wheel that are CUDA extensions: shared objects linking CUDA's runtime."""
     out = []
     for rel in record(venv, dist):
         if rel.endswith(".so"):
-            needed = elf_needed(site_packages(venv) / rel)
-            if any(lib.startswith(("libcudart.so", "libc10_cuda.so", "libtorch_cuda.so")) for lib in needed):
+            if is_cuda_extension(site_packages(venv) / rel):
                 out.append(rel.split(".")[0].replace("/", "."))
     return sorted(out)
+
+
+def build() -> None:
+    """Every offered pair's venv (cached by version: a built one is reused), as `make engine-venv` does."""
+    for pair in PAIRS:
+        subprocess.run([str(BUILD), pair.vllm, pair.lmcache, pair.lmcache_from], check=True, stdout=subprocess.DEVNULL)
+
+
+def tables() -> None:
+    """Each offered vLLM's flag table from its own parser (`make engine-tables`)."""
+    from kvoffload.engine import flags
+
+    for pair in PAIRS:
+        out = flags.DATA / f"vllm-{pair.vllm}-flags.json"
+        subprocess.run([python(venv_path(pair.vllm, pair.lmcache)), str(HERE / "engine_check.py"), "table", str(out)], check=True)
+
+
+if __name__ == "__main__":
+    commands = {"build": build, "tables": tables}
+    if len(sys.argv) != 2 or sys.argv[1] not in commands:
+        sys.exit(f"usage: python tests/engine/engine_venv.py {'|'.join(commands)}")
+    commands[sys.argv[1]]()

@@ -23,14 +23,25 @@ class KnownImage:
     vllm: str | None  # None: the image does not pin it; the spec must say
     lmcache: str | None
     why: str = ""
+    # How the image got LMCache: "wheel" (PyPI's, whose CUDA extension is built against one torch) or
+    # "source" (its sdist, the extension compiled against the image's own torch: images/serving/Dockerfile).
+    lmcache_from: str = "wheel"
 
 
-# Images whose contents are known. The default is the project's own serving image, built by
-# images/serving/Dockerfile from these pins (a test checks the two agree): vLLM 0.26.0 and LMCache
-# 0.5.3 share torch 2.11.0, and this pair ran on an H200 (docs/compatibility.md).
-DEFAULT_IMAGE = "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3"
+# Images whose contents are known. The project's own serving images are built by
+# images/serving/Dockerfile from these pins (tests check the two agree), and every one of them is a
+# row of docs/compatibility.md checked in full by `make test`. The default is vLLM 0.26.0 + LMCache
+# 0.5.3 (torch 2.11.0 both): the pair that ran on an H200. vLLM 0.33.0 pins torch 2.14.0, and no
+# LMCache wheel is built against it (0.5.6's extension lacks c10_cuda_check_implementation there), so
+# its image compiles LMCache 0.5.6, the newest, from source against that torch; it has not run on a
+# GPU, so it is not the default.
+SERVING_REPOSITORY = "ghcr.io/kvoffload/vllm-lmcache"
+DEFAULT_IMAGE = f"{SERVING_REPOSITORY}:0.26.0-0.5.3"
 KNOWN_IMAGES: dict[str, KnownImage] = {
     DEFAULT_IMAGE: KnownImage(vllm="0.26.0", lmcache="0.5.3", why="built by images/serving/Dockerfile"),
+    f"{SERVING_REPOSITORY}:0.33.0-0.5.6": KnownImage(
+        vllm="0.33.0", lmcache="0.5.6", lmcache_from="source",
+        why="built by images/serving/Dockerfile with LMCACHE_FROM=source (LMCache compiled against vLLM 0.33.0's torch 2.14.0)"),
     # LMCache's published image (docker/Dockerfile of the 0.5.4 sdist) pip-installs an unpinned vLLM:
     # its vLLM is whatever was newest when it was built.
     "lmcache/vllm-openai:v0.5.4": KnownImage(vllm=None, lmcache="0.5.4",
@@ -56,6 +67,11 @@ CONNECTOR_ENV_WHY = {
     "VLLM_USE_V2_MODEL_RUNNER": "the operator picks vLLM's model runner for the engine pair: vLLM 0.26.0's "
                                 "default V2 runner skips LMCache's KV loads (docs/compatibility.md)",
 }
+
+
+def serving_images() -> dict[str, KnownImage]:
+    """The project's own serving images (images/serving/Dockerfile): the pairs the operator offers."""
+    return {image: k for image, k in KNOWN_IMAGES.items() if image.startswith(SERVING_REPOSITORY + ":")}
 
 
 def connector_env(pair: EnginePair) -> dict[str, str]:
