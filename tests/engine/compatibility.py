@@ -156,19 +156,20 @@ def extension_load(pair: Pair, venvs: dict[Pair, Path]) -> str:
     return f"no: {name} against torch {torch}: {err}"
 
 
-def rendered_examples() -> tuple[list[dict], list[dict]]:
+def rendered_examples(image: str) -> tuple[list[dict], list[dict]]:
+    """Every example as the operator renders it for the serving image `image` (its pair)."""
     import yaml
 
     from kvoffload.api.errors import ConfigError
     from kvoffload.api.settings import Settings
     from kvoffload.controller import pipeline
-    from kvtest.fidelity import case  # the fidelity tests' case builder
+    from kvtest.fidelity import case, for_image  # the fidelity tests' case builder
 
     vllm_cases, lmcache_cases = [], []
     for path in sorted((engine_venv.ROOT / "examples").glob("*.yaml")):
         doc = yaml.safe_load(path.read_text())
         try:
-            d = pipeline.desired(doc["metadata"]["name"], "ns", "uid", doc["spec"], Settings())
+            d = pipeline.desired(doc["metadata"]["name"], "ns", "uid", for_image(doc["spec"], image), Settings())
         except ConfigError:
             continue  # the deliberately infeasible example renders nothing
         v, lm = case(path.stem, d)
@@ -182,7 +183,8 @@ def engine_checks(pair: Pair, venvs: dict[Pair, Path]) -> tuple[str, str]:
     venv = venvs.get(pair)
     if venv is None:
         return "not checked (no engine venv for this pair)", "not checked (no engine venv for this pair)"
-    vllm_cases, lmcache_cases = rendered_examples()
+    (image,) = [i for i, k in images.serving_images().items() if (k.vllm, k.lmcache, k.lmcache_from) == pair]
+    vllm_cases, lmcache_cases = rendered_examples(image)
     out = engine_venv.run(venv, "check", {"vllm": vllm_cases, "lmcache": lmcache_cases})
     bad = [r["id"] for r in out["vllm"] if not r["ok"]]
     parser = f"yes: {len(out['vllm'])} example command lines" if not bad else f"no: {', '.join(bad)}"
@@ -244,14 +246,28 @@ an unpinned vLLM, so the operator knows only its LMCache: a KVOffloadServe using
 `spec.engine.vllmVersion`, and extra vLLM arguments are checked only for a vLLM whose flag table the
 operator carries ({tables}).
 
-**vLLM's V2 model runner (vLLM 0.26.0 + LMCache 0.5.3).** vLLM 0.26.0's default V2 model runner
-calls LMCacheConnectorV1's `start_load_kv` without attention metadata when one token is left to
-compute; LMCache 0.5.3 then returns without loading, while vLLM counts the tokens as external hits
-and skips their prefill (wrong answers, silently; LMCache's retrieve counters stay 0). With
-`VLLM_USE_V2_MODEL_RUNNER=0` (the V1 runner) the loads happen. The operator renders the variable for
-this pair and refuses it in `spec.engine.env` (column "Connector environment"); the exporter's
-`kvoffload_external_hits_unloaded_tokens` and `OffloadActive=False/ExternalHitsNotLoaded` catch the
-same failure on any pair at run time (docs/metrics.md).
+**Also offered: `{second}`** (the same Dockerfile with `LMCACHE_FROM=source`). vLLM 0.33.0 pins
+torch 2.14.0 and no LMCache wheel is built against it (0.5.6's extension lacks
+`c10_cuda_check_implementation` there: the row with LMCache's PyPI wheel below), so the image
+compiles LMCache 0.5.6, the newest, from its sdist against the base image's own torch
+(images/serving/build-lmcache.sh: nvcc from PyPI's cuda-toolkit of torch's CUDA; no GPU needed).
+`make test` builds the same in that pair's engine venv (for sm_90 only) and checks its row in full.
+It has not run on a GPU, so the default stays the pair that did.
+
+**vLLM's V2 model runner.** vLLM 0.26.0's default V2 model runner calls LMCacheConnectorV1's
+`start_load_kv` without attention metadata when one token is left to compute; LMCache 0.5.3 then
+returns without loading, while vLLM counts the tokens as external hits and skips their prefill
+(wrong answers, silently; LMCache's retrieve counters stay 0). With `VLLM_USE_V2_MODEL_RUNNER=0`
+(the V1 runner) the loads happen (H200 run). vLLM 0.33.0 + LMCache 0.5.6 read from their source
+(not yet on a GPU): V2 is the default runner for every model (vllm/config/vllm.py:748-767), a full
+CUDA graph step calls the connector's pre_forward outside the forward context
+(vllm/v1/worker/gpu/model_runner.py:2056) and the load then runs under
+`set_forward_context(None)` (vllm/v1/worker/gpu/kv_connector.py:123-127), and LMCache 0.5.6 still
+returns when `forward_context.attn_metadata` is None (lmcache/integration/vllm/vllm_v1_adapter.py:782-785):
+the same skip. The operator renders the variable for both pairs and refuses it in `spec.engine.env`
+(column "Connector environment"); the exporter's `kvoffload_external_hits_unloaded_tokens` and
+`OffloadActive=False/ExternalHitsNotLoaded` catch the same failure on any pair at run time
+(docs/metrics.md).
 
 {columns}
 |---|---|---|---|---|---|---|---|---|
@@ -265,7 +281,8 @@ def render() -> str:
     from kvoffload.engine import flags
 
     pair = images.KNOWN_IMAGES[images.DEFAULT_IMAGE]
-    text = HEADER.format(default=images.DEFAULT_IMAGE, vllm=pair.vllm, lmcache=pair.lmcache,
+    (second,) = [i for i in images.serving_images() if i != images.DEFAULT_IMAGE]
+    text = HEADER.format(default=images.DEFAULT_IMAGE, second=second, vllm=pair.vllm, lmcache=pair.lmcache,
                          tables=", ".join(f"vLLM {v}" for v in flags.supported_versions()),
                          columns="| " + " | ".join(COLUMNS) + " |")
     table = rows()

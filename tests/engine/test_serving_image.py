@@ -1,4 +1,5 @@
-"""The serving image's Dockerfile against the pinned wheels themselves (installed in the engine venv).
+"""The serving image's Dockerfile against the pinned wheels themselves (installed in the engine venvs), for
+every serving image the operator offers (its header's build command: engine/images.serving_images()).
 
 - the extension module the Dockerfile loads is the one the pinned LMCache wheel ships as a CUDA
   extension (read from the wheel's RECORD and the shared objects' ELF DT_NEEDED, not from a name);
@@ -18,12 +19,19 @@ import engine_venv
 import pytest
 
 from kvoffload.engine import images
-from kvtest.dockerfile import SERVING, Dockerfile
+from kvtest.dockerfile import SERVING, Dockerfile, serving
+
+SERVING_IMAGES = pytest.mark.parametrize("image", list(images.serving_images()))
 
 
 @pytest.fixture(scope="module")
 def venv():
     return engine_venv.require()
+
+
+def venv_of(image: str):
+    pair = images.KNOWN_IMAGES[image]
+    return engine_venv.require(pair.vllm, pair.lmcache)
 
 
 def dist(venv, name: str) -> Distribution:
@@ -37,10 +45,11 @@ def torch_pin(d: Distribution) -> str | None:
     return next((m.group(1) for m in exact if m), None)
 
 
-def test_the_extension_the_dockerfile_loads_is_the_wheels(venv):
-    found = engine_venv.cuda_extensions(venv)
-    assert found, "the pinned LMCache wheel ships no CUDA extension?"
-    df = Dockerfile(SERVING)
+@SERVING_IMAGES
+def test_the_extension_the_dockerfile_loads_is_the_wheels(image):
+    found = engine_venv.cuda_extensions(venv_of(image))
+    assert found, "the pinned LMCache build ships no CUDA extension?"
+    df = serving(image)
     assert found == [f"lmcache.{df.args['LMCACHE_EXTENSION']}"], found
 
 
@@ -49,11 +58,16 @@ def _load_check(df: Dockerfile) -> str:
     return check
 
 
-def test_the_dockerfiles_load_check_passes_against_the_pinned_torch(venv):
-    check = _load_check(Dockerfile(SERVING)).replace("python3 ", f"{engine_venv.python(venv)} ")
+@SERVING_IMAGES
+def test_the_dockerfiles_load_check_passes_against_the_pinned_torch(image):
+    venv = venv_of(image)
+    torch = dist(venv, "torch").version.split("+")[0]
+    check = (_load_check(serving(image)).replace("python3 ", f"{engine_venv.python(venv)} ")
+             .replace("/opt/kvoffload/", f"{engine_venv.ROOT}/images/serving/"))  # where the image COPYs them
     cp = subprocess.run(["bash", "-o", "pipefail", "-c", check], capture_output=True, text=True, timeout=300)
     assert cp.returncode == 0, cp.stdout + cp.stderr
-    assert re.search(r"loaded \S+/lmcache/\w+\.cpython-\d+-x86_64-linux-gnu\.so against torch 2\.11\.0", cp.stdout), cp.stdout
+    assert re.search(rf"loaded \S+/lmcache/\w+\.cpython-\d+-x86_64-linux-gnu\.so against torch {re.escape(torch)}", cp.stdout), cp.stdout
+    assert "extensions load:" in cp.stdout, cp.stdout  # extension_check.py: every CUDA extension, RTLD_NOW
 
 
 def test_the_load_check_fails_without_the_extension_and_import_would_not(venv):
@@ -70,13 +84,19 @@ def test_the_load_check_fails_without_the_extension_and_import_would_not(venv):
     assert cp.returncode == 0 and "FILE None" in cp.stdout, cp.stdout + cp.stderr[-2000:]
 
 
-def test_pins_agree_everywhere(venv):
+def test_the_default_pins_agree_everywhere():
     df = Dockerfile(SERVING)
     pair = images.KNOWN_IMAGES[images.DEFAULT_IMAGE]
     assert (df.args["VLLM_VERSION"], df.args["LMCACHE_VERSION"]) == (pair.vllm, pair.lmcache)
     makefile = (engine_venv.ROOT / "Makefile").read_text()
     assert re.search(rf"^VLLM_VERSION := {re.escape(pair.vllm)}$", makefile, re.M)
     assert re.search(rf"^LMCACHE_VERSION := {re.escape(pair.lmcache)}$", makefile, re.M)
+
+
+@SERVING_IMAGES
+def test_pins_agree_everywhere(image):
+    df, pair, venv = serving(image), images.KNOWN_IMAGES[image], venv_of(image)
+    assert (df.args["VLLM_VERSION"], df.args["LMCACHE_VERSION"]) == (pair.vllm, pair.lmcache)
     assert dist(venv, "vllm").version == pair.vllm and dist(venv, "lmcache").version == pair.lmcache
     torch = dist(venv, "torch").version
     assert torch_pin(dist(venv, "vllm")) == torch, "vLLM pins the torch it was built for"

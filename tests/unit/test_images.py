@@ -22,7 +22,7 @@ import yaml
 
 from kvoffload.api import settings
 from kvoffload.engine import images
-from kvtest.dockerfile import OPERATOR, SERVING, Dockerfile
+from kvtest.dockerfile import OPERATOR, SERVING, Dockerfile, serving
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING_IMAGE = images.DEFAULT_IMAGE
@@ -86,18 +86,24 @@ def test_operator_build_context_ignore_file():
     assert "operator/*.egg-info" in ignore and "operator/**/__pycache__" in ignore
 
 
-def test_serving_pins_agree_with_the_operators_image_table():
-    df = Dockerfile(SERVING)
-    pair = images.KNOWN_IMAGES[SERVING_IMAGE]
+@pytest.mark.parametrize("image", list(images.serving_images()))
+def test_serving_pins_agree_with_the_operators_image_table(image):
+    """Every serving image the operator offers is built by the Dockerfile's header command for it, with its pins."""
+    assert f"-t {image}" in Dockerfile(SERVING).text, "the build command in the header names the image tag"
+    df = serving(image)
+    pair = images.KNOWN_IMAGES[image]
     assert df.all("FROM") == [f"vllm/vllm-openai:v{pair.vllm}"]
     runs = df.all("RUN")
     assert any(f'"lmcache=={pair.lmcache}"' in r or f"lmcache=={pair.lmcache}" in r for r in runs), runs
+    assert df.args["LMCACHE_FROM"] == pair.lmcache_from
+    if pair.lmcache_from == "source":
+        assert any(f'/opt/kvoffload/build-lmcache.sh python3 "{pair.lmcache}"' in r for r in runs), runs
     labels = df.labels()
     assert labels["io.kvoffload.vllm-version"] == pair.vllm
     assert labels["io.kvoffload.lmcache-version"] == pair.lmcache
     assert labels["org.opencontainers.image.version"] == f"{pair.vllm}-{pair.lmcache}"
-    assert SERVING_IMAGE.rsplit(":", 1)[1] == f"{pair.vllm}-{pair.lmcache}"
-    assert f"-t {SERVING_IMAGE}" in df.text, "the build command in the header names the image tag"
+    assert image.rsplit(":", 1)[1] == f"{pair.vllm}-{pair.lmcache}"
+    assert Dockerfile(SERVING).build_commands()[SERVING_IMAGE] == {}, "the default image is the Dockerfile's defaults"
 
 
 def test_serving_build_fails_when_the_cuda_extension_does_not_load():
@@ -112,6 +118,9 @@ def test_serving_build_fails_when_the_cuda_extension_does_not_load():
     checks = [r for r in runs[install + 1:] if loads in r and "module_from_spec(s)" in r and "sysconfig, torch;" in r]
     assert checks, f"no RUN step loads lmcache.{ext}'s shared object after installing LMCache"
     assert not any(re.search(r"import lmcache\.\w+", r) for r in runs), "importing lmcache.<ext> passes through LMCache's shim"
+    # Then every CUDA extension of the installed LMCache, bound with RTLD_NOW (images/serving/extension_check.py).
+    assert "python3 /opt/kvoffload/extension_check.py" in checks[0]
+    assert "COPY extension_check.py build-lmcache.sh /opt/kvoffload/" in [f"COPY {c}" for c in df.all("COPY")]
     (shell,) = df.all("SHELL")
     assert json.loads(shell)[:3] == ["/bin/bash", "-o", "pipefail"], "pipes in RUN must fail the build"
 

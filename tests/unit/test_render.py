@@ -236,6 +236,7 @@ def test_versions_script_reports_what_the_environment_holds(tmp_path):
 
 @pytest.mark.parametrize("engine, expected", [
     ({}, "0"),  # the default image: vLLM 0.26.0 + LMCache 0.5.3, whose V2 runner skips LMCache's loads
+    ({"image": "ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6"}, "0"),  # 0.33.0's V2 runner too (from its source)
     ({"image": "lmcache/vllm-openai:v0.5.4", "vllmVersion": "0.27.1"}, None),  # no known quirk: nothing rendered
 ])
 def test_connector_env_follows_the_engine_pair(engine, expected):

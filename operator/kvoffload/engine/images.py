@@ -56,16 +56,28 @@ KNOWN_IMAGES: dict[str, KnownImage] = {
 # loads happen (H200 run, docs/benchmarks.md "GPU": CPU tier 0.074 s vs 1.096 s recompute, disk tier
 # 1.405 s read from disk; LMCache's retrieve counters count). vLLM 0.26.0 reads the variable in
 # vllm/envs.py ("VLLM_USE_V2_MODEL_RUNNER": maybe_convert_bool(...), line 1922) and
-# vllm/config/vllm.py (use_v2_model_runner, line 551). Only this pair ran on a GPU; other pairs get
-# nothing here until a run shows what they need (the exporter's kvoffload_external_hits_unloaded_tokens
-# catches the same failure at run time).
+# vllm/config/vllm.py (use_v2_model_runner, line 551).
+# vLLM 0.33.0 + LMCache 0.5.6, from the source (not run on a GPU): V2 is the default runner for every
+# model (vllm/config/vllm.py:748-767, no per-architecture gate any more); LMCacheConnectorV1 keeps
+# vLLM's full CUDA graphs unless use_layerwise (kv_connector/v1/lmcache_connector.py:70-76,
+# config/vllm.py:1990); with a full graph the V2 runner calls the connector's pre_forward outside the
+# forward context (vllm/v1/worker/gpu/model_runner.py:2056), and its _start_load_kv then runs
+# start_load_kv under set_forward_context(None) with the metadata only as a keyword
+# (v1/worker/gpu/kv_connector.py:123-127), which LMCache 0.5.6 ignores: it reads
+# forward_context.attn_metadata and returns when it is None (vllm_v1_adapter.py:782-785). The same
+# skip, so the same fix; vLLM 0.33.0 still honours VLLM_USE_V2_MODEL_RUNNER=0 (config/vllm.py:748-750;
+# envs.py:2149), and its V1 runner starts the loads inside the forward context
+# (v1/worker/kv_connector_model_runner_mixin.py:85). The exporter's
+# kvoffload_external_hits_unloaded_tokens catches the same failure at run time on any pair.
+V1_RUNNER = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 CONNECTOR_ENV: dict[EnginePair, dict[str, str]] = {
-    EnginePair(vllm="0.26.0", lmcache="0.5.3"): {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+    EnginePair(vllm="0.26.0", lmcache="0.5.3"): V1_RUNNER,
+    EnginePair(vllm="0.33.0", lmcache="0.5.6"): V1_RUNNER,
 }
 # Why the operator owns each of these variables (a user value would undo the fix).
 CONNECTOR_ENV_WHY = {
-    "VLLM_USE_V2_MODEL_RUNNER": "the operator picks vLLM's model runner for the engine pair: vLLM 0.26.0's "
-                                "default V2 runner skips LMCache's KV loads (docs/compatibility.md)",
+    "VLLM_USE_V2_MODEL_RUNNER": "the operator picks vLLM's model runner for the engine pair: the default V2 runner of "
+                                "vLLM 0.26.0 and 0.33.0 skips LMCache's KV loads (docs/compatibility.md)",
 }
 
 

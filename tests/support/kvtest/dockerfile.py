@@ -14,7 +14,7 @@ SERVING = ROOT / "images" / "serving" / "Dockerfile"
 class Dockerfile:
     """Instructions of a Dockerfile (continuations joined, comments dropped) with ARG defaults resolved."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, build_args: dict[str, str] | None = None):
         self.path = path
         self.text = path.read_text()
         self.instructions: list[tuple[str, str]] = []
@@ -29,7 +29,7 @@ class Dockerfile:
             op, _, rest = buf.strip().partition(" ")
             self.instructions.append((op.upper(), rest.strip()))
             buf = ""
-        self.args: dict[str, str] = {}
+        self.args: dict[str, str] = dict(build_args or {})  # `--build-arg`s win over the defaults
         for op, rest in self.instructions:
             if op == "ARG" and "=" in rest:
                 k, v = rest.split("=", 1)
@@ -47,3 +47,15 @@ class Dockerfile:
             for k, v in re.findall(r'([\w.\-]+)="([^"]*)"', rest):
                 out[k] = v
         return out
+
+
+    def build_commands(self) -> dict[str, dict[str, str]]:
+        """The `docker build` commands in the header comment: image tag -> its --build-args."""
+        text = re.sub(r"\\\n#\s*", " ", "\n".join(line for line in self.text.splitlines() if line.startswith("#")))
+        return {m.group(2): dict(re.findall(r"--build-arg (\w+)=(\S+)", m.group(1)))
+                for m in re.finditer(r"docker build (.*?)-t (\S+)", text)}
+
+
+def serving(image: str) -> Dockerfile:
+    """The serving Dockerfile as the header's build command for `image` builds it (its --build-args applied)."""
+    return Dockerfile(SERVING, Dockerfile(SERVING).build_commands()[image])

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import copy
+
 from kvoffload.controller import pipeline
+from kvoffload.engine import images
 from kvoffload.planning import catalog
 from kvoffload.rendering import render
 
@@ -24,6 +27,15 @@ def model_config(spec) -> dict:
             "max_position_embeddings": arch.max_context or spec.engine.max_model_len,
             "vocab_size": 32000, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
             "tie_word_embeddings": False}
+
+
+def for_image(spec: dict, image: str) -> dict:
+    """The spec, run on one of the project's serving images (its pair spelt out): what the operator renders
+    for that pair is what that pair's engine venv checks."""
+    known = images.KNOWN_IMAGES[image]
+    out = copy.deepcopy(spec)
+    out.setdefault("engine", {}).update(image=image, vllmVersion=known.vllm, lmcacheVersion=known.lmcache)
+    return out
 
 
 def case(case_id: str, d: pipeline.Desired) -> tuple[dict, dict | None]:
