@@ -84,6 +84,8 @@ def table() -> dict:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     _, parser, _ = serve_parser()
+    # The deprecated actions: a class-wide set in vLLM 0.26.0, the parser's own in 0.33.0.
+    deprecated = getattr(parser, "_deprecated", FlexibleArgumentParser.__dict__.get("_deprecated", set()))
     options = []
     for action in parser._actions:
         if not action.option_strings:
@@ -96,7 +98,7 @@ def table() -> dict:
             "nargs": action.nargs,
             "choices": sorted(map(str, action.choices)) if action.choices is not None else None,
             "value": _value_kind(action) if takes_value else None,
-            "deprecated": action in FlexibleArgumentParser._deprecated,
+            "deprecated": action in deprecated,
         })
     options.sort(key=lambda o: o["option_strings"])
     return {

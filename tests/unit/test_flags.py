@@ -1,4 +1,5 @@
-"""engine/flags.py: extra vLLM arguments read as vLLM 0.26.0's parser reads them (its generated flag table)."""
+"""engine/flags.py: extra vLLM arguments read as each offered vLLM's parser reads them (its generated flag table:
+vLLM 0.26.0 and 0.33.0)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from kvoffload.engine import flags, images
 from kvtest.specs import spec
 
 V = images.KNOWN_IMAGES[images.DEFAULT_IMAGE].vllm
+OFFERED = sorted({k.vllm for k in images.serving_images().values()})
+EVERY_VLLM = pytest.mark.parametrize("v", OFFERED)
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -32,29 +35,58 @@ V = images.KNOWN_IMAGES[images.DEFAULT_IMAGE].vllm
     (["-pp", "2"], "GPU count"), (["-dp", "2"], "GPU count"), (["-pcp", "2"], "GPU count"), (["-dpl", "2"], "GPU count"),
     (["--cpu-offload-gb", "4"], "memory budget"), (["--kv-cache-memory-bytes", "1G"], "memory budget"),
     (["--kv-offloading-backend", "native"], "memory budget"), (["--num-gpu-blocks-override", "10"], "memory budget"),
-    (["--no-disable-hybrid-kv-cache-manager"], "hybrid"),
     (["--config", "f.yaml"], "file"),
-    # what vLLM 0.26.0 refuses
-    (["--disable-log-requests"], "not a flag of vLLM"), (["--swap-space", "4"], "not a flag of vLLM"),
+    # what vLLM 0.26.0 and 0.33.0 refuse
+    (["--swap-space", "4"], "not a flag of vLLM"),
     (["--enable-prefix-caching=False"], "takes no value"),
     (["--block-size", "big"], "takes an integer"), (["--gpu-memory-utilization-x"], "not a flag"),
     (["--collect-detailed-traces", "bogus"], "allowed:"),
-    (["--seed"], "needs a value"), (["stray"], "not a flag"), (["--enable"], "ambiguous"), (["--enforce"], "abbreviates --enforce-eager"),
+    (["--seed"], "needs a value"), (["stray"], "not a flag"), (["--enable-pr"], "ambiguous"), (["--enforce"], "abbreviates --enforce-eager"),
 ])
-def test_refused(args, needle):
+@EVERY_VLLM
+def test_refused(args, needle, v):
     with pytest.raises(ConfigError) as err:
-        flags.check_args(args, V)
+        flags.check_args(args, v)
     assert err.value.field == "spec.engine.extraArgs"
-    assert needle in err.value.message and f"vLLM {V}" in err.value.message and repr(args[0]) in err.value.message
+    assert needle in err.value.message and f"vLLM {v}" in err.value.message and repr(args[0]) in err.value.message
 
 
 @pytest.mark.parametrize("args", [
-    [], ["--enforce-eager"], ["--enable-prefix-caching"], ["--no-enable-prefix-caching"], ["--max-num-batched-tokens", "8192"],
+    [], ["--enforce-eager"], ["--enable-prefix-caching"], ["--max-num-batched-tokens", "8192"],
     ["--max_num_batched_tokens=8192"], ["--seed", "-1"], ["-O3"], ["--compilation-config.mode=3"], ["--load-format", "dummy"],
     ["--disable-hybrid-kv-cache-manager"], ["--trust-remote-code", "--enforce-eager"],
 ])
-def test_accepted(args):
-    flags.check_args(args, V)
+@EVERY_VLLM
+def test_accepted(args, v):
+    flags.check_args(args, v)
+
+
+@pytest.mark.parametrize("args, only_in", [
+    (["--max-num-active-seqs", "4"], "0.33.0"),  # new in 0.33 (the scheduler's admission limit)
+    (["--max-num-partial-prefills", "2"], "0.26.0"),  # gone in 0.33
+    (["--disable-log-requests"], "0.33.0"),  # gone in 0.26.0, back in 0.33 (the negative of --enable-log-requests)
+    (["--no-enable-prefix-caching"], "0.26.0"), (["--disable-prefix-caching"], "0.33.0"),  # renamed in 0.33
+])
+def test_each_vllm_is_checked_against_its_own_parser(args, only_in):
+    for v in OFFERED:
+        if v == only_in:
+            flags.check_args(args, v)
+        else:
+            with pytest.raises(ConfigError, match=f"not a flag of vLLM {v}"):
+                flags.check_args(args, v)
+
+
+@pytest.mark.parametrize("v, hybrid_on", [("0.26.0", "--no-disable-hybrid-kv-cache-manager"),
+                                          ("0.33.0", "--enable-hybrid-kv-cache-manager")])
+def test_the_hybrid_kv_cache_manager_stays_off(v, hybrid_on):
+    with pytest.raises(ConfigError, match="hybrid") as err:
+        flags.check_args([hybrid_on], v)
+    assert f"vLLM {v}" in err.value.message
+
+
+def test_vllm_033s_shared_memory_arena_is_refused():
+    with pytest.raises(ConfigError, match="memory budget"):
+        flags.check_args(["--enable-shm-tensor-arena"], "0.33.0")
 
 
 def test_a_vllm_without_a_table_takes_no_extra_args():
@@ -71,13 +103,23 @@ def test_expandable_segments_refused():
 
 
 def test_every_refused_dest_exists_in_the_table():
-    """A refusal for a dest vLLM does not have would be dead code (or a renamed flag slipping through)."""
-    table = flags.table(V)
-    dests = {o.dest for o in table.options.values()}
-    assert set(flags.REFUSED_DESTS) <= dests, set(flags.REFUSED_DESTS) - dests
-    for prefix in flags.REFUSED_DEST_PREFIXES:
-        assert any(d.startswith(prefix) for d in dests), prefix
-    assert set(flags.REFUSED_SPELLINGS) <= set(table.options)
+    """A refusal for a dest no offered vLLM has would be dead code (or a renamed flag slipping through); the
+    prefixes and spellings are in every table."""
+    everywhere: set[str] = set()
+    for v in OFFERED:
+        table = flags.table(v)
+        dests = {o.dest for o in table.options.values()}
+        everywhere |= dests
+        for prefix in flags.REFUSED_DEST_PREFIXES:
+            assert any(d.startswith(prefix) for d in dests), (v, prefix)
+        # Each vLLM's way of turning the hybrid KV cache manager back on is refused, whatever it is spelt.
+        hybrid = [s for s, o in table.options.items() if o.dest == "disable_hybrid_kv_cache_manager"]
+        assert [s for s in hybrid if not flags.refusal(table.options[s], s)] == ["--disable-hybrid-kv-cache-manager"]
+        everywhere |= set(table.options)
+    assert set(flags.REFUSED_SPELLINGS) <= everywhere
+    assert "--no-disable-hybrid-kv-cache-manager" in flags.table(V).options
+    assert set(flags.REFUSED_DESTS) <= everywhere, set(flags.REFUSED_DESTS) - everywhere
+    assert set(flags.REFUSED_DESTS) - {"enable_shm_tensor_arena"} <= {o.dest for o in flags.table(V).options.values()}
 
 
 def test_cel_prefix_rule_refuses_no_allowed_flag():
@@ -97,3 +139,11 @@ def test_the_operator_renders_only_refused_flags():
     table = flags.table(V)
     rendered = [a for a in args if a.startswith("-")]
     assert rendered and all(flags.refusal(table.options[a], a) for a in rendered), rendered
+
+
+def test_a_short_prefix_is_ambiguous_or_refused():
+    """`--enable` prefixes many flags: ambiguous in vLLM 0.26.0; in 0.33.0 one of them is refused, which wins."""
+    with pytest.raises(ConfigError, match="ambiguous"):
+        flags.check_args(["--enable"], "0.26.0")
+    with pytest.raises(ConfigError, match="abbreviates --enable-shm-tensor-arena"):
+        flags.check_args(["--enable"], "0.33.0")

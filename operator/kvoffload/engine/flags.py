@@ -9,7 +9,8 @@ refuses, naming the argument, the vLLM version and why:
 - abbreviations (allow_abbrev): spelt out they may be fine, abbreviated they silently become
   whatever flag they prefix, or a different one in the next vLLM;
 - flags whose dest the operator sets, or that change the GPU count or the memory budget;
-- `--no-disable-hybrid-kv-cache-manager` (LMCacheConnectorV1 does not support the hybrid manager);
+- `--no-disable-hybrid-kv-cache-manager` / `--enable-hybrid-kv-cache-manager` (0.33.0's spelling):
+  LMCacheConnectorV1 does not support the hybrid manager;
 - a value on a flag that takes none (`--enable-prefix-caching=False`), a missing value, a value
   outside the flag's choices or not a number where vLLM wants one, stray positional arguments.
 """
@@ -45,6 +46,7 @@ REFUSED_DESTS: dict[str, str] = {
     "cpu_offload_gb": "it changes the memory budget (weights in CPU memory the operator did not size)",
     "kv_cache_memory_bytes": "it changes the memory budget (overrides spec.engine.gpuMemoryUtilization's KV share)",
     "num_gpu_blocks_override": "it changes the memory budget (overrides the KV cache size vLLM measured)",
+    "enable_shm_tensor_arena": "it changes the memory budget (vLLM 0.33's shared-memory arena reserves /dev/shm the operator did not size)",
     "download_dir": "it moves the weights off the pod volume the operator sized for them (HF_HOME, status.budget.weights)",
     "config": "it reads more flags from a file the operator cannot check",
     "help": "vLLM prints help and exits: the pod would restart forever",
@@ -57,8 +59,9 @@ REFUSED_DEST_PREFIXES: dict[str, str] = {
     "offload_": "it changes the memory budget (weights offloaded into memory the operator did not size)",
     "cpu_offload_": "it changes the memory budget (weights in CPU memory the operator did not size)",
 }
-REFUSED_SPELLINGS: dict[str, str] = {
-    "--no-disable-hybrid-kv-cache-manager": "LMCacheConnectorV1 does not support vLLM's hybrid KV cache manager",
+HYBRID = "LMCacheConnectorV1 does not support vLLM's hybrid KV cache manager"
+REFUSED_SPELLINGS: dict[str, str] = {  # the spellings that turn the hybrid manager back on: 0.26.0's, 0.33.0's
+    "--no-disable-hybrid-kv-cache-manager": HYBRID, "--enable-hybrid-kv-cache-manager": HYBRID,
 }
 _NUMBER = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
