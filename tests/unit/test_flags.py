@@ -41,7 +41,8 @@ EVERY_VLLM = pytest.mark.parametrize("v", OFFERED)
     (["--enable-prefix-caching=False"], "takes no value"),
     (["--block-size", "big"], "takes an integer"), (["--gpu-memory-utilization-x"], "not a flag"),
     (["--collect-detailed-traces", "bogus"], "allowed:"),
-    (["--seed"], "needs a value"), (["stray"], "not a flag"), (["--enable-pr"], "ambiguous"), (["--enforce"], "abbreviates --enforce-eager"),
+    (["--seed"], "needs a value"), (["stray"], "not a flag"), (["--enable-pr"], "ambiguous"),
+    (["--enforce"], "abbreviates --enforce-eager"),
 ])
 @EVERY_VLLM
 def test_refused(args, needle, v):
