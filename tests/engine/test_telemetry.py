@@ -1,6 +1,7 @@
-"""No serving pod phones home: for each backend, every container that runs vLLM or LMCache code gets an
-environment under which the pinned engine's own checks (vLLM 0.26.0's usage_lib.is_usage_stats_enabled,
-LMCache 0.5.3's usage_telemetry.is_usage_tracking_enabled, and huggingface_hub's telemetry switch) say
+"""No serving pod phones home: for each offered pair and each backend, every container that runs vLLM or
+LMCache code gets an environment under which that pinned engine's own checks (vLLM's
+usage_lib.is_usage_stats_enabled, LMCache's usage_telemetry.is_usage_tracking_enabled, and
+huggingface_hub's telemetry switch; vLLM 0.26.0 + LMCache 0.5.3 and vLLM 0.33.0 + LMCache 0.5.6) say
 "off" (engine/images.TELEMETRY_OFF_ENV, docs/security.md). Each check runs the engine venv's python in
 a subprocess with exactly the container's rendered env; with the opt-out removed the same checks say
 "on", so these tests can fail. Skipped without the engine venv, unless KVO_REQUIRE_ENGINE=1 (make test)."""
@@ -20,6 +21,7 @@ from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
 from kvoffload.engine import images
 from kvoffload.rendering import render
+from kvtest.fidelity import for_image
 from kvtest.specs import spec
 
 BACKENDS = {"lmcache": {}, "lmcache-server": {}, "vllm-native": {"offload__disk": None}}
@@ -47,8 +49,9 @@ def program(container: dict) -> str:
     return container["command"][0]
 
 
-def containers(backend: str, **patch) -> dict[str, dict]:
-    d = pipeline.desired("svc", "team-a", "", spec(offload__backend=backend, **BACKENDS[backend], **patch), Settings())
+def containers(backend: str, image: str = images.DEFAULT_IMAGE, **patch) -> dict[str, dict]:
+    s = for_image(spec(offload__backend=backend, **BACKENDS[backend], **patch), image)
+    d = pipeline.desired("svc", "team-a", "", s, Settings())
     pod = next(c for c in d.children if c["kind"] == "StatefulSet")["spec"]["template"]["spec"]
     return {c["name"]: c for c in pod.get("initContainers", []) + pod["containers"]}
 
@@ -81,14 +84,20 @@ def _probe(venv: Path, items: tuple[tuple[str, str], ...]) -> dict:
     return seen
 
 
+@pytest.fixture(scope="module", params=list(images.serving_images()))
+def image(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def venv() -> Path:
-    return engine_venv.require()
+def venv(image) -> Path:
+    pair = images.KNOWN_IMAGES[image]
+    return engine_venv.require(pair.vllm, pair.lmcache)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_every_engine_container_has_telemetry_off(venv, backend):
-    pod = containers(backend)
+def test_every_engine_container_has_telemetry_off(venv, image, backend):
+    pod = containers(backend, image)
     engine = sorted(name for name, c in pod.items() if program(c) in ("vllm", "lmcache"))
     assert engine == ENGINE_CONTAINERS[backend]
     for name in engine:
@@ -116,12 +125,12 @@ def test_each_rendered_variable_is_read_by_the_engine(venv, name, turns_off):
     assert {k: seen[k] for k in turns_off} == turns_off, seen
 
 
-def test_variables_a_user_may_set_do_not_turn_telemetry_back_on(venv):
+def test_variables_a_user_may_set_do_not_turn_telemetry_back_on(venv, image):
     """spec.engine.env may set VLLM_DO_NOT_TRACK (it shadows DO_NOT_TRACK in vLLM) and huggingface_hub's own
     switches, but not the managed ones: as rendered, with those set to "on", everything stays off."""
     user = [{"name": "VLLM_DO_NOT_TRACK", "value": "0"}, {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "0"},
             {"name": "DISABLE_TELEMETRY", "value": "0"}]
-    env = container_env(containers("lmcache", engine__env=user)["vllm"])
+    env = container_env(containers("lmcache", image, engine__env=user)["vllm"])
     assert env["VLLM_DO_NOT_TRACK"] == "0"
     seen = probe(venv, env)
     assert {k: seen[k] for k in OFF} == OFF, seen
