@@ -7,11 +7,10 @@
 #   tests/engine/build-venv.sh [VLLM_VERSION LMCACHE_VERSION [wheel|source]]   -> prints the venv's path
 # LMCACHE_FROM (the third argument, engine/images.py KnownImage.lmcache_from):
 #   wheel   LMCache's PyPI wheel (its extension is built against one torch: only where that is vLLM's)
-#   source  LMCache's sdist from PyPI, its CUDA extension compiled here against vLLM's own torch, as
-#           LMCache's docker/Dockerfile does (setup.py with BUILD_WITH_CUDA=1). No GPU is needed: nvcc
-#           and the CUDA headers come from PyPI's cuda-toolkit wheel of the version torch itself
-#           requires. One GPU architecture (TORCH_CUDA_ARCH_LIST, default 9.0: H100/H200) keeps the
-#           compile short; the serving image builds LMCache's own list (images/serving/Dockerfile).
+#   source  LMCache's sdist from PyPI, its CUDA extension compiled here against vLLM's own torch by
+#           images/serving/build-lmcache.sh, the serving image's own build step (nvcc from PyPI, no GPU).
+#           One GPU architecture (TORCH_CUDA_ARCH_LIST, default 9.0: H100/H200) keeps the compile
+#           short; the serving image compiles LMCache's own list (images/serving/Dockerfile).
 set -euo pipefail
 VLLM_VERSION=${1:-0.26.0}
 LMCACHE_VERSION=${2:-0.5.3}
@@ -36,25 +35,12 @@ PIP=("$DEST/bin/pip" install -q --no-cache-dir --disable-pip-version-check)
 if [ "$LMCACHE_FROM" = wheel ]; then
   # Both from PyPI with their declared deps: the same wheels the serving image installs.
   "${PIP[@]}" "vllm==$VLLM_VERSION" "lmcache==$LMCACHE_VERSION" >&2
-  compile_seconds=0
+  lmcache_build_seconds=0
 else
   "${PIP[@]}" "vllm==$VLLM_VERSION" >&2
-  # vLLM's torch, and the CUDA toolkit that torch was built with (its own cuda-toolkit pin), stay as they are.
-  "$DEST/bin/python" -m pip list --format=freeze | grep -E '^(torch|vllm|cuda-toolkit)==' > "$DEST/constraints.txt"
-  toolkit=$(grep '^cuda-toolkit==' "$DEST/constraints.txt" | cut -d= -f3)
-  # nvcc + headers for that CUDA, and LMCache's build requirements (its requirements/build.txt; built
-  # without isolation, so that the extension is compiled against the installed torch, not a pinned one).
-  "${PIP[@]}" -c "$DEST/constraints.txt" "cuda-toolkit[nvcc,cccl,crt,cudart]==$toolkit" \
-    ninja 'packaging>=24.2' 'setuptools>=77.0.3,<81.0.0' 'setuptools_scm>=8' 'grpcio-tools==1.78.0' wheel >&2
-  SP=$("$DEST/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  CUDA_HOME=$(dirname "$(dirname "$(find "$SP/nvidia" -path '*/bin/nvcc' -type f | head -1)")")
-  # The linker wants libcudart.so; the wheel ships only libcudart.so.<major>.
-  [ -e "$CUDA_HOME/lib/libcudart.so" ] || ln -s "$(basename "$(ls "$CUDA_HOME"/lib/libcudart.so.* | head -1)")" "$CUDA_HOME/lib/libcudart.so"
   compile_start=$(date +%s)
-  CUDA_HOME=$CUDA_HOME PATH=$CUDA_HOME/bin:$DEST/bin:$PATH BUILD_WITH_CUDA=1 LMCACHE_CUDA_MAJOR=${toolkit%%.*} \
-    TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-2} NVCC_THREADS=${NVCC_THREADS:-1} \
-    "${PIP[@]}" --no-build-isolation --no-binary lmcache -c "$DEST/constraints.txt" "lmcache==$LMCACHE_VERSION" >&2
-  compile_seconds=$(( $(date +%s) - compile_start ))
+  TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} "$ROOT/images/serving/build-lmcache.sh" "$DEST/bin/python" "$LMCACHE_VERSION" >&2
+  lmcache_build_seconds=$(( $(date +%s) - compile_start ))
 fi
 "$DEST/bin/python" - "$VLLM_VERSION" "$LMCACHE_VERSION" >&2 <<'PY'
 import sys
@@ -68,6 +54,6 @@ PY
 "$DEST/bin/python" "$ROOT/images/serving/extension_check.py" >&2
 secs=$(( $(date +%s) - start ))
 size=$(du -sh "$DEST" | cut -f1)
-printf 'install_seconds=%s\ncompile_seconds=%s\nlmcache_from=%s\nsize=%s\n' "$secs" "$compile_seconds" "$LMCACHE_FROM" "$size" > "$DEST/.done"
-echo "engine venv built in ${secs}s (LMCache compiled in ${compile_seconds}s), ${size}: $DEST" >&2
+printf 'install_seconds=%s\nlmcache_build_seconds=%s\nlmcache_from=%s\nsize=%s\n' "$secs" "$lmcache_build_seconds" "$LMCACHE_FROM" "$size" > "$DEST/.done"
+echo "engine venv built in ${secs}s (LMCache built in ${lmcache_build_seconds}s), ${size}: $DEST" >&2
 echo "$DEST"
