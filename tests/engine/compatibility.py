@@ -297,7 +297,7 @@ def render() -> str:
         text += "| " + " | ".join(r[k] for k in ("image", "vllm", "lmcache", "torch", "ext", "parser", "loader", "gpu",
                                                    "env")) + " |\n"
     text += ('\n"not checked": `make test` builds an engine venv for each pair the operator offers (its serving images;\n'
-             "tests/engine/build-venv.sh, ~8-9 GB each), and for no other pair, so checks that need another pair's\n"
+             "tests/engine/build-venv.sh, 8-10 GB each), and for no other pair, so checks that need another pair's\n"
              "venv are not run.\n")
     return text
 
