@@ -76,8 +76,8 @@ CONNECTOR_ENV: dict[EnginePair, dict[str, str]] = {
 }
 # Why the operator owns each of these variables (a user value would undo the fix).
 CONNECTOR_ENV_WHY = {
-    "VLLM_USE_V2_MODEL_RUNNER": "the operator picks vLLM's model runner for the engine pair: the default V2 runner of "
-                                "vLLM 0.26.0 and 0.33.0 skips LMCache's KV loads (docs/compatibility.md)",
+    "VLLM_USE_V2_MODEL_RUNNER": "the operator picks vLLM's model runner for the engine pair: vLLM's default V2 runner skips "
+                                "LMCache's KV loads (vLLM 0.26.0 and 0.33.0, docs/compatibility.md)",
 }
 
 
