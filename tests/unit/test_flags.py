@@ -148,3 +148,19 @@ def test_a_short_prefix_is_ambiguous_or_refused():
         flags.check_args(["--enable"], "0.26.0")
     with pytest.raises(ConfigError, match="abbreviates --enable-.*which extraArgs may not set"):
         flags.check_args(["--enable"], "0.33.0")
+
+
+@pytest.mark.parametrize("v, dtype, refused", [
+    ("0.33.0", "float16", True), ("0.33.0", "bfloat16", False), ("0.33.0", "auto", False),
+    ("0.26.0", "float16", False),  # vLLM 0.26.0 accepts the mix (its create_engine_config, tests/engine/test_fidelity.py)
+])
+def test_a_bf16_kv_cache_must_match_the_models_dtype_from_vllm_033(v, dtype, refused):
+    image = next(i for i, k in images.serving_images().items() if k.vllm == v)
+    s = spec(engine__image=image, engine__dtype=dtype, model__kvDtype="bf16")
+    if not refused:
+        pipeline.desired("x", "ns", "uid", s, Settings())
+        return
+    with pytest.raises(ConfigError) as err:
+        pipeline.desired("x", "ns", "uid", s, Settings())
+    assert err.value.field == "spec.model.kvDtype" and f"vLLM {v} refuses" in err.value.message
+    flags.check_dtypes("fp8", dtype, v)  # fp8 is not a 16-bit dtype: vLLM does not compare it

@@ -139,7 +139,7 @@ def _model() -> Schema:
             "servedName": _s("Name clients use in API requests (vLLM --served-model-name); defaults to name.", maxLength=256),
             "architecture": _architecture(),
             "kvDtype": _s("Element type of the KV cache (vLLM --kv-cache-dtype). auto follows engine.dtype; "
-                          "fp8 halves the KV bytes per token.",
+                          "fp8 halves the KV bytes per token; bf16 needs engine.dtype auto or bfloat16 from vLLM 0.33 on.",
                           enum=["auto", "bf16", "fp8"], default="auto"),
             "hfTokenSecret": _o(
                 "Secret holding a Hugging Face token, for gated models. Exposed to vLLM as HF_TOKEN.",

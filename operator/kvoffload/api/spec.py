@@ -511,6 +511,7 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
         autoscaling=_autoscaling(r, settings),
     )
     rules.check(spec)  # the CRD's CEL rules, each declared once in api/rules.py
+    flags.check_dtypes(parsed.model.kv_dtype, parsed.engine.dtype, parsed.engine.vllm_version)
     backend = _declared(parsed.offload.backend)
     assert backend is not None  # _enum held the backend to the declared names
     images.check_backend(parsed.offload.backend, backend["minVllm"], backend["minLmcache"],

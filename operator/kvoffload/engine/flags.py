@@ -232,3 +232,16 @@ def check_env(env: Iterable[Mapping[str, object]], vllm: str) -> None:
         if var.get("name") == "PYTORCH_CUDA_ALLOC_CONF" and EXPANDABLE_SEGMENTS.search(str(var.get("value", ""))):
             raise ConfigError("spec.engine.env", f"PYTORCH_CUDA_ALLOC_CONF={var.get('value')!r}: vLLM {vllm} refuses "
                                                  "expandable_segments:True with a KV connector (LMCacheConnectorV1)")
+
+
+# From vLLM 0.33.0 on, an explicit 16-bit KV cache dtype must be the model's dtype
+# (vllm/config/vllm.py:1492-1508, _reject_mismatched_float_kv_cache; vLLM 0.26.0 accepts the mix): the pod
+# would crash at start. With spec.engine.dtype auto the model's own dtype decides (bf16 for the catalog).
+MATCHING_KV_DTYPE_FROM = (0, 33, 0)
+
+
+def check_dtypes(kv_dtype: str, dtype: str, vllm: str) -> None:
+    if kv_dtype == "bf16" and dtype not in ("auto", "bfloat16") and tuple(int(p) for p in vllm.split(".")) >= MATCHING_KV_DTYPE_FROM:
+        raise ConfigError("spec.model.kvDtype", f"bf16 with spec.engine.dtype {dtype}: vLLM {vllm} refuses a bfloat16 KV cache "
+                                                f"for a {dtype} model; allowed: kvDtype auto (the model's dtype) or fp8, "
+                                                "or spec.engine.dtype bfloat16")
