@@ -47,10 +47,17 @@ build_only=$("$PY" - "$work/before.txt" "$work/after.txt" <<'PYEOF'
 import re, sys
 from importlib.metadata import distributions
 names = lambda path: {re.split("[=@ ]", l)[0].lower().replace("_", "-") for l in open(path) if l.strip()}
+key = lambda name: name.lower().replace("_", "-")
 added = names(sys.argv[2]) - names(sys.argv[1]) - {"lmcache"}
-required = {re.split(r"[\s\[<>=!~;(]", r, maxsplit=1)[0].lower().replace("_", "-")
-            for d in distributions() for r in (d.requires or []) if "extra ==" not in r}
-print(" ".join(sorted(added - required)))
+needs = {key(d.metadata["Name"]): {key(re.split(r"[\s\[<>=!~;(]", r, maxsplit=1)[0])
+                                   for r in d.requires or [] if "extra ==" not in r} for d in distributions()}
+gone = set(added)
+while True:  # what nothing that stays requires (nvcc's own nvvm and crt go with it)
+    kept = set().union(*(reqs for name, reqs in needs.items() if name not in gone))
+    if not gone & kept:
+        break
+    gone -= kept
+print(" ".join(sorted(gone)))
 PYEOF
 )
 if [ -n "$build_only" ]; then
