@@ -37,7 +37,7 @@ MP_KV_TRANSFER_CONFIG = json.dumps({
 def server_args(spec: Spec, budget: BudgetView) -> list[str]:
     """`lmcache server` flags (LMCache 0.5.3's own parser, checked in the fidelity tests): the whole
     replica's L1 (one server serves every TP rank), LRU, and the disk tier as an `fs_native` L2 adapter
-    whose max_capacity_gb caps it (the plain `fs` adapter has no capacity limit). The L1 is eager
+    whose max_capacity_gb caps it (the plain `fs` adapter has no capacity limit), writing with O_DIRECT. The L1 is eager
     (--no-l1-use-lazy) so that vLLM's workers and the server share it through /dev/shm."""
     args = ["--host", "127.0.0.1", "--port", str(SERVER_ZMQ_PORT),
             "--chunk-size", str(spec.offload.chunk_size),
@@ -51,7 +51,11 @@ def server_args(spec: Spec, budget: BudgetView) -> list[str]:
             "--http-host", "127.0.0.1", "--http-port", str(SERVER_HTTP_PORT),
             "--instance-id", "$(POD_NAME)"]
     if spec.offload.disk:
-        adapter = {"type": "fs_native", "base_path": DISK_DIR, "max_capacity_gb": round(gib(budget.tier("disk").bytes), 6)}
+        # O_DIRECT: buffered L2 writes leave page cache charged to the server's cgroup, whose limit is the L1
+        # + a few GiB; at that limit every write waits for reclaim and writeback (H200, 1 Dec: the server sat
+        # at its limit and reloads after the first took 1.2-1.4 s instead of 0.15 s; docs/benchmarks.md).
+        adapter = {"type": "fs_native", "base_path": DISK_DIR, "max_capacity_gb": round(gib(budget.tier("disk").bytes), 6),
+                   "use_odirect": True}
         args += ["--l2-adapter", json.dumps(adapter, separators=(",", ":"), sort_keys=True)]
     return args
 
