@@ -332,7 +332,10 @@ def test_the_captures_are_of_the_rendered_pods(backend, rendered):
     run = pod(rendered[CAPTURES[backend]])
     assert set(specs) == {c.name for c in run.containers}
     notes = json.loads((OCI / backend / "changes.json").read_text())
-    assert notes["pod"] == f"{rendered[CAPTURES[backend]].namespace}/{CAPTURES[backend]}-0"
+    assert notes["pod"].endswith(f"/{CAPTURES[backend]}-0") and notes["rendered"].endswith(PODS[CAPTURES[backend]].name)
+    assert all(ch.split(":", 1)[0] in {d["kind"] + " " + d["metadata"]["name"] for d in yaml.safe_load_all(
+        (OCI / backend / "applied.yaml").read_text())} | {"pod", "volume kv-disk"} | {c.name for c in run.containers}
+               for ch in notes["changes"])  # each change names what it changed
     for c in run.containers:
         s, sec = specs[c.name], c.security
         assert s["annotations"]["io.kubernetes.cri.container-name"] == c.name

@@ -36,6 +36,8 @@ CAP = {"memory": "1Gi", "cpu": "250m", "ephemeral-storage": "1Gi"}
 _MEM = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "": 1}
 # Where the disk tier's hostPath goes on the CPU machine (not the rendered /mnt/nvme/...).
 HOST_PATH_ROOT = "/var/lib/kvoffload/oci-capture"
+# Its own namespace: the demo's kvoffload-demo holds the operator's StatefulSets of the same names.
+NAMESPACE = "kvoffload-oci-capture"
 # A native sidecar's startup probe must pass before kubelet creates the next containers, and the capture
 # image has no LMCache: the sidecar's command becomes this stand-in answering the rendered probe's URL.
 PROBE_STAND_IN = ("import http.server as h\n"
@@ -59,8 +61,9 @@ def for_cpu_node(docs: list[dict[str, Any]], name: str) -> tuple[list[dict[str, 
     """The rendered ConfigMaps + StatefulSet fitted to the CPU node, and every change. Pure.
 
     Only what the node cannot give is changed: requests/limits above CAP (its memory and cores), the GPU
-    resource (the node's stand-in), the placement, the images (only the operator image is on the node;
-    every container sets its command, so the image contributes only its env, which gpu_oci drops), the
+    resource (the node's stand-in), the namespace (NAMESPACE), the placement, the images (only the
+    operator image is on the node; every container sets its command, so the image contributes only its
+    env, which gpu_oci drops), the
     hostPath's host directory, and a native sidecar's command (PROBE_STAND_IN). The OCI fields these
     change are the sizes (gpu_oci.rewrite restores them) and process.args/env (replaced by the rendered
     ones on the GPU host in any case)."""
@@ -70,6 +73,8 @@ def for_cpu_node(docs: list[dict[str, Any]], name: str) -> tuple[list[dict[str, 
             continue
         d = copy.deepcopy(d)
         out.append(d)
+        ch.append(f"{d['kind']} {d['metadata']['name']}: namespace {d['metadata'].get('namespace')} -> {NAMESPACE}")
+        d["metadata"]["namespace"] = NAMESPACE
         if d["kind"] != "StatefulSet":
             continue
         spec = d["spec"]["template"]["spec"]
