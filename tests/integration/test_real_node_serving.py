@@ -237,8 +237,9 @@ def to_bytes(q: str) -> int:
 
 
 def test_over_its_limit_the_engine_is_oom_killed_and_ready_names_it(demo, node_ns, engine_image, disk_dir):
-    # The stand-in holds more host memory than the vllm container's limit, as an engine that outgrew its budget.
-    hold = (4 << 30) if FULL else (1 << 30)
+    # The stand-in holds more host memory than the vllm container's limit (its terms + at least 1 GiB of
+    # headroom), as an engine that outgrew its budget: the kernel stops it at the limit.
+    hold = 4 << 30
     demo.client.create(node.serve_spec("tight", engine_image, disk_dir, env=[{"name": "KVO_STANDIN_HOST_BYTES", "value": str(hold)}]),
                        node_ns)
 
