@@ -1,6 +1,6 @@
 """The node janitor (the chart's DaemonSet, `kvoffload clean-disk --in-cluster`) on the real node.
 
-Serving pods of two KVOffloadServes write their disk tier under a hostPath root (kubelet makes
+Serving pods of two KVOffloadServes (one after the other) write their disk tier under a hostPath root (kubelet makes
 <root>/<namespace>/<name>/<pod>, the pods' init container hands it to UID 1000); the janitor sees both
 live, then both are deleted: it removes the directory of the one whose reclaimPolicy was Delete,
 keeps the Retain one's and an orphan it never saw live (unknownPolicy Retain), never follows a link
@@ -28,6 +28,7 @@ pytestmark = pytest.mark.cluster
 RELEASE_NS = "kvoffload-system"
 DISK_ROOT = Path("/var/lib/kvoffload")  # one of the chart's allowedDiskRoots
 CAP_DAC_OVERRIDE = 1 << 1
+SWEEP_S = 30  # janitor.intervalSeconds: the chart's minimum
 
 
 @pytest.fixture
@@ -56,20 +57,28 @@ def test_the_janitor_reclaims_a_deleted_resources_directory_and_nothing_else(dem
     chart = (demo.demo_dir or ROOT) / "charts" / "kvoffload-operator"
     values = tmp_path / "janitor.yaml"
     values.write_text(yaml.safe_dump({"janitor": {
-        "enabled": True, "paths": [str(root)], "intervalSeconds": 2, "minAgeSeconds": 0, "unknownPolicy": "Retain",
+        "enabled": True, "paths": [str(root)], "intervalSeconds": SWEEP_S, "minAgeSeconds": 0, "unknownPolicy": "Retain",
         "tolerations": node.PLACEMENT["tolerations"]}}))
     # Outside every janitor path but under the same allowed root: the janitor cannot even see it.
     outside.mkdir(parents=True)
     (outside / "keep.txt").write_text("not the janitor's")
-    demo.helm("upgrade", "kvoffload", str(chart), "-n", RELEASE_NS, "--reuse-values", "-f", str(values),
-              "--wait", "--timeout", "3m")
+    def prepared(name: str) -> None:
+        demo.wait_until(lambda: condition(demo.client.get("kvs", name, node_ns), "DiskTierReady").get("status") == "True",
+                        timeout=300, interval=1, message=f"{name}: its pod directory prepared")
+
+    # One serving pod at a time fits the node's 2 CPUs (the LMCache server requests one): "kept" makes its
+    # directory, then goes to 0 replicas (still live), then "gone" makes its own.
+    before = demo.helm("get", "values", "kvoffload", "-n", RELEASE_NS, "-o", "yaml").stdout
+    demo.client.create(node.serve_spec("kept", engine_image, root, reclaim="Retain"), node_ns)
     try:
-        pod = demo.wait_until(lambda: janitor_pod(demo), timeout=180, message="the janitor pod Ready on the real node")
-        for name, policy in (("gone", "Delete"), ("kept", "Retain")):
-            demo.client.create(node.serve_spec(name, engine_image, root, reclaim=policy), node_ns)
-        for name in ("gone", "kept"):
-            demo.wait_until(lambda n=name: condition(demo.client.get("kvs", n, node_ns), "DiskTierReady").get("status") == "True",
-                            timeout=300, interval=1, message=f"{name}: its pod directory prepared")
+        demo.helm("upgrade", "kvoffload", str(chart), "-n", RELEASE_NS, "--reuse-values", "-f", str(values),
+                  "--wait", "--timeout", "3m")
+        demo.wait_until(lambda: janitor_pod(demo), timeout=180, message="the janitor pod Ready on the real node")
+        prepared("kept")
+        demo.client.patch("kvs", "kept", {"spec": {"replicas": 0}}, node_ns)
+        demo.wait_until(lambda: not demo.client.list("pods", node_ns), timeout=180, interval=1, message="kept-0 gone")
+        demo.client.create(node.serve_spec("gone", engine_image, root, reclaim="Delete"), node_ns)
+        prepared("gone")
         gone, kept = root / node_ns / "gone" / "gone-0", root / node_ns / "kept" / "kept-0"
         assert gone.is_dir() and kept.is_dir(), sorted(map(str, root.rglob("*")))
         # As a pod would leave them: files of UID 1000, a link out of the root (the link goes, its target stays).
@@ -82,13 +91,13 @@ def test_the_janitor_reclaims_a_deleted_resources_directory_and_nothing_else(dem
         orphan.mkdir(parents=True)
         (orphan / "chunk.kvcache").write_bytes(b"\0" * 4096)
         demo.wait_until(lambda: {f"{node_ns}/gone": "Delete", f"{node_ns}/kept": "Retain"}.items() <= state(root).items(),
-                        timeout=60, interval=1, message="the janitor saw both resources live (its state file)")
+                        timeout=3 * SWEEP_S, interval=1, message="the janitor saw both resources live (its state file)")
         assert gone.is_dir() and kept.is_dir()  # live: left alone
 
         for name in ("gone", "kept"):
             demo.client.delete("kvs", name, node_ns)
         demo.wait_until(lambda: not demo.client.list("pods", node_ns), timeout=180, interval=1, message="serving pods gone")
-        demo.wait_until(lambda: not gone.exists(), timeout=60, interval=1, message="the janitor removed gone-0")
+        demo.wait_until(lambda: not gone.exists(), timeout=3 * SWEEP_S, interval=1, message="the janitor removed gone-0")
         assert kept.is_dir() and (kept / "chunk.kvcache").exists()  # reclaimPolicy Retain
         assert orphan.is_dir()  # never seen live: unknownPolicy Retain
         assert (outside / "keep.txt").read_text() == "not the janitor's"  # the link was removed, not followed
@@ -122,8 +131,8 @@ def test_the_janitor_reclaims_a_deleted_resources_directory_and_nothing_else(dem
     finally:
         for name in ("gone", "kept"):
             demo.client.delete("kvs", name, node_ns, missing_ok=True)
-        demo.helm("upgrade", "kvoffload", str(chart), "-n", RELEASE_NS, "--reuse-values", "--set", "janitor.enabled=false",
-                  "--wait", "--timeout", "3m")
+        demo.helm("upgrade", "kvoffload", str(chart), "-n", RELEASE_NS, "--reset-values", "-f", "-", "--wait", "--timeout", "3m",
+                  input=before)  # the release's values as they were: no janitor
 
 
 def test_the_chart_refuses_a_janitor_path_outside_the_allowed_roots(demo):
