@@ -37,7 +37,8 @@ serving-wheels: venv
 images: venv system-deps operator-wheels serving-wheels engine-venv
 	$(BIN)/python -m kvtest.images build operator serving
 
-# The stand-in engine image for the CPU-only real node (tests/images/vllm-standin), FROM the serving image.
+# The full stand-in engine image (tests/images/vllm-standin, FROM the serving image: vLLM's parser, the real LMCache
+# server), for KVO_STANDIN=full runs on the real node. `make test` builds the slim one itself (kvtest.images standin-slim).
 standin-image: images
 	$(BIN)/python -m kvtest.images build standin
 
