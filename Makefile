@@ -77,7 +77,7 @@ node-build: cluster-build
 	tests/cluster/build-node.sh
 
 # KEDA's operator and metrics API server for the autoscaling tests (tests/autoscaling/build-keda.sh), cached by
-# version (cold: 20 CPU-minutes, ~11 min on an idle 2-core machine; docs/benchmarks.md). Without it the KEDA
+# version (cold: 20 CPU-minutes, 37 min wall on the loaded dev VM; docs/benchmarks.md). Without it the KEDA
 # tests skip, or fail under KVO_REQUIRE_KEDA (make test).
 keda:
 	tests/autoscaling/build-keda.sh >/dev/null
