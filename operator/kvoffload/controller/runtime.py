@@ -9,7 +9,7 @@ queued entry. Failures retry with backoff. With leader election, a follower keep
 (to know what exists) but never acts; on taking the Lease it catches up on everything cached.
 
 Why a queue of our own next to kopf's per-object workers: kopf serialises the events of one *object*,
-while a reconcile is per *owner* and fed by seven kinds of objects. Reconciling from kopf's handlers
+while a reconcile is per *owner* and fed by eight or nine kinds of objects. Reconciling from kopf's handlers
 would run one full reconcile per child or pod event, several at once for one owner, on kopf's event
 loop with a synchronous client; the queue runs one pass per owner however many events came, orders
 progress before first passes, bounds the API calls in flight to WORKERS, and retries with backoff.
