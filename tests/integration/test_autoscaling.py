@@ -170,8 +170,10 @@ def test_keda_scales_up_under_load_and_down_after_it(cluster, namespace, stack, 
     text = why.explain(c.get("kvoffloadserves", name, namespace), None, [], [], datetime.now(timezone.utc))
     assert "wants 4 replicas" in text, text
 
-    # GitOps: the same manifest (no spec.replicas) applied again server-side leaves the count alone.
+    # GitOps: the same manifest (no spec.replicas) applied again server-side (Flux, Argo CD's ServerSideApply) and
+    # client-side (Argo CD's default sync, kubectl's three-way merge) leaves the count alone.
     server_side_apply(cluster, doc, tmp_path / "serve.yaml")
+    cluster.kubectl("apply", "-f", str(tmp_path / "serve.yaml"))  # kubectl under test: client-side apply
     time.sleep(3)
     assert replicas(cluster, namespace, name) == 4
     managers = {f["manager"]: f for f in c.get("kvoffloadserves", name, namespace)["metadata"]["managedFields"]}
