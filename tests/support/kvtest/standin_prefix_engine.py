@@ -78,7 +78,9 @@ TOPIC = "kv-events"
 
 
 class KvEvents:
-    """vLLM's KV events of one stand-in engine, on a PUB socket bound to its pod address only."""
+    """vLLM's KV events of one stand-in engine, on a PUB socket bound to its pod address only (framed as vLLM's
+    ZmqEventPublisher frames them). As with a real engine, what is published before the router has subscribed is
+    lost: the tests wait until the router routes by a probe's events (test_routing_cluster.wait_indexed)."""
 
     def __init__(self, host: str) -> None:
         import msgspec
@@ -90,6 +92,7 @@ class KvEvents:
         # vllm-router 0.1.17 credits (its disk tier reads "DISK": docs/routing.md), so the disk tier says DISK.
         self.medium = {"gpu": kv_events.MEDIUM_GPU, "cpu": kv_events.MEDIUM_CPU, "disk": "DISK"}
         self.socket = zmq.Context.instance().socket(zmq.PUB)
+        self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(f"tcp://{host}:{KV_EVENTS_PORT}")
         self.endpoint = f"tcp://{host}:{KV_EVENTS_PORT}"
         self.seq = 0
@@ -124,6 +127,15 @@ class PrefixCache:
         self.counts = Counts()
         self.lock = threading.Lock()
         self.events = events
+
+    def reset(self) -> None:
+        with self.lock:
+            removed = {t: list(self.tiers[t].blocks) for t in TIERS}
+            for t in TIERS:
+                self.tiers[t].blocks.clear()
+            self.counts = Counts()
+            if self.events:
+                self.events.publish([self.events.removed(keys, t) for t, keys in removed.items() if keys])
 
     @staticmethod
     def keys(ids: list[int]) -> list[bytes]:
@@ -219,6 +231,9 @@ class StandInPrefixEngine:
                     self._send(200, [{"token_ids": tokens(prompt), "sampling_params": {}, "model": SERVED}])
                 elif self.path == "/v1/completions":
                     self._send(200, engine.complete(prompt))
+                elif self.path == "/standin/reset":  # empty every tier and the counters (a benchmark's next run)
+                    engine.cache.reset()
+                    self._send(200, {"reset": engine.name})
                 elif self.path == "/standin/seed":  # the test puts a prompt's blocks in some tiers of this replica
                     engine.cache.store(tokens(prompt), tuple(body["tiers"]))
                     self._send(200, {"seeded": engine.name})
