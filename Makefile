@@ -127,11 +127,11 @@ unit: venv operator-wheels gitops-tools router
 integration: venv system-deps operator-wheels cluster-build node-build gitops-tools router
 	KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_REAL_NODE=1 $(BIN)/python -m pytest tests/integration -q
 
-# `make check` first (fails fast, before any build), then the unit tests again with every tool, the engine
-# fidelity tests and everything on the real control plane and the real node (started from the cached
-# builds, stopped after).
+# `make check` first (fails fast, before any build), then the unit tests that needed a built tool (helm;
+# KVO_UNIT_RAN: tests/conftest.py), the engine fidelity tests and everything on the real control plane and
+# the real node (started from the cached builds, stopped after).
 test: check operator-wheels serving-wheels engine-venv engine-metadata system-deps cluster-build node-build gitops-tools router
-	KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_REAL_NODE=1 KVO_REQUIRE_ENGINE=1 $(BIN)/python -m pytest tests -q
+	KVO_UNIT_RAN=1 KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_REAL_NODE=1 KVO_REQUIRE_ENGINE=1 $(BIN)/python -m pytest tests -q
 
 demo: venv system-deps operator-wheels cluster-build node-build
 	tests/cluster/demo.sh

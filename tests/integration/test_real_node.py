@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import time
+import urllib.request
 
 import pytest
 import yaml
@@ -88,6 +89,12 @@ def test_the_operator_runs_in_cluster_from_its_chart(demo):
     assert demo.client.list("statefulsets", "kvoffload-demo", labels={"kvoffload.io/serve": "cpu-tier-qwen25-7b"})
     svc = demo.client.get("services", "kubernetes", "default")
     assert ipaddress.ip_address(svc["spec"]["clusterIP"]) in ipaddress.ip_network(node.SERVICE_CIDR)
+    # Its own metrics on the pod IP (operator.metricsPort), as the chart's PodMonitor scrapes them.
+    (port,) = [p["containerPort"] for p in c["ports"] if p["name"] == "metrics"]
+    body = urllib.request.urlopen(f"http://{pod['status']['podIP']}:{port}/metrics", timeout=10).read().decode()
+    updated = [line for line in body.splitlines() if line.startswith('kvoffload_operator_reconciles_total{outcome="updated"}')]
+    assert updated and float(updated[0].split()[-1]) >= 1, body[:2000]
+    assert "kvoffload_operator_dead_tasks 0.0" in body
 
 
 # ---------------------------------------------------------------------------------------- the node

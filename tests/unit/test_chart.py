@@ -520,7 +520,7 @@ def test_monitors_need_the_prometheus_operator_api(helm):
 
 def test_pod_monitor_selects_serving_pods(helm):
     docs = helm.render("-f", values_file("monitoring"), "--api-versions", "monitoring.coreos.com/v1")
-    pm = one(docs, "PodMonitor")
+    (pm,) = find(docs, "PodMonitor", "kvo-kvoffload-operator-serving")
     assert pm["apiVersion"] == "monitoring.coreos.com/v1"
     assert pm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert pm["spec"]["selector"] == {"matchExpressions": [{"key": "kvoffload.io/serve", "operator": "Exists"}]}
@@ -530,9 +530,28 @@ def test_pod_monitor_selects_serving_pods(helm):
     assert all(e["interval"] == "15s" for e in pm["spec"]["podMetricsEndpoints"])
     assert not find(docs, "ServiceMonitor")
     # In namespaced mode it looks only where the operator works.
-    pm = one(helm.render("-f", values_file("monitoring"), "-f", values_file("namespaced"),
-                         "--api-versions", "monitoring.coreos.com/v1"), "PodMonitor")
+    (pm,) = find(helm.render("-f", values_file("monitoring"), "-f", values_file("namespaced"),
+                             "--api-versions", "monitoring.coreos.com/v1"), "PodMonitor", "kvo-kvoffload-operator-serving")
     assert pm["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
+
+
+def test_the_operator_serves_its_own_metrics_and_a_pod_monitor_scrapes_them(helm):
+    docs = helm.render("--set", "janitor.enabled=true", "--set", "monitoring.serviceMonitor.enabled=true",
+                       "--api-versions", "monitoring.coreos.com/v1")
+    (c,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert "--metrics-listen=$(POD_IP):9402" in c["args"]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in c["env"]
+    assert {"name": "metrics", "containerPort": 9402, "protocol": "TCP"} in c["ports"]
+    (pm,) = find(docs, "PodMonitor", "kvo-kvoffload-operator-operator")  # in ServiceMonitor mode too: no Service
+    selected = pm["spec"]["selector"]["matchLabels"]
+    for pod in (one(docs, "Deployment"), one(docs, "DaemonSet")):  # the operator's and the janitor's pods
+        labels = pod["spec"]["template"]["metadata"]["labels"]
+        assert selected.items() <= labels.items(), pod["kind"]
+        assert any(p["name"] == "metrics" for p in pod["spec"]["template"]["spec"]["containers"][0]["ports"])
+    assert pm["spec"]["namespaceSelector"] == {"matchNames": ["kvo-system"]}  # the release namespace
+    assert [e["port"] for e in pm["spec"]["podMetricsEndpoints"]] == ["metrics"]
+    (c,) = one(helm.render("--set", "operator.metricsPort=0"), "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert not any(a.startswith("--metrics-listen") for a in c["args"]) and [p["name"] for p in c["ports"]] == ["health"]
 
 
 def test_pod_monitor_port_names_match_the_operators_pods():
