@@ -66,19 +66,23 @@ def workload(prefixes: int, prefix_tokens: int, rounds: int, seed: int) -> list[
 def run(args_policy: list[str], prompts: list[str], log: Path, kv: bool) -> dict[str, Any]:
     for h in HOSTS:
         _post(f"http://{h}:{PORT}/standin/reset", {})
+        _post(f"http://{h}:{PORT}/standin/stop", {})  # "starting": the router subscribes to workers that become healthy
     port = _free_port()
     proc = subprocess.Popen([str(ROUTER), "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
                              *[f"http://{h}:{PORT}" for h in HOSTS], "--prometheus-host", "127.0.0.1",
                              "--prometheus-port", str(_free_port()), *args_policy], stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
+        time.sleep(2)
+        for h in HOSTS:
+            _post(f"http://{h}:{PORT}/standin/start", {})
         for _ in range(240):
             try:
                 if urllib.request.urlopen(f"{url}/readiness", timeout=2).status == 200:
                     break
             except OSError:
                 time.sleep(0.5)
-        if kv:  # until the router routes by each stand-in's events (ZMQ drops what comes before it subscribed)
+        if kv:  # until the router routes by each stand-in's events (what is published before it subscribed is lost)
             for i, h in enumerate(HOSTS):
                 for n in range(240):
                     probe = " ".join(f"probe{i}n{n}w{j}" for j in range(64))

@@ -8,7 +8,6 @@ import json
 import re
 import subprocess
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pytest
 
@@ -23,7 +22,6 @@ from kvoffload.planning import routing as plan_routing
 from kvoffload.rendering import render, routing
 from kvtest.specs import PAIR, spec
 
-ROUTER_VENV = Path.home() / ".cache" / "kvoffload" / f"vllm-router-{engine_router.VERSION}"
 ROUTED = {"replicas": 4, "routing__policy": "auto"}
 
 
@@ -255,10 +253,8 @@ def test_why_explains_the_router():
 # --- the real router's flags
 
 
-@pytest.mark.skipif(not (ROUTER_VENV / ".done").exists(), reason="vllm-router venv not built (make router)")
-def test_every_rendered_flag_is_one_the_real_router_declares():
-    help_text = subprocess.run([str(ROUTER_VENV / "bin" / "vllm-router"), "--help"], capture_output=True, text=True,
-                               timeout=60, check=True).stdout
+def test_every_rendered_flag_is_one_the_real_router_declares(vllm_router):
+    help_text = subprocess.run([str(vllm_router), "--help"], capture_output=True, text=True, timeout=60, check=True).stdout
     declared = set(re.findall(r"(--[a-z0-9-]+)", help_text))
     d = desired(spec(**ROUTED, engine__apiKeySecretRef__name="api"))
     rendered = {a for a in router_container(d)["args"] if a.startswith("--")}

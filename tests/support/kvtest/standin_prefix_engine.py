@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -78,9 +79,9 @@ TOPIC = "kv-events"
 
 
 class KvEvents:
-    """vLLM's KV events of one stand-in engine, on a PUB socket bound to its pod address only (framed as vLLM's
-    ZmqEventPublisher frames them). As with a real engine, what is published before the router has subscribed is
-    lost: the tests wait until the router routes by a probe's events (test_routing_cluster.wait_indexed)."""
+    """vLLM's KV events of one stand-in engine, framed as vLLM's ZmqEventPublisher frames them (topic, 8-byte sequence,
+    msgpack payload), on a PUB socket bound to its pod address only. As with a real engine, what is published before
+    the router has subscribed is lost: tests wait until the router routes by a probe's events."""
 
     def __init__(self, host: str) -> None:
         import msgspec
@@ -101,8 +102,6 @@ class KvEvents:
     def publish(self, events: list[Any]) -> None:
         if not events:
             return
-        import time
-
         batch = self.kv.KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0)
         with self.lock:
             self.socket.send_multipart((TOPIC.encode(), self.seq.to_bytes(8, "big"), self.encoder.encode(batch)))
@@ -190,6 +189,9 @@ class StandInPrefixEngine:
 
     def __init__(self, name: str, host: str, port: int, capacity: dict[str, int], kv_events: bool = False) -> None:
         self.name = name
+        # With KV events the engine starts "starting": vllm-router 0.1.17 subscribed to the publishers of workers that
+        # became healthy after it started, and in our runs never to those already healthy at its first check.
+        self.healthy = not kv_events
         self.events = KvEvents(host) if kv_events else None
         self.cache = PrefixCache(capacity, self.events)
         self.prompts: list[str] = []
@@ -208,8 +210,8 @@ class StandInPrefixEngine:
                 self.wfile.write(raw)
 
             def do_GET(self) -> None:  # noqa: N802
-                if self.path == "/health":
-                    self._send(200, "")
+                if self.path == "/health":  # 503 while "starting" (a real engine loads its weights first)
+                    self._send(200 if engine.healthy else 503, "")
                 elif self.path == "/v1/models":
                     self._send(200, {"object": "list", "data": [{"id": SERVED, "object": "model", "owned_by": "stand-in"}]})
                 elif self.path == "/metrics":
@@ -231,6 +233,9 @@ class StandInPrefixEngine:
                     self._send(200, [{"token_ids": tokens(prompt), "sampling_params": {}, "model": SERVED}])
                 elif self.path == "/v1/completions":
                     self._send(200, engine.complete(prompt))
+                elif self.path in ("/standin/start", "/standin/stop"):  # the test ends (or restarts) the start-up
+                    engine.healthy = self.path == "/standin/start"
+                    self._send(200, {"healthy": engine.healthy})
                 elif self.path == "/standin/reset":  # empty every tier and the counters (a benchmark's next run)
                     engine.cache.reset()
                     self._send(200, {"reset": engine.name})
