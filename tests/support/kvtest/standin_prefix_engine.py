@@ -27,7 +27,7 @@ import hashlib
 import json
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -80,8 +80,8 @@ TOPIC = "kv-events"
 
 class KvEvents:
     """vLLM's KV events of one stand-in engine, framed as vLLM's ZmqEventPublisher frames them (topic, 8-byte sequence,
-    msgpack payload), on a PUB socket bound to its pod address only. As with a real engine, what is published before
-    the router has subscribed is lost: tests wait until the router routes by a probe's events."""
+    msgpack payload), on a PUB socket bound to its pod address only, with vLLM's replay endpoint beside it (a ROUTER
+    socket on the next port: a subscriber that joins late asks it for what it missed, from a sequence number)."""
 
     def __init__(self, host: str) -> None:
         import msgspec
@@ -96,15 +96,42 @@ class KvEvents:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(f"tcp://{host}:{KV_EVENTS_PORT}")
         self.endpoint = f"tcp://{host}:{KV_EVENTS_PORT}"
+        self.replay = zmq.Context.instance().socket(zmq.ROUTER)
+        self.replay.setsockopt(zmq.LINGER, 0)
+        self.replay.bind(f"tcp://{host}:{KV_EVENTS_PORT + 1}")
+        self.replay_endpoint = f"tcp://{host}:{KV_EVENTS_PORT + 1}"
         self.seq = 0
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=10_000)
         self.lock = threading.Lock()
+        threading.Thread(target=self._serve_replay, daemon=True).start()
+
+    def _serve_replay(self) -> None:
+        """vLLM's ZmqEventPublisher._service_replay: (client, b"", start seq) -> every buffered batch from there, then
+        an end marker (sequence -1)."""
+        import zmq
+
+        while True:
+            try:
+                frames = self.replay.recv_multipart()
+            except zmq.ZMQError:
+                return
+            if len(frames) != 3:
+                continue
+            client, start = frames[0], int.from_bytes(frames[2], "big", signed=True)
+            with self.lock:
+                batches = [(seq, buf) for seq, buf in self.buffer if seq >= start]
+            for seq, buf in batches:
+                self.replay.send_multipart((client, b"", TOPIC.encode(), seq.to_bytes(8, "big"), buf))
+            self.replay.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
 
     def publish(self, events: list[Any]) -> None:
         if not events:
             return
         batch = self.kv.KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0)
+        payload = self.encoder.encode(batch)
         with self.lock:
-            self.socket.send_multipart((TOPIC.encode(), self.seq.to_bytes(8, "big"), self.encoder.encode(batch)))
+            self.socket.send_multipart((TOPIC.encode(), self.seq.to_bytes(8, "big"), payload))
+            self.buffer.append((self.seq, payload))
             self.seq += 1
 
     def stored(self, chain: list[tuple[bytes, list[int]]], parent: bytes | None, tier: str) -> Any:
@@ -219,7 +246,8 @@ class StandInPrefixEngine:
                 elif self.path == "/get_server_info" and engine.events:
                     self._send(200, {"model_id": SERVED, "model_path": SERVED, "instance_id": engine.name, "kv_block_size": BLOCK})
                 elif self.path == "/kv_event_sources" and engine.events:
-                    self._send(200, {"0": {"endpoint": engine.events.endpoint, "topic": TOPIC}})
+                    self._send(200, {"0": {"endpoint": engine.events.endpoint, "replay_endpoint": engine.events.replay_endpoint,
+                                           "topic": TOPIC}})
                 elif self.path == "/standin/counts":
                     self._send(200, {"replica": engine.name, **engine.cache.counts.__dict__, "prompts": len(engine.prompts)})
                 else:
