@@ -114,6 +114,7 @@ def main() -> int:
     ap.add_argument("--prefix-tokens", type=int, default=256)
     ap.add_argument("--eviction-seconds", type=int, default=2)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--skip-kv", action="store_true", help="leave out the kv_aware configurations")
     a = ap.parse_args()
     budget = pipeline.desired("bench", "bench", "u", spec(routing={}, offload__cpu__size="160Gi"), Settings()).budget
     reload = {r.tier: r for r in budget.reload}
@@ -157,6 +158,8 @@ def main() -> int:
             }
             rows = {}
             for label, (policy, kv) in configs.items():
+                if kv and a.skip_kv:
+                    continue
                 r = run(policy, prompts, logs / f"{label.replace(' ', '_').replace(',', '')}.log", kv)
                 ttft = (sum(r["hit_tokens"][t] * per_token[t] for t in TIERS) + r["computed_tokens"] * recompute) / len(prompts)
                 r["hit_rate"] = {t: round(r["hit_tokens"][t] / r["prompt_tokens"], 4) for t in TIERS}

@@ -50,7 +50,6 @@ def test_kv_aware_is_refused_where_the_router_cannot_index_the_engine():
         desired(spec(**PAIR, replicas=2, routing__policy="kv_aware"))
     assert err.value.field == "spec.routing.policy"
     assert "vLLM 0.26.0 serves neither GET /get_server_info nor GET /kv_event_sources" in err.value.message
-    assert "indexes no pod it finds by Kubernetes discovery" in err.value.message
     assert err.value.message.endswith("allowed values here: auto, cache_aware, round_robin")
 
 
@@ -65,13 +64,11 @@ def test_bad_routing_fields_name_the_field_and_what_is_allowed(patch, field, say
     assert err.value.field == field and says in err.value.message
 
 
-def test_auto_would_pick_kv_aware_only_where_router_and_engine_both_allow_it(monkeypatch):
-    both = engine_router.Discovery(True, True, "serves both")
-    monkeypatch.setitem(engine_router.DISCOVERY, "9.9.9", both)
-    assert engine_router.resolve("auto", "9.9.9") == "cache_aware"  # 0.1.17 indexes no discovered pod
-    monkeypatch.setattr(engine_router, "INDEXES_DISCOVERED_PODS", True)
+def test_auto_picks_kv_aware_only_where_the_engine_answers_both_routes(monkeypatch):
+    monkeypatch.setitem(engine_router.DISCOVERY, "9.9.9", engine_router.Discovery(True, True, "serves both"))
     assert engine_router.resolve("auto", "9.9.9") == "kv_aware"
     assert engine_router.resolve("auto", "0.26.0") == engine_router.resolve("auto", "0.33.0") == "cache_aware"
+    assert engine_router.resolve("round_robin", "9.9.9") == "round_robin"
 
 
 def test_the_crd_declares_the_policies_with_auto_as_default():

@@ -512,10 +512,9 @@ def _routing(r: _Reader, engine: EngineSpec) -> RoutingSpec | None:
     if requested == "kv_aware" and not found.indexable:
         # The router would start, find no KV events to index and route on load alone: worse than cache_aware.
         others = [p for p in engine_router.POLICIES if p != "kv_aware"]
-        raise ConfigError("spec.routing.policy", f"kv_aware cannot take effect: vllm-router {engine_router.VERSION} indexes "
-                                                 "no pod it finds by Kubernetes discovery (only the workers it starts with), "
-                                                 "and indexes a pod's KV events only when it answers GET /get_server_info "
-                                                 f"(kv_block_size) and GET /kv_event_sources, while {found.why}; "
+        raise ConfigError("spec.routing.policy", f"kv_aware cannot take effect on this engine: vllm-router "
+                                                 f"{engine_router.VERSION} indexes a pod's KV events only when it answers "
+                                                 f"GET /get_server_info (kv_block_size) and GET /kv_event_sources, and {found.why}; "
                                                  f"allowed values here: {', '.join(others)}")
     if not enabled:
         return None

@@ -11,10 +11,7 @@ that logs what it is asked (tests/routing/build-router.sh installs it):
   it logs "no block_size from /get_server_info — cannot index" and routes on load alone. It tokenizes each
   request through the worker's POST /v1/completions/render. BlockStored events are credited per medium:
   GPU 1, CPU `--kv-penalty-host` (0.8), external `--kv-penalty-external` (0.6), disk `--kv-penalty-disk` (0.3).
-- ...and only for the workers it was started with (`--worker-urls`): with `--service-discovery` its KV index never
-  starts (no /get_server_info, /kv_event_sources or subscription for a discovered pod; its debug log shows the
-  pods added and every kv_aware decision with credited_prefix_tokens=0), so kv_aware cannot take effect behind
-  Kubernetes discovery in this version, whatever the engine serves.
+  It asks a pod it found by `--service-discovery` the same (tests/integration/test_routing_cluster.py).
 - `cache_aware` keeps one radix tree of request text per worker and evicts it down to `--max-tree-size`
   characters (default 2**25) every `--eviction-interval-secs` (120).
 """
@@ -35,8 +32,6 @@ CREDIT_FLAGS = {"cpu": "--kv-penalty-host", "external": "--kv-penalty-external",
 POLICIES = ("auto", "kv_aware", "cache_aware", "round_robin")
 # What the engine's KV-event publisher binds in the pod (vLLM's KVEventsConfig.endpoint default).
 KV_EVENTS_PORT = 5557
-# Whether this router version indexes the KV events of pods it found by --service-discovery (above: it does not).
-INDEXES_DISCOVERED_PODS = False
 
 
 @dataclass(frozen=True)
@@ -48,7 +43,7 @@ class Discovery:
 
     @property
     def indexable(self) -> bool:
-        return INDEXES_DISCOVERED_PODS and self.server_info and self.kv_event_sources
+        return self.server_info and self.kv_event_sources
 
 
 # Read from the released wheels' entrypoints (vllm/entrypoints/).

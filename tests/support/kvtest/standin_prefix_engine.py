@@ -222,6 +222,7 @@ class StandInPrefixEngine:
         self.events = KvEvents(host) if kv_events else None
         self.cache = PrefixCache(capacity, self.events)
         self.prompts: list[str] = []
+        self.asked: set[str] = set()  # the GET paths asked so far (what the router wanted to know)
         engine = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -237,6 +238,7 @@ class StandInPrefixEngine:
                 self.wfile.write(raw)
 
             def do_GET(self) -> None:  # noqa: N802
+                engine.asked.add(self.path)
                 if self.path == "/health":  # 503 while "starting" (a real engine loads its weights first)
                     self._send(200 if engine.healthy else 503, "")
                 elif self.path == "/v1/models":
@@ -249,7 +251,8 @@ class StandInPrefixEngine:
                     self._send(200, {"0": {"endpoint": engine.events.endpoint, "replay_endpoint": engine.events.replay_endpoint,
                                            "topic": TOPIC}})
                 elif self.path == "/standin/counts":
-                    self._send(200, {"replica": engine.name, **engine.cache.counts.__dict__, "prompts": len(engine.prompts)})
+                    self._send(200, {"replica": engine.name, **engine.cache.counts.__dict__, "prompts": len(engine.prompts),
+                                     "asked": sorted(engine.asked - {"/standin/counts"})})
                 else:
                     self._send(404, {"error": self.path})
 
