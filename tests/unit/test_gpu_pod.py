@@ -254,7 +254,7 @@ def test_from_template_sets_what_cri_derives_from_the_security_context(rendered)
     assert init["process"]["capabilities"]["effective"] == ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER"]
     assert user_of(derived["exporter"][0])[:2] == (65532, 65532) and derived["exporter"][0]["root"]["readonly"] is True
     side, changes = derived["lmcache-server"]
-    assert side["root"]["readonly"] is False  # the sidecar's securityContext sets no readOnlyRootFilesystem
+    assert side["root"]["readonly"] is True  # the sidecar writes only to its volumes (/tmp, /dev/shm, the disk tier)
     assert derived["vllm"][0]["linux"]["resources"]["cpu"]["shares"] == 4096  # cpu request 4
     for spec, _ in derived.values():  # the rest is the real node's: seccomp RuntimeDefault, masked paths
         assert spec["linux"]["seccomp"] == template["linux"]["seccomp"] and spec["process"]["noNewPrivileges"] is True

@@ -136,14 +136,14 @@ wildcards, no Secrets (a Hugging Face token is referenced by name in the pod spe
   resources: ["networkpolicies"]
   verbs: ["list", "watch", "create", "patch", "delete"]
 # spec.autoscaling: the HorizontalPodAutoscaler (or, with autoscaler keda, the ScaledObject whose HPA KEDA
-# makes and the operator reads into status.autoscaling).
+# makes and the operator reads into status.autoscaling), list/watch into the cache.
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]
   verbs: ["list", "watch", "create", "patch", "delete"]
 {{- if eq .Values.operator.config.autoscaler "keda" }}
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
-  verbs: ["list", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 {{- end }}
 # Pods drive the Scheduled and Ready conditions (list/watch into the cache).
 - apiGroups: [""]

@@ -108,7 +108,7 @@ class LMCacheServer(Backend):
         health = ("import urllib.request; urllib.request.urlopen("
                   f"'http://127.0.0.1:{SERVER_HTTP_PORT}/healthcheck', timeout=4)")
         exec_probe = {"exec": {"command": ["python3", "-c", health]}, "timeoutSeconds": 5}
-        mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, *([pod.disk_mount] if pod.disk_mount else [])]
+        mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, pod.tmp_mount, *([pod.disk_mount] if pod.disk_mount else [])]
         return [{
             "name": "lmcache-server",
             "image": pod.image,
@@ -118,6 +118,7 @@ class LMCacheServer(Backend):
             # LMCache 0.5.3's token hasher is a numba function with cache=True: numba needs a writable cache
             # directory, and UID 1000 can write neither site-packages nor a HOME (none is set here). Seen on a
             # GPU host: "cannot cache function 'rolling_hash_windows_numba': no locator available", exit 1.
+            # The root file system is read-only: the cache goes to the pod's /tmp (pod.tmp_mount).
             "env": [*pod.env, {"name": "NUMBA_CACHE_DIR", "value": "/tmp/numba-cache"}],
             "resources": {"requests": {"cpu": "1", "memory": request}, "limits": {"memory": limit}},
             "volumeMounts": mounts,

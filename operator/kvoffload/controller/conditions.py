@@ -91,7 +91,10 @@ def _failing(pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
         for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
             waiting = (cs.get("state") or {}).get("waiting") or {}
             if waiting.get("reason") in FAILING:
-                out.append((pod["metadata"]["name"], f"container {cs.get('name')}: {waiting['reason']}"
+                # Why the last run ended (OOMKilled, Error) is what a crash loop's reader needs first.
+                last = (cs.get("lastState") or {}).get("terminated") or {}
+                ended = f" after {last.get('reason') or 'exit'} (exit code {last.get('exitCode')})" if last else ""
+                out.append((pod["metadata"]["name"], f"container {cs.get('name')}: {waiting['reason']}{ended}"
                             + (f" ({waiting['message']})" if waiting.get("message") else "")))
                 break
     return out

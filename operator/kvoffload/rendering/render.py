@@ -217,7 +217,7 @@ def _disk_init_container(owner: Owner, spec: Spec) -> dict[str, Any]:
 def _sidecars(owner: Owner, spec: Spec, budget: Budget, backend: Backend) -> list[dict[str, Any]]:
     pod = Sidecar(image=spec.engine.image, env=[*_pod_env(), *_telemetry_off_env()],
                   disk_mount=_disk_mount(owner, spec, read_only=False) if spec.offload.disk else None,
-                  security_context=_restricted())
+                  tmp_mount=pod_security.tmp_mount(), security_context=pod_security.sidecar_security_context())
     return backend.sidecars(spec, budget, pod)
 
 
