@@ -41,6 +41,11 @@ EXPECTED_RULES = {
     ("policy", "poddisruptionbudgets"): {"list", "watch", "create", "patch", "delete"},
     ("networking.k8s.io", "networkpolicies"): {"list", "watch", "create", "patch", "delete"},
     ("autoscaling", "horizontalpodautoscalers"): {"list", "watch", "create", "patch", "delete"},
+    # spec.routing: the router's Deployment, its ServiceAccount and the Role (pods list/watch) bound to it.
+    ("apps", "deployments"): {"list", "watch", "create", "patch", "delete"},
+    ("", "serviceaccounts"): {"list", "watch", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "roles"): {"list", "watch", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"list", "watch", "create", "patch", "delete"},
     ("", "pods"): {"list", "watch"},
     ("", "events"): {"create"},
 }

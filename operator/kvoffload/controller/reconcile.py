@@ -245,7 +245,8 @@ def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: date
         if settings.probe_exporters and desired.spec.metrics_enabled:
             probes = probe.probe_exporters(pods, desired.spec.metrics_port)
     hpa = live.get((*autoscaling.HPA, autoscaling.name(name, settings))) if desired and desired.spec.autoscaling else None
-    new_status = conditions.status(body, desired, error, conditions.Observed(sts, pods, probes, hpa), clock)
+    router = live.get(("apps/v1", "Deployment", render.names(name)["router"])) if desired and desired.spec.routing else None
+    new_status = conditions.status(body, desired, error, conditions.Observed(sts, pods, probes, hpa, router), clock)
     previous = (body.get("status") or {}).get("conditions")
     if new_status == (body.get("status") or {}):
         if applied and recorder is not None:  # drift repaired: children changed, status did not
