@@ -9,8 +9,10 @@ KUBECONFIG ?= $(CURDIR)/.cluster/kubeconfig
 # The engine pair the fidelity tests run (the serving image's pins: images/serving/Dockerfile).
 VLLM_VERSION := 0.26.0
 LMCACHE_VERSION := 0.5.3
+# vLLM's router that spec.routing renders for (kvoffload/engine/router.py VERSION; images/router/Dockerfile).
+ROUTER_VERSION := 0.1.17
 
-.PHONY: node-build venv operator-wheels serving-wheels images standin-image engine-venv engine-metadata engine-tables system-deps cluster-build gitops-tools keda cluster-up cluster-down cluster-status generate lint typecheck check unit integration test demo demo-down bench clean
+.PHONY: router node-build venv operator-wheels serving-wheels images standin-image engine-venv engine-metadata engine-tables system-deps cluster-build gitops-tools keda cluster-up cluster-down cluster-status generate lint typecheck check unit integration test demo demo-down bench clean
 
 venv: $(VENV)/.done
 $(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
@@ -36,7 +38,8 @@ serving-wheels: venv
 images: venv system-deps operator-wheels serving-wheels engine-venv
 	$(BIN)/python -m kvtest.images build operator serving
 
-# The stand-in engine image for the CPU-only real node (tests/images/vllm-standin), FROM the serving image.
+# The full stand-in engine image (tests/images/vllm-standin, FROM the serving image: vLLM's parser, the real LMCache
+# server), for KVO_STANDIN=full runs on the real node. `make test` builds the slim one itself (kvtest.images standin-slim).
 standin-image: images
 	$(BIN)/python -m kvtest.images build standin
 
@@ -71,6 +74,11 @@ system-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	  else echo "install these Debian packages (apt-get install $$missing)"; exit 1; fi; fi
 
+# vLLM's router from its PyPI wheel in a cached venv (~/.cache/kvoffload/vllm-router-VERSION, a minute the first
+# time): the routing tests and benchmark run the real router against the local cluster's API server.
+router:
+	PY=$(PY) tests/routing/build-router.sh $(ROUTER_VERSION) >/dev/null
+
 cluster-build:
 	tests/cluster/build.sh
 
@@ -79,8 +87,8 @@ node-build: cluster-build
 	tests/cluster/build-node.sh
 
 # KEDA's operator and metrics API server for the autoscaling tests (tests/autoscaling/build-keda.sh), cached by
-# version. Not yet part of `make test`: its cold build (~10 CPU-minutes) was never measured on a quiet machine
-# against CI's budget; the KEDA tests skip, saying so, until `make keda` has built it.
+# version (cold: 20 CPU-minutes, 37 min wall on the loaded dev VM; docs/benchmarks.md). Without it the KEDA
+# tests skip, or fail under KVO_REQUIRE_KEDA (make test).
 keda:
 	tests/autoscaling/build-keda.sh >/dev/null
 
@@ -116,17 +124,17 @@ check: lint typecheck
 	$(BIN)/python -m kvoffload.cli.generate --check
 	$(BIN)/python -m pytest tests/unit -q -x
 
-unit: venv operator-wheels gitops-tools
+unit: venv operator-wheels gitops-tools router
 	$(BIN)/python -m pytest tests/unit -q
 
-integration: venv system-deps operator-wheels cluster-build node-build gitops-tools
-	KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_REAL_NODE=1 $(BIN)/python -m pytest tests/integration -q
+integration: venv system-deps operator-wheels cluster-build node-build gitops-tools keda router
+	KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_REAL_NODE=1 KVO_REQUIRE_KEDA=1 $(BIN)/python -m pytest tests/integration -q
 
 # `make check` first (fails fast, before any build), then the unit tests that needed a built tool (helm;
 # KVO_UNIT_RAN: tests/conftest.py), the engine fidelity tests and everything on the real control plane and
-# the real node (started from the cached builds, stopped after).
-test: check operator-wheels serving-wheels engine-venv engine-metadata system-deps cluster-build node-build gitops-tools
-	KVO_UNIT_RAN=1 KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_REAL_NODE=1 KVO_REQUIRE_ENGINE=1 $(BIN)/python -m pytest tests -q
+# the real node (started from the cached builds, stopped after), KEDA's autoscaling tests included.
+test: check operator-wheels serving-wheels engine-venv engine-metadata system-deps cluster-build node-build gitops-tools keda router
+	KVO_UNIT_RAN=1 KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_REAL_NODE=1 KVO_REQUIRE_ENGINE=1 KVO_REQUIRE_KEDA=1 $(BIN)/python -m pytest tests -q
 
 demo: venv system-deps operator-wheels cluster-build node-build
 	tests/cluster/demo.sh

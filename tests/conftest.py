@@ -46,8 +46,8 @@ def pytest_configure(config):
 
 
 # `make test` runs tests/unit once in `make check`, first, before any Go build: there the tests that
-# need helm skip. With KVO_UNIT_RAN=1 (the full run after it) only those run again.
-BUILT_TOOL_FIXTURES = {"helm"}
+# need helm or the router (`make router`) skip. With KVO_UNIT_RAN=1 (the full run after it) only those run again.
+BUILT_TOOL_FIXTURES = {"helm", "vllm_router"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -197,6 +197,20 @@ def node_ns(demo):
     yield name
     with contextlib.suppress(Exception):
         demo.client.delete("namespace", name, missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def vllm_router() -> Path:
+    """vLLM's router from its PyPI wheel (`make router`: tests/routing/build-router.sh); skips without it, unless
+    KVO_REQUIRE_CLUSTER is set (make test), when it fails."""
+    from kvoffload.engine import router
+
+    path = Path.home() / ".cache" / "kvoffload" / f"vllm-router-{router.VERSION}"
+    if not (path / ".done").exists():
+        if os.environ.get("KVO_REQUIRE_CLUSTER"):
+            pytest.fail(f"vllm-router {router.VERSION} is not installed: run `make router`")
+        pytest.skip(f"vllm-router {router.VERSION} is not installed (make router)")
+    return path / "bin" / "vllm-router"
 
 
 @pytest.fixture(scope="module")

@@ -77,6 +77,7 @@ class Container:
     image: str = ""
     security: dict[str, Any] = field(default_factory=dict)  # the pod's securityContext, then the container's over it
     cpu_request: str | None = None
+    memory_request: int | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ def _container(c: dict[str, Any], pod_security: dict[str, Any] | None = None) ->
         else:
             raise ManifestError(f"container {c['name']}: env {e['name']} has a source this benchmark cannot resolve")
     limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")
+    request = ((c.get("resources") or {}).get("requests") or {}).get("memory", limit)  # a limit alone: the request too
     probe = ((c.get("startupProbe") or {}).get("exec") or {}).get("command") or ()
     return Container(name=c["name"], command=tuple(c.get("command") or ()), args=tuple(str(a) for a in c.get("args") or ()),
                      env=env, env_fields=fields,
@@ -129,7 +131,8 @@ def _container(c: dict[str, Any], pod_security: dict[str, Any] | None = None) ->
                      memory_limit=None if limit is None else quantity(limit), restart_policy=c.get("restartPolicy"),
                      startup_probe=tuple(str(a) for a in probe), image=c.get("image", ""),
                      security={**(pod_security or {}), **(c.get("securityContext") or {})},
-                     cpu_request=((c.get("resources") or {}).get("requests") or {}).get("cpu"))
+                     cpu_request=((c.get("resources") or {}).get("requests") or {}).get("cpu"),
+                     memory_request=None if request is None else quantity(request))
 
 
 def flag(args: tuple[str, ...] | list[str], name: str) -> str | None:
@@ -460,6 +463,7 @@ class PodContainer:
     probe: list[str]  # exec startupProbe, run inside the container; [] = none
     security: dict[str, Any] = field(default_factory=dict)
     cpu_request: str | None = None
+    memory_request: int | None = None
 
 
 @dataclass
@@ -530,7 +534,7 @@ def containerize(r: Rendered, root: str, disk_root: str, *, connector: bool = Tr
         argv = [_expand(a, env) for a in [*c.command, *c.args]]
         probe = [_expand(a, env) for a in c.startup_probe]
         pc = PodContainer(c.name, role, c.image, argv, env, _mounts_of(c, env, dirs), c.memory_limit, probe, c.security,
-                          c.cpu_request)
+                          c.cpu_request, c.memory_request)
         containers.append(pc)
         return pc
 

@@ -64,6 +64,7 @@ class Host:
     apparmor_profiles: frozenset[str] = frozenset()
     existing: frozenset[str] = frozenset()  # destinations under image_dirs that exist on the host
     swap_accounting: bool = True  # memory.swap.max exists in the pod's cgroup
+    memory_capacity: int = 0  # MemTotal: kubelet's machine capacity, for oomScoreAdj
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,10 @@ class Placement:
     volume_mounts: dict[str, tuple[str, bool]]  # destination -> (host path, read-only): the rendered mounts
     cgroup_leaf: str  # the container's cgroup name under the captured pod cgroup
     memory_limit: int | None = None  # the rendered limit (replaces a captured one that differs, listed)
+    # The rendered sizes kubelet derives the rest from (a capture on the CPU node is of a pod scaled down to fit
+    # it, capture.for_cpu_node): CPU shares from the CPU request, oomScoreAdj from the memory request.
+    cpu_shares: int | None = None
+    oom_score_adj: int | None = None
     # The capture is of a pod of another shape (another backend): a rendered volume mount the capture
     # lacks is added with the options kubelet gives volume mounts, one the rendered pod lacks is dropped;
     # both listed. False: such a capture is refused.
@@ -178,6 +183,14 @@ def rewrite(spec: dict[str, Any], argv: list[str], env: dict[str, str], host: Ho
         mem["limit"] = at.memory_limit
         if "swap" in mem:
             mem["swap"] = at.memory_limit
+    cpu = res.get("cpu") or {}
+    if at.cpu_shares is not None and cpu.get("shares") != at.cpu_shares:
+        ch.append(f"resources.cpu.shares {cpu.get('shares')} (the captured pod's) -> {at.cpu_shares} (the rendered CPU request)")
+        res["cpu"] = {**cpu, "shares": at.cpu_shares}
+    if at.oom_score_adj is not None and p.get("oomScoreAdj") != at.oom_score_adj:
+        ch.append(f"process.oomScoreAdj {p.get('oomScoreAdj')} (the captured pod's request on the CPU node) -> "
+                  f"{at.oom_score_adj} (kubelet's, for the rendered request on this host)")
+        p["oomScoreAdj"] = at.oom_score_adj
     if res.get("hugepageLimits"):
         keep = [h for h in res["hugepageLimits"] if "hugetlb" in host.controllers and h["pageSize"] in host.hugepage_sizes]
         if keep != res["hugepageLimits"]:
@@ -208,6 +221,29 @@ def _millicpu(q: str | None) -> int:
     return int(q[:-1]) if q.endswith("m") else int(float(q) * 1000)
 
 
+def cpu_shares(cpu_request: str | None) -> int:
+    """kubelet's MilliCPUToShares."""
+    return max(2, _millicpu(cpu_request) * 1024 // 1000)
+
+
+def qos(spec: dict[str, Any]) -> str:
+    """The pod's QoS class, from the captured cgroup (kubepods/<class>/pod..., Guaranteed directly under kubepods)."""
+    parts = pod_cgroup(spec).strip("/").split("/")
+    return parts[1] if len(parts) > 2 and parts[1] in ("burstable", "besteffort") else "guaranteed"
+
+
+def oom_score_adj(qos_class: str, memory_request: int | None, capacity: int, sidecar_floor: int | None = None) -> int:
+    """kubelet's GetContainerOOMScoreAdjust: Guaranteed -997, BestEffort 1000, Burstable 1000 - 1000 x request /
+    capacity in [3, 999]; a native sidecar's request counts as at least the smallest regular container's."""
+    if qos_class == "guaranteed":
+        return -997
+    if qos_class == "besteffort":
+        return 1000
+    req = max(memory_request or 0, sidecar_floor or 0)
+    adj = 1000 - 1000 * req // capacity
+    return 3 if adj < 3 else 999 if adj == 1000 else adj
+
+
 def from_template(template: dict[str, Any], security: dict[str, Any], cpu_request: str | None,
                   memory_limit: int | None) -> tuple[dict[str, Any], list[str]]:
     """A container's spec from the real node's CRI spec of another pod (the template), with what
@@ -230,7 +266,7 @@ def from_template(template: dict[str, Any], security: dict[str, Any], cpu_reques
     s["process"]["noNewPrivileges"] = security.get("allowPrivilegeEscalation") is False
     s["root"]["readonly"] = bool(security.get("readOnlyRootFilesystem"))
     res = s["linux"].setdefault("resources", {})
-    res["cpu"] = {"shares": max(2, _millicpu(cpu_request) * 1024 // 1000), "period": 100000}
+    res["cpu"] = {"shares": cpu_shares(cpu_request), "period": 100000}
     if memory_limit is not None:
         res["memory"] = {"limit": memory_limit, "swap": memory_limit}
     tname = (template.get("annotations") or {}).get("io.kubernetes.cri.sandbox-name", "?")

@@ -80,8 +80,9 @@ def host_facts() -> gpu_oci.Host:
     profiles = frozenset(ln.split(" ")[0] for ln in aa.read_text().splitlines()) if aa.exists() else frozenset()
     dirs = tuple(d for d in ("/usr", "/opt", "/etc") if os.path.isdir(d) and not os.path.islink(d))
     existing = frozenset(d for d in gpu_oci.POD_FILES if os.path.exists(d))
+    mem = next(int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal:"))
     return gpu_oci.Host(image_dirs=dirs, devices=tuple(devices), rlimit_hard=hard, controllers=controllers,
-                        hugepage_sizes=sizes, apparmor_profiles=profiles, existing=existing)
+                        hugepage_sizes=sizes, apparmor_profiles=profiles, existing=existing, memory_capacity=mem)
 
 
 def image_env(image: str, python: str) -> dict[str, str]:
@@ -107,7 +108,7 @@ def load_specs(oci_dir: str, alias: dict[str, str] | None = None) -> dict[str, d
     `alias` names a captured container for a rendered one the capture lacks (vllm -> the capture's vllm)."""
     out = {}
     for p in sorted(Path(oci_dir).glob("*.json")):
-        if p.stem != "sandbox":
+        if p.stem not in ("sandbox", "changes"):  # changes.json: what capture.for_cpu_node changed
             out[p.stem] = json.loads(p.read_text())
     if not out:
         raise SystemExit(f"no captured OCI specs in {oci_dir}")
@@ -291,8 +292,11 @@ class Pod:
             _make_cgroup(self.pod_cgroup)
             self.host = dataclasses.replace(self.host, swap_accounting=(self.pod_cgroup / "memory.swap.max").exists())
         limits = []
+        floor = min((c.memory_request or 0 for c in self.run.containers if c.role in ("main", "exporter")), default=0)
         for c in self.run.containers:
             spec = self.specs[c.name]
+            oom = gpu_oci.oom_score_adj(gpu_oci.qos(spec), c.memory_request, self.host.memory_capacity,
+                                        floor if c.role == "sidecar" else None) if self.host.memory_capacity else None
             (files / f"termination-log-{c.name}").write_text("")
             os.chmod(files / f"termination-log-{c.name}", 0o666)
             rootfs = w / f"rootfs-{c.name}"
@@ -306,6 +310,7 @@ class Pod:
             at = gpu_oci.Placement(rootfs=str(rootfs), pod_files=str(files), sandbox_shm=str(shm),
                                    namespaces=self.namespaces, image_env=image_env(c.image, self.python),
                                    volume_mounts=c.mounts, cgroup_leaf=c.name, memory_limit=c.memory_limit,
+                                   cpu_shares=gpu_oci.cpu_shares(c.cpu_request), oom_score_adj=oom,
                                    other_shape=self.other_shape, hostname=self.name)
             new, ch = gpu_oci.rewrite(spec, c.argv, c.env, self.host, at, c.name)
             self.boxes[c.name] = Box(self, c, new)

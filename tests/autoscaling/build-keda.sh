@@ -5,7 +5,8 @@
 # (every interface, no flag to change it); ours binds 127.0.0.1 (the network rule), from a copy of
 # cmd/adapter/main.go with that one line changed. Cached by version under $KVO_CACHE (default
 # ~/.cache/kvoffload)/keda-<v>-<patch>/, rebuilt only when missing, under a flock so two builders never share
-# the work dir. Prints the bin dir (keda, keda-adapter, crds/).
+# the work dir. Prints the bin dir (keda, keda-adapter, crds/). `--check`: print it and exit 0 if built, else
+# exit 1 without building (the tests ask so: a build is `make keda`'s, not a test's).
 set -euo pipefail
 
 KEDA_VERSION="${KEDA_VERSION:-v2.21.0}"
@@ -15,6 +16,10 @@ OUT="$CACHE/keda-$KEDA_VERSION-$PATCH"
 WORK="$CACHE/src/keda-$KEDA_VERSION"
 export GOFLAGS="${GOFLAGS:--buildvcs=false}" CGO_ENABLED=0
 log() { echo "[keda $(date +%T)] $*" >&2; }
+if [ "${1:-}" = --check ]; then
+  [ -x "$OUT/keda" ] && [ -x "$OUT/keda-adapter" ] && echo "$OUT"
+  exit
+fi
 mkdir -p "$CACHE"
 exec 9>"$CACHE/keda.lock"
 flock 9

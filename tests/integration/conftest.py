@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
+import time
+
 import pytest
 
-from kvtest import OperatorProcess
+from kvtest import OperatorProcess, images, node
 
 
 @pytest.fixture
@@ -14,3 +17,22 @@ def operator(cluster, crd_installed, namespace):
     yield proc
     proc.stop()
     print(proc.output()[-5000:])
+
+
+@pytest.fixture(scope="session")
+def engine_image(demo) -> str:
+    """The real node's stand-in engine image (kvtest.node.STANDIN) built (kvtest.images, cached by its inputs)
+    and in the node's containerd; its tag. Build and import times are printed."""
+    t0 = time.monotonic()
+    tar = images.save(node.STANDIN)
+    built = time.monotonic() - t0
+    if node.FULL_STANDIN:
+        free = shutil.disk_usage(node.containerd_root()).free
+        if free < 2 * tar.stat().st_size + (10 << 30):
+            pytest.skip(f"{free / 2**30:.0f} GiB free: importing the {tar.stat().st_size / 2**30:.1f} GiB stand-in "
+                        f"image needs twice that plus 10 GiB")
+    t1 = time.monotonic()
+    node.load_images(demo.cluster, [node.STANDIN])
+    print(f"{node.STANDIN}: {tar.stat().st_size / 2**20:.0f} MiB archive; build+save {built:.1f}s, "
+          f"import {time.monotonic() - t1:.1f}s")
+    return images.images()[node.STANDIN].tag

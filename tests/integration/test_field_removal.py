@@ -123,6 +123,11 @@ FIELDS = [
     Row("autoscaling.wakeQuery", "sum(gateway_queued{model='m'})",
         needs={**NO_PODS, "autoscaling": {**SCALE, "minReplicas": 0}}, instead={"minReplicas": 1},
         refused_by_hpa="spec.autoscaling.minReplicas"),
+    # spec.routing: removing it prunes the router's Deployment, Service, ServiceAccount, Role and RoleBinding.
+    Row("routing", {}),
+    Row("routing.enabled", False, needs={**NO_PODS, "routing": {}}),
+    Row("routing.policy", "round_robin", needs={**NO_PODS, "routing": {}}),
+    Row("routing.replicas", 2, needs={**NO_PODS, "routing": {}}),
 ]
 
 

@@ -220,6 +220,35 @@ def test_the_oci_capture_tool_saves_what_runc_ran(demo, tmp_path):
     assert {"/tmp", "/etc/kvoffload"} <= {m["destination"] for m in oci["mounts"]}
 
 
+def test_a_rendered_pods_capture_is_the_committed_one(demo, tmp_path):
+    """capture.py --rendered on the real node: the workstation example's pod, fitted to the node, as kubelet +
+    containerd create it, is what benchmarks/gpu/oci/lmcache/ holds (the specs the GPU runs use): the same
+    containers with the same users, capabilities, read-only roots, mounts and options, seccomp, namespaces
+    and cgroup sizes. A rendering that changes these needs a new capture (benchmarks/gpu/oci/README.md)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("capture", ROOT / "benchmarks" / "gpu" / "oci" / "capture.py")
+    capture = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(capture)
+    capture.capture_rendered(demo.cluster, str(ROOT / "examples" / "workstation-llama31-8b.yaml"), "lmcache", tmp_path)
+
+    def shape(s: dict) -> dict:  # oomScoreAdj left out: it follows this machine's memory (checked in the unit tests)
+        p, lx = s["process"], s["linux"]
+        return {"user": p["user"], "capabilities": p.get("capabilities"), "noNewPrivileges": p.get("noNewPrivileges"),
+                "cwd": p.get("cwd"), "rlimits": p.get("rlimits"), "readonly": s["root"].get("readonly", False),
+                "mounts": sorted((m["destination"], m["type"], tuple(m.get("options") or ())) for m in s["mounts"]),
+                "resources": lx.get("resources"), "seccomp": lx.get("seccomp"), "masked": lx.get("maskedPaths"),
+                "readonlyPaths": lx.get("readonlyPaths"), "namespaces": sorted(n["type"] for n in lx["namespaces"])}
+
+    def specs(d) -> dict:
+        return {p.stem: shape(json.loads(p.read_text())) for p in d.glob("*.json") if p.stem != "changes"}
+    got, committed = specs(tmp_path / "lmcache"), specs(ROOT / "benchmarks" / "gpu" / "oci" / "lmcache")
+    assert sorted(got) == sorted(committed) == ["exporter", "prepare-disk-tier", "report-engine-versions", "sandbox", "vllm"]
+    for name in committed:
+        assert got[name] == committed[name], name
+    assert not demo.client.get_or_none("statefulsets", "workstation-llama31-8b", capture.NAMESPACE)  # deleted again
+
+
 # ---------------------------------------------------------------------------------------- lifecycle
 def serving_pods(demo) -> dict[str, str]:
     return {p["metadata"]["name"]: p["metadata"]["uid"] for p in demo.client.list("pods", "kvoffload-demo")}

@@ -2,10 +2,15 @@
 
 The operator is the demo's (in-cluster, from the chart). Every container runs under its rendered
 securityContext, volumes and limits: the disk-tier init on a real hostPath under an allowed root, the
-versions init, the exporter sidecar (the operator image, UID 65532), the LMCache server sidecar for
-real (LMCache 0.5.3 on CPU). The engine container is the STAND-IN image (kvtest.images.STANDIN: vLLM's
-own parser checks the rendered flags, then it serves the /metrics pages recorded on an H200); the pod
-asks for the node's stand-in GPU resource (kvtest.node.GPU_STAND_IN) through spec.resources.gpuResourceName.
+versions init, the exporter sidecar (the operator image, UID 65532), the LMCache server sidecar, the
+engine. The engine image is a STAND-IN (the `engine_image` fixture; its name says so), and the pod asks
+for the node's stand-in GPU resource (kvtest.node.GPU_STAND_IN) through spec.resources.gpuResourceName:
+- `make test` runs the slim stand-in (kvtest.images.STANDIN_SLIM, 0.2 GB): the stand-ins of vLLM
+  (recorded H200 /metrics pages) and of the LMCache server (its /status; its L1 in /dev/shm, an L2 chunk
+  in the disk tier, engines registered over its port). It holds no vLLM/LMCache: EngineVerified says so.
+- KVO_STANDIN=full runs the 8.8 GB stand-in (kvtest.images.STANDIN: the serving image, vLLM's parser
+  checks the flags, the LMCache server is real; EngineVerified True). Not in `make test`: importing it
+  into containerd takes twice its size on disk.
 """
 
 from __future__ import annotations
@@ -23,44 +28,12 @@ from pathlib import Path
 
 import pytest
 
-from kvtest import condition, images, node
+from kvtest import condition, node
 
 pytestmark = pytest.mark.cluster
 
 DISK_ROOT = Path("/var/lib/kvoffload")  # one of the chart's allowedDiskRoots
-
-
-@pytest.fixture(scope="module")
-def standin(demo):
-    """The stand-in built (kvtest.images, cached) and in the node's containerd. spec.engine.image names it,
-    so every serving container of the pod but the exporter runs it (it is the serving image + the stand-in
-    `vllm`). Importing it takes its size twice on disk (content + unpacked snapshot): with less free
-    space than that and a margin, the test skips rather than fill a shared disk."""
-    if os.environ.get("KVO_SERVING_ON_NODE") != "1":
-        # Not yet run to the end anywhere (the 8.2 GiB stand-in never fitted the shared disk where it was
-        # written): opt in with KVO_SERVING_ON_NODE=1 until it has (docs/cluster.md says so).
-        pytest.skip("the serving pod on the real node is opt-in (KVO_SERVING_ON_NODE=1): not yet run to the end")
-    tar = images.save("standin")
-    free = shutil.disk_usage(node.containerd_root()).free
-    if free < 2 * tar.stat().st_size + (10 << 30):
-        pytest.skip(f"{free / 2**30:.0f} GiB free: importing the {tar.stat().st_size / 2**30:.1f} GiB stand-in "
-                    f"image needs twice that plus 10 GiB")
-    node.load_images(demo.cluster, ["standin"])
-    return images.STANDIN
-
-
-def serve(name: str, disk: Path, **resources) -> dict:
-    return {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe", "metadata": {"name": name},
-            "spec": {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
-                     "engine": {"image": images.STANDIN, "vllmVersion": "0.26.0", "lmcacheVersion": "0.5.3",
-                                "maxModelLen": 8192, "maxNumSeqs": 4},
-                     "offload": {"backend": "lmcache-server", "chunkSize": 256, "cpu": {"size": "512Mi"},
-                                 "disk": {"path": str(disk), "size": "1Gi"}},
-                     "resources": {"gpuResourceName": node.GPU_STAND_IN, "gpuMemory": "24Gi", "cpu": "100m",
-                                   "engineBaseline": "1536Mi", "perWorkerOverhead": "256Mi",
-                                   "stagingPerWorker": "128Mi", "serverBaseline": "1Gi", "shm": "256Mi",
-                                   **resources},
-                     "scheduling": node.PLACEMENT}}
+FULL = node.FULL_STANDIN
 
 
 def wait_cond(demo, ns, name, type_, status, timeout=300):
@@ -83,58 +56,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_rendered_server_pod_runs_on_the_real_node(demo, node_ns, standin, disk_dir, tmp_path):
-    demo.client.create(serve("standin", disk_dir), node_ns)
-    obj = wait_cond(demo, node_ns, "standin", "Ready", "True", timeout=600)
-    (pod,) = demo.client.list("pods", node_ns, labels={"kvoffload.io/serve": "standin"})
-    assert pod["spec"]["nodeName"] == node.NAME
-    spec = pod["spec"]
-    names = [c["name"] for c in spec["initContainers"]] + [c["name"] for c in spec["containers"]]
-    assert {"prepare-disk-tier", "report-engine-versions", "lmcache-server", "vllm", "exporter"} <= set(names), names
-    statuses = {s["name"]: s for s in pod["status"]["containerStatuses"] + pod["status"]["initContainerStatuses"]}
-    for c in spec["containers"]:
-        assert statuses[c["name"]]["ready"], statuses[c["name"]]
-    for c in spec["initContainers"]:
-        st = statuses[c["name"]]
-        assert st["state"].get("terminated", {}).get("exitCode") == 0 or st.get("started"), st
-    # Each container's securityContext as the kernel sees it: the processes' uids in /proc.
-    uids = container_uids(demo, pod)
-    want = {c["name"]: c["securityContext"]["runAsUser"] for c in spec["containers"]}
-    assert uids == want, (uids, want)
-    # The disk tier: kubelet made <root>/<ns>/<serve>/<pod> on the host; the init gave it to UID 1000, 0750.
-    d = disk_dir / node_ns / "standin" / pod["metadata"]["name"]
-    st = d.stat()
-    assert (st.st_uid, st.st_gid, oct(st.st_mode & 0o7777)) == (1000, 1000, "0o750"), (d, st)
-    # Every condition says what is true of it.
-    conds = {c["type"]: c for c in obj["status"]["conditions"]}
-    assert conds["EngineVerified"]["status"] == "True", conds["EngineVerified"]
-    assert obj["status"]["versions"]["running"]["vllm"] == "0.26.0", obj["status"]["versions"]
-    assert obj["status"]["versions"]["running"]["lmcache"] == "0.5.3", obj["status"]["versions"]
-    for t in ("ConfigValid", "Scheduled", "DiskTierReady"):
-        assert conds[t]["status"] == "True", conds[t]
-    # A real Prometheus scrapes the exporter at the pod IP through the rendered port.
-    port = next(p["containerPort"] for c in spec["containers"] for p in c.get("ports", []) if p["name"] == "metrics")
-    series = prometheus_scrape(tmp_path, f"{pod['status']['podIP']}:{port}")
-    assert series["up"] == 1.0, series
-    assert any(k.startswith("kvoffload_") for k in series), sorted(series)[:20]
-
-
-def container_uids(demo, pod) -> dict[str, int]:
-    """{container: uid of its first process}, from containerd's view of each running container."""
+def task_pids(demo, pod) -> dict[str, int]:
+    """{container: pid of its first process} for the pod's running containers (sidecars included)."""
+    tasks = {parts[0]: int(parts[1]) for parts in (ln.split() for ln in node.ctr(demo.cluster, "tasks", "ls").stdout.splitlines()[1:])
+             if len(parts) >= 3 and parts[2] == "RUNNING"}
     out = {}
-    for cs in pod["status"]["containerStatuses"]:
-        cid = cs["containerID"].removeprefix("containerd://")
-        spec = json.loads(node.ctr(demo.cluster, "containers", "info", cid).stdout)["Spec"]
-        out[cs["name"]] = spec["process"]["user"]["uid"]
-        pid = node.ctr(demo.cluster, "tasks", "ls").stdout
-        for line in pid.splitlines()[1:]:
-            parts = line.split()
-            if parts and parts[0] == cid:
-                out[cs["name"]] = int(Path(f"/proc/{parts[1]}/status").read_text().split("Uid:")[1].split()[0])
+    for cs in pod["status"]["containerStatuses"] + pod["status"].get("initContainerStatuses", []):
+        cid = (cs.get("containerID") or "").removeprefix("containerd://")
+        if cid in tasks:
+            out[cs["name"]] = tasks[cid]
+    return out
+
+
+def proc_status(pid: int) -> dict[str, str]:
+    return dict((k, v.strip()) for k, v in (ln.split(":", 1) for ln in Path(f"/proc/{pid}/status").read_text().splitlines()))
+
+
+def memory_limit(pid: int) -> int:
+    """The memory cgroup limit the kernel holds the process to (cgroup v1 here, v2 where there is no v1)."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return int(Path(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes").read_text())
+        if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").exists():
+            return int(Path(f"/sys/fs/cgroup{path}/memory.max").read_text())
+    raise AssertionError(f"no memory cgroup for pid {pid}")
+
+
+def mount_options(pid: int) -> dict[str, tuple[str, str]]:
+    """{mount point: (per-mount options, fs type)} as the process sees them."""
+    out = {}
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        left, right = line.split(" - ", 1)
+        out[left.split()[4]] = (left.split()[5], right.split()[0])
+    return out
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """TCP listeners in the process's network namespace (/proc/PID/net/tcp: the pod's, not the host's)."""
+    out = set()
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if state == "0A":
+            addr, port = local.split(":")
+            out.add((socket.inet_ntoa(bytes.fromhex(addr)[::-1]), int(port, 16)))
     return out
 
 
 def prometheus_scrape(tmp: Path, target: str) -> dict[str, float]:
+    """A real Prometheus on the host scrapes `target` (the exporter at the pod IP) once a second; the series it holds."""
     port = free_port()
     (tmp / "prom.yml").write_text(json.dumps({
         "global": {"scrape_interval": "1s"},
@@ -142,6 +112,7 @@ def prometheus_scrape(tmp: Path, target: str) -> dict[str, float]:
     proc = subprocess.Popen(["prometheus", f"--config.file={tmp / 'prom.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
                              f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
                             stderr=open(tmp / "prom.log", "w"))
+    got: dict[str, float] = {}
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -150,19 +121,129 @@ def prometheus_scrape(tmp: Path, target: str) -> dict[str, float]:
                 conn.request("GET", "/api/v1/query?query=%7Bjob%3D%22exporter%22%7D")
                 res = json.loads(conn.getresponse().read())["data"]["result"]
                 got = {r["metric"]["__name__"]: float(r["value"][1]) for r in res}
-                if got.get("up") == 1.0 and len(got) > 5:
+                if got.get("up") == 1.0 and "kvoffload_disk_bytes" in got and "kvoffload_lmcache_server_engines" in got:
                     return got
             time.sleep(1)
-        return got if "got" in dir() else {}
+        return got
     finally:
         proc.terminate()
         proc.wait(10)
 
 
-def test_over_its_limit_the_engine_is_oom_killed_and_ready_names_it(demo, node_ns, standin, disk_dir):
-    # 1 MiB for the engine's baseline: the stand-in (vLLM's parser imports torch) cannot start in it.
-    demo.client.create(serve("tight", disk_dir, engineBaseline="1Mi", perWorkerOverhead="1Mi",
-                             stagingPerWorker="1Mi", headroomPercent=0), node_ns)
+def test_the_rendered_server_pod_runs_on_the_real_node(demo, node_ns, engine_image, disk_dir, tmp_path):
+    t0 = time.monotonic()
+    demo.client.create(node.serve_spec("standin", engine_image, disk_dir), node_ns)
+    obj = wait_cond(demo, node_ns, "standin", "Ready", "True", timeout=600)
+    print(f"KVOffloadServe Ready in {time.monotonic() - t0:.0f}s")
+    (pod,) = demo.client.list("pods", node_ns, labels={"kvoffload.io/serve": "standin"})
+    assert pod["spec"]["nodeName"] == node.NAME
+    spec, name = pod["spec"], pod["metadata"]["name"]
+    names = [c["name"] for c in spec["initContainers"]] + [c["name"] for c in spec["containers"]]
+    assert names == ["prepare-disk-tier", "report-engine-versions", "lmcache-server", "vllm", "exporter"], names
+    statuses = {s["name"]: s for s in pod["status"]["containerStatuses"] + pod["status"]["initContainerStatuses"]}
+    for c in spec["containers"]:
+        assert statuses[c["name"]]["ready"] and statuses[c["name"]]["restartCount"] == 0, statuses[c["name"]]
+    for init in ("prepare-disk-tier", "report-engine-versions"):
+        assert statuses[init]["state"]["terminated"]["exitCode"] == 0, statuses[init]
+    assert statuses["lmcache-server"]["started"] and statuses["lmcache-server"]["ready"], statuses["lmcache-server"]
+    rendered = {c["name"]: c for c in spec["initContainers"] + spec["containers"]}
+
+    # What runc was given for every container (init containers too): the rendered user, fsGroup as a
+    # supplementary group, read-only root, no new privileges, the memory limit.
+    oci = node.oci_specs(demo.cluster, node_ns, name)
+    for cname, c in rendered.items():
+        sc, proc = c["securityContext"], oci[cname]["process"]
+        uid = sc.get("runAsUser", spec["securityContext"]["runAsUser"])
+        assert proc["user"]["uid"] == uid and 1000 in proc["user"].get("additionalGids", []), (cname, proc["user"])
+        assert oci[cname]["root"]["readonly"] is True, cname
+        assert proc["noNewPrivileges"] is True, cname
+        limit = oci[cname]["linux"]["resources"]["memory"]["limit"]
+        assert limit == to_bytes(c["resources"]["limits"]["memory"]), (cname, limit)
+    assert proc_caps(oci["prepare-disk-tier"]) == {"CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER"}
+    assert all(not proc_caps(oci[n]) for n in rendered if n != "prepare-disk-tier")
+
+    # The running processes as the kernel holds them: uid, groups, no capabilities, seccomp, the cgroup's
+    # limit, a read-only root mount.
+    pids = task_pids(demo, pod)
+    assert set(pids) == {"lmcache-server", "vllm", "exporter"}, pids
+    for cname, pid in pids.items():
+        st, sc = proc_status(pid), rendered[cname]["securityContext"]
+        uid = sc.get("runAsUser", spec["securityContext"]["runAsUser"])
+        assert st["Uid"].split()[0] == str(uid) and "1000" in st["Groups"].split(), (cname, st["Uid"], st["Groups"])
+        assert (st["CapEff"], st["NoNewPrivs"], st["Seccomp"]) == ("0000000000000000", "1", "2"), (cname, st)
+        assert memory_limit(pid) == to_bytes(rendered[cname]["resources"]["limits"]["memory"]), cname
+        assert mount_options(pid)["/"][0].split(",")[0] == "ro", (cname, mount_options(pid)["/"])
+
+    # The memory-backed /dev/shm: one tmpfs of the rendered sizeLimit that the server and vLLM share; the
+    # server's L1 segment lives in it.
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    shm_size = to_bytes(volumes["dshm"]["emptyDir"]["sizeLimit"])
+    shm = {n: mount_options(pids[n])["/dev/shm"] for n in ("lmcache-server", "vllm")}
+    assert {fs for _, fs in shm.values()} == {"tmpfs"}, shm
+    views = {n: os.statvfs(f"/proc/{pids[n]}/root/dev/shm") for n in ("lmcache-server", "vllm")}
+    assert {v.f_blocks * v.f_frsize for v in views.values()} == {shm_size}, (views, shm_size)
+    assert os.stat(f"/proc/{pids['vllm']}/root/dev/shm").st_dev == os.stat(f"/proc/{pids['lmcache-server']}/root/dev/shm").st_dev
+    if not FULL:  # the slim stand-in server does at start what the real one does on a GPU host and at its first chunk
+        segments = list(Path(f"/proc/{pids['vllm']}/root/dev/shm").iterdir())
+        assert [p.stat().st_size for p in segments] == [to_bytes(node.STANDIN_CPU_TIER)], segments
+        # The sidecar, read-only root, made numba's cache directory where the pod's /tmp is.
+        assert Path(f"/proc/{pids['lmcache-server']}/root/tmp/numba-cache").is_dir()
+
+    # The disk tier: kubelet made <root>/<ns>/<serve>/<pod> (subPathExpr) on the host; the init gave it to
+    # UID 1000, 0750; the server wrote there as 1000 and the exporter (65532, fsGroup 1000) reads it.
+    d = disk_dir / node_ns / "standin" / name
+    st = d.stat()
+    assert (st.st_uid, st.st_gid, oct(st.st_mode & 0o7777)) == (1000, 1000, "0o750"), (d, st)
+    if not FULL:
+        assert [p.name for p in d.iterdir()] == ["standin-chunk-0.kvcache"], d
+        assert d.joinpath("standin-chunk-0.kvcache").stat().st_uid == 1000
+
+    # Probes against the pod IP: the exporter listens on the pod IP only, and kubelet's liveness probe passes there.
+    ip = pod["status"]["podIP"]
+    port = next(p["containerPort"] for p in rendered["exporter"]["ports"] if p["name"] == "metrics")
+    assert (ip, port) in listening(pids["exporter"]) and ("0.0.0.0", port) not in listening(pids["exporter"])
+    assert rendered["exporter"]["livenessProbe"]["httpGet"]["port"] == "metrics"
+
+    # A real Prometheus scrapes the exporter at the pod IP through the rendered port: it read the files and
+    # the servers of the other containers.
+    series = prometheus_scrape(tmp_path, f"{ip}:{port}")
+    assert series.get("up") == 1.0, series
+    assert "kvoffload_disk_bytes" in series and "kvoffload_lmcache_server_engines" in series, series
+    if not FULL:
+        assert series["kvoffload_disk_bytes"] == 1 << 20, series  # the server's chunk, read by the exporter through fsGroup
+        assert series["kvoffload_lmcache_server_engines"] == 1, series  # the stand-in vLLM registered over the server's port
+
+    # Every condition says what is true of it.
+    obj = demo.client.get("kvs", "standin", node_ns)
+    conds = {c["type"]: c for c in obj["status"]["conditions"]}
+    for t in ("ConfigValid", "Scheduled", "DiskTierReady", "Ready"):
+        assert conds[t]["status"] == "True", conds[t]
+    if FULL:
+        assert conds["EngineVerified"]["status"] == "True", conds["EngineVerified"]
+        assert obj["status"]["versions"]["running"][0]["vllm"] == "0.26.0", obj["status"]["versions"]
+    else:  # the slim stand-in holds neither: the versions init says so, the exporter serves it, the operator reports it
+        ev = conds["EngineVerified"]
+        assert (ev["status"], ev["reason"]) == ("False", "EngineVersionMismatch"), ev
+        assert "runs vLLM none + LMCache none" in ev["message"], ev
+        assert {k: obj["status"]["versions"]["running"][0][k] for k in ("vllm", "lmcache", "torch")} == \
+            dict.fromkeys(("vllm", "lmcache", "torch"), "none"), obj["status"]["versions"]
+
+
+def proc_caps(spec: dict) -> set[str]:
+    return set(spec["process"].get("capabilities", {}).get("effective") or [])
+
+
+def to_bytes(q: str) -> int:
+    from kvoffload.api.quantity import to_bytes as parse
+    return parse(q, "quantity")
+
+
+def test_over_its_limit_the_engine_is_oom_killed_and_ready_names_it(demo, node_ns, engine_image, disk_dir):
+    # The stand-in holds more host memory than the vllm container's limit (its terms + at least 1 GiB of
+    # headroom), as an engine that outgrew its budget: the kernel stops it at the limit.
+    hold = 4 << 30
+    demo.client.create(node.serve_spec("tight", engine_image, disk_dir, env=[{"name": "KVO_STANDIN_HOST_BYTES", "value": str(hold)}]),
+                       node_ns)
 
     def oom():
         obj = demo.client.get_or_none("kvs", "tight", node_ns)
@@ -172,6 +253,8 @@ def test_over_its_limit_the_engine_is_oom_killed_and_ready_names_it(demo, node_n
     msg = condition(obj, "Ready")["message"]
     assert "vllm" in msg, msg
     (pod,) = demo.client.list("pods", node_ns, labels={"kvoffload.io/serve": "tight"})
+    (c,) = [c for c in pod["spec"]["containers"] if c["name"] == "vllm"]
+    assert to_bytes(c["resources"]["limits"]["memory"]) < hold, c["resources"]
     (cs,) = [s for s in pod["status"]["containerStatuses"] if s["name"] == "vllm"]
     last = cs.get("lastState", {}).get("terminated") or cs["state"].get("terminated")
     assert last["reason"] == "OOMKilled" and last["exitCode"] == 137, cs

@@ -119,7 +119,7 @@ def test_server_pod():
     # Eager L1 (the H200 run: LMCache's default lazy L1 turned the /dev/shm transfer off).
     assert "--no-l1-use-lazy" in args and "--l1-use-lazy" not in args
     l2 = json.loads(arg(args, "--l2-adapter"))
-    assert l2 == {"type": "fs_native", "base_path": render.DISK_DIR, "max_capacity_gb": 200.0}
+    assert l2 == {"type": "fs_native", "base_path": render.DISK_DIR, "max_capacity_gb": 200.0, "use_odirect": True}
     kv = json.loads(arg(vllm["args"], "--kv-transfer-config"))
     assert kv["kv_connector"] == "LMCacheMPConnector"
     assert kv["kv_connector_extra_config"]["lmcache.mp.port"] == int(arg(args, "--port"))

@@ -8,14 +8,20 @@ import itertools
 from typing import Any
 
 import kopf
+import pytest
 from kopf._cogs.structs.references import Resource
 
-from kvoffload.controller import cache, handlers
-from kvoffload.controller.kube import Kube, collection
+from kvoffload.api.errors import ConfigError
+from kvoffload.api.settings import Settings
+from kvoffload.controller import cache, handlers, pipeline, reconcile, runtime
+from kvoffload.controller.kube import ApiError, Kube, collection
 from kvoffload.controller.reconcile import cr_path
-from kvoffload.rendering import render
+from kvoffload.rendering import autoscaling, render
 
 OWNER = render.OWNER_LABEL
+SPEC = {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen": 4096},
+        "offload": {"cpu": {"size": "1Gi"}}, "resources": {"gpuMemory": "141Gi"}}
+SCALE = {"maxReplicas": 3, "targets": {"waitingRequestsPerReplica": 4}}
 
 
 def obj(kind: str, name: str, rv: int, owner: str | None = "a", ns: str = "ns", **extra: Any) -> dict[str, Any]:
@@ -194,7 +200,7 @@ def test_kopf_watches_every_cached_kind_and_only_our_children_and_pods():
     resources = {kind: Resource(group=api_version.rpartition("/")[0], version=api_version.rpartition("/")[2],
                                 plural=collection(api_version, kind, "_").rsplit("/", 1)[1], kind=kind, namespaced=True)
                  for api_version, kind in cache.KINDS}
-    assert len(resources) == 8 and "HorizontalPodAutoscaler" in resources  # the CR, its 6 child kinds, pods
+    assert len(resources) == 12 and {"HorizontalPodAutoscaler", "Deployment", "Role"} <= set(resources)  # the CR, 10 child kinds, pods
     for kind, resource in resources.items():
         assert registry._indexing.has_handlers(resource=resource), kind  # feeds the cache, gates the first reconcile
         assert registry._watching.has_handlers(resource=resource), kind
@@ -229,3 +235,51 @@ def test_the_initial_listing_released_after_the_gate_is_not_a_relist():
         assert not c.relists and len(c.by_kind["ConfigMap"]) == 3 and not c.unreleased
 
     asyncio.run(scenario())
+
+
+class Discovery(Kube):
+    """Answers discovery only: /apis/<group>/<version> lists `served` (plural names); any other group is a 404."""
+
+    def __init__(self, served: dict[str, list[str]]) -> None:
+        super().__init__(None)  # type: ignore[arg-type]
+        self.served, self.asked = served, []
+
+    def request(self, method: str, path: str, body: Any = None, **_: Any) -> Any:
+        self.asked.append(path)
+        gv = path.removeprefix("/apis/")
+        if gv not in self.served:
+            raise ApiError(404, "Not Found", "{}")
+        return {"resources": [{"name": n} for n in self.served[gv]]}
+
+
+def test_scaled_objects_are_watched_only_with_autoscaler_keda_and_only_where_served(monkeypatch):
+    """KEDA's ScaledObject joins the watched kinds (cache, kopf handlers, owner-label selector) before kopf starts,
+    only with autoscaler keda and a served CRD; without the CRD the operator runs on, and the reconcile refuses a
+    spec.autoscaling naming the field instead of failing on a 404."""
+    registry = kopf.OperatorRegistry()
+    monkeypatch.setattr(handlers, "_watched", list(render.CHILD_KINDS))
+    monkeypatch.setattr(kopf._core.intents.registries, "_default_registry", registry)
+    so = Resource(group="keda.sh", version="v1alpha1", plural="scaledobjects", kind="ScaledObject", namespaced=True)
+    keda = Settings(autoscaler="keda", prometheus_address="http://127.0.0.1:9090")
+    served = Discovery({"keda.sh/v1alpha1": ["scaledobjects", "scaledobjects/status"]})
+
+    assert asyncio.run(handlers.watch_optional_kinds(served, Settings())) == () and served.asked == []  # hpa: nothing to ask
+    assert asyncio.run(handlers.watch_optional_kinds(Discovery({}), keda)) == (autoscaling.SCALED_OBJECT,)
+    assert handlers._watched == list(render.CHILD_KINDS) and not registry._indexing.has_handlers(resource=so)
+    children = pipeline.desired("a", "ns", "u", {**SPEC, "autoscaling": SCALE}, keda).applied
+    with pytest.raises(ConfigError) as err:  # before any request (no kube): nothing is half-applied
+        reconcile.sync_children(None, "ns", "a", "u", children, kinds=tuple(handlers._watched))  # type: ignore[arg-type]
+    assert err.value.field == "spec.autoscaling" and "install KEDA" in err.value.message
+
+    assert asyncio.run(handlers.watch_optional_kinds(served, keda)) == ()
+    assert handlers._watched == [*render.CHILD_KINDS, autoscaling.SCALED_OBJECT]
+    assert registry._indexing.has_handlers(resource=so) and registry._watching.has_handlers(resource=so)
+    settings = kopf.OperatorSettings()
+    handlers.tune(settings)
+    assert settings.watching.label_selectors.collect(so) == [OWNER]
+    rt = runtime.Runtime(kube=Discovery({}), settings=keda, child_kinds=tuple(handlers._watched))
+    assert "ScaledObject" in rt.cache.by_kind
+    path = collection(*autoscaling.SCALED_OBJECT, "ns")
+    rt.cache.by_kind["ScaledObject"].apply_event("ADDED", {**obj("ScaledObject", "a", 3), "apiVersion": "keda.sh/v1alpha1"})
+    assert [o["metadata"]["name"] for o in rt.kube.list(path, f"{OWNER}=a")] == ["a"]  # type: ignore[union-attr]
+    assert rt.kube.inner.asked == []  # type: ignore[union-attr]  # from the cache: no LIST per reconcile

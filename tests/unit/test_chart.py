@@ -41,6 +41,11 @@ EXPECTED_RULES = {
     ("policy", "poddisruptionbudgets"): {"list", "watch", "create", "patch", "delete"},
     ("networking.k8s.io", "networkpolicies"): {"list", "watch", "create", "patch", "delete"},
     ("autoscaling", "horizontalpodautoscalers"): {"list", "watch", "create", "patch", "delete"},
+    # spec.routing: the router's Deployment, its ServiceAccount and the Role (pods list/watch) bound to it.
+    ("apps", "deployments"): {"list", "watch", "create", "patch", "delete"},
+    ("", "serviceaccounts"): {"list", "watch", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "roles"): {"list", "watch", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"list", "watch", "create", "patch", "delete"},
     ("", "pods"): {"list", "watch"},
     ("", "events"): {"create"},
 }
@@ -417,10 +422,11 @@ def test_scheduling_values(helm):
 
 
 def test_keda_autoscaler_adds_scaledobjects_only(helm):
-    """operator.config.autoscaler keda: the operator also applies, lists and prunes ScaledObjects (not watched)."""
+    """operator.config.autoscaler keda: the operator also applies, watches and prunes ScaledObjects."""
     docs = helm.render("--set", "operator.config.autoscaler=keda",
                        "--set", "operator.config.prometheusAddress=http://prometheus.monitoring.svc:9090")
-    assert _rules(one(docs, "ClusterRole")) == {**EXPECTED_RULES, ("keda.sh", "scaledobjects"): {"list", "create", "patch", "delete"}}
+    assert _rules(one(docs, "ClusterRole")) == {**EXPECTED_RULES,
+                                                ("keda.sh", "scaledobjects"): {"list", "watch", "create", "patch", "delete"}}
     config = yaml.safe_load(next(c for c in find(docs, "ConfigMap") if "config.yaml" in c.get("data", {}))["data"]["config.yaml"])
     assert (config["autoscaler"], config["prometheusAddress"]) == ("keda", "http://prometheus.monitoring.svc:9090")
     cp = helm("template", "kvo", CHART, "--set", "operator.config.autoscaler=argo", check=False)

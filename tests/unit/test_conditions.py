@@ -250,6 +250,14 @@ def test_crash_loop_names_the_pod_and_the_container_state():
     assert c["Ready"]["message"] == "1 pod(s) failing; svc-0: container vllm: CrashLoopBackOff (back-off 5m0s)"
 
 
+def test_a_crash_loop_after_an_oom_kill_names_the_kill():
+    p = failing_pod()
+    p["status"]["containerStatuses"][0]["lastState"] = {"terminated": {"reason": "OOMKilled", "exitCode": 137}}
+    c = by_type(conditions.status(body(), desired(), None, conditions.Observed(sts(ready=0), [p]), T0))
+    assert c["Ready"]["message"] == ("1 pod(s) failing; svc-0: container vllm: CrashLoopBackOff after OOMKilled (exit code 137) "
+                                     "(back-off 5m0s)")
+
+
 def test_first_status_says_working_on_it():
     st = conditions.initial(body(4), T0)
     c = by_type(st)

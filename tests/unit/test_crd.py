@@ -29,6 +29,7 @@ FULL_SPEC = {
                                                   "whenUnsatisfiable": "DoNotSchedule"}]},
     "metrics": {"enabled": True, "port": 9400},
     "networkPolicy": {"servingFrom": ["gateway"], "metricsFrom": ["monitoring"]},
+    "routing": {"enabled": True, "policy": "cache_aware", "replicas": 2},
 }
 
 # The disk tier is either a hostPath or an ephemeral volume: one spec cannot set both.

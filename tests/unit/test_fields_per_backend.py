@@ -90,6 +90,9 @@ CASES: dict[str, tuple[dict, object]] = {
     "autoscaling.scaleUpPeriodSeconds": (SCALED, 60),
     "autoscaling.scaleDownWindowSeconds": (SCALED, 600),
     "autoscaling.wakeQuery": ({**SCALED, "autoscaling__minReplicas": 0, "autoscaling__wakeQuery": "sum(a)"}, "sum(b)"),
+    "routing.enabled": ({"routing__replicas": 1}, False),
+    "routing.policy": ({"routing__enabled": True}, "round_robin"),
+    "routing.replicas": ({"routing__enabled": True}, 2),
 }
 # spec.autoscaling is rendered with the operator setting autoscaler keda (scale to zero needs it).
 KEDA = Settings(autoscaler="keda", prometheus_address="http://prometheus.monitoring.svc:9090")

@@ -254,7 +254,7 @@ def test_from_template_sets_what_cri_derives_from_the_security_context(rendered)
     assert init["process"]["capabilities"]["effective"] == ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER"]
     assert user_of(derived["exporter"][0])[:2] == (65532, 65532) and derived["exporter"][0]["root"]["readonly"] is True
     side, changes = derived["lmcache-server"]
-    assert side["root"]["readonly"] is False  # the sidecar's securityContext sets no readOnlyRootFilesystem
+    assert side["root"]["readonly"] is True  # the sidecar writes only to its volumes (/tmp, /dev/shm, the disk tier)
     assert derived["vllm"][0]["linux"]["resources"]["cpu"]["shares"] == 4096  # cpu request 4
     for spec, _ in derived.values():  # the rest is the real node's: seccomp RuntimeDefault, masked paths
         assert spec["linux"]["seccomp"] == template["linux"]["seccomp"] and spec["process"]["noNewPrivileges"] is True
@@ -274,3 +274,119 @@ def test_a_capture_of_another_backends_pod_is_refused_unless_asked_and_then_list
     assert any(ch.startswith("volume mount /etc/lmcache added") for ch in changes)
     assert "captured volume mount /scratch dropped (the rendered pod has no such mount)" in changes
     assert user_of(new) == (1000, 1000, [1000]) and new["process"]["capabilities"] == {}
+
+
+# ------------------------------------------------------------------ captures of the rendered pods (capture.py --rendered)
+
+CAPTURES = {"lmcache": "workstation-llama31-8b", "lmcache-server": "server-llama31-8b", "vllm-native": "native-llama31-8b"}
+CPU_NODE_MEMORY = 24683652 * 1024  # MemTotal of the CPU machine whose kubelet made the captures
+GPU_HOST = gpu_oci.Host(**{**HOST.__dict__, "memory_capacity": 135128870912})  # an H200 host's MemTotal (1 Dec)
+
+
+def capture_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("capture", OCI / "capture.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def sts_spec(docs: list[dict]) -> dict:
+    return next(d for d in docs if d["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("backend", CAPTURES)
+def test_for_cpu_node_changes_only_sizes_gpu_images_placement_and_the_sidecars_command(backend):
+    cap = capture_module()
+    docs = [d for d in yaml.safe_load_all(rendered_text(CAPTURES[backend])) if d]
+    fitted, changes = cap.for_cpu_node(docs, backend)
+    assert [d["kind"] for d in fitted] == [d["kind"] for d in docs if d["kind"] in ("ConfigMap", "StatefulSet")]
+    before, after = sts_spec(docs), sts_spec(fitted)
+    assert after["securityContext"] == before["securityContext"]
+    for b, a in zip(before.get("initContainers", []) + before["containers"], after.get("initContainers", []) + after["containers"]):
+        for key in ("name", "env", "volumeMounts", "securityContext", "ports", "restartPolicy"):
+            assert a.get(key) == b.get(key), (a["name"], key)
+        if not (b.get("restartPolicy") == "Always" and b.get("startupProbe")):
+            assert (a.get("command"), a.get("args")) == (b.get("command"), b.get("args")), a["name"]
+        assert a["image"] == cap.OPERATOR
+        for part in ("requests", "limits"):
+            for kind, q in (a["resources"].get(part) or {}).items():
+                if kind in cap.CAP:
+                    assert cap._amount(kind, q) <= cap._amount(kind, cap.CAP[kind]), (a["name"], part, kind)
+                    was = b["resources"][part][kind]
+                    assert q == was or f"{a['name']}: {part}.{kind} {was} -> {q}" in changes
+            assert "nvidia.com/gpu" not in (a["resources"].get(part) or {})
+    assert after["nodeSelector"] == cap.node.PLACEMENT["nodeSelector"]
+    assert [v for v in after["volumes"] if "hostPath" not in v] == [v for v in before["volumes"] if "hostPath" not in v]
+    # the vLLM container is Burstable either way (a CPU request, no CPU limit): the same kubepods/burstable cgroup
+    vllm = next(c for c in after["containers"] if c["name"] == "vllm")["resources"]
+    assert "cpu" in vllm["requests"] and "cpu" not in vllm.get("limits", {})
+
+
+@pytest.mark.parametrize("backend", CAPTURES)
+def test_the_captures_are_of_the_rendered_pods(backend, rendered):
+    """Every container of today's rendering was captured, as kubelet ran it: its user and groups, capabilities,
+    read-only root, the rendered volume mounts with their read-only flag; and changes.json says what was fitted."""
+    specs = gpu_pod.load_specs(str(OCI / backend))
+    run = pod(rendered[CAPTURES[backend]])
+    assert set(specs) == {c.name for c in run.containers}
+    notes = json.loads((OCI / backend / "changes.json").read_text())
+    assert notes["pod"].endswith(f"/{CAPTURES[backend]}-0") and notes["rendered"].endswith(PODS[CAPTURES[backend]].name)
+    assert all(ch.split(":", 1)[0] in {d["kind"] + " " + d["metadata"]["name"] for d in yaml.safe_load_all(
+        (OCI / backend / "applied.yaml").read_text())} | {"pod", "volume kv-disk"} | {c.name for c in run.containers}
+               for ch in notes["changes"])  # each change names what it changed
+    for c in run.containers:
+        s, sec = specs[c.name], c.security
+        assert s["annotations"]["io.kubernetes.cri.container-name"] == c.name
+        assert s["process"]["user"]["uid"] == sec.get("runAsUser", 0) and 1000 in s["process"]["user"]["additionalGids"]
+        added = sorted(f"CAP_{x}" for x in (sec.get("capabilities") or {}).get("add") or [])
+        assert (s["process"]["capabilities"] or {}).get("effective", []) == added, c.name
+        assert s["process"]["noNewPrivileges"] is True and s["root"].get("readonly", False) == bool(sec.get("readOnlyRootFilesystem"))
+        mounts = {m["destination"]: "ro" in m["options"] for m in s["mounts"] if "/kubelet/pods/" in m["source"]
+                  and m["destination"] not in gpu_oci.POD_FILES}
+        assert mounts == {d: ro for d, (_src, ro) in c.mounts.items()}, c.name
+        assert s["linux"]["seccomp"]["defaultAction"] == "SCMP_ACT_ERRNO"
+        # the sizes kubelet derived on the CPU node, from the fitted pod's requests (kubelet's formula, checked)
+        lim = s["linux"]["resources"]["memory"]["limit"]
+        assert lim == min(c.memory_limit, 2**30), c.name
+        req = min(c.memory_request, 2**30)
+        floor = min(min(x.memory_request, 2**30) for x in run.containers if x.role in ("main", "exporter"))
+        assert s["process"]["oomScoreAdj"] == gpu_oci.oom_score_adj(
+            gpu_oci.qos(s), req, CPU_NODE_MEMORY, floor if c.role == "sidecar" else None), c.name
+
+
+@pytest.mark.parametrize("backend", CAPTURES)
+def test_rewrite_of_a_capture_puts_back_the_rendered_sizes_and_nothing_else(backend, rendered, tmp_path):
+    r = rendered[CAPTURES[backend]]
+    run = gm.containerize(r, str(tmp_path / "pod"), str(tmp_path / "node-dir"), model_config={"a": 1})
+    specs = gpu_pod.load_specs(str(OCI / backend))
+    p = gpu_pod.Pod(run, copy.deepcopy(specs), name=f"{r.name}-0", tag="t", work=str(tmp_path / "pod"), logdir=str(tmp_path),
+                    namespaces=dict(gpu_pod.NS_FILES), python="/opt/py/bin/python3", crun="crun", host=GPU_HOST, dry_run=True)
+    p.prepare()  # same shape: a mount missing on either side is refused
+    for c in run.containers:
+        old, new, ch = specs[c.name], p.box(c.name).spec, p.changes[c.name]
+        assert not any("derived from" in x or "added as kubelet mounts" in x for x in ch), c.name
+        res = new["linux"]["resources"]
+        assert res["memory"] == {"limit": c.memory_limit, "swap": c.memory_limit}
+        assert res["cpu"]["shares"] == gpu_oci.cpu_shares(c.cpu_request)
+        want_oom = new["process"]["oomScoreAdj"]
+        if c.name == "vllm":
+            assert want_oom == 1000 - 1000 * c.memory_request // GPU_HOST.memory_capacity < old["process"]["oomScoreAdj"]
+            assert any(x.startswith(f"resources.memory.limit {2**30} (the captured pod's) -> {c.memory_limit}") for x in ch)
+        for key in ("user", "capabilities", "noNewPrivileges", "cwd"):
+            assert new["process"].get(key) == old["process"].get(key), (c.name, key)
+        for key in ("seccomp", "maskedPaths", "readonlyPaths", "sysctls"):
+            assert new["linux"].get(key) == old["linux"].get(key), (c.name, key)
+        assert new["root"]["readonly"] == old["root"].get("readonly", False)
+        kept = {m["destination"]: m["options"] for m in old["mounts"]}
+        assert all(m["options"] == kept[m["destination"]] for m in new["mounts"] if m["destination"] in kept)
+
+
+def test_kubelets_oom_score_adj():
+    assert gpu_oci.oom_score_adj("burstable", 2**30, CPU_NODE_MEMORY) == 958  # as the CPU node's kubelet set it
+    assert gpu_oci.oom_score_adj("burstable", 55194 * 2**20, 135128870912) == 572
+    assert gpu_oci.oom_score_adj("burstable", 64 * 2**20, 2**40) == 999  # never BestEffort's 1000
+    assert gpu_oci.oom_score_adj("burstable", 2**41, 2**40) == 3  # never below Guaranteed + 1000
+    assert gpu_oci.oom_score_adj("burstable", 32 * 2**20, 2**34, sidecar_floor=2**30) == 938  # a sidecar: the smallest regular request
+    assert gpu_oci.oom_score_adj("guaranteed", 2**30, 2**40) == -997 and gpu_oci.oom_score_adj("besteffort", None, 2**40) == 1000

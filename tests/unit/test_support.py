@@ -30,8 +30,8 @@ def test_no_test_module_imports_another():
 
 def test_the_children_lister_reads_the_renderers_own_kinds():
     assert kvspecs.CHILD_KINDS == tuple(kind for _, kind in render.CHILD_KINDS)
-    assert kvspecs.child_resources() == ("configmaps", "services", "statefulsets", "poddisruptionbudgets", "networkpolicies",
-                                        "horizontalpodautoscalers")
+    assert kvspecs.child_resources() == ("configmaps", "services", "serviceaccounts", "roles", "rolebindings", "statefulsets",
+                                         "deployments", "poddisruptionbudgets", "networkpolicies", "horizontalpodautoscalers")
     kinds = {c["kind"] for c in kvspecs.rendered(kvspecs.spec(networkPolicy={"servingFrom": ["apps"]}, autoscaling={
-        "maxReplicas": 4, "targets": {"waitingRequestsPerReplica": 4}}))}
+        "maxReplicas": 4, "targets": {"waitingRequestsPerReplica": 4}}, routing={}))}
     assert kinds == set(kvspecs.CHILD_KINDS)

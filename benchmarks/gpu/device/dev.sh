@@ -1,21 +1,19 @@
 #!/bin/bash
 # On the GPU host (device `run`), from the checkout root, with .gpu/ carried: bench/ = benchmarks/gpu/*.py, operator/,
-# rendered/, oci/, crun/ (Debian crun 1.8.1 + its libraries), dev/ = this directory; .gpupN/ = one wheel-site part each.
-#   bash .gpu/dev/dev.sh stash N         move .gpupN/site.part* out of the checkout (kept while the machine is warm)
+# rendered/, oci/ (the captures, benchmarks/gpu/oci/<backend>/), crun/ (Debian crun 1.8.1 + its libraries), dev/ = this
+# directory; .gpupN/ = one wheel-site part each (`make`-free: see device/requirements-h200.txt).
+#   mkdir -p /root/kvstash && mv .gpupN/site.part* /root/kvstash/   one call per part (kept while the machine is warm)
 #   bash .gpu/dev/dev.sh install         the serving "image" (host torch + wheels), the operator package, crun
-#   bash .gpu/dev/dev.sh smoke NAME      crun + captured spec + GPU check in the vllm container of pod NAME
-#   bash .gpu/dev/dev.sh bench ARGS...   gpu_bench.py --runtime crun ARGS
+#   bash .gpu/dev/dev.sh bench ARGS...   gpu_bench.py --runtime crun ARGS (--rendered F --oci .gpu/oci/<backend> ...)
+#   bash .gpu/dev/dev.sh plan TOTAL_S    the 2 Dec measurement: every bench below, each skipped when TOTAL_S would not hold it
 set -u -o pipefail
 K=/root/kvstash
 IMG=/opt/kvimage
 G=$PWD/.gpu
 export PYTHONUNBUFFERED=1
 case "$1" in
-stash)
-  mkdir -p $K && mv $PWD/.gpup$2/site.part* $K/ && ls -la $K && df -h /root /var/tmp | tail -2 ;;
 install)
   t0=$(date +%s)
-  mv $G/site.part* $K/ 2>/dev/null
   rm -rf $IMG && mkdir -p $IMG/serving/site $IMG/serving/bin $IMG/operator/site $IMG/operator/bin $IMG/crun
   cat $K/site.part* | xz -dc -T0 | tar -x -C $IMG/serving/site || exit 1
   rm -rf $IMG/serving/site/bin
@@ -25,15 +23,26 @@ install)
   python3 $G/dev/shims.py $IMG "$(command -v python3)" || exit 1
   python3 -m compileall -q -j 0 $IMG/serving/site $IMG/operator/site >/dev/null 2>&1
   chmod -R a+rX $IMG
-  $IMG/crun/run --version | head -2
-  python3 -c "import torch; torch.cuda.init(); print('host torch', torch.__version__, torch.cuda.get_device_name(0))"
-  ls -la /dev/nvidia* ; grep -c . /proc/self/mountinfo; cat /sys/fs/cgroup/cgroup.controllers; ulimit -Hn
+  $IMG/crun/run --version | head -1
+  python3 -c "import torch; print('host torch', torch.__version__, torch.cuda.get_device_name(0))"
+  grep MemTotal /proc/meminfo
   echo "install took $(( $(date +%s) - t0 )) s" ;;
-smoke)
-  cd $G/bench && python3 gpu_pod.py smoke --rendered $G/rendered/$2.yaml --oci-template $G/oci/hardened/c.json --crun $IMG/crun/run --out /tmp/smoke-$2 ;;
 bench)
   shift
   for id in $($IMG/crun/run --root /run/kvbench-crun list -q 2>/dev/null); do $IMG/crun/run --root /run/kvbench-crun delete -f $id; done
   cd $G/bench && PYTHONPATH=$G/operator python3 gpu_bench.py --runtime crun --crun $IMG/crun/run --no-smoke --no-probe \
-      --work /var/tmp/kvpod --disk-root /var/tmp/kvdisk --oci-template $G/oci/hardened/c.json --keep-volume home "$@" ;;
+      --work /var/tmp/kvpod --disk-root /var/tmp/kvdisk --keep-volume home "$@" ;;
+plan)
+  # Priority order; a bench starts only when its estimate fits what is left of TOTAL_S (gpu_bench --budget-s).
+  end=$(( $(date +%s) + $2 )); R=$G/rendered; O=$G/oci; out=${OUT:-/root/out}  # 4 x 2 files: the 8 that come back
+  left() { echo $(( end - $(date +%s) )); }
+  b() { local first=$1; shift; [ "$(left)" -gt "$first" ] || { echo "skipped (left $(left) s): $*"; return; }
+        bash $G/dev/dev.sh bench --budget-s "$(left)" --run-estimate-s "$first" --request-timeout 100 "$@"; }
+  b 150 --rendered $R/workstation-llama31-8b.yaml --oci $O/lmcache --runs connector --tag-suffix=-oci --out $out/ws
+  b 110 --rendered $R/workstation-llama31-8b.yaml --oci $O/lmcache --runs connector --tag-suffix=-chunk2048 \
+      --lmcache-overrides '{"chunk_size": 2048}' --out $out/c2048
+  b 120 --rendered $R/server-llama31-8b.yaml --oci $O/lmcache-server --runs connector --tag-suffix=-server-odirect \
+      --rescan-wait 20 --out $out/server
+  b 100 --rendered $R/workstation-llama31-8b.yaml --oci $O/lmcache --runs baseline --tag-suffix=-oci --out $out/base
+  echo "plan done, $(left) s left" ;;
 esac

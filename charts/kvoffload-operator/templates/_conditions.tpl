@@ -6,6 +6,7 @@
    OffloadActive: The pods' exporters prove the offload backend serves prompt tokens (kvoffload_offload_active).
    EngineVerified: The pods run the vLLM / LMCache pair the operator rendered for (kvoffload_engine_info).
    DiskTierReady: The disk tier's per-pod directories are prepared (emptied) on their nodes.
+   RouterReady: The router in front of the replicas (spec.routing) is available and routes to them.
    Reconciling: True while a valid spec is not yet Ready (kstatus, read by Helm --wait and Flux); its reason is Ready's.
    Stalled: True while the spec cannot be acted on (kstatus); its reason is ConfigValid's.
 {{- end }}

@@ -32,7 +32,8 @@ CONDITIONS: tuple[ConditionType, ...] = (
         "Unschedulable": "a pod cannot be placed on any node",
         "PodsFailing": "a pod failed, or a container waits in a state that does not heal (CrashLoopBackOff, ImagePullBackOff, ...)",
         "RollingOut": "the StatefulSet is rolling the new pod template out",
-        "ReplicasNotReady": "replicas are starting (weights download, engine start-up)"}),
+        "ReplicasNotReady": "replicas are starting (weights download, engine start-up)",
+        "RouterNotReady": "every replica is ready but the router in front of them (spec.routing) is not available yet"}),
     ConditionType("ConfigValid", "The spec was accepted (parsed, planned and rendered); its message carries the planner's warnings.", {
         PENDING: _COMMON[PENDING],
         "Valid": "the spec is valid (warnings, if any, in the message)",
@@ -60,6 +61,11 @@ CONDITIONS: tuple[ConditionType, ...] = (
         "NotConfigured": "spec.offload.disk is not set: CPU tier only",
         "DirectoriesPrepared": "every pod's directory is prepared",
         "Preparing": "pod directories are being prepared"}),
+    ConditionType("RouterReady", "The router in front of the replicas (spec.routing) is available and routes to them.", {
+        **_COMMON,
+        "NotConfigured": "spec.routing is not set (or enabled is false): clients call the serving Service",
+        "RouterAvailable": "every router pod is ready and runs the newest template",
+        "RouterNotReady": "router pods are starting, rolling out, or wait for a ready serving pod (/readiness)"}),
     ConditionType("Reconciling", "True while a valid spec is not yet Ready (kstatus, read by Helm --wait and Flux); its reason is "
                                  "Ready's.", {
         PENDING: _COMMON[PENDING],

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import flags
+from ..engine import router as engine_router
 from . import conditions, managed, rules
 
 GROUP = "kvoffload.io"
@@ -410,6 +411,27 @@ def _autoscaling() -> Schema:
     )
 
 
+def _routing() -> Schema:
+    return _o(
+        "Cache-aware routing: vLLM's router (vllm-router " + engine_router.VERSION + ") in front of the replicas, in its own "
+        "Deployment and Service, discovering exactly this resource's serving pods through the API server. Requests that share "
+        "a prefix go to the replica that holds it instead of being spread at random, so each replica's tiers hold different "
+        "prefixes rather than copies. status.endpoint then names the router. docs/routing.md says how each tier is credited.",
+        {"enabled": {"type": "boolean", "default": True,
+                     "description": "Run the router (false keeps the section but removes the router and its children)."},
+         "policy": _s("How the router picks a replica. auto: kv_aware where the engine lets the router index its KV events "
+                      "(GET /get_server_info and /kv_event_sources; no vLLM the operator knows serves both yet), else cache_aware. "
+                      "kv_aware: follows the engines' KV events, crediting a hit in each tier by what it saves against "
+                      "recomputing (status.routing.credits). cache_aware: a per-replica prefix tree of request text, sized from "
+                      "the tiers worth reloading (status.routing.maxTreeSize). round_robin: no cache affinity.",
+                      enum=list(engine_router.POLICIES), default="auto"),
+         "replicas": _i("Router pods. Each keeps its own view of the caches, so more than one splits the affinity "
+                        "between them; 1 is enough for most fleets (the router is a small Rust proxy).",
+                        minimum=1, maximum=10, default=1)},
+        rules=rules.at("spec.routing"),
+    )
+
+
 def spec_schema() -> Schema:
     spec = _o(
         "Desired state of a vLLM + LMCache service with KV-cache offloading.",
@@ -423,7 +445,8 @@ def spec_schema() -> Schema:
          "scheduling": _scheduling(),
          "metrics": _metrics(),
          "networkPolicy": _network_policy(),
-         "autoscaling": _autoscaling()},
+         "autoscaling": _autoscaling(),
+         "routing": _routing()},
         required=["model", "engine", "offload"],
         rules=rules.at("spec"),
     )
@@ -457,7 +480,16 @@ def status_schema() -> Schema:
          "replicas": _i("Pods that exist.", format="int32"),
          "readyReplicas": _i("Pods that are Ready.", format="int32"),
          "selector": _s("Label selector of the pods (for the scale subresource and HPA)."),
-         "endpoint": _s("In-cluster URL of the OpenAI-compatible API."),
+         "endpoint": _s("In-cluster URL of the OpenAI-compatible API (the router's, with spec.routing)."),
+         "routing": _o("The router (spec.routing): what it runs and whether it is available.", {
+             "policy": _s("The policy the router runs (spec.routing.policy with auto resolved)."),
+             "deployment": _s("Name of the router's Deployment (and Service)."),
+             "readyReplicas": _i("Router pods that are ready.", format="int32"),
+             "maxTreeSize": _i("cache_aware: each replica's prefix-tree budget in characters (tokens in the tiers worth "
+                               "reloading x the operator setting routerCharsPerToken).", format="int64"),
+             "credits": {"type": "object", "additionalProperties": {"type": "number"},
+                         "description": "kv_aware: the credit of a hit in each offload tier (1 - reload / recompute time, 0 when "
+                                        "reloading is slower than recomputing), as rendered into the router's --kv-penalty-* flags."}}),
          "versions": _o("The engine: the pair the operator rendered for, and what the pods really run.", {
              "image": _s("Serving image."),
              "renderedFor": _o("The vLLM / LMCache pair the pods were rendered for (spec.engine versions, else the "

@@ -17,6 +17,7 @@ from typing import Any
 from kubernetes.utils.quantity import parse_quantity
 
 from ..engine import flags, images
+from ..engine import router as engine_router
 from . import crd, rules
 from .errors import ConfigError
 from .quantity import to_bytes
@@ -183,6 +184,13 @@ class AutoscalingSpec:
 
 
 @dataclass(frozen=True)
+class RoutingSpec:
+    policy: str  # what the router runs: spec.routing.policy with auto resolved (engine/router.resolve)
+    requested: str  # spec.routing.policy as written (or its default)
+    replicas: int
+
+
+@dataclass(frozen=True)
 class Spec:
     model: ModelSpec
     replicas: int
@@ -194,6 +202,7 @@ class Spec:
     metrics_port: int
     network_policy: NetworkPolicySpec | None = None
     autoscaling: AutoscalingSpec | None = None
+    routing: RoutingSpec | None = None  # None: no router (spec.routing unset, or enabled false)
 
 
 def _int(r: _Reader, path: str, lo: int, hi: int) -> int:
@@ -494,14 +503,33 @@ def _autoscaling(r: _Reader, settings: Settings) -> AutoscalingSpec | None:
                            wake_query=wake)
 
 
+def _routing(r: _Reader, engine: EngineSpec) -> RoutingSpec | None:
+    if r.get("routing", None) is None:
+        return None
+    enabled, requested = _bool(r, "routing.enabled"), _enum(r, "routing.policy")
+    replicas = _int(r, "routing.replicas", _node("routing.replicas")["minimum"], _node("routing.replicas")["maximum"])
+    found = engine_router.discovery(engine.vllm_version)
+    if requested == "kv_aware" and not found.indexable:
+        # The router would start, find no KV events to index and route on load alone: worse than cache_aware.
+        others = [p for p in engine_router.POLICIES if p != "kv_aware"]
+        raise ConfigError("spec.routing.policy", f"kv_aware cannot take effect on this engine: vllm-router "
+                                                 f"{engine_router.VERSION} indexes a pod's KV events only when it answers "
+                                                 f"GET /get_server_info (kv_block_size) and GET /kv_event_sources, and {found.why}; "
+                                                 f"allowed values here: {', '.join(others)}")
+    if not enabled:
+        return None
+    return RoutingSpec(policy=engine_router.resolve(requested, engine.vllm_version), requested=requested, replicas=replicas)
+
+
 def parse(spec: dict[str, Any], settings: Settings) -> Spec:
     if not isinstance(spec, dict):
         raise ConfigError("spec", "is required")
     r = _Reader(spec)
+    engine = _engine(r, settings)
     parsed = Spec(
         model=_model(r),
         replicas=_int(r, "replicas", 0, 1000),
-        engine=_engine(r, settings),
+        engine=engine,
         offload=_offload(r, settings),
         resources=_resources(r, settings),
         scheduling=_scheduling(r),
@@ -509,6 +537,7 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
         metrics_port=_int(r, "metrics.port", 1024, 65535),
         network_policy=_network_policy(r),
         autoscaling=_autoscaling(r, settings),
+        routing=_routing(r, engine),
     )
     rules.check(spec)  # the CRD's CEL rules, each declared once in api/rules.py
     flags.check_dtypes(parsed.model.kv_dtype, parsed.engine.dtype, parsed.engine.vllm_version)

@@ -82,7 +82,8 @@ class Sidecar:
     image: str
     env: list[dict[str, Any]]  # POD_NAME, POD_NAMESPACE and the telemetry-off variables
     disk_mount: dict[str, Any] | None  # the pod's disk-tier mount (writable), None without a disk tier
-    security_context: dict[str, Any]
+    tmp_mount: dict[str, Any]  # the pod's /tmp: with a read-only root, where a sidecar writes scratch files
+    security_context: dict[str, Any]  # read-only root, no capabilities
 
 
 class VllmSeen(Protocol):

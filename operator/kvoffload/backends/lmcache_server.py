@@ -37,7 +37,7 @@ MP_KV_TRANSFER_CONFIG = json.dumps({
 def server_args(spec: Spec, budget: BudgetView) -> list[str]:
     """`lmcache server` flags (LMCache 0.5.3's own parser, checked in the fidelity tests): the whole
     replica's L1 (one server serves every TP rank), LRU, and the disk tier as an `fs_native` L2 adapter
-    whose max_capacity_gb caps it (the plain `fs` adapter has no capacity limit). The L1 is eager
+    whose max_capacity_gb caps it (the plain `fs` adapter has no capacity limit), writing with O_DIRECT. The L1 is eager
     (--no-l1-use-lazy) so that vLLM's workers and the server share it through /dev/shm."""
     args = ["--host", "127.0.0.1", "--port", str(SERVER_ZMQ_PORT),
             "--chunk-size", str(spec.offload.chunk_size),
@@ -51,7 +51,11 @@ def server_args(spec: Spec, budget: BudgetView) -> list[str]:
             "--http-host", "127.0.0.1", "--http-port", str(SERVER_HTTP_PORT),
             "--instance-id", "$(POD_NAME)"]
     if spec.offload.disk:
-        adapter = {"type": "fs_native", "base_path": DISK_DIR, "max_capacity_gb": round(gib(budget.tier("disk").bytes), 6)}
+        # O_DIRECT: buffered L2 writes leave page cache charged to the server's cgroup, whose limit is the L1
+        # + a few GiB; at that limit every write waits for reclaim and writeback (H200, 1 Dec: the server sat
+        # at its limit and reloads after the first took 1.2-1.4 s instead of 0.15 s; docs/benchmarks.md).
+        adapter = {"type": "fs_native", "base_path": DISK_DIR, "max_capacity_gb": round(gib(budget.tier("disk").bytes), 6),
+                   "use_odirect": True}
         args += ["--l2-adapter", json.dumps(adapter, separators=(",", ":"), sort_keys=True)]
     return args
 
@@ -108,7 +112,7 @@ class LMCacheServer(Backend):
         health = ("import urllib.request; urllib.request.urlopen("
                   f"'http://127.0.0.1:{SERVER_HTTP_PORT}/healthcheck', timeout=4)")
         exec_probe = {"exec": {"command": ["python3", "-c", health]}, "timeoutSeconds": 5}
-        mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, *([pod.disk_mount] if pod.disk_mount else [])]
+        mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, pod.tmp_mount, *([pod.disk_mount] if pod.disk_mount else [])]
         return [{
             "name": "lmcache-server",
             "image": pod.image,
@@ -118,6 +122,7 @@ class LMCacheServer(Backend):
             # LMCache 0.5.3's token hasher is a numba function with cache=True: numba needs a writable cache
             # directory, and UID 1000 can write neither site-packages nor a HOME (none is set here). Seen on a
             # GPU host: "cannot cache function 'rolling_hash_windows_numba': no locator available", exit 1.
+            # The root file system is read-only: the cache goes to the pod's /tmp (pod.tmp_mount).
             "env": [*pod.env, {"name": "NUMBA_CACHE_DIR", "value": "/tmp/numba-cache"}],
             "resources": {"requests": {"cpu": "1", "memory": request}, "limits": {"memory": limit}},
             "volumeMounts": mounts,

@@ -43,17 +43,25 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if logging.getLogger().level > logging.DEBUG:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one "handler succeeded" line per pod event
-    from ..controller import handlers  # noqa: F401  registers the handlers
+    from ..api.settings import load
+    from ..controller import handlers  # registers the handlers
+    from ..controller.kube import Kube, load_api_client
     from ..controller.leader import default_identity
 
-    asyncio.run(kopf.operator(
-        # kopf's own default asks getpass.getuser(), which fails as a UID with no passwd entry (the
-        # image runs as 65532 with none): give it the pod name + pid instead.
-        identity=default_identity(),  # type: ignore[arg-type]  # kopf's Identity: a str NewType it does not export
-        clusterwide=not namespaces,
-        namespaces=namespaces,
-        standalone=args.peering is None,
-        peering_name=args.peering,
-        liveness_endpoint=args.liveness or None,
-    ))
+    settings = load()  # a bad operator config stops here, naming the setting
+
+    async def operate() -> None:
+        await handlers.watch_optional_kinds(Kube(load_api_client()), settings)  # before kopf fixes what it watches
+        await kopf.operator(
+            # kopf's own default asks getpass.getuser(), which fails as a UID with no passwd entry (the
+            # image runs as 65532 with none): give it the pod name + pid instead.
+            identity=default_identity(),  # type: ignore[arg-type]  # kopf's Identity: a str NewType it does not export
+            clusterwide=not namespaces,
+            namespaces=namespaces,
+            standalone=args.peering is None,
+            peering_name=args.peering,
+            liveness_endpoint=args.liveness or None,
+        )
+
+    asyncio.run(operate())
     return 0

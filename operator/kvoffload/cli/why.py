@@ -19,6 +19,9 @@ HINTS = {  # Ready/Stalled reason -> what a person does next
     "RollingOut": "The StatefulSet is replacing pods with the new spec; wait, or watch `kubectl get pods -w`.",
     "ReplicasNotReady": "Pods are starting (model download and load can take minutes); watch `kubectl get pods -w`.",
     "Pending": "The operator has just seen this resource; look again in a few seconds.",
+    "RouterNotReady": "The replicas are ready, the router in front of them (spec.routing) is not: `kubectl describe deployment "
+                      "NAME-router`; its /readiness answers 503 until it has discovered a healthy serving pod (its Role must "
+                      "let it list and watch pods).",
 }
 
 
@@ -127,6 +130,19 @@ def _autoscaling(obj: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _routing(obj: dict[str, Any]) -> list[str]:
+    r = (obj.get("status") or {}).get("routing")
+    if not r:
+        return []
+    figures = ", ".join(f"{tier} {credit:g}" for tier, credit in sorted((r.get("credits") or {}).items()))
+    lines = ["", "Routing:", f"  vllm-router {r.get('deployment', '')}: policy {r.get('policy', '')}, "
+                             f"{r.get('readyReplicas', 0)} router pod(s) ready"]
+    if "maxTreeSize" in r:
+        lines.append(f"  cache_aware remembers {r['maxTreeSize']:,} characters of prompts per replica (--max-tree-size)")
+    lines.append(f"  a hit's credit per offload tier (1 - reload/recompute; 0: slower than recompute): {figures}")
+    return lines
+
+
 def _events(events: list[dict[str, Any]], now: datetime, limit: int = 10) -> list[str]:
     def stamp(e: dict[str, Any]) -> str:
         return e.get("lastTimestamp") or e.get("eventTime") or e.get("firstTimestamp") or ""
@@ -154,6 +170,7 @@ def explain(obj: dict[str, Any], sts: dict[str, Any] | None, pods: list[dict[str
     if st.get("endpoint"):
         lines.append(f"  Endpoint: {st['endpoint']}")
     lines += _autoscaling(obj)
+    lines += _routing(obj)
     lines += ["", "Children:"] + _children(sts, pods)
     lines += ["", "Recent events:"] + _events(events, now)
     return "\n".join(lines) + "\n"

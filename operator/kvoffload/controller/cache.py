@@ -41,8 +41,15 @@ ObjKey = tuple[str, str]  # (namespace, name)
 Kick = Callable[[str, str, str], None]  # (namespace, owner name, kind)
 
 CR_API_VERSION = f"{crd.GROUP}/{crd.VERSION}"
-# What the reconcile reads: its KVOffloadServe, the child kinds and the pods.
-KINDS = ((CR_API_VERSION, crd.KIND), *render.CHILD_KINDS, ("v1", "Pod"))
+Kinds = tuple[tuple[str, str], ...]  # (apiVersion, kind) pairs
+
+
+def kinds(child_kinds: Kinds = render.CHILD_KINDS) -> Kinds:
+    """What the reconcile reads: its KVOffloadServe, the child kinds and the pods."""
+    return ((CR_API_VERSION, crd.KIND), *child_kinds, ("v1", "Pod"))
+
+
+KINDS = kinds()
 RELIST_SETTLE = 2.0  # seconds after a relist's last object before what it did not list is dropped
 
 _PATH = re.compile(r"^(?P<base>/api/v1|/apis/[^/]+/[^/]+)/namespaces/(?P<ns>[^/]+)/(?P<plural>[^/]+)(?:/(?P<name>[^/]+))?$")
@@ -176,11 +183,12 @@ class _Relist:
 class Cache:
     """The stores of every kind the reconcile reads, fed by kopf's handlers (`put`, `event`)."""
 
-    def __init__(self, namespaces: list[str] | None, kick: Kick, settle: float = RELIST_SETTLE) -> None:
+    def __init__(self, namespaces: list[str] | None, kick: Kick, settle: float = RELIST_SETTLE,
+                 child_kinds: Kinds = render.CHILD_KINDS) -> None:
         self.namespaces, self.kick, self.settle = namespaces, kick, settle
         self.stores: dict[tuple[str, str], Store] = {}  # (collection base, plural) -> store
         self.by_kind: dict[str, Store] = {}
-        for api_version, kind in KINDS:
+        for api_version, kind in kinds(child_kinds):
             store = Store(kind, _self if kind == crd.KIND else _owner_label)
             m = _PATH.match(collection(api_version, kind, "_"))
             assert m

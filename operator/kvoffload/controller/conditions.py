@@ -22,7 +22,9 @@ from ..api.conditions import INVALID_SPEC, PENDING, TYPES, reasons
 from ..api.errors import ConfigError
 from ..api.quantity import format_bytes
 from ..engine import versions as engine_versions
+from ..planning import routing as plan_routing
 from ..rendering import autoscaling, render
+from ..rendering import routing as render_routing
 from .pipeline import Desired
 from .probe import Probes, Reading
 
@@ -55,6 +57,7 @@ class Observed:
     pods: list[dict[str, Any]]
     probes: Probes | None = None  # running pod -> its exporter's answer, or an error; None: not probed
     hpa: dict[str, Any] | None = None  # the HorizontalPodAutoscaler that decides (ours or KEDA's), with spec.autoscaling
+    router: dict[str, Any] | None = None  # the router's Deployment, with spec.routing
 
 
 def now_iso(clock: datetime | None = None) -> str:
@@ -88,7 +91,10 @@ def _failing(pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
         for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
             waiting = (cs.get("state") or {}).get("waiting") or {}
             if waiting.get("reason") in FAILING:
-                out.append((pod["metadata"]["name"], f"container {cs.get('name')}: {waiting['reason']}"
+                # Why the last run ended (OOMKilled, Error) is what a crash loop's reader needs first.
+                last = (cs.get("lastState") or {}).get("terminated") or {}
+                ended = f" after {last.get('reason') or 'exit'} (exit code {last.get('exitCode')})" if last else ""
+                out.append((pod["metadata"]["name"], f"container {cs.get('name')}: {waiting['reason']}{ended}"
                             + (f" ({waiting['message']})" if waiting.get("message") else "")))
                 break
     return out
@@ -141,6 +147,32 @@ def _ready(replicas: int, obs: Observed, scheduled: Cond) -> Cond:
     if obs.statefulset and updated < replicas:
         return Cond("Ready", "False", "RollingOut", f"{updated}/{replicas} replicas updated, {ready} ready")
     return Cond("Ready", "False", "ReplicasNotReady", f"{ready}/{replicas} replicas ready")
+
+
+def router_available(deployment: dict[str, Any] | None, replicas: int) -> bool:
+    """The Deployment controller has seen the newest template and every router pod runs it and is ready."""
+    if not deployment:
+        return False
+    st = deployment.get("status", {}) or {}
+    return (st.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 1)
+            and (st.get("updatedReplicas") or 0) == replicas and (st.get("availableReplicas") or 0) >= replicas
+            and (st.get("replicas") or 0) == replicas)
+
+
+def _router(desired: Desired, obs: Observed) -> Cond:
+    routing = desired.spec.routing
+    if routing is None:
+        return Cond("RouterReady", "False", "NotConfigured", "spec.routing is not set: clients call the serving Service, "
+                                                              "which spreads requests over the replicas at random")
+    what = f"vllm-router, policy {routing.policy}" + (f" (auto: {routing.policy})" if routing.requested == "auto" else "")
+    st = (obs.router or {}).get("status", {}) or {}
+    ready = st.get("readyReplicas") or 0
+    if router_available(obs.router, routing.replicas):
+        return Cond("RouterReady", "True", "RouterAvailable", f"{ready}/{routing.replicas} router pods ready ({what})")
+    why = next((c.get("message", "") for c in st.get("conditions") or [] if c.get("status") != "True"), "")
+    waits = "; its /readiness answers 503 until a serving pod is healthy" if desired.spec.replicas == 0 or ready == 0 else ""
+    return Cond("RouterReady", "False", "RouterNotReady",
+                f"{ready}/{routing.replicas} router pods ready ({what}){waits}" + (f"; {why}" if why else ""))
 
 
 def _disk(desired: Desired, pods: list[dict[str, Any]]) -> Cond:
@@ -265,14 +297,17 @@ def evaluate(desired: Desired | None, error: ConfigError | None, obs: Observed) 
                 Cond("Scheduled", "Unknown", INVALID_SPEC, "no children created or changed while the spec is invalid"),
                 Cond("OffloadActive", "Unknown", INVALID_SPEC, msg),
                 Cond("EngineVerified", "Unknown", INVALID_SPEC, msg),
-                Cond("DiskTierReady", "Unknown", INVALID_SPEC, msg), *progress(ready, valid)]
+                Cond("DiskTierReady", "Unknown", INVALID_SPEC, msg),
+                Cond("RouterReady", "Unknown", INVALID_SPEC, msg), *progress(ready, valid)]
     replicas = desired.spec.replicas
     scheduled = _scheduled(replicas, obs.pods)
-    ready = _ready(replicas, obs, scheduled)
+    ready, router = _ready(replicas, obs, scheduled), _router(desired, obs)
+    if ready.status == "True" and router.reason == "RouterNotReady" and replicas:  # clients call the router: Ready waits for it
+        ready = Cond("Ready", "False", "RouterNotReady", f"{ready.message}; router: {router.message}")
     warnings = "; ".join(desired.budget.warnings)
     valid = Cond("ConfigValid", "True", "Valid", "spec is valid" + (f"; warnings: {warnings}" if warnings else ""))
     return [ready, valid, scheduled, _offload(desired, ready, obs.pods, obs.probes), _engine(desired, obs.probes),
-            _disk(desired, obs.pods), *progress(ready, valid)]
+            _disk(desired, obs.pods), router, *progress(ready, valid)]
 
 
 def initial(body: dict[str, Any], clock: datetime | None = None) -> dict[str, Any]:
@@ -314,7 +349,7 @@ def status(body: dict[str, Any], desired: Desired | None, error: ConfigError | N
     out["selector"] = f"{render.OWNER_LABEL}={meta['name']}"
     if desired is None:
         out["observedGeneration"] = generation  # nothing to roll out: the verdict is about this generation
-        for key in ("endpoint", "versions", "summary", "budget"):
+        for key in ("endpoint", "versions", "summary", "budget", "routing"):
             if key in previous:
                 out[key] = previous[key]
         return out
@@ -322,7 +357,7 @@ def status(body: dict[str, Any], desired: Desired | None, error: ConfigError | N
     # observedGeneration lags until the generation's children are applied and rolled out.
     out["observedGeneration"] = generation if rolled else previous.get("observedGeneration", 0)
     b = desired.budget
-    out["endpoint"] = render.endpoint(render.Owner(meta["name"], meta["namespace"]))
+    out["endpoint"] = render.endpoint(render.Owner(meta["name"], meta["namespace"]), desired.spec)
     out["versions"] = {"image": desired.spec.engine.image,
                        "renderedFor": {"vllm": desired.spec.engine.vllm_version, "lmcache": desired.spec.engine.lmcache_version},
                        "running": running_versions(obs.probes)}
@@ -334,6 +369,21 @@ def status(body: dict[str, Any], desired: Desired | None, error: ConfigError | N
     out["budget"] = b.to_dict()
     if desired.spec.autoscaling is not None:
         out["autoscaling"] = autoscaler_status(desired, meta["name"], obs.hpa)
+    if desired.spec.routing is not None:
+        out["routing"] = routing_status(desired, meta["name"], obs.router)
+    return out
+
+
+def routing_status(desired: Desired, name: str, deployment: dict[str, Any] | None) -> dict[str, Any]:
+    """status.routing: the policy the router runs and the figures it was given (docs/routing.md)."""
+    routing = desired.spec.routing
+    assert routing is not None
+    out: dict[str, Any] = {"policy": routing.policy, "deployment": render_routing.name(name),
+                           "readyReplicas": ((deployment or {}).get("status") or {}).get("readyReplicas") or 0,
+                           "credits": plan_routing.credits(desired.budget)}
+    rendered = next(c for c in desired.children if c["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    if "--max-tree-size" in rendered:  # cache_aware: the budget as rendered (it depends on an operator setting)
+        out["maxTreeSize"] = int(rendered[rendered.index("--max-tree-size") + 1])
     return out
 
 

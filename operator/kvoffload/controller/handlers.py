@@ -19,12 +19,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import kopf
+import urllib3
 
 from ..api import crd
-from ..api.settings import load
+from ..api.settings import Settings, load
 from ..rendering import render
 from . import leader
-from .cache import KINDS
+from .cache import CR_API_VERSION, KINDS, kinds
 from .kube import ApiError, Kube, collection, load_api_client
 from .runtime import Runtime
 
@@ -64,20 +65,55 @@ def _resource(api_version: str, kind: str) -> tuple[str, str, str]:
     return group, version, collection(api_version, kind, "_").rsplit("/", 1)[1]
 
 
+async def _served(kube: Kube, api_version: str, kind: str) -> bool:
+    """The API server serves this kind (discovery, which every authenticated client may read: no CRD access)."""
+    try:
+        found = await asyncio.to_thread(kube.request, "GET", f"/apis/{api_version}")
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+        return False
+    return any(r.get("name") == _resource(api_version, kind)[2] for r in (found or {}).get("resources", []))
+
+
 async def _wait_for_crd(kube: Kube) -> None:
     """kopf resolves the watched kinds once at start (scanning is off): wait until the CRD is served."""
-    path = f"/apis/{crd.GROUP}/{crd.VERSION}"
     for attempt in itertools.count():
-        try:
-            found = await asyncio.to_thread(kube.request, "GET", path)
-            if any(r.get("name") == crd.PLURAL for r in (found or {}).get("resources", [])):
-                return
-        except ApiError as exc:
-            if exc.status != 404:
-                raise
+        if await _served(kube, CR_API_VERSION, crd.KIND):
+            return
         if attempt % 10 == 0:
-            log.info("waiting for the %s CRD to be served at %s", crd.KIND, path)
+            log.info("waiting for the %s CRD to be served at /apis/%s", crd.KIND, CR_API_VERSION)
         await asyncio.sleep(1)
+
+
+# The child kinds kopf watches: render.CHILD_KINDS, and those `watch_optional_kinds` added.
+_watched: list[tuple[str, str]] = list(render.CHILD_KINDS)
+
+
+async def watch_optional_kinds(kube: Kube, settings: Settings) -> tuple[tuple[str, str], ...]:
+    """Before kopf starts (its watched kinds are fixed then; kopf takes no handlers later): watch the child kinds
+    beyond render.CHILD_KINDS that `settings` render (KEDA's ScaledObject with autoscaler keda) where the API
+    server serves them. One it does not serve is not watched, and the operator runs on: a KVOffloadServe that
+    would render it is refused (ConfigValid False naming spec.autoscaling, reconcile.sync_children) until KEDA is
+    installed and the operator restarted. Returns the kinds not served. Retries while the API server is down."""
+    optional = [k for k in render.child_kinds(settings) if k not in _watched]
+    delays = iter(Forever())
+    while True:
+        try:
+            served = [k for k in optional if await _served(kube, *k)]
+            break
+        except (ApiError, urllib3.exceptions.HTTPError) as exc:
+            delay = next(delays)
+            log.warning("discovery of %s failed (retry in %.0fs): %s", optional, delay, exc)
+            await asyncio.sleep(delay)
+    for api_version, kind in served:
+        _register(api_version, kind)
+        _watched.append((api_version, kind))
+    missing = tuple(k for k in optional if k not in served)
+    for api_version, kind in missing:
+        log.warning("the API server serves no %s %s (is KEDA installed?): not watched; KVOffloadServes with "
+                    "spec.autoscaling are refused until it is and the operator is restarted", api_version, kind)
+    return missing
 
 
 def tune(settings: kopf.OperatorSettings) -> None:
@@ -90,7 +126,7 @@ def tune(settings: kopf.OperatorSettings) -> None:
     settings.watching.server_timeout = 300  # watches never go idle; the client gives the server 10 s more
     settings.watching.client_timeout = 310
     settings.networking.error_backoffs = Forever()
-    for api_version, kind in KINDS:
+    for api_version, kind in kinds(tuple(_watched)):
         if kind != crd.KIND:  # only our children and pods: the API server filters on the owner label
             settings.watching.label_selectors[_resource(api_version, kind)] = render.OWNER_LABEL
 
@@ -101,7 +137,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: objec
     kube = Kube(load_api_client())
     await _wait_for_crd(kube)
     namespaces = [ns for ns in os.environ.get(NAMESPACES_ENV, "").split(",") if ns]
-    memo.runtime = Runtime(kube, load(), namespaces=namespaces or None)
+    memo.runtime = Runtime(kube, load(), namespaces=namespaces or None, child_kinds=tuple(_watched))
     if os.environ.get(METRICS_ENV):
         memo.runtime.metrics.serve(os.environ[METRICS_ENV])
     lease = leader.config_from_env()  # `run --leader-election`: act only while holding the Lease

@@ -91,6 +91,14 @@ def _refused(child: dict[str, Any], exc: ApiError) -> ConfigError:
                                "(spec.scheduling and spec.engine.env are passed to the pod unchanged)")
 
 
+def _unserved(child: dict[str, Any]) -> ConfigError:
+    # Only KEDA's ScaledObject can be missing (render.child_kinds): its CRD comes with KEDA, and kopf watches
+    # only the kinds served when the operator started (handlers.watch_optional_kinds).
+    return ConfigError("spec.autoscaling", f"the operator's autoscaler is keda, but the API server served no "
+                                           f"{child['apiVersion']} {child['kind']} when the operator started: install "
+                                           "KEDA (its CRDs) and restart the operator, or set the operator's autoscaler to hpa")
+
+
 def _to_validate(changed: list[dict[str, Any]], unchecked: bool) -> list[dict[str, Any]]:
     """All or nothing, at the price of a dry run only where the API server can refuse: the StatefulSet,
     when it carries spec fields the CRD schema does not check (`pipeline.unchecked`) and another
@@ -118,6 +126,9 @@ def sync_children(kube: Kube, namespace: str, name: str, uid: str, children: lis
     cluster, prune ours that are no longer wanted; return the StatefulSet, what was applied ("Kind name")
     and the live objects of `kinds` with the owner label as read before (KEDA's HorizontalPodAutoscaler too)."""
     covered = covered or Covered()
+    for child in children:
+        if (child["apiVersion"], child["kind"]) not in kinds:
+            raise _unserved(child)
     live = _live_children(kube, namespace, name, kinds)
     wanted = {_key(c) for c in children}
     changed = [c for c in children if _key(c) not in live or not covered(c, live[_key(c)])]
@@ -188,20 +199,23 @@ def _refused_status(body: dict[str, Any], exc: StatusRefused, recorder: events.R
 
 
 def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: datetime | None = None,
-              recorder: events.Recorder | None = None, memos: Memos | None = None) -> str:
+              recorder: events.Recorder | None = None, memos: Memos | None = None,
+              child_kinds: tuple[tuple[str, str], ...] | None = None) -> str:
     """Bring one KVOffloadServe's children and status in line with its spec. Returns a short outcome
-    (REFUSED, with an error logged and a Warning Event, when the API server refused the status)."""
+    (REFUSED, with an error logged and a Warning Event, when the API server refused the status).
+    `child_kinds`: the kinds the operator watches (default: every kind `settings` render)."""
     body = kube.get(cr_path(namespace, name))
     if body is None or body["metadata"].get("deletionTimestamp"):
         return "gone"  # children go through garbage collection (ownerReferences)
     try:
-        return _reconcile(kube, body, settings, clock, recorder, memos or Memos())
+        return _reconcile(kube, body, settings, clock, recorder, memos or Memos(),
+                          render.child_kinds(settings) if child_kinds is None else child_kinds)
     except StatusRefused as exc:
         return _refused_status(body, exc, recorder)
 
 
 def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: datetime | None,
-               recorder: events.Recorder | None, memos: Memos) -> str:
+               recorder: events.Recorder | None, memos: Memos, child_kinds: tuple[tuple[str, str], ...]) -> str:
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     if not (body.get("status") or {}).get("conditions"):
         # First sight: say "working on it" before the slow part, so no reader takes silence for success.
@@ -222,7 +236,7 @@ def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: date
     if desired is not None:
         try:
             sts, applied, live = sync_children(kube, namespace, name, meta["uid"], desired.applied,
-                                               pipeline.unchecked(desired.spec), memos.covered, render.child_kinds(settings))
+                                               pipeline.unchecked(desired.spec), memos.covered, child_kinds)
         except ConfigError as exc:
             desired, error = None, exc
     if desired is not None:
@@ -231,7 +245,8 @@ def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: date
         if settings.probe_exporters and desired.spec.metrics_enabled:
             probes = probe.probe_exporters(pods, desired.spec.metrics_port)
     hpa = live.get((*autoscaling.HPA, autoscaling.name(name, settings))) if desired and desired.spec.autoscaling else None
-    new_status = conditions.status(body, desired, error, conditions.Observed(sts, pods, probes, hpa), clock)
+    router = live.get(("apps/v1", "Deployment", render.names(name)["router"])) if desired and desired.spec.routing else None
+    new_status = conditions.status(body, desired, error, conditions.Observed(sts, pods, probes, hpa, router), clock)
     previous = (body.get("status") or {}).get("conditions")
     if new_status == (body.get("status") or {}):
         if applied and recorder is not None:  # drift repaired: children changed, status did not

@@ -9,7 +9,7 @@ queued entry. Failures retry with backoff. With leader election, a follower keep
 (to know what exists) but never acts; on taking the Lease it catches up on everything cached.
 
 Why a queue of our own next to kopf's per-object workers: kopf serialises the events of one *object*,
-while a reconcile is per *owner* and fed by seven kinds of objects. Reconciling from kopf's handlers
+while a reconcile is per *owner* and fed by eight or nine kinds of objects. Reconciling from kopf's handlers
 would run one full reconcile per child or pod event, several at once for one owner, on kopf's event
 loop with a synchronous client; the queue runs one pass per owner however many events came, orders
 progress before first passes, bounds the API calls in flight to WORKERS, and retries with backoff.
@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..api import crd
 from ..api.settings import Settings
+from ..rendering import render
 from . import events, leader
 from .cache import Cache, CachedKube
 from .kube import Kube
@@ -59,14 +60,16 @@ REPORT_SECONDS = 10
 
 class Runtime:
     def __init__(self, kube: Kube | None, settings: Settings, reconcile: Callable[..., str] | None = None,
-                 namespaces: list[str] | None = None, workers: int = WORKERS) -> None:
+                 namespaces: list[str] | None = None, workers: int = WORKERS,
+                 child_kinds: tuple[tuple[str, str], ...] = render.CHILD_KINDS) -> None:
+        """`child_kinds`: the kinds kopf watches (handlers.watch_optional_kinds), cached and the only ones reconciled."""
         if reconcile is None:
             # One Events recorder, and so one token bucket, for the whole operator (posts go to the API server, not the cache).
             assert kube is not None
             recorder = events.recorder(settings, lambda ns, body: kube.request("POST", f"/api/v1/namespaces/{ns}/events", body))
-            reconcile = functools.partial(reconcile_one, recorder=recorder, memos=Memos())
+            reconcile = functools.partial(reconcile_one, recorder=recorder, memos=Memos(), child_kinds=child_kinds)
         self.settings, self.reconcile, self.workers = settings, reconcile, workers
-        self.cache = Cache(namespaces, self._kicked)
+        self.cache = Cache(namespaces, self._kicked, child_kinds=child_kinds)
         self.kube = CachedKube(kube, self.cache) if kube is not None else None
         self.heap: list[tuple[int, int, Key]] = []
         self.queued: dict[Key, int] = {}  # key -> priority of its live heap entry

@@ -18,11 +18,16 @@ def _from(namespaces: list[str]) -> list[dict[str, Any]]:
 
 
 def network_policy(meta: dict[str, Any], spec: Spec, settings: Settings, selector: dict[str, str],
-                   http_port: int) -> dict[str, Any] | None:
+                   http_port: int, router: dict[str, str] | None = None, router_ports: tuple[int, ...] = ()) -> dict[str, Any] | None:
+    """`router`: the labels of this resource's router pods (spec.routing), which must reach the serving port (and
+    `router_ports`: the KV-event publisher's, for kv_aware)."""
     policy = spec.network_policy
     if policy is None:
         return None
     ingress: list[dict[str, Any]] = []
+    if router:
+        ingress.append({"from": [{"podSelector": {"matchLabels": dict(router)}}],
+                        "ports": [{"protocol": "TCP", "port": p} for p in (http_port, *router_ports)]})
     if policy.serving_from:
         ingress.append({"from": _from(sorted(policy.serving_from)), "ports": [{"protocol": "TCP", "port": http_port}]})
     metrics_from = set(policy.metrics_from)

@@ -53,6 +53,12 @@ def vllm_security_context() -> dict[str, Any]:
     return restricted(readOnlyRootFilesystem=True, runAsNonRoot=True, runAsUser=SERVING_UID, runAsGroup=SERVING_GID)
 
 
+def sidecar_security_context() -> dict[str, Any]:
+    """A backend's sidecar (the LMCache server): the serving user (the pod's), read-only root; it writes
+    only to the pod's volumes (its /tmp: tmp_mount)."""
+    return restricted(readOnlyRootFilesystem=True)
+
+
 def uses_host_path(spec: Spec) -> bool:
     return bool(spec.offload.disk and spec.offload.disk.path)
 
@@ -83,8 +89,13 @@ def engine_env(spec: Spec) -> list[dict[str, Any]]:
             {"name": "TMPDIR", "value": TMP_DIR}]
 
 
+def tmp_mount() -> dict[str, Any]:
+    """The pod's /tmp (an emptyDir of the Budget's size), shared by the engine and its sidecars."""
+    return {"name": "tmp", "mountPath": TMP_DIR}
+
+
 def engine_mounts(spec: Spec) -> list[dict[str, Any]]:
-    mounts: list[dict[str, Any]] = [{"name": "home", "mountPath": HOME_DIR}, {"name": "tmp", "mountPath": TMP_DIR}]
+    mounts: list[dict[str, Any]] = [{"name": "home", "mountPath": HOME_DIR}, tmp_mount()]
     if spec.model.cache_claim:
         mounts.append({"name": "model-cache", "mountPath": MODELS_DIR, **({"readOnly": True} if spec.model.cache_read_only else {})})
     else:

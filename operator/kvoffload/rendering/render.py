@@ -25,7 +25,7 @@ from ..backends.base import CONFIG_DIR, CONFIG_VOLUME, DISK_DIR, HTTP_PORT, MULT
 from ..engine import images
 from ..engine import versions as engine_versions
 from ..planning.sizing import Budget
-from . import autoscaling, pod_security
+from . import autoscaling, pod_security, routing
 from .network_policy import network_policy
 from .placement import topology_spread
 
@@ -41,8 +41,8 @@ OWNER_LABEL = "kvoffload.io/serve"
 CONFIG_HASH_ANNOTATION = "kvoffload.io/config-hash"
 KV_DTYPE_FLAG = {"bf16": "bfloat16", "fp8": "fp8"}
 # Kinds the operator owns, in apply order (config before the pods that mount it).
-CHILD_KINDS = (("v1", "ConfigMap"), ("v1", "Service"), ("apps/v1", "StatefulSet"), ("policy/v1", "PodDisruptionBudget"),
-               ("networking.k8s.io/v1", "NetworkPolicy"), autoscaling.HPA)
+CHILD_KINDS = (("v1", "ConfigMap"), ("v1", "Service"), *routing.KINDS[:3], ("apps/v1", "StatefulSet"), routing.KINDS[3],
+               ("policy/v1", "PodDisruptionBudget"), ("networking.k8s.io/v1", "NetworkPolicy"), autoscaling.HPA)
 
 
 def child_kinds(settings: Settings) -> tuple[tuple[str, str], ...]:
@@ -59,11 +59,17 @@ class Owner:
 
 def names(owner_name: str) -> dict[str, str]:
     return {"statefulset": owner_name, "configmap": f"{owner_name}-lmcache", "service": owner_name,
-            "headless": f"{owner_name}-pods", "pdb": owner_name, "networkpolicy": owner_name, "autoscaler": owner_name}
+            "headless": f"{owner_name}-pods", "pdb": owner_name, "networkpolicy": owner_name, "autoscaler": owner_name,
+            "router": routing.name(owner_name)}
 
 
 def selector_labels(owner: Owner) -> dict[str, str]:
     return {OWNER_LABEL: owner.name}
+
+
+def serving_labels(owner: Owner) -> dict[str, str]:
+    """Exactly this resource's serving pods (what the router discovers)."""
+    return {**selector_labels(owner), "app.kubernetes.io/component": "serving"}
 
 
 def labels(owner: Owner, settings: Settings) -> dict[str, str]:
@@ -106,7 +112,7 @@ def _vllm_args(spec: Spec, budget: Budget, backend: Backend) -> list[str]:
             "--dtype", e.dtype]
     if spec.model.kv_dtype != "auto":
         args += ["--kv-cache-dtype", KV_DTYPE_FLAG[spec.model.kv_dtype]]
-    return args + [*backend.vllm_args(spec, budget), *e.extra_args]
+    return args + [*backend.vllm_args(spec, budget), *routing.kv_events_args(spec), *e.extra_args]
 
 
 def _telemetry_off_env() -> list[dict[str, Any]]:
@@ -211,7 +217,7 @@ def _disk_init_container(owner: Owner, spec: Spec) -> dict[str, Any]:
 def _sidecars(owner: Owner, spec: Spec, budget: Budget, backend: Backend) -> list[dict[str, Any]]:
     pod = Sidecar(image=spec.engine.image, env=[*_pod_env(), *_telemetry_off_env()],
                   disk_mount=_disk_mount(owner, spec, read_only=False) if spec.offload.disk else None,
-                  security_context=_restricted())
+                  tmp_mount=pod_security.tmp_mount(), security_context=pod_security.sidecar_security_context())
     return backend.sidecars(spec, budget, pod)
 
 
@@ -351,7 +357,10 @@ def pdb(owner: Owner, settings: Settings) -> dict[str, Any]:
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner)}}}
 
 
-def endpoint(owner: Owner) -> str:
+def endpoint(owner: Owner, spec: Spec | None = None) -> str:
+    """The in-cluster URL clients call: the router's with spec.routing, else the serving Service's."""
+    if spec is not None and spec.routing is not None:
+        return routing.endpoint(owner.name, owner.namespace)
     return f"http://{names(owner.name)['service']}.{owner.namespace}.svc:{HTTP_PORT}/v1"
 
 
@@ -371,8 +380,11 @@ def children(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> li
     # The pods roll when the config changes (or the backend does).
     sts = statefulset(owner, spec, budget, settings, _hash(files if files is not None else backend.name), config=bool(config))
     policy = network_policy(_meta(names(owner.name)["networkpolicy"], owner, settings), spec, settings,
-                            selector_labels(owner), HTTP_PORT)
+                            selector_labels(owner), HTTP_PORT,
+                            {routing.ROUTER_LABEL: owner.name} if spec.routing is not None else None, routing.event_ports(spec))
     scaler = autoscaling.autoscaler(_meta(names(owner.name)["autoscaler"], owner, settings), owner.name, owner.namespace,
                                     spec, budget, settings)
-    return [*config, *services(owner, spec, settings), sts, pdb(owner, settings), *([policy] if policy else []),
-            *([scaler] if scaler else [])]
+    rbac, router = routing.children(lambda: _meta(names(owner.name)["router"], owner, settings), owner.name, owner.namespace,
+                                    spec, serving_labels(owner), budget, settings)
+    return [*config, *services(owner, spec, settings), *rbac, *router[:1], sts, *router[1:], pdb(owner, settings),
+            *([policy] if policy else []), *([scaler] if scaler else [])]

@@ -15,11 +15,14 @@ PIP_FIND_LINKS), under `--network=none --pull=never`. Each image carries the has
 (Dockerfile, build args, context files, wheelhouse, base image id) as a label and is rebuilt only
 when that changes; the rootfs is cached under ~/.cache/kvoffload by suite and package list.
 
-The stand-in engine for the CPU-only real node (tests/images/vllm-standin) is the serving image
-plus the stand-in `vllm` of tests/fixtures/fake_vllm serving recorded H200 pages; its name says so.
+The stand-in engines for the CPU-only real node serve recorded H200 pages (tests/fixtures/fake_vllm);
+their names say so: `standin-slim` (tests/images/vllm-standin-slim, ~0.2 GB, what `make test` runs on
+the real node) is the Python base plus the stand-ins of vLLM and of the LMCache server; `standin`
+(tests/images/vllm-standin, 8.8 GB) is the serving image whose `vllm` is the stand-in (vLLM's own
+parser checks the flags; the LMCache server is real).
 
-    python -m kvtest.images build [operator|serving|standin ...]
-    python -m kvtest.images save operator|serving|standin   (prints the docker-archive tar's path)
+    python -m kvtest.images build [operator|serving|standin|standin-slim ...]
+    python -m kvtest.images save NAME   (prints the docker-archive tar's path)
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ SERVING_WHEELHOUSE = CACHE / f"wheelhouse-lmcache-{LMCACHE_VERSION}"  # `make se
 OPERATOR = "ghcr.io/kvoffload/kvoffload:0.1.0"
 SERVING = f"ghcr.io/kvoffload/vllm-lmcache:{VLLM_VERSION}-{LMCACHE_VERSION}"
 STANDIN = f"localhost/kvoffload/vllm-standin:{VLLM_VERSION}-{LMCACHE_VERSION}"
+# No vLLM, LMCache or torch in it: the tag names the pair whose recorded pages it serves.
+STANDIN_SLIM = f"localhost/kvoffload/vllm-standin-slim:recorded-{VLLM_VERSION}-{LMCACHE_VERSION}"
 PYTHON_BASE = "localhost/kvoffload-local/python:3.11-bookworm"
 VLLM_BASE = f"localhost/kvoffload-local/vllm-openai:v{VLLM_VERSION}"
 
@@ -94,6 +99,12 @@ class Image:
     inputs: tuple[str, ...] = (".",)  # what the build copies from its context (hashed into the build key)
 
 
+# The recorded vLLM /metrics pages the stand-ins serve (tests/fixtures).
+RECORDED = ("fixtures/vllm-0.26.0-lmcache-0.5.3-h200", "fixtures/vllm-0.26.0-lmcache-0.5.3-h200-v1runner",
+            "fixtures/h200-backends-vllm-0.26.0-lmcache-0.5.3")
+NAMES = ("operator", "serving", "standin", "standin-slim")
+
+
 def images(extension: str | None = None, tag: str | None = None) -> dict[str, Image]:
     """The builds by name. `extension`/`tag` override the serving image's LMCACHE_EXTENSION and tag
     (the test that a failing extension check fails the build)."""
@@ -108,10 +119,11 @@ def images(extension: str | None = None, tag: str | None = None) -> dict[str, Im
         "serving": Image(tag or SERVING, ROOT / "images/serving/Dockerfile", ROOT / "images/serving", VLLM_BASE,
                          serving_args, SERVING_WHEELHOUSE),
         "standin": Image(STANDIN, ROOT / "tests/images/vllm-standin/Dockerfile", ROOT / "tests", SERVING,
-                         inputs=("fixtures/fake_vllm", "fixtures/vllm-0.26.0-lmcache-0.5.3-h200",
-                                 "fixtures/vllm-0.26.0-lmcache-0.5.3-h200-v1runner",
-                                 "fixtures/h200-backends-vllm-0.26.0-lmcache-0.5.3", "engine/engine_check.py",
-                                 "images/vllm-standin/vllm")),
+                         inputs=("fixtures/fake_vllm", *RECORDED, "engine/engine_check.py", "images/vllm-standin/vllm")),
+        "standin-slim": Image(STANDIN_SLIM, ROOT / "tests/images/vllm-standin-slim/Dockerfile", ROOT / "tests", PYTHON_BASE,
+                              wheel_args, OPERATOR_WHEELHOUSE,
+                              inputs=("fixtures/fake_vllm", "fixtures/lmcache-0.5.3-server-status", *RECORDED,
+                                      "images/vllm-standin/vllm", "images/vllm-standin-slim/lmcache")),
     }
 
 
@@ -256,10 +268,10 @@ def build_image(img: Image, force: bool = False) -> subprocess.CompletedProcess 
 
 
 def build(name: str) -> str:
-    """Build (or reuse) one of "operator", "serving", "standin" and what it stands on; its tag."""
+    """Build (or reuse) one of NAMES and what it stands on; its tag."""
     table = images()
     chain = {"operator": ["operator"], "serving": ["vllm-base", "serving"],
-             "standin": ["vllm-base", "serving", "standin"]}[name]
+             "standin": ["vllm-base", "serving", "standin"], "standin-slim": ["standin-slim"]}[name]
     python_base()
     for step in chain:
         with locked(f"image-{step}"):
@@ -278,7 +290,7 @@ def size(tag: str) -> int:
 
 
 def save(name: str) -> Path:
-    """A `podman save --format docker-archive` tar of one of "operator", "serving", "standin" (built or
+    """A `podman save --format docker-archive` tar of one of NAMES (built or
     reused first), for `ctr images import` (kvtest.node). Cached by image id under ARCHIVES: a second
     call is free; an older archive of the same image is removed (they are GBs)."""
     tag = build(name)
@@ -302,9 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvtest.images", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build (or reuse) images")
-    b.add_argument("names", nargs="*", choices=["operator", "serving", "standin"], default=["operator", "serving"])
+    b.add_argument("names", nargs="*", choices=NAMES, default=["operator", "serving"])
     sv = sub.add_parser("save", help="print the path of a docker-archive tar of the image (built first; cached by image id)")
-    sv.add_argument("name", choices=["operator", "serving", "standin"])
+    sv.add_argument("name", choices=NAMES)
     a = ap.parse_args(argv)
     if a.command == "build":
         for name in a.names:

@@ -29,13 +29,14 @@ NAMESPACE = "keda"
 SERVICE = "keda-metrics-apiserver"
 API_SERVICE = "v1beta1.external.metrics.k8s.io"
 ROUTING_ON = "--enable-aggregator-routing=true"
+SCALED_OBJECT_CRD = "scaledobjects.keda.sh"
 
 
-def build() -> Path:
-    """The cached KEDA binaries (built on first use, a few minutes)."""
-    out = subprocess.run([str(ROOT / "tests" / "autoscaling" / "build-keda.sh")], check=True, text=True,
-                         capture_output=True, env={**os.environ, "KEDA_VERSION": KEDA_VERSION}).stdout
-    return Path(out.strip().splitlines()[-1])
+def built() -> Path | None:
+    """The cached KEDA binaries (`make keda` builds them), or None when they are not built."""
+    cp = subprocess.run([str(ROOT / "tests" / "autoscaling" / "build-keda.sh"), "--check"], text=True,
+                        capture_output=True, env={**os.environ, "KEDA_VERSION": KEDA_VERSION})
+    return Path(cp.stdout.strip()) if cp.returncode == 0 else None
 
 
 def _certs(cluster: Cluster, d: Path) -> None:
@@ -68,11 +69,11 @@ def _certs(cluster: Cluster, d: Path) -> None:
 class Keda:
     """start(): KEDA's CRDs, the APIService, the operator and the metrics server; stop() undoes all of it."""
 
-    def __init__(self, cluster: Cluster, workdir: Path, bin_dir: Path | None = None) -> None:
-        self.cluster, self.dir = cluster, workdir
-        self.bin = bin_dir or build()
+    def __init__(self, cluster: Cluster, workdir: Path, bin_dir: Path) -> None:
+        self.cluster, self.dir, self.bin = cluster, workdir, bin_dir
         self.procs: list[tuple[subprocess.Popen, object]] = []
         self.apiserver_args: list[str] | None = None
+        self.crds: list[str] = []
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log = open(self.dir / f"{name}.log", "w")
@@ -94,6 +95,7 @@ class Keda:
             doc = yaml.safe_load(path.read_text())
             client.apply(doc)
             client.established(doc["metadata"]["name"])
+            self.crds.append(doc["metadata"]["name"])
         args = c.component_args("kube-apiserver")
         if ROUTING_ON in args:
             self.apiserver_args = args
@@ -130,6 +132,11 @@ class Keda:
 
     def stop(self) -> None:
         client = self.cluster.client
+        if self.procs and self.crds:
+            # While KEDA runs (it removes its finalizers): every ScaledObject, so its CRDs can go below.
+            for so in client.list(SCALED_OBJECT_CRD):
+                client.delete(SCALED_OBJECT_CRD, so["metadata"]["name"], so["metadata"]["namespace"], wait=True,
+                              missing_ok=True)
         for proc, log in reversed(self.procs):
             if proc.poll() is None:
                 proc.terminate()
@@ -142,6 +149,9 @@ class Keda:
         self.procs = []
         # An APIService nobody serves would make discovery (kubectl api-resources) fail for later tests.
         client.delete("apiservice", API_SERVICE, missing_ok=True)
+        for crd in self.crds:  # a cluster without KEDA again, for later tests
+            client.delete("crd", crd, wait=True, missing_ok=True)
+        self.crds = []
         if self.apiserver_args is not None:
             self.cluster.restart("kube-apiserver", args=self.apiserver_args)
             self.apiserver_args = None

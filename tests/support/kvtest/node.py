@@ -572,3 +572,30 @@ def _spec(c: Cluster, cid: str) -> dict:
     if bundle.exists():  # a running container: exactly what the runtime executes
         return json.loads(bundle.read_text())
     return json.loads(ctr(c, "containers", "info", cid).stdout)["Spec"]  # exited: the spec containerd stored
+
+
+# ----------------------------------------------------------------------------------------- serving pods
+# The engine image of serving pods on the real node: a stand-in (no GPU here). `make test` runs the slim one
+# (kvtest.images.STANDIN_SLIM); KVO_STANDIN=full the 8.8 GB one (kvtest.images.STANDIN), whose import into
+# containerd takes twice its size on disk.
+FULL_STANDIN = os.environ.get("KVO_STANDIN") == "full"
+STANDIN = "standin" if FULL_STANDIN else "standin-slim"  # a kvtest.images name
+# Memory terms that fit the stand-in: the full one imports torch and vLLM's parser (~1.5 GiB), the slim one is
+# a small Python process. The CPU tier is the LMCache server's L1 (a /dev/shm segment the stand-in touches).
+STANDIN_SIZES = ({"engineBaseline": "1536Mi", "perWorkerOverhead": "256Mi", "stagingPerWorker": "128Mi",
+                  "serverBaseline": "1Gi"} if FULL_STANDIN else
+                 {"engineBaseline": "192Mi", "perWorkerOverhead": "32Mi", "stagingPerWorker": "32Mi", "serverBaseline": "96Mi"})
+STANDIN_CPU_TIER = "512Mi" if FULL_STANDIN else "64Mi"
+
+
+def serve_spec(name: str, image: str, disk: Path, *, env=(), reclaim: str = "Delete") -> dict:
+    """A KVOffloadServe (backend lmcache-server, a hostPath disk tier at `disk`) whose pod runs on this node."""
+    return {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe", "metadata": {"name": name},
+            "spec": {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
+                     "engine": {"image": image, "vllmVersion": "0.26.0", "lmcacheVersion": "0.5.3",
+                                "maxModelLen": 8192, "maxNumSeqs": 4, "env": list(env)},
+                     "offload": {"backend": "lmcache-server", "chunkSize": 256, "cpu": {"size": STANDIN_CPU_TIER},
+                                 "disk": {"path": str(disk), "size": "256Mi", "reclaimPolicy": reclaim}},
+                     "resources": {"gpuResourceName": GPU_STAND_IN, "gpuMemory": "24Gi", "cpu": "100m", "shm": "64Mi",
+                                   **STANDIN_SIZES},
+                     "scheduling": PLACEMENT}}

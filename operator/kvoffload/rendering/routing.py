@@ -1,0 +1,151 @@
+"""spec.routing -> vLLM's router in front of the replicas: a Deployment and a Service, and the least privilege it
+needs to discover exactly this resource's serving pods (a ServiceAccount and a Role that lists and watches pods in
+its own namespace, bound to it). Pure. docs/routing.md explains the policy and the figures it is given.
+
+The router's flags are vllm-router 0.1.17's (engine/router.py says where each was verified). Its pods do not carry
+the serving pods' selector label (kvoffload.io/serve), so neither the serving Service, the PDB nor the router's own
+discovery ever selects them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from ..api.settings import Settings
+from ..api.spec import RoutingSpec, Spec
+from ..backends.base import HTTP_PORT, field_env
+from ..engine import router as engine_router
+from ..planning import routing as plan_routing
+from ..planning.sizing import Budget
+from . import pod_security
+
+ROUTER_LABEL = "kvoffload.io/router"
+# Kinds this module renders (render.CHILD_KINDS lists them with the rest, in apply order: RBAC before the pods).
+KINDS = (("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+         ("apps/v1", "Deployment"))
+# The engine's KV-event publisher (kv_aware only): vLLM's KVEventsConfig, bound on the pod's port KV_EVENTS_PORT.
+KV_EVENTS_TOPIC = "kv-events"
+
+
+def name(owner_name: str) -> str:
+    return f"{owner_name}-router"
+
+
+def pod_labels(owner_name: str, settings: Settings) -> dict[str, str]:
+    return {**settings.labels, "app.kubernetes.io/name": "vllm-router", "app.kubernetes.io/instance": owner_name,
+            "app.kubernetes.io/component": "router", "app.kubernetes.io/managed-by": "kvoffload",
+            "app.kubernetes.io/part-of": "kvoffload", ROUTER_LABEL: owner_name}
+
+
+def event_ports(spec: Spec) -> tuple[int, ...]:
+    """Ports of the serving pods that the router reads besides the serving port: the KV-event publisher's (kv_aware)."""
+    return (engine_router.KV_EVENTS_PORT,) if spec.routing is not None and spec.routing.policy == "kv_aware" else ()
+
+
+def kv_events_args(spec: Spec) -> list[str]:
+    """The vLLM flags that publish the engine's KV events where kv_aware reads them (none for other policies)."""
+    if not event_ports(spec):
+        return []
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{engine_router.KV_EVENTS_PORT}",
+              "topic": KV_EVENTS_TOPIC}
+    return ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
+
+
+def policy_args(routing: RoutingSpec, budget: Budget, settings: Settings) -> list[str]:
+    """--policy and the figures that policy is given: kv_aware's tier credits, cache_aware's tree budget."""
+    args = ["--policy", routing.policy]
+    if routing.policy == "kv_aware":
+        credits = plan_routing.credits(budget)
+        # No tier of ours is "external" (a remote KV store): nothing should be credited as one.
+        for tier, flag in engine_router.CREDIT_FLAGS.items():
+            args += [flag, repr(credits.get(tier, 0.0))]
+    elif routing.policy == "cache_aware":
+        args += ["--max-tree-size", str(plan_routing.max_tree_size(budget, settings.router_chars_per_token))]
+    return args
+
+
+def _args(owner_name: str, namespace: str, serving: dict[str, str], routing: RoutingSpec, budget: Budget,
+          settings: Settings, api_key: bool) -> list[str]:
+    args = ["--host", "$(POD_IP)", "--port", str(engine_router.HTTP_PORT),
+            "--service-discovery", "--selector", *(f"{k}={v}" for k, v in sorted(serving.items())),
+            "--service-discovery-namespace", namespace, "--service-discovery-port", str(HTTP_PORT),
+            *policy_args(routing, budget, settings),
+            "--prometheus-host", "$(POD_IP)", "--prometheus-port", str(engine_router.METRICS_PORT)]
+    if api_key:
+        args += ["--api-key", "$(VLLM_API_KEY)"]  # expanded by kubelet: the key stays in its Secret
+    return args
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 3}
+
+
+def deployment(meta: dict[str, Any], owner_name: str, namespace: str, spec: Spec, serving: dict[str, str], budget: Budget,
+               settings: Settings) -> dict[str, Any]:
+    routing = spec.routing
+    assert routing is not None
+    env = [field_env("POD_IP", "status.podIP")]
+    if spec.engine.api_key_secret:
+        secret, key = spec.engine.api_key_secret
+        env.append({"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
+    labels = pod_labels(owner_name, settings)
+    container = {
+        "name": "router",
+        "image": settings.router_image,
+        "imagePullPolicy": settings.router_image_pull_policy,
+        "command": ["vllm-router"],
+        "args": _args(owner_name, namespace, serving, routing, budget, settings, bool(spec.engine.api_key_secret)),
+        "env": env,
+        "ports": [{"name": "http", "containerPort": engine_router.HTTP_PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": engine_router.METRICS_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        # /readiness is 503 until a serving pod is healthy: the Service sends nothing to a router with no replica.
+        "readinessProbe": _probe("/readiness", 5, 3),
+        "livenessProbe": _probe("/liveness", 10, 3),
+        "volumeMounts": [{"name": "tmp", "mountPath": pod_security.TMP_DIR}],
+        "securityContext": pod_security.restricted(readOnlyRootFilesystem=True, runAsNonRoot=True, runAsUser=65532,
+                                                   runAsGroup=65532),
+    }
+    pod = {"serviceAccountName": name(owner_name),
+           "automountServiceAccountToken": True,  # the router watches pods through the API server
+           "enableServiceLinks": False,
+           "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+           "containers": [container],
+           "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
+            "spec": {"replicas": routing.replicas, "selector": {"matchLabels": {ROUTER_LABEL: owner_name}},
+                     "template": {"metadata": {"labels": labels}, "spec": pod}}}
+
+
+def service(meta: dict[str, Any], owner_name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": meta,
+            "spec": {"type": "ClusterIP", "selector": {ROUTER_LABEL: owner_name},
+                     "ports": [{"name": "http", "port": engine_router.HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+                               {"name": "metrics", "port": engine_router.METRICS_PORT, "targetPort": "metrics",
+                                "protocol": "TCP"}]}}
+
+
+def rbac(meta: Callable[[], dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ServiceAccount, and a Role (pods: list, watch, in this namespace only) bound to it."""
+    m = meta()
+    return [{"apiVersion": "v1", "kind": "ServiceAccount", "metadata": m, "automountServiceAccountToken": False},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta(),
+             "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta(),
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": m["name"]},
+             "subjects": [{"kind": "ServiceAccount", "name": m["name"], "namespace": m["namespace"]}]}]
+
+
+def children(meta: Callable[[], dict[str, Any]], owner_name: str, namespace: str, spec: Spec, serving: dict[str, str],
+             budget: Budget, settings: Settings) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(RBAC, [Service, Deployment]) for spec.routing, or empty lists without it; `meta()` makes each child's metadata
+    (one name for all five), `serving` are the labels of exactly this resource's serving pods."""
+    if spec.routing is None:
+        return [], []
+    return rbac(meta), [service(meta(), owner_name), deployment(meta(), owner_name, namespace, spec, serving, budget, settings)]
+
+
+def endpoint(owner_name: str, namespace: str) -> str:
+    return f"http://{name(owner_name)}.{namespace}.svc:{engine_router.HTTP_PORT}/v1"

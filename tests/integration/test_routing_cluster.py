@@ -1,0 +1,238 @@
+"""spec.routing on the real control plane: the real router (vllm-router 0.1.17 from its PyPI wheel, `make router`) with
+the arguments the operator rendered and its ServiceAccount's own token discovers exactly the serving pods through
+the real API server; stand-in engines on those pods' loopback addresses (kwok runs no containers) model a prefix
+cache with the operator's tier capacities (kvtest.standin_prefix_engine) and answer real requests sent to the
+router's HTTP port.
+
+- cache_aware (what the operator runs on vLLM 0.26.0): every request of a shared prefix reaches the replica that
+  holds it, so repeats are GPU hits; round robin, for contrast, spreads each prefix over the replicas.
+- kv_aware behind Kubernetes discovery (the router as rendered, with the operator's credits): the router asks each
+  discovered pod GET /get_server_info and GET /kv_event_sources, the two routes vLLM 0.26.0 does not serve (why the
+  operator refuses kv_aware there, docs/routing.md). The stand-ins serve them and publish vLLM's own KV event
+  classes (under the engine venv's python; skipped without it).
+
+Everything binds 127.0.0.x: the router (127.0.0.1), the stand-ins (the pods' loopback IPs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvoffload.engine import router as engine_router
+from kvtest import ROOT, condition
+from kvtest.specs import serve, wait_ready
+from kvtest.standin_prefix_engine import BLOCK, StandInPrefixEngine, tokens
+
+pytestmark = pytest.mark.cluster
+
+ENGINE_PY = Path.home() / ".cache" / "kvoffload" / "engine-vllm-0.26.0-lmcache-0.5.3" / "bin" / "python"
+REPLICAS = 3
+PREFIX_WORDS = 320  # 20 blocks of 16 tokens: a shared system prompt / document
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    return json.loads(urllib.request.urlopen(req, timeout=30).read())
+
+
+def _get(url: str) -> Any:
+    return json.loads(urllib.request.urlopen(url, timeout=10).read())
+
+
+class Router:
+    """The real router with the Deployment's rendered arguments, on 127.0.0.1, authenticated as its ServiceAccount."""
+
+    def __init__(self, binary: Path, args: list[str], kubeconfig: Path, log: Path) -> None:
+        self.port, metrics = _free_port(), _free_port()
+        args = [a.replace("$(POD_IP)", "127.0.0.1") for a in args]
+        args[args.index("--port") + 1] = str(self.port)
+        args[args.index("--prometheus-port") + 1] = str(metrics)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}  # no in-cluster config here
+        self.log = log
+        self.proc = subprocess.Popen([str(binary), *args, "--log-level", "debug"], env={**env, "KUBECONFIG": str(kubeconfig)},
+                                     stdout=log.open("w"), stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def workers(self) -> set[str]:
+        try:
+            out = _get(f"{self.url}/list_workers")
+        except OSError:
+            return set()
+        return set(out.get("urls") or [])
+
+    def ready(self) -> bool:
+        try:
+            return urllib.request.urlopen(f"{self.url}/readiness", timeout=5).status == 200
+        except OSError:
+            return False
+
+    def complete(self, prompt: str) -> dict[str, Any]:
+        return _post(f"{self.url}/v1/completions", {"model": "stand-in", "prompt": prompt, "max_tokens": 1})
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=20)
+
+
+def _prompts(rounds: int, prefixes: int, seed: int) -> list[tuple[int, str]]:
+    """(prefix index, prompt): each prefix `rounds` times with its own question, in a shuffled order."""
+    docs = [" ".join(f"doc{k}s{seed}w{j}" for j in range(PREFIX_WORDS)) for k in range(prefixes)]
+    out = [(k, f"{docs[k]} question {r} about {k} " + " ".join(f"q{r}k{k}x{j}" for j in range(12)))
+           for r in range(rounds) for k in range(prefixes)]
+    random.Random(seed).shuffle(out)
+    return out
+
+
+def health(pods: list[dict[str, Any]], up: bool) -> None:
+    """The stand-ins end (or restart) their start-up: vllm-router 0.1.17 subscribes to the KV events of workers that
+    become healthy after it started (in our runs never to those healthy at its first check), as real engines do."""
+    for p in pods:
+        _post(f"http://{p['status']['podIP']}:8000/standin/{'start' if up else 'stop'}", {})
+
+
+def _plain(log: Path) -> str:
+    """The router's log without its colour codes."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", log.read_text())
+
+
+def _run(router: Router, prompts: list[tuple[int, str]]) -> dict[int, list[str]]:
+    served: dict[int, list[str]] = {}
+    for k, prompt in prompts:
+        answer = router.complete(prompt)
+        assert answer["system_fingerprint"].startswith("kvoffload-stand-in-engine")
+        served.setdefault(k, []).append(answer["kvoffload_stand_in"]["replica"])
+    return served
+
+
+@pytest.fixture
+def routed(cluster, namespace, operator, tmp_path, vllm_router):
+    """A KVOffloadServe with 3 replicas and spec.routing, Ready (its router Deployment too, as kwok runs it)."""
+    cluster.client.apply(serve("svc", replicas=REPLICAS, routing={}), namespace)
+    obj = wait_ready(cluster, namespace, "svc", timeout=180)
+    pods = cluster.client.list("pods", namespace, labels={"kvoffload.io/serve": "svc"})
+    deployment = cluster.client.get("deployment", "svc-router", namespace)
+    token = cluster.client.create_token("svc-router", namespace)
+    kubeconfig = cluster.token_kubeconfig(tmp_path / "router.kubeconfig", token, namespace, "svc-router")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    yield obj, pods, args, lambda argv, log: Router(vllm_router, argv, kubeconfig, log)
+
+
+def test_router_discovers_the_serving_pods_and_keeps_each_prefix_on_one_replica(cluster, namespace, routed, tmp_path):
+    obj, pods, args, start = routed
+    st = obj["status"]
+    assert st["endpoint"] == f"http://svc-router.{namespace}.svc:8000/v1"
+    assert st["routing"]["policy"] == "cache_aware" and condition(obj, "RouterReady")["reason"] == "RouterAvailable"
+    assert args[args.index("--max-tree-size") + 1] == str(st["routing"]["maxTreeSize"])
+    # The namespace also holds the router's own pod (kwok runs it): the router must not discover it.
+    router_pods = cluster.client.list("pods", namespace, labels={"kvoffload.io/router": "svc"})
+    assert len(pods) == REPLICAS and router_pods
+    capacity = {t["name"]: t["tokens"] for t in st["budget"]["tiers"]}
+    engines = [StandInPrefixEngine(p["metadata"]["name"], p["status"]["podIP"], 8000, capacity) for p in pods]
+    routers: list[Router] = []
+    try:
+        want = {f"http://{p['status']['podIP']}:8000" for p in pods}
+        router = start(args, tmp_path / "router.log")
+        routers.append(router)
+        cluster.wait_until(lambda: router.workers() == want, timeout=90,
+                           message=f"the router discovers exactly {sorted(want)} (log: {router.log})")
+        # Least privilege: the ServiceAccount may list and watch pods here, nothing in other namespaces, no Secrets.
+        for attrs, allowed in (({"namespace": namespace, "verb": "watch", "resource": "pods"}, True),
+                               ({"namespace": "default", "verb": "list", "resource": "pods"}, False),
+                               ({"namespace": namespace, "verb": "get", "resource": "secrets"}, False)):
+            review = cluster.client.create({
+                "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+                "spec": {"user": f"system:serviceaccount:{namespace}:svc-router", "resourceAttributes": attrs}})
+            assert review["status"]["allowed"] is allowed, (attrs, review["status"])
+
+        served = _run(router, _prompts(rounds=4, prefixes=4, seed=1))
+        assert all(len(set(r)) == 1 for r in served.values()), served  # each prefix always reached its replica
+        hits = sum(e.cache.counts.hit_tokens["gpu"] for e in engines)
+        prefix_blocks = len(tokens(" ".join(["w"] * PREFIX_WORDS))) // BLOCK * BLOCK
+        assert hits >= 4 * 3 * prefix_blocks  # every repeat of every prefix hit its whole prefix in the GPU tier
+        router.stop()
+
+        # Round robin, for contrast: the same workload spreads prefixes over replicas and recomputes them.
+        rr = [*args]
+        rr[rr.index("--policy") + 1: rr.index("--max-tree-size") + 2] = ["round_robin"]
+        before = {e.name: e.cache.counts.computed_tokens for e in engines}
+        rrouter = start(rr, tmp_path / "router-rr.log")
+        routers.append(rrouter)
+        cluster.wait_until(lambda: rrouter.workers() == want, timeout=90, message="round robin router discovers the pods")
+        served_rr = _run(rrouter, _prompts(rounds=4, prefixes=4, seed=2))
+        assert any(len(set(r)) > 1 for r in served_rr.values()), served_rr
+        recomputed_rr = sum(e.cache.counts.computed_tokens - before[e.name] for e in engines)
+        assert recomputed_rr > 4 * prefix_blocks  # more than each prefix's first prefill
+
+        # Scaling down: the router drops the pod that goes.
+        cluster.client.patch("kvs", "svc", {"spec": {"replicas": REPLICAS - 1}}, namespace)
+        cluster.wait_until(lambda: len(rrouter.workers()) == REPLICAS - 1, timeout=90, message="the router drops the removed pod")
+        assert rrouter.workers() < want
+    finally:
+        for r in routers:
+            if r.proc.poll() is None:
+                r.stop()
+        for e in engines:
+            e.close()
+
+
+@pytest.mark.skipif(not ENGINE_PY.exists(), reason="engine venv not built (make engine-venv): vLLM's KV event classes")
+def test_kv_aware_asks_each_discovered_pod_for_what_vllm_0_26_lacks(cluster, namespace, routed, tmp_path):
+    """Why the operator refuses kv_aware on vLLM 0.26.0: started as rendered (--service-discovery) with kv_aware and
+    the operator's credits, the router asks every pod it discovers for GET /get_server_info and /kv_event_sources."""
+    obj, pods, args, start = routed
+    credits = obj["status"]["routing"]["credits"]
+    reload = {r["tier"]: r for r in obj["status"]["budget"]["reload"]}
+    assert reload["disk"]["slowerThanRecompute"] and credits["disk"] == 0 and credits["cpu"] > 0.9
+    capacity = {t["name"]: t["tokens"] for t in obj["status"]["budget"]["tiers"]}
+    hosts = [p["status"]["podIP"] for p in pods]
+    conf = {"engines": [{"name": p["metadata"]["name"], "host": p["status"]["podIP"], "port": 8000} for p in pods],
+            "capacity": capacity, "kv_events": True}
+    standins = subprocess.Popen([str(ENGINE_PY), "-m", "kvtest.standin_prefix_engine", json.dumps(conf)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=(tmp_path / "standins.log").open("w"),
+                                env={**os.environ, "PYTHONPATH": str(ROOT / "tests" / "support")}, text=True)
+    router = None
+    try:
+        assert standins.stdout is not None
+        while "stand-in engines ready" not in (line := standins.stdout.readline()):
+            assert line, (tmp_path / "standins.log").read_text()[-3000:]
+        kvo = ["--policy", "kv_aware", *(x for tier, flag in engine_router.CREDIT_FLAGS.items()
+                                        for x in (flag, repr(credits.get(tier, 0.0))))]
+        router = start(args[: args.index("--policy")] + kvo + args[args.index("--prometheus-host"):], tmp_path / "router.log")
+        health(pods, True)
+        urls = {f"http://{h}:8000" for h in hosts}
+        cluster.wait_until(lambda: router.workers() == urls, timeout=90, message="the kv_aware router discovers the pods")
+        cluster.wait_until(router.ready, timeout=120, message="the kv_aware router sees healthy workers")
+        for n in range(6):  # each prefix in replica 0's GPU tier, published as vLLM's BlockStored
+            prompt = " ".join(f"discovered{n}w{j}" for j in range(PREFIX_WORDS))
+            _post(f"http://{hosts[0]}:8000/standin/seed", {"prompt": prompt, "tiers": ["gpu"]})
+            time.sleep(1)
+            router.complete(prompt + " and a question")
+        router.stop()
+        log = _plain(router.log)
+        assert len(re.findall(r"KV prefix decision", log)) >= 6  # the kv_aware policy decided each request
+        for h in hosts:
+            asked = _get(f"http://{h}:8000/standin/counts")["asked"]
+            assert {"/health", "/get_server_info", "/kv_event_sources"} <= set(asked), asked
+    finally:
+        if router is not None and router.proc.poll() is None:
+            router.stop()
+        if standins.stdin:
+            standins.stdin.close()
+        standins.wait(timeout=30)

@@ -1,0 +1,261 @@
+"""spec.routing (docs/routing.md): parse, the figures the router is given (credits, cache_aware's tree budget),
+the rendered router and its least privilege, and what status says about it. The flag names are checked against
+the real vllm-router 0.1.17 `--help` where its cached venv exists (`make router`)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from datetime import datetime, timezone
+
+import pytest
+
+from kvoffload.api import crd
+from kvoffload.api.errors import ConfigError
+from kvoffload.api.settings import Settings
+from kvoffload.api.spec import RoutingSpec
+from kvoffload.cli import why
+from kvoffload.controller import conditions, pipeline
+from kvoffload.engine import router as engine_router
+from kvoffload.planning import routing as plan_routing
+from kvoffload.rendering import render, routing
+from kvtest.specs import PAIR, spec
+
+ROUTED = {"replicas": 4, "routing__policy": "auto"}
+
+
+def desired(s: dict, settings: Settings | None = None) -> pipeline.Desired:
+    return pipeline.desired("svc", "team-a", "uid-1", s, settings or Settings())
+
+
+def kind(d: pipeline.Desired, k: str) -> list[dict]:
+    return [c for c in d.children if c["kind"] == k]
+
+
+def router_container(d: pipeline.Desired) -> dict:
+    return kind(d, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+
+
+# --- parse
+
+
+def test_auto_runs_cache_aware_on_the_pinned_engine():
+    d = desired(spec(**PAIR, **ROUTED))
+    assert d.spec.routing == RoutingSpec(policy="cache_aware", requested="auto", replicas=1)
+
+
+def test_kv_aware_is_refused_where_the_router_cannot_index_the_engine():
+    with pytest.raises(ConfigError) as err:
+        desired(spec(**PAIR, replicas=2, routing__policy="kv_aware"))
+    assert err.value.field == "spec.routing.policy"
+    assert "vLLM 0.26.0 serves neither GET /get_server_info nor GET /kv_event_sources" in err.value.message
+    assert err.value.message.endswith("allowed values here: auto, cache_aware, round_robin")
+
+
+@pytest.mark.parametrize("patch, field, says", [
+    ({"routing__policy": "least_loaded"}, "spec.routing.policy", "allowed values: auto, kv_aware, cache_aware, round_robin"),
+    ({"routing__replicas": 0}, "spec.routing.replicas", "must be an integer in [1, 10]"),
+    ({"routing__enabled": "yes"}, "spec.routing.enabled", "must be true or false"),
+])
+def test_bad_routing_fields_name_the_field_and_what_is_allowed(patch, field, says):
+    with pytest.raises(ConfigError) as err:
+        desired(spec(**patch))
+    assert err.value.field == field and says in err.value.message
+
+
+def test_auto_picks_kv_aware_only_where_the_engine_answers_both_routes(monkeypatch):
+    monkeypatch.setitem(engine_router.DISCOVERY, "9.9.9", engine_router.Discovery(True, True, "serves both"))
+    assert engine_router.resolve("auto", "9.9.9") == "kv_aware"
+    assert engine_router.resolve("auto", "0.26.0") == engine_router.resolve("auto", "0.33.0") == "cache_aware"
+    assert engine_router.resolve("round_robin", "9.9.9") == "round_robin"
+
+
+def test_the_crd_declares_the_policies_with_auto_as_default():
+    node = crd.schema_at("routing.policy")
+    assert node["enum"] == list(engine_router.POLICIES) and node["default"] == "auto"
+    assert crd.schema_at("routing.enabled")["default"] is True
+
+
+def test_disabled_or_absent_routing_renders_no_router():
+    for s in (spec(**ROUTED, routing__enabled=False), spec(replicas=4)):
+        d = desired(s)
+        assert d.spec.routing is None
+        assert not kind(d, "Deployment") and not kind(d, "Role")
+        assert conditions.status({"metadata": {"name": "svc", "namespace": "team-a", "generation": 1}, "spec": s}, d, None,
+                                 conditions.Observed(None, []))["endpoint"] == "http://svc.team-a.svc:8000/v1"
+
+
+# --- the figures: credits and the tree budget
+
+
+def test_credit_is_the_share_of_recompute_a_hit_saves_and_zero_when_slower():
+    b = desired(spec(**ROUTED)).budget
+    cpu, disk = (next(r for r in b.reload if r.tier == t) for t in ("cpu", "disk"))
+    assert not cpu.slower_than_recompute and disk.slower_than_recompute  # the default H200 figures: disk 0.94 GB/s
+    assert plan_routing.credits(b) == {"cpu": round(1 - cpu.reload_s / cpu.recompute_s, 4), "disk": 0.0}
+    assert 0.9 < plan_routing.credit(b, "cpu") < 1
+
+
+def test_a_fast_disk_earns_a_credit_and_an_absent_tier_none():
+    fast = desired(spec(**ROUTED, offload__disk__readGbps=12)).budget
+    disk = next(r for r in fast.reload if r.tier == "disk")
+    assert plan_routing.credit(fast, "disk") == round(1 - disk.reload_s / disk.recompute_s, 4) > 0
+    assert plan_routing.credits(desired(spec(**ROUTED, offload__disk=None)).budget)["disk"] == 0.0
+
+
+def test_tree_budget_counts_only_tiers_worth_reloading():
+    slow = desired(spec(**ROUTED)).budget  # disk slower than recompute: GPU or CPU, whichever holds more
+    assert plan_routing.cached_tokens(slow) == max(slow.tier("gpu").tokens, slow.tier("cpu").tokens)
+    fast = desired(spec(**ROUTED, offload__disk__readGbps=12)).budget  # the disk holds the most and is worth it
+    assert plan_routing.cached_tokens(fast) == fast.tier("disk").tokens > plan_routing.cached_tokens(slow)
+    assert plan_routing.max_tree_size(fast, 4.0) == 4 * fast.tier("disk").tokens
+
+
+def test_cache_aware_is_given_the_tree_budget_from_the_tiers_and_the_setting():
+    s = spec(**ROUTED)
+    d = desired(s, Settings(router_chars_per_token=3.5))
+    args = router_container(d)["args"]
+    assert args[args.index("--policy") + 1] == "cache_aware"
+    assert int(args[args.index("--max-tree-size") + 1]) == int(plan_routing.cached_tokens(d.budget) * 3.5)
+    assert not any(a.startswith("--kv-penalty") for a in args)
+
+
+def test_kv_aware_is_given_each_tiers_credit_and_the_engine_publishes_its_events():
+    d = desired(spec(**ROUTED))
+    args = routing.policy_args(RoutingSpec("kv_aware", "kv_aware", 1), d.budget, Settings())
+    credits = plan_routing.credits(d.budget)
+    assert args == ["--policy", "kv_aware", "--kv-penalty-host", repr(credits["cpu"]), "--kv-penalty-external", "0.0",
+                    "--kv-penalty-disk", "0.0"]
+    kv_spec = d.spec.__class__(**{**d.spec.__dict__, "routing": RoutingSpec("kv_aware", "kv_aware", 1)})
+    flag, value = routing.kv_events_args(kv_spec)
+    assert flag == "--kv-events-config" and json.loads(value) == {
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}
+    assert routing.kv_events_args(d.spec) == []  # cache_aware: the engine publishes nothing
+    assert "--kv-events-config" not in render.vllm_argv(kind(d, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0])
+
+
+# --- the rendered router
+
+
+def test_router_discovers_exactly_the_serving_pods():
+    d = desired(spec(**ROUTED))
+    args = router_container(d)["args"]
+    selector = args[args.index("--selector") + 1: args.index("--service-discovery-namespace")]
+    assert selector == ["app.kubernetes.io/component=serving", "kvoffload.io/serve=svc"]
+    assert args[args.index("--service-discovery-namespace") + 1] == "team-a"
+    assert args[args.index("--service-discovery-port") + 1] == "8000"
+    serving = kind(d, "StatefulSet")[0]["spec"]["template"]["metadata"]["labels"]
+    router_pods = kind(d, "Deployment")[0]["spec"]["template"]["metadata"]["labels"]
+    assert all(serving.get(k.split("=")[0]) == k.split("=")[1] for k in selector)
+    # Router pods match neither its own discovery nor the serving Service, the PDB or the StatefulSet.
+    assert render.OWNER_LABEL not in router_pods and router_pods[routing.ROUTER_LABEL] == "svc"
+    service = next(c for c in kind(d, "Service") if c["metadata"]["name"] == "svc-router")
+    assert service["spec"]["selector"] == {routing.ROUTER_LABEL: "svc"}
+    assert [p["port"] for p in service["spec"]["ports"]] == [8000, 29000]
+
+
+def test_router_rbac_is_pods_list_watch_in_its_namespace_only():
+    d = desired(spec(**ROUTED))
+    (role,), (binding,), (sa,) = kind(d, "Role"), kind(d, "RoleBinding"), kind(d, "ServiceAccount")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == sa["metadata"]["namespace"] == "team-a"
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "svc-router"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "svc-router", "namespace": "team-a"}]
+    pod = kind(d, "Deployment")[0]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "svc-router" and pod["automountServiceAccountToken"] is True
+    assert sa["automountServiceAccountToken"] is False  # only the router's pods get its token
+    assert not kind(d, "ClusterRole")
+
+
+def test_router_runs_hardened_with_probes():
+    c = router_container(desired(spec(**ROUTED)))
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] and sc["runAsNonRoot"] and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["runAsUser"] != 0
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readiness" and c["livenessProbe"]["httpGet"]["path"] == "/liveness"
+    assert c["image"] == Settings().router_image == engine_router.DEFAULT_IMAGE
+    assert c["args"][c["args"].index("--host") + 1] == "$(POD_IP)"
+
+
+def test_router_gets_the_api_key_from_its_secret_never_in_the_spec():
+    c = router_container(desired(spec(**ROUTED, engine__apiKeySecretRef__name="api")))
+    assert c["args"][-2:] == ["--api-key", "$(VLLM_API_KEY)"]
+    assert {"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "api", "key": "api-key"}}} in c["env"]
+
+
+def test_network_policy_lets_the_router_reach_the_serving_port():
+    d = desired(spec(**ROUTED, networkPolicy__servingFrom=["clients"]))
+    ingress = kind(d, "NetworkPolicy")[0]["spec"]["ingress"]
+    assert ingress[0] == {"from": [{"podSelector": {"matchLabels": {routing.ROUTER_LABEL: "svc"}}}],
+                          "ports": [{"protocol": "TCP", "port": 8000}]}
+
+
+# --- status
+
+
+BODY = {"metadata": {"name": "svc", "namespace": "team-a", "generation": 1}}
+STS = {"metadata": {"name": "svc", "generation": 1}, "status": {"observedGeneration": 1, "replicas": 4, "readyReplicas": 4,
+                                                 "updatedReplicas": 4, "currentRevision": "r", "updateRevision": "r"}}
+
+
+def _deployment(ready: int, message: str = "") -> dict:
+    return {"metadata": {"name": "svc-router", "generation": 1},
+            "status": {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1, "readyReplicas": ready,
+                       "availableReplicas": ready,
+                       "conditions": [{"type": "Available", "status": "True" if ready else "False", "message": message}]}}
+
+
+def _conds(st: dict) -> dict:
+    return {c["type"]: c for c in st["conditions"]}
+
+
+def test_ready_waits_for_the_router_and_status_names_it():
+    s = spec(**ROUTED)
+    d = desired(s)
+    st = conditions.status({**BODY, "spec": s}, d, None, conditions.Observed(STS, [], None, None, _deployment(0, "no pod")))
+    c = _conds(st)
+    assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("False", "RouterNotReady")
+    assert (c["RouterReady"]["status"], c["RouterReady"]["reason"]) == ("False", "RouterNotReady")
+    assert "no pod" in c["RouterReady"]["message"] and c["Reconciling"]["reason"] == "RouterNotReady"
+    assert st["endpoint"] == "http://svc-router.team-a.svc:8000/v1"
+    assert st["routing"] == {"policy": "cache_aware", "deployment": "svc-router", "readyReplicas": 0,
+                             "credits": plan_routing.credits(d.budget),
+                             "maxTreeSize": plan_routing.max_tree_size(d.budget, Settings().router_chars_per_token)}
+    st = conditions.status({**BODY, "spec": s}, d, None, conditions.Observed(STS, [], None, None, _deployment(1)))
+    c = _conds(st)
+    assert c["Ready"]["status"] == "True" and c["RouterReady"]["reason"] == "RouterAvailable"
+    assert "policy cache_aware (auto: cache_aware)" in c["RouterReady"]["message"]
+    assert why.kstatus({**BODY, "spec": s, "status": {**st, "observedGeneration": 1}}) == ("Current", "ready")
+
+
+def test_without_routing_the_router_condition_says_so_and_ready_ignores_it():
+    s = spec(replicas=4)
+    st = conditions.status({**BODY, "spec": s}, desired(s), None, conditions.Observed(STS, []))
+    c = _conds(st)
+    assert c["Ready"]["status"] == "True" and c["RouterReady"]["reason"] == "NotConfigured"
+    assert "routing" not in st
+
+
+def test_why_explains_the_router():
+    s = spec(**ROUTED)
+    st = conditions.status({**BODY, "spec": s}, desired(s), None, conditions.Observed(STS, [], None, None, _deployment(0)))
+    obj = {**BODY, "spec": s, "status": {**st, "observedGeneration": 1}}
+    text = why.explain(obj, STS, [], [], datetime.now(timezone.utc))
+    assert "Not ready yet (RouterNotReady)" in text and why.HINTS["RouterNotReady"] in text
+    assert "vllm-router svc-router: policy cache_aware, 0 router pod(s) ready" in text
+    assert re.search(r"credit per offload tier .*: cpu 0\.9\d+, disk 0", text)
+
+
+# --- the real router's flags
+
+
+def test_every_rendered_flag_is_one_the_real_router_declares(vllm_router):
+    help_text = subprocess.run([str(vllm_router), "--help"], capture_output=True, text=True, timeout=60, check=True).stdout
+    declared = set(re.findall(r"(--[a-z0-9-]+)", help_text))
+    d = desired(spec(**ROUTED, engine__apiKeySecretRef__name="api"))
+    rendered = {a for a in router_container(d)["args"] if a.startswith("--")}
+    rendered |= {a for a in routing.policy_args(RoutingSpec("kv_aware", "kv_aware", 1), d.budget, Settings()) if a.startswith("--")}
+    assert rendered <= declared, rendered - declared
+    for policy in engine_router.POLICIES[1:]:
+        assert policy in help_text
