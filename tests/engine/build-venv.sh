@@ -17,18 +17,12 @@ LMCACHE_VERSION=${2:-0.5.3}
 LMCACHE_FROM=${3:-wheel}
 case "$LMCACHE_FROM" in wheel|source) ;; *) echo "LMCACHE_FROM must be wheel or source, not $LMCACHE_FROM" >&2; exit 2;; esac
 PY=${PY:-python3}
-CACHE=${KVO_CACHE:-$HOME/.cache/kvoffload}
-DEST=$CACHE/engine-vllm-$VLLM_VERSION-lmcache-$LMCACHE_VERSION
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-if [ -f "$DEST/.done" ]; then echo "$DEST"; exit 0; fi
-
-mkdir -p "$CACHE"
-exec 9>"$DEST.lock"
-flock 9                          # a second caller waits for the first build instead of racing it
-if [ -f "$DEST/.done" ]; then echo "$DEST"; exit 0; fi
+. "$ROOT/tests/support/cached-venv.sh"
+DEST=$CACHE/engine-vllm-$VLLM_VERSION-lmcache-$LMCACHE_VERSION
+cached_venv_begin "$DEST"
 
 start=$(date +%s)
-rm -rf "$DEST"
 "$PY" -m venv "$DEST" >&2
 PIP=("$DEST/bin/pip" install -q --no-cache-dir --disable-pip-version-check)
 "${PIP[@]}" --upgrade pip >&2

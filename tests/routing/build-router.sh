@@ -6,17 +6,11 @@
 set -euo pipefail
 VERSION=${1:-0.1.17}
 PY=${PY:-python3}
-CACHE=${KVO_CACHE:-$HOME/.cache/kvoffload}
+. "$(dirname "$0")/../support/cached-venv.sh"
 DEST=$CACHE/vllm-router-$VERSION
-if [ -f "$DEST/.done" ]; then echo "$DEST"; exit 0; fi
-
-mkdir -p "$CACHE"
-exec 9>"$DEST.lock"
-flock 9                          # a second caller waits for the first build instead of racing it
-if [ -f "$DEST/.done" ]; then echo "$DEST"; exit 0; fi
+cached_venv_begin "$DEST"
 
 start=$(date +%s)
-rm -rf "$DEST"
 "$PY" -m venv "$DEST" >&2
 "$DEST/bin/pip" install -q --disable-pip-version-check --no-cache-dir "vllm-router==$VERSION" >&2
 "$DEST/bin/python" -c "from importlib.metadata import version; v = version('vllm-router'); assert v == '$VERSION', v" >&2
