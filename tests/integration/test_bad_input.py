@@ -248,7 +248,7 @@ CASES = [
          "'--swap-space' (vLLM 0.26.0) is not a flag"),
     Case("op flag value on a switch", {"spec.engine.extraArgs": ["--enable-prefix-caching=False"]}, OPERATOR,
          "spec.engine.extraArgs", "--enable-prefix-caching takes no value"),
-    Case("op flag ambiguous abbreviation", {"spec.engine.extraArgs": ["--enable"]}, OPERATOR, "spec.engine.extraArgs",
+    Case("op flag ambiguous abbreviation", {"spec.engine.extraArgs": ["--enable-pr"]}, OPERATOR, "spec.engine.extraArgs",
          "ambiguous abbreviation"),
     Case("op flag unambiguous abbreviation", {"spec.engine.extraArgs": ["--enforce"]}, OPERATOR, "spec.engine.extraArgs",
          "abbreviates --enforce-eager"),
