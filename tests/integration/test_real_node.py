@@ -199,7 +199,7 @@ def test_zz_the_guard_dropped_nothing(demo):
     """Last in the module: after every pod above, nothing was headed off the machine."""
     counters = node.guard_counters()
     assert set(counters) >= {"bridge-to-elsewhere", "guarded-source-out", "guarded-destination-out"}, counters
-    assert all(v == 0 for v in counters.values()), json.dumps(counters)
+    assert all(v == 0 for v in counters.values()), (json.dumps(counters), node.guard_log()[-20:])
 
 
 def test_the_oci_capture_tool_saves_what_runc_ran(demo, tmp_path):

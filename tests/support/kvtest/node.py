@@ -49,6 +49,7 @@ SERVICE_CIDR = "198.19.0.0/24"
 KUBERNETES_SERVICE_IP = "198.19.0.1"
 GUARDED = "198.18.0.0/15"  # pods + Services: never on any other interface
 GUARD_TABLE = "kvoffload_guard"
+GUARD_LOG = "kvoffload-guard "  # the kernel log prefix of every packet the guard drops
 PAUSE_IMAGE = f"localhost/kvoffload/pause:v{K8S_VERSION}"
 ARCHIVE_LABEL = "io.kvoffload.archive"  # on an imported image: the tar it came from (names the podman image id)
 RUNTIME = "/usr/sbin/runc"  # Debian's runc 1.1.5 takes containerd 2.4's OCI 1.3 spec (crun 1.8 does not)
@@ -145,25 +146,36 @@ def nft_tables() -> list[str]:
     return [" ".join(ln.split()[1:3]) for ln in sh("nft", "list", "tables").stdout.splitlines() if ln.startswith("table ")]
 
 
+def _drop(match: str, name: str) -> str:
+    """A guard rule: count, log (GUARD_LOG) and drop what `match` selects."""
+    return f'{match} counter log prefix "{GUARD_LOG}{name}: " drop comment "{name}"'
+
+
 def guard_ruleset() -> str:
     """Drop what would leave the bridge: forwarded from cni0 (or a pod's veth) elsewhere, or a pod/Service
-    address on any interface but cni0, its veths and lo. Each rule counts what it drops."""
+    address on any interface but cni0, its veths and lo. Each rule counts and logs what it drops."""
     inside = f'{{ "{BRIDGE}", "veth*", "lo" }}'
+    bridge = f'{{ "{BRIDGE}", "veth*" }}'
     return f"""table inet {GUARD_TABLE} {{
   chain forward {{ type filter hook forward priority -200; policy accept;
-    iifname {{ "{BRIDGE}", "veth*" }} oifname != {{ "{BRIDGE}", "veth*" }} counter drop comment "bridge-to-elsewhere"
-    oifname {{ "{BRIDGE}", "veth*" }} iifname != {{ "{BRIDGE}", "veth*" }} counter drop comment "elsewhere-to-bridge"
+    {_drop(f"iifname {bridge} oifname != {bridge}", "bridge-to-elsewhere")}
+    {_drop(f"oifname {bridge} iifname != {bridge}", "elsewhere-to-bridge")}
   }}
   chain out {{ type filter hook postrouting priority -200; policy accept;
-    oifname != {inside} ip saddr {GUARDED} counter drop comment "guarded-source-out"
-    oifname != {inside} ip daddr {GUARDED} counter drop comment "guarded-destination-out"
+    {_drop(f"oifname != {inside} ip saddr {GUARDED}", "guarded-source-out")}
+    {_drop(f"oifname != {inside} ip daddr {GUARDED}", "guarded-destination-out")}
   }}
   chain in {{ type filter hook prerouting priority -200; policy accept;
-    iifname != {inside} ip saddr {GUARDED} counter drop comment "guarded-source-in"
-    iifname != {inside} ip daddr {GUARDED} counter drop comment "guarded-destination-in"
+    {_drop(f"iifname != {inside} ip saddr {GUARDED}", "guarded-source-in")}
+    {_drop(f"iifname != {inside} ip daddr {GUARDED}", "guarded-destination-in")}
   }}
 }}
 """
+
+
+def guard_log() -> list[str]:
+    """The kernel's log lines of the packets the guard dropped (addresses, ports, TCP flags, interfaces)."""
+    return [ln for ln in sh("dmesg").stdout.splitlines() if GUARD_LOG in ln]
 
 
 def guard_counters() -> dict[str, int]:
