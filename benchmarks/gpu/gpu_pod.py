@@ -37,6 +37,7 @@ from typing import Any
 
 import gpu_manifests as gm
 import gpu_oci
+from kvoffload.engine import images
 
 CGROUP = Path("/sys/fs/cgroup")
 IMAGES = "/opt/kvimage"  # serving/{site,bin}, operator/{site,bin}: written by the device script
@@ -85,13 +86,24 @@ def host_facts() -> gpu_oci.Host:
                         hugepage_sizes=sizes, apparmor_profiles=profiles, existing=existing, memory_capacity=mem)
 
 
+def stand_in(image: str) -> str:
+    """The directory under IMAGES standing in for an image: operator/ for the operator image; for a serving image
+    serving/ when it holds the default pair (the host's torch + wheels) and serving-<tag>/ for another pair
+    (its own torch: `dev.sh install 0.33.0-0.5.6`)."""
+    if "kvoffload/kvoffload" in image:
+        return "operator"
+    tag = image.rpartition(":")[2] if ":" in image.rpartition("/")[2] else ""
+    return "serving" if tag in ("", images.DEFAULT_IMAGE.rpartition(":")[2]) else f"serving-{tag}"
+
+
 def image_env(image: str, python: str) -> dict[str, str]:
-    """The environment the stand-in image gives: its packages' bin and site dirs before the host's Python."""
-    which = "operator" if "kvoffload/kvoffload" in image else "serving"
+    """The environment the stand-in image gives: its packages' bin and site dirs before the host's Python
+    (PYTHONPATH comes first on sys.path: a carried torch shadows the host's)."""
+    which = stand_in(image)
     pybin = os.path.dirname(os.path.abspath(python))  # the venv's bin, not the interpreter it links to
     env = {"PATH": f"{IMAGES}/{which}/bin:{pybin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
            "PYTHONPATH": f"{IMAGES}/{which}/site", "PYTHONUNBUFFERED": "1"}
-    if which == "serving":  # what a CUDA base image sets; the driver libraries are the host's
+    if which != "operator":  # what a CUDA base image sets; the driver libraries are the host's
         ld = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p]
         for p in ("/usr/local/nvidia/lib64", "/usr/local/nvidia/lib"):
             if p not in ld and os.path.isdir(p):
@@ -251,6 +263,10 @@ class Pod:
         self.pod_cgroup: Path | None = None
 
     def prepare(self) -> None:
+        if not self.dry_run:  # else a container would start on another pair's packages, or on none
+            absent = sorted({d for c in self.run.containers if not os.path.isdir(f"{IMAGES}/{(d := stand_in(c.image))}")})
+            if absent:
+                raise SystemExit(f"no stand-in image {', '.join(f'{IMAGES}/{d}' for d in absent)}: run dev.sh install first")
         w = Path(self.work)
         if w.exists():
             self.cleanup()

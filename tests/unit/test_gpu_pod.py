@@ -6,6 +6,7 @@ host, and the checks the results are judged by."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -21,11 +22,13 @@ import gpu_manifests as gm  # noqa: E402
 import gpu_oci  # noqa: E402
 import gpu_pod  # noqa: E402
 import gpu_report  # noqa: E402
+from kvoffload.engine import images  # noqa: E402
 
 OCI = ROOT / "benchmarks" / "gpu" / "oci"
 PODS = {"workstation-llama31-8b": ROOT / "examples" / "workstation-llama31-8b.yaml",
         "server-llama31-8b": ROOT / "examples" / "server-llama31-8b.yaml",
-        "native-llama31-8b": ROOT / "benchmarks" / "gpu" / "native-llama31-8b.yaml"}
+        "native-llama31-8b": ROOT / "benchmarks" / "gpu" / "native-llama31-8b.yaml",
+        "workstation-llama31-8b-vllm-0.33.0": ROOT / "benchmarks" / "gpu" / "workstation-llama31-8b-vllm-0.33.0.yaml"}
 HOST = gpu_oci.Host(image_dirs=("/usr", "/opt", "/etc"),
                     devices=(gpu_oci.Device("/dev/nvidia0", 195, 0), gpu_oci.Device("/dev/nvidiactl", 195, 255),
                              gpu_oci.Device("/dev/nvidia-uvm", 507, 0)),
@@ -390,3 +393,41 @@ def test_kubelets_oom_score_adj():
     assert gpu_oci.oom_score_adj("burstable", 2**41, 2**40) == 3  # never below Guaranteed + 1000
     assert gpu_oci.oom_score_adj("burstable", 32 * 2**20, 2**34, sidecar_floor=2**30) == 938  # a sidecar: the smallest regular request
     assert gpu_oci.oom_score_adj("guaranteed", 2**30, 2**40) == -997 and gpu_oci.oom_score_adj("besteffort", None, 2**40) == 1000
+
+
+# ------------------------------------------------------------------ the second pair (vLLM 0.33.0 + LMCache 0.5.6)
+
+def test_the_033_example_is_the_workstation_example_on_the_033_image(rendered):
+    """Its KVOffloadServe differs in spec.engine.image alone; its pod in the image and LMCache's version stamp, so
+    the lmcache capture (of the default pair's pod) fits it container for container."""
+    new, old = (yaml.safe_load(PODS[n].read_text()) for n in ("workstation-llama31-8b-vllm-0.33.0", "workstation-llama31-8b"))
+    assert new["spec"]["engine"].pop("image") == "ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6" and new == old
+    a, b = rendered["workstation-llama31-8b"], rendered["workstation-llama31-8b-vllm-0.33.0"]
+    for x, y in zip(pod(a).containers, pod(b).containers, strict=True):
+        assert dataclasses.replace(y, image=x.image) == x, x.name
+    assert {c.image for c in pod(b).containers if c.role != "exporter"} == {"ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6"}
+
+
+def test_each_serving_image_runs_on_its_own_stand_in(tmp_path, rendered, monkeypatch):
+    """The default pair on the host's torch (serving/), another pair on its carried torch (serving-<tag>/, first
+    on PYTHONPATH); a pod whose stand-in dev.sh has not installed is refused before any container starts."""
+    assert gpu_pod.stand_in(images.DEFAULT_IMAGE) == "serving"
+    assert gpu_pod.stand_in("ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6") == "serving-0.33.0-0.5.6"
+    assert gpu_pod.stand_in("ghcr.io/kvoffload/kvoffload:0.1.0") == "operator"
+    env = gpu_pod.image_env("ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6", "/opt/py/bin/python3")
+    assert env["PYTHONPATH"] == "/opt/kvimage/serving-0.33.0-0.5.6/site"
+    assert env["PATH"].startswith("/opt/kvimage/serving-0.33.0-0.5.6/bin:/opt/py/bin:")
+    r = rendered["workstation-llama31-8b-vllm-0.33.0"]
+    run = gm.containerize(r, str(tmp_path / "pod"), str(tmp_path / "node-dir"), model_config={"a": 1})
+    p = gpu_pod.Pod(run, gpu_pod.load_specs(str(OCI / "lmcache")), name=f"{r.name}-0", tag="t", work=str(tmp_path / "pod"),
+                    logdir=str(tmp_path), namespaces=dict(gpu_pod.NS_FILES), python="/opt/py/bin/python3", crun="crun",
+                    host=GPU_HOST, dry_run=True)
+    p.prepare()  # the lmcache capture, rewritten for each container of the 0.33 pod (a mount it lacks would raise)
+    env = dict(e.split("=", 1) for e in p.box("vllm").spec["process"]["env"])
+    assert env["PYTHONPATH"] == "/opt/kvimage/serving-0.33.0-0.5.6/site"
+    monkeypatch.setattr(gpu_pod, "IMAGES", str(tmp_path / "kvimage"))
+    (tmp_path / "kvimage" / "serving").mkdir(parents=True)
+    (tmp_path / "kvimage" / "operator").mkdir()
+    p.dry_run = False
+    with pytest.raises(SystemExit, match="no stand-in image .*/serving-0.33.0-0.5.6: run dev.sh install"):
+        p.prepare()

@@ -1,48 +1,96 @@
 #!/bin/bash
-# On the GPU host (device `run`), from the checkout root, with .gpu/ carried: bench/ = benchmarks/gpu/*.py, operator/,
-# rendered/, oci/ (the captures, benchmarks/gpu/oci/<backend>/), crun/ (Debian crun 1.8.1 + its libraries), dev/ = this
-# directory; .gpupN/ = one wheel-site part each (`make`-free: see device/requirements-h200.txt).
-#   mkdir -p /root/kvstash && mv .gpupN/site.part* /root/kvstash/   one call per part (kept while the machine is warm)
-#   bash .gpu/dev/dev.sh install         the serving "image" (host torch + wheels), the operator package, crun
-#   bash .gpu/dev/dev.sh bench ARGS...   gpu_bench.py --runtime crun ARGS (--rendered F --oci .gpu/oci/<backend> ...)
-#   bash .gpu/dev/dev.sh plan TOTAL_S    the 2 Dec measurement: every bench below, each skipped when TOTAL_S would not hold it
+# On the GPU host (device `run`), from the checkout root, with the bundle carried (stage.sh writes it: .gpu/ for
+# the default pair, .gpup<V>/ for another; this script finds it as its own parent directory): bench/ =
+# benchmarks/gpu/*.py and the rendered examples' sources, operator/, rendered/, oci/ (the captures,
+# benchmarks/gpu/oci/<backend>/), crun/ (Debian crun 1.8.1 + its libraries), dev/ = this directory (+ the parts'
+# SHA256SUMS-<pair>); each carried part directory holds one part of the pair's wheel site (carry.sh).
+#   mkdir -p /root/kvstash && mv <part dir>/site*.part* /root/kvstash/   one call per part (kept while the machine is warm)
+#   bash <bundle>/dev/dev.sh install [PAIR]  the serving "image" of PAIR (default: the operator's default pair, host torch
+#                                            + wheels, in /opt/kvimage/serving; another pair, e.g. 0.33.0-0.5.6, its own
+#                                            torch in /opt/kvimage/serving-PAIR), the operator package, crun
+#   bash <bundle>/dev/dev.sh check PAIR      the installed pair loads on this GPU: torch, vLLM, LMCache's CUDA extension
+#   bash <bundle>/dev/dev.sh bench ARGS...   gpu_bench.py --runtime crun ARGS (--rendered F --oci <bundle>/oci/<backend> ...)
+#   bash <bundle>/dev/dev.sh plan TOTAL_S    the 2 Dec measurement: every bench below, each skipped when TOTAL_S would not hold it
+#   bash <bundle>/dev/dev.sh plan033 TOTAL_S [RUNS]  vLLM 0.33.0 + LMCache 0.5.6: check, then its rendered example under
+#                                            crun (RUNS: connector,baseline by default)
 set -u -o pipefail
 K=/root/kvstash
 IMG=/opt/kvimage
-G=$PWD/.gpu
+G=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONUNBUFFERED=1
+DEFAULT_PAIR=$(PYTHONPATH=$G/operator python3 -c 'from kvoffload.engine.images import DEFAULT_IMAGE as i; print(i.rsplit(":", 1)[1])')
+# The pair's serving root and parts: the default pair keeps the first protocol's names (serving/, site.part*).
+serving() { if [ "${1:-$DEFAULT_PAIR}" = "$DEFAULT_PAIR" ]; then echo serving; else echo "serving-$1"; fi; }
+stem() { if [ "${1:-$DEFAULT_PAIR}" = "$DEFAULT_PAIR" ]; then echo site; else echo "site-$1"; fi; }
 case "$1" in
 install)
   t0=$(date +%s)
-  rm -rf $IMG && mkdir -p $IMG/serving/site $IMG/serving/bin $IMG/operator/site $IMG/operator/bin $IMG/crun
-  cat $K/site.part* | xz -dc -T0 | tar -x -C $IMG/serving/site || exit 1
-  rm -rf $IMG/serving/site/bin
+  pair=${2:-$DEFAULT_PAIR}
+  S=$IMG/$(serving "$pair")
+  st=$(stem "$pair")
+  if [ -f "$G/dev/SHA256SUMS-$pair" ]; then  # parts broken on the way fail here, not as a bad archive
+    (cd $K && sha256sum --quiet -c "$G/dev/SHA256SUMS-$pair") || { echo "parts of $pair: checksum mismatch or missing in $K"; exit 1; }
+  fi
+  rm -rf "$S" $IMG/operator $IMG/crun && mkdir -p "$S/site" "$S/bin" $IMG/operator/site $IMG/operator/bin $IMG/crun
+  # One or more concatenated xz streams of tar archives (carry.sh: the wheels, then LMCache as compiled).
+  cat $K/"$st".part* | xz -dc -T0 | tar -x -i -C "$S/site" || exit 1
+  rm -rf "$S/site/bin"
+  if [ "$pair" != "$DEFAULT_PAIR" ]; then
+    # torch's RPATH is $ORIGIN/../../nvidia/<lib>/lib: the host's CUDA libraries for every one not carried (NCCL is).
+    host_nvidia=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia
+    mkdir -p "$S/site/nvidia"
+    for d in "$host_nvidia"/*/; do
+      d=${d%/}
+      [ -e "$S/site/nvidia/$(basename "$d")" ] || ln -s "$d" "$S/site/nvidia/$(basename "$d")"
+    done
+    echo "nvidia: carried $(cd "$S/site/nvidia" && find . -maxdepth 1 -mindepth 1 -type d | xargs -r -n1 basename | tr '\n' ' ')/ host's $(find "$S/site/nvidia" -maxdepth 1 -type l | wc -l) linked"
+  fi
   cp -r $G/operator/kvoffload $IMG/operator/site/
   cp -r $G/crun/. $IMG/crun/
   printf '#!/bin/sh\nLD_LIBRARY_PATH=%s/crun/lib exec %s/crun/crun "$@"\n' $IMG $IMG > $IMG/crun/run && chmod 755 $IMG/crun/run
-  python3 $G/dev/shims.py $IMG "$(command -v python3)" || exit 1
-  python3 -m compileall -q -j 0 $IMG/serving/site $IMG/operator/site >/dev/null 2>&1
+  python3 $G/dev/shims.py $IMG "$(command -v python3)" "$(serving "$pair")" operator || exit 1
+  python3 -m compileall -q -j 0 "$S/site" $IMG/operator/site >/dev/null 2>&1
   chmod -R a+rX $IMG
   $IMG/crun/run --version | head -1
   python3 -c "import torch; print('host torch', torch.__version__, torch.cuda.get_device_name(0))"
   grep MemTotal /proc/meminfo
-  echo "install took $(( $(date +%s) - t0 )) s" ;;
+  echo "install $pair took $(( $(date +%s) - t0 )) s" ;;
+check)
+  # The installed pair in the environment its containers get (gpu_pod.image_env), as the host's root.
+  pair=${2:?check PAIR}
+  S=$IMG/$(serving "$pair")
+  PYTHONPATH=$S/site PATH=$S/bin:$PATH python3 $G/dev/check_pair.py "$pair" "$G/dev/extension_check.py" ;;
 bench)
   shift
   for id in $($IMG/crun/run --root /run/kvbench-crun list -q 2>/dev/null); do $IMG/crun/run --root /run/kvbench-crun delete -f $id; done
   cd $G/bench && PYTHONPATH=$G/operator python3 gpu_bench.py --runtime crun --crun $IMG/crun/run --no-smoke --no-probe \
       --work /var/tmp/kvpod --disk-root /var/tmp/kvdisk --keep-volume home "$@" ;;
-plan)
+plan|plan033)
   # Priority order; a bench starts only when its estimate fits what is left of TOTAL_S (gpu_bench --budget-s).
   end=$(( $(date +%s) + $2 )); R=$G/rendered; O=$G/oci; out=${OUT:-/root/out}  # 4 x 2 files: the 8 that come back
   left() { echo $(( end - $(date +%s) )); }
   b() { local first=$1; shift; [ "$(left)" -gt "$first" ] || { echo "skipped (left $(left) s): $*"; return; }
         bash $G/dev/dev.sh bench --budget-s "$(left)" --run-estimate-s "$first" --request-timeout 100 "$@"; }
-  b 150 --rendered $R/workstation-llama31-8b.yaml --oci $O/lmcache --runs connector --tag-suffix=-oci --out $out/ws
-  b 110 --rendered $R/workstation-llama31-8b.yaml --oci $O/lmcache --runs connector --tag-suffix=-chunk2048 \
-      --lmcache-overrides '{"chunk_size": 2048}' --out $out/c2048
-  b 120 --rendered $R/server-llama31-8b.yaml --oci $O/lmcache-server --runs connector --tag-suffix=-server-odirect \
-      --rescan-wait 20 --out $out/server
-  b 100 --rendered $R/workstation-llama31-8b.yaml --oci $O/lmcache --runs baseline --tag-suffix=-oci --out $out/base
-  echo "plan done, $(left) s left" ;;
+  if [ "$1" = plan ]; then
+    b 150 --rendered $R/workstation-llama31-8b.yaml --oci $O/lmcache --runs connector --tag-suffix=-oci --out $out/ws
+    b 110 --rendered $R/workstation-llama31-8b.yaml --oci $O/lmcache --runs connector --tag-suffix=-chunk2048 \
+        --lmcache-overrides '{"chunk_size": 2048}' --out $out/c2048
+    b 120 --rendered $R/server-llama31-8b.yaml --oci $O/lmcache-server --runs connector --tag-suffix=-server-odirect \
+        --rescan-wait 20 --out $out/server
+    b 100 --rendered $R/workstation-llama31-8b.yaml --oci $O/lmcache --runs baseline --tag-suffix=-oci --out $out/base
+  else
+    # The rendered example for vLLM 0.33.0 + LMCache 0.5.6 (spec.engine.image: stage.sh renders it) from the
+    # lmcache capture: its containers differ from the captured 0.26 pod's in the image alone (stage.sh lists it).
+    # RUNS (default connector,baseline): a later call with what an earlier one skipped.
+    mkdir -p $out/check033
+    bash $G/dev/dev.sh check 0.33.0-0.5.6 2>&1 | tee $out/check033/check.log
+    [ "${PIPESTATUS[0]}" = 0 ] || { echo "check failed: no bench"; exit 1; }
+    for run in $(echo "${3:-connector,baseline}" | tr , ' '); do
+      b "$([ "$run" = connector ] && echo 200 || echo 130)" --rendered $R/workstation-llama31-8b-vllm-0.33.0.yaml \
+          --oci $O/lmcache --runs "$run" --tag-suffix=-vllm033 --out "$out/$run-033"
+    done
+  fi
+  echo "$1 done, $(left) s left" ;;
+*)
+  echo "usage: dev.sh install [PAIR] | check PAIR | bench ARGS... | plan TOTAL_S | plan033 TOTAL_S [RUNS]" >&2; exit 2 ;;
 esac

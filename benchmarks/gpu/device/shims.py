@@ -1,10 +1,11 @@
-"""Console scripts of the installed distributions, as pip would write them, for the host's Python."""
+"""Console scripts of the installed distributions, as pip would write them, for the host's Python.
+  shims.py IMG PYTHON [ROOT...]   each ROOT (default: serving operator) is IMG/ROOT/{site,bin}"""
 import configparser
 import pathlib
 import sys
 
 img, python = pathlib.Path(sys.argv[1]), sys.argv[2]
-for which in ("serving", "operator"):
+for which in sys.argv[3:] or ("serving", "operator"):
     site, bin_ = img / which / "site", img / which / "bin"
     found = {}
     for ep in site.glob("*.dist-info/entry_points.txt"):
