@@ -14,8 +14,8 @@
 #   bash <bundle>/dev/dev.sh plan033 TOTAL_S [RUNS]  vLLM 0.33.0 + LMCache 0.5.6: check, then its rendered example under
 #                                            crun (RUNS: connector,baseline by default)
 set -u -o pipefail
-K=/root/kvstash
-IMG=/opt/kvimage
+K=${KVSTASH:-/root/kvstash}
+IMG=${KVIMAGE:-/opt/kvimage}  # both overridable for the offline check (offline_check.sh); gpu_pod reads /opt/kvimage
 G=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONUNBUFFERED=1
 DEFAULT_PAIR=$(PYTHONPATH=$G/operator python3 -c 'from kvoffload.engine.images import DEFAULT_IMAGE as i; print(i.rsplit(":", 1)[1])')
@@ -43,7 +43,8 @@ install)
       d=${d%/}
       [ -e "$S/site/nvidia/$(basename "$d")" ] || ln -s "$d" "$S/site/nvidia/$(basename "$d")"
     done
-    echo "nvidia: carried $(cd "$S/site/nvidia" && find . -maxdepth 1 -mindepth 1 -type d | xargs -r -n1 basename | tr '\n' ' ')/ host's $(find "$S/site/nvidia" -maxdepth 1 -type l | wc -l) linked"
+    echo "nvidia/: carried $(find "$S/site/nvidia" -maxdepth 1 -mindepth 1 -type d -printf '%f '); the host's linked:" \
+         "$(find "$S/site/nvidia" -maxdepth 1 -type l -printf '%f ')"
   fi
   cp -r $G/operator/kvoffload $IMG/operator/site/
   cp -r $G/crun/. $IMG/crun/

@@ -20,7 +20,7 @@ PY=$SRC/.venv/bin/python
 CARRY=$(PY=python3 bash "$HERE/carry.sh" "$PAIR")  # the cached parts (built now if missing)
 DEFAULT=$(PYTHONPATH=$SRC/operator "$PY" -c 'from kvoffload.engine.images import DEFAULT_IMAGE as i; print(i.rsplit(":", 1)[1])')
 if [ "$PAIR" = "$DEFAULT" ]; then B=.gpu; STEM=site; PDIR=.gpup; PLAN=plan; else B=.gpup-$PAIR; STEM=site-$PAIR; PDIR=.gpup-$PAIR-; PLAN=plan$(echo "${PAIR%%-*}" | tr -d . | cut -c1-3); fi
-grep -qE "(^|[|( ])$PLAN[|)]" "$HERE/dev.sh" || { echo "stage.sh: dev.sh has no $PLAN for $PAIR" >&2; exit 2; }
+grep -qE "(^|[|( ])${PLAN}[|)]" "$HERE/dev.sh" || { echo "stage.sh: dev.sh has no $PLAN for $PAIR" >&2; exit 2; }
 for pat in '/.gpu/' '/.gpup*/'; do
   grep -qxF "$pat" "$CHECKOUT/.git/info/exclude" || { echo "stage.sh: $CHECKOUT/.git/info/exclude lacks $pat" >&2; exit 2; }
 done
