@@ -8,7 +8,8 @@
 # (requirements-h200[-vllm-V].txt, pip install --no-index --no-deps --target, for the host's Python 3.12
 # on manylinux x86_64), then, for a pair whose LMCache the serving image compiles from source
 # (engine/images.py lmcache_from), a second of LMCache as the engine venv compiled it (its RECORD's
-# files): dev.sh install reads them with `xz -dc | tar -x -i`. The wheels' stream is kept
+# files; LMCACHE_VENV names another venv where build-lmcache.sh compiled it against the same torch):
+# dev.sh install reads them with `xz -dc | tar -x -i`. The wheels' stream is kept
 # (base.tar.xz) while the engine venv is still building, so a rerun only adds LMCache's.
 set -euo pipefail
 PAIR=${1:?usage: carry.sh VLLM-LMCACHE, e.g. 0.33.0-0.5.6}
@@ -70,7 +71,8 @@ fi
 streams=("$DEST/base.tar.xz")
 if [ "$LMCACHE_FROM" = source ]; then
   # LMCache as the engine venv compiled it (tests/engine/build-venv.sh ... source): never built here.
-  ENGINE=$CACHE/engine-vllm-$VLLM-lmcache-$LMCACHE
+  # LMCACHE_VENV: another venv where images/serving/build-lmcache.sh compiled it against the same torch.
+  ENGINE=${LMCACHE_VENV:-$CACHE/engine-vllm-$VLLM-lmcache-$LMCACHE}
   if [ ! -f "$ENGINE/.done" ] && [ -e "$ENGINE.lock" ]; then flock "$ENGINE.lock" true; fi  # a build under way
   [ -f "$ENGINE/.done" ] || { echo "carry.sh: no engine venv at $ENGINE yet (make engine-venv builds it); the wheels' part is kept in $DEST" >&2; exit 3; }
   rm -rf "$W" && mkdir -p "$W/site"
@@ -96,9 +98,8 @@ lines = [f"{name}: carried {v}, engine venv {venv.get(name, 'absent')}" for name
          if venv.get(name) != v]
 open(diff, "w").write("".join(l + "\n" for l in lines))
 print(f"lmcache {dist.version}: {n} files; {len(lines)} carried versions differ from the engine venv's ({diff})")
-for must in ("torch", "triton", "vllm", "nvidia-nccl-cu13"):
-    if venv.get(must) != carried.get(must):
-        sys.exit(f"{must}: carried {carried.get(must)}, the engine venv's {venv.get(must)}: the extension is built for the venv's")
+if venv.get("torch") != carried.get("torch"):  # the extension's ABI is its torch's
+    sys.exit(f"torch: carried {carried.get('torch')}, {sys.prefix}'s {venv.get('torch')}: LMCache's extension is built for that")
 EOF
   tar -C "$W/site" --sort=name --owner=0 --group=0 -cf - . | xz -6 -T0 > "$DEST/lmcache.tar.xz"
   echo "lmcache-$LMCACHE" >> "$DEST/manifest.txt"
