@@ -10,7 +10,9 @@
 #                                            torch in /opt/kvimage/serving-PAIR), the operator package, crun
 #   bash <bundle>/dev/dev.sh check PAIR      the installed pair loads on this GPU: torch, vLLM, LMCache's CUDA extension
 #   bash <bundle>/dev/dev.sh bench ARGS...   gpu_bench.py --runtime crun ARGS (--rendered F --oci <bundle>/oci/<backend> ...)
-#   bash <bundle>/dev/dev.sh plan TOTAL_S    the 2 Dec measurement: every bench below, each skipped when TOTAL_S would not hold it
+#   bash <bundle>/dev/dev.sh plan TOTAL_S    the 1 Dec measurement: every bench below, each skipped when TOTAL_S would not hold it
+#   bash <bundle>/dev/dev.sh plan-rest TOTAL_S   the runs the captures had not had (vllm-native, the server's read-only
+#                                            sidecar, the disk tier alone); each bench's directory comes back as one $OUT/NAME.tar.xz
 #   bash <bundle>/dev/dev.sh plan033 TOTAL_S [RUNS]  vLLM 0.33.0 + LMCache 0.5.6: check, then its rendered example under
 #                                            crun (RUNS: connector,baseline by default)
 set -u -o pipefail
@@ -92,6 +94,17 @@ plan|plan033)
     done
   fi
   echo "$1 done, $(left) s left" ;;
+plan-rest)
+  end=$(( $(date +%s) + $2 )); R=$G/rendered; O=$G/oci; out=/root/out
+  left() { echo $(( end - $(date +%s) )); }
+  b() { local name=$1 first=$2; shift 2; [ "$(left)" -gt "$first" ] || { echo "skipped (left $(left) s): $name"; return; }
+        bash $G/dev/dev.sh bench --budget-s "$(left)" --run-estimate-s "$first" --request-timeout 100 --out $out/$name "$@"
+        tar -C $out -cJf "${OUT:-/root}/$name.tar.xz" $name; echo "$name done, $(left) s left"; }
+  b native 150 --rendered $R/native-llama31-8b.yaml --oci $O/vllm-native --runs connector --tag-suffix=-native-oci
+  b server 130 --rendered $R/server-llama31-8b.yaml --oci $O/lmcache-server --runs connector --tag-suffix=-server-ro \
+      --rescan-wait 20
+  b disk 150 --rendered $R/workstation-llama31-8b.yaml --oci $O/lmcache --runs disk --tag-suffix=-disk-oci
+  echo "plan-rest done, $(left) s left" ;;
 *)
-  echo "usage: dev.sh install [PAIR] | check PAIR | bench ARGS... | plan TOTAL_S | plan033 TOTAL_S [RUNS]" >&2; exit 2 ;;
+  echo "usage: dev.sh install [PAIR] | check PAIR | bench ARGS... | plan TOTAL_S | plan-rest TOTAL_S | plan033 TOTAL_S [RUNS]" >&2; exit 2 ;;
 esac
