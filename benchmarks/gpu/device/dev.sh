@@ -39,11 +39,11 @@ install)
   rm -rf "$S/site/bin"
   if [ "$pair" != "$DEFAULT_PAIR" ]; then
     # torch's RPATH is $ORIGIN/../../nvidia/<lib>/lib: the host's CUDA libraries for every one not carried (NCCL is).
-    host_nvidia=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia
+    host_nvidia=$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])') || { echo "the host's Python has no nvidia/ libraries"; exit 1; }
     mkdir -p "$S/site/nvidia"
     for d in "$host_nvidia"/*/; do
       d=${d%/}
-      [ -e "$S/site/nvidia/$(basename "$d")" ] || ln -s "$d" "$S/site/nvidia/$(basename "$d")"
+      [ -d "$d" ] && [ ! -e "$S/site/nvidia/${d##*/}" ] && ln -s "$d" "$S/site/nvidia/${d##*/}"
     done
     echo "nvidia/: carried $(find "$S/site/nvidia" -maxdepth 1 -mindepth 1 -type d -printf '%f '); the host's linked:" \
          "$(find "$S/site/nvidia" -maxdepth 1 -type l -printf '%f ')"

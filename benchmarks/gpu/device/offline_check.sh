@@ -17,7 +17,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/stash" "$work/bin" "$work/stub"
 for p in "$CHECKOUT/.gpup-$PAIR"-[0-9]*/site-*.part*; do ln -s "$p" "$work/stash/"; done
-ln -s "$HOST_PYTHON" "$work/bin/python3"
+printf '#!/bin/sh\nexec %s "$@"\n' "$HOST_PYTHON" > "$work/bin/python3" && chmod 755 "$work/bin/python3"  # a venv's, as on the host
 export KVSTASH=$work/stash KVIMAGE=$work/kvimage PATH=$work/bin:$PATH
 t0=$(date +%s)
 bash "$B/dev/dev.sh" install "$PAIR"  # its last line, the host torch's GPU name, fails here: there is none

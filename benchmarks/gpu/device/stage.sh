@@ -15,7 +15,7 @@ PAIR=${1:?usage: stage.sh PAIR [CHECKOUT], e.g. 0.33.0-0.5.6 /work/main}
 CHECKOUT=$(cd "${2:-/work/main}" && pwd)
 HERE=$(cd "$(dirname "$0")" && pwd)
 SRC=$(cd "$HERE/../../.." && pwd)
-PY=$SRC/.venv/bin/python
+PY=${OPERATOR_PYTHON:-$SRC/.venv/bin/python}  # one with the operator's dependencies, for `kvoffload render`
 [ -x "$PY" ] || PY=$CHECKOUT/.venv/bin/python
 CARRY=$(PY=python3 bash "$HERE/carry.sh" "$PAIR")  # the cached parts (built now if missing)
 DEFAULT=$(PYTHONPATH=$SRC/operator "$PY" -c 'from kvoffload.engine.images import DEFAULT_IMAGE as i; print(i.rsplit(":", 1)[1])')
