@@ -7,10 +7,10 @@
 # (dev.sh's first protocol) and `site-V-L` for another. The parts are one xz stream of the wheels
 # (requirements-h200[-vllm-V].txt, pip install --no-index --no-deps --target, for the host's Python 3.12
 # on manylinux x86_64), then, for a pair whose LMCache the serving image compiles from source
-# (engine/images.py lmcache_from), a second of LMCache as the engine venv compiled it (its RECORD's
-# files; LMCACHE_VENV names another venv where build-lmcache.sh compiled it against the same torch):
+# (engine/images.py lmcache_from), a second of LMCache as compiled for Python 3.12 against the carried
+# torch (its RECORD's files; build-lmcache-py312.sh, or LMCACHE_VENV):
 # dev.sh install reads them with `xz -dc | tar -x -i`. The wheels' stream is kept
-# (base.tar.xz) while the engine venv is still building, so a rerun only adds LMCache's.
+# (base.tar.xz) while LMCache is still being compiled, so a rerun only adds its stream.
 set -euo pipefail
 PAIR=${1:?usage: carry.sh VLLM-LMCACHE, e.g. 0.33.0-0.5.6}
 VLLM=${PAIR%%-*}
@@ -70,16 +70,19 @@ fi
 
 streams=("$DEST/base.tar.xz")
 if [ "$LMCACHE_FROM" = source ]; then
-  # LMCache as the engine venv compiled it (tests/engine/build-venv.sh ... source): never built here.
-  # LMCACHE_VENV: another venv where images/serving/build-lmcache.sh compiled it against the same torch.
+  # LMCache as compiled for the host's Python 3.12 against the carried torch: the engine venv's when it is a
+  # 3.12 one (tests/engine/build-venv.sh ... source), else build-lmcache-py312.sh's (its own cached venv: make
+  # test builds the engine venvs with this machine's python3). LMCACHE_VENV: another such venv.
   ENGINE=${LMCACHE_VENV:-$CACHE/engine-vllm-$VLLM-lmcache-$LMCACHE}
-  if [ ! -f "$ENGINE/.done" ] && [ -e "$ENGINE.lock" ]; then flock "$ENGINE.lock" true; fi  # a build under way
-  [ -f "$ENGINE/.done" ] || { echo "carry.sh: no engine venv at $ENGINE yet (make engine-venv builds it); the wheels' part is kept in $DEST" >&2; exit 3; }
+  if [ -z "${LMCACHE_VENV:-}" ] && ! { [ -f "$ENGINE/.done" ] && [ -x "$ENGINE/bin/python3.12" ]; }; then
+    ENGINE=$(bash "$HERE/build-lmcache-py312.sh" "$LMCACHE" "$(sed -n 's/^torch==\([^ ]*\).*/\1/p' "$REQ")")
+  fi
   rm -rf "$W" && mkdir -p "$W/site"
   "$ENGINE/bin/python" - "$W/site" "$VLLM" "$DEST/manifest.txt" "$DEST/venv-diff.txt" <<'EOF' >&2
 """LMCache's installed files into the carried site, and the engine venv's versions against the carried ones."""
 import importlib.metadata as md, pathlib, re, shutil, sys
 site, vllm, manifest, diff = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+assert sys.version_info[:2] == (3, 12), f"{sys.prefix} is Python {sys.version.split()[0]}: the GPU host runs 3.12"
 dist = md.distribution("lmcache")
 n = 0
 for f in dist.files:
