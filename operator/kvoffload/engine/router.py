@@ -12,8 +12,19 @@ that logs what it is asked (tests/routing/build-router.sh installs it):
   request through the worker's POST /v1/completions/render. BlockStored events are credited per medium:
   GPU 1, CPU `--kv-penalty-host` (0.8), external `--kv-penalty-external` (0.6), disk `--kv-penalty-disk` (0.3).
   It asks a pod it found by `--service-discovery` the same (tests/integration/test_routing_cluster.py).
-- `cache_aware` keeps one radix tree of request text per worker and evicts it down to `--max-tree-size`
-  characters (default 2**25) every `--eviction-interval-secs` (120).
+- `cache_aware` (read from the 0.1.17 sdist: src/policies/cache_aware.rs, src/protocols/spec.rs, src/tree.rs) asks
+  each worker for the request's token ids (POST /v1/completions/render, else POST /tokenize) and keeps one radix tree
+  per model of those ids, each id written as 8 hex characters behind a 6-character marker; `--max-tree-size` counts
+  those characters per worker. Per request (CacheAwarePolicy::select_prepared): each worker's match rate is the share
+  of the request's tokens its tree holds; when the load is balanced and the best rate exceeds `--cache-threshold`
+  (0.3) it picks, among the workers with that rate, the one with the fewest requests in flight; otherwise the one with
+  the fewest requests in flight of all, the first in its list when they tie (`min_by_key`), so requests sent one at a
+  time all go to one worker. Load counts as imbalanced when the busiest worker has more than
+  `--balance-abs-threshold` (64) requests in flight beyond the idlest and more than `--balance-rel-threshold` (1.5)
+  times as many; then it picks the least loaded and records the request in that worker's tree. Every
+  `--eviction-interval-secs` (120) it trims each worker's tree to `--max-tree-size` (2**25) characters, least recently
+  used leaves first; between trims a tree grows without bound. No tokens from a worker (neither route answers): no
+  tree at all, least loaded only.
 """
 
 from __future__ import annotations
@@ -25,6 +36,10 @@ DEFAULT_IMAGE = f"ghcr.io/kvoffload/vllm-router:{VERSION}"  # images/router/Dock
 HTTP_PORT = 8000  # the router's own port (--port): clients call it as they would call vLLM
 METRICS_PORT = 29000  # --prometheus-port (the router's default)
 DEFAULT_MAX_TREE_SIZE = 2 ** 25  # cache_aware's per-worker budget in characters, when nobody says
+# cache_aware's tree characters per token: each token id as 8 hex digits (src/protocols/spec.rs, TOKEN_WIDTH).
+TREE_CHARS_PER_TOKEN = 8
+# The shortest --eviction-interval-secs the router accepts (src/config/validation.rs refuses 0).
+MIN_EVICTION_INTERVAL_S = 1
 DEFAULT_CREDITS = {"cpu": 0.8, "external": 0.6, "disk": 0.3}  # kv_aware's constants (--kv-penalty-*)
 # The router's flag per tier credit (the GPU tier's credit is 1, not a flag).
 CREDIT_FLAGS = {"cpu": "--kv-penalty-host", "external": "--kv-penalty-external", "disk": "--kv-penalty-disk"}
