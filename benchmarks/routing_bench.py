@@ -21,7 +21,7 @@ documents, then a question of its own; each document asked --rounds times, in a 
 at once. Two sizes: the documents overflow one replica's GPU tier and fit the fleet's CPU tiers (3/4 of them), or fit
 one replica's GPU tier (half of it).
 
-    .venv/bin/python benchmarks/routing_bench.py [--scale 256] [--rounds 6] [--clients 8] [--json out.json]
+    .venv/bin/python benchmarks/routing_bench.py [--scale 64] [--rounds 6] [--clients 8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -151,10 +151,10 @@ def run(router: Path, policy: list[str], prompts: list[str], clients: int, log: 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scale", type=int, default=256, help="divide the Budget's tier tokens by this")
+    ap.add_argument("--scale", type=int, default=64, help="divide the Budget's tier tokens by this")
     ap.add_argument("--rounds", type=int, default=6, help="times each document is asked about")
-    ap.add_argument("--system-tokens", type=int, default=64, help="the system prompt in front of every request")
-    ap.add_argument("--doc-tokens", type=int, default=256)
+    ap.add_argument("--system-tokens", type=int, default=256, help="the system prompt in front of every request")
+    ap.add_argument("--doc-tokens", type=int, default=1024)
     ap.add_argument("--clients", type=int, default=8, help="requests in flight at once")
     ap.add_argument("--router", type=Path, default=ROUTER, help="the vllm-router binary (make router)")
     ap.add_argument("--only", default="", help="run only the workloads whose name contains this")
@@ -174,14 +174,16 @@ def main() -> int:
     fleet_cpu_docs = len(HOSTS) * (capacity["cpu"] - a.system_tokens) // (a.doc_tokens + QUESTION_TOKENS)
     loads = {"overflows one GPU tier, fits the fleet's CPU tiers": max(2 * capacity["gpu"] // per_request + 1, fleet_cpu_docs * 3 // 4),
              "fits one GPU tier": max(1, (capacity["gpu"] // 2 - a.system_tokens) // (a.doc_tokens + QUESTION_TOKENS))}
+    # As many requests in each workload: the smaller one asks each of its documents more often.
+    rounds = {name: a.rounds * max(1, max(loads.values()) // docs) for name, docs in loads.items()}
     configs = {
         "round robin": (["--policy", "round_robin"], False),
         "cache_aware, router constants": (["--policy", "cache_aware"], False),
-        "cache_aware, kvoffload": (render_routing.policy_args(RoutingSpec("cache_aware", "cache_aware", 1), budget, settings), False),
+        "cache_aware, kvoffload": (render_routing.policy_args(RoutingSpec("cache_aware", "cache_aware", 1), budget), False),
     }
     if a.kv:
         configs["kv_aware, router constants"] = (["--policy", "kv_aware"], True)
-        configs["kv_aware, kvoffload"] = (render_routing.policy_args(RoutingSpec("kv_aware", "kv_aware", 1), budget, settings), True)
+        configs["kv_aware, kvoffload"] = (render_routing.policy_args(RoutingSpec("kv_aware", "kv_aware", 1), budget), True)
     results: dict[str, Any] = {"capacity_per_replica": capacity, "replicas": len(HOSTS), "clients": a.clients, "credits": credits,
                                "seconds_per_token": per_token, "configs": {k: v[0] for k, v in configs.items()}, "workloads": {}}
     logs = Path("/tmp") / "routing-bench"
@@ -192,9 +194,9 @@ def main() -> int:
             for name, docs in loads.items():
                 if a.only not in name:
                     continue
-                prompts = workload(a.system_tokens, docs, a.doc_tokens, a.rounds, seed=7)
+                prompts = workload(a.system_tokens, docs, a.doc_tokens, rounds[name], seed=7)
                 rows = results["workloads"].setdefault(name, {"documents": docs, "system_tokens": a.system_tokens,
-                                                              "doc_tokens": a.doc_tokens, "rounds": a.rounds,
+                                                              "doc_tokens": a.doc_tokens, "rounds": rounds[name],
                                                               "requests": len(prompts), "configs": {}})["configs"]
                 for label, (policy, needs_kv) in configs.items():
                     if needs_kv != kv:

@@ -225,6 +225,7 @@ class StandInPrefixEngine:
         self.name = name
         self.seconds_per_token = seconds_per_token
         self.prefill = threading.Lock()  # one prefill at a time per replica (with seconds_per_token)
+        self.waiting = 0  # requests that wait for the prefill lock (a test may hold it to keep this replica busy)
         # With KV events the engine starts "starting": vllm-router 0.1.17 subscribed to the publishers of workers that
         # became healthy after it started, and in our runs never to those already healthy at its first check.
         self.healthy = not kv_events
@@ -296,7 +297,9 @@ class StandInPrefixEngine:
             hits = self.cache.serve(ids)
         else:
             rate = self.seconds_per_token
+            self.waiting += 1
             with self.prefill:  # looked up when its prefill starts, as vLLM's scheduler does
+                self.waiting -= 1
                 hits = self.cache.serve(ids)
                 time.sleep((len(ids) - sum(hits.values())) * rate["recompute"] + sum(n * rate.get(t, 0.0) for t, n in hits.items()))
         self.prompts.append(prompt)
