@@ -8,13 +8,17 @@ with kvoffload's (kv_aware needs an engine that lets the router index it: the st
 and /kv_event_sources and publish vLLM's KV event classes, so they run under the engine venv's python; vLLM 0.26.0
 does not: docs/routing.md).
 
-The resource: Llama-3.1-8B on 80Gi GPUs, 32K context, a 160Gi CPU tier and a 200Gi disk tier at the default 0.94 GB/s
-(slower than recompute): kvtest.specs.BASE with a larger CPU tier. Its tiers' tokens are divided by --scale so a run
-takes seconds; everything else comes from its Budget (status.budget.reload): a GPU hit costs nothing, a CPU or disk hit
-its reload time per token, a recomputed token the recompute time per token. The stand-ins take that modelled prefill
-time for each request, one prefill at a time per replica, so the router's load signal (requests in flight) and the
-clients' waiting are those of prefill-bound engines; "TTFT" is what the clients measured through the router, "TTFT
-without queueing" the modelled prefill time alone.
+The resource (--resource, RESOURCES below): its tiers' tokens are divided by --scale so a run takes seconds; everything
+else comes from its Budget (status.budget.reload): a GPU hit costs nothing, a CPU or disk hit its reload time per token,
+a recomputed token the recompute time per token. The stand-ins take that modelled prefill time for each request, one
+prefill at a time per replica, so the router's load signal (requests in flight) and the waiting are those of
+prefill-bound engines. TTFT figures: "at the replica" from a request's arrival at its replica to the end of its
+prefill (queueing included); "modelled" the prefill time alone; "through the router" what the clients measured, which
+adds the router's own work (for cache_aware, asking every replica to tokenize the request) on this machine.
+
+The router's constants are capacities and durations too, so they are scaled like the tiers: --max-tree-size
+2**25 / scale, --eviction-interval-secs 120 / scale (at least 1, the router's minimum), which keeps them what they are
+against the real tiers and the real prefill rate (unscaled, 2**25 would be hundreds of times what a scaled tier holds).
 
 The workload (as a RAG or document-QA service sees it): one system prompt in front of every request, then one of the
 documents, then a question of its own; each document asked --rounds times, in a shuffled order, by --clients clients
@@ -48,7 +52,7 @@ from kvoffload.engine import router as engine_router
 from kvoffload.planning import routing as plan_routing
 from kvoffload.planning.sizing import Budget
 from kvoffload.rendering import routing as render_routing
-from kvtest.specs import spec
+from kvtest.specs import BASE, SERVE_SPEC, spec
 from kvtest.standin_prefix_engine import TIERS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +61,15 @@ ENGINE_PY = Path.home() / ".cache" / "kvoffload" / "engine-vllm-0.26.0-lmcache-0
 HOSTS = [f"127.0.0.{i}" for i in range(2, 6)]
 PORT = 18200
 QUESTION_TOKENS = 16
+# name: (what it is, the spec: kvtest.specs.spec(base, **patch)).
+RESOURCES = {
+    # The CPU tier (1.3M tokens) holds less than the router's constant tree budget (2**25 characters: 4.2M tokens).
+    "llama-8b": ("Llama-3.1-8B on 80Gi GPUs, 32K context, CPU tier 160Gi, disk 200Gi at 0.94 GB/s (slower than recompute)",
+                 (BASE, {"offload__cpu__size": "160Gi"})),
+    # The CPU tier (6.0M tokens) holds more than the constant: an H200 host's memory shared by its replicas.
+    "qwen-7b": ("Qwen2.5-7B on H200s, 16K context, CPU tier 320Gi, disk 100Gi at 0.94 GB/s (slower than recompute)",
+                (SERVE_SPEC, {"offload__cpu__size": "320Gi"})),
+}
 
 
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -145,8 +158,11 @@ def run(router: Path, policy: list[str], prompts: list[str], clients: int, log: 
             "prompt_tokens": sum(c["prompt_tokens"] for c in counts),
             "hit_tokens": {t: sum(c["hit_tokens"][t] for c in counts) for t in TIERS},
             "computed_tokens": sum(c["computed_tokens"] for c in counts),
-            "ttft_ms": {"mean": round(statistics.mean(ttft) * 1000, 2),
-                        "p90": round(statistics.quantiles(ttft, n=10)[-1] * 1000, 2)}}
+            "ttft_ms": {"at the replica": _ms([x for c in counts for x in c["ttft_s"]]), "through the router": _ms(ttft)}}
+
+
+def _ms(seconds: list[float]) -> dict[str, float]:
+    return {"mean": round(statistics.mean(seconds) * 1000, 2), "p90": round(statistics.quantiles(seconds, n=10)[-1] * 1000, 2)}
 
 
 def main() -> int:
@@ -156,13 +172,15 @@ def main() -> int:
     ap.add_argument("--system-tokens", type=int, default=256, help="the system prompt in front of every request")
     ap.add_argument("--doc-tokens", type=int, default=1024)
     ap.add_argument("--clients", type=int, default=8, help="requests in flight at once")
+    ap.add_argument("--resource", choices=sorted(RESOURCES), default="llama-8b")
     ap.add_argument("--router", type=Path, default=ROUTER, help="the vllm-router binary (make router)")
     ap.add_argument("--only", default="", help="run only the workloads whose name contains this")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--kv", action="store_true", help="also the kv_aware configurations (needs the engine venv)")
     a = ap.parse_args()
     settings = Settings()
-    full = pipeline.desired("bench", "bench", "u", spec(routing={}, offload__cpu__size="160Gi"), settings).budget
+    base, patch = RESOURCES[a.resource][1]
+    full = pipeline.desired("bench", "bench", "u", spec(base, routing={}, **patch), settings).budget
     budget = scaled(full, a.scale)
     reload = {r.tier: r for r in budget.reload}
     L = reload["cpu"].tokens
@@ -176,15 +194,18 @@ def main() -> int:
              "fits one GPU tier": max(1, (capacity["gpu"] // 2 - a.system_tokens) // (a.doc_tokens + QUESTION_TOKENS))}
     # As many requests in each workload: the smaller one asks each of its documents more often.
     rounds = {name: a.rounds * max(1, max(loads.values()) // docs) for name, docs in loads.items()}
+    interval = max(engine_router.MIN_EVICTION_INTERVAL_S, round(engine_router.DEFAULT_EVICTION_INTERVAL_S / a.scale))
+    constants = ["--max-tree-size", str(engine_router.DEFAULT_MAX_TREE_SIZE // a.scale), "--eviction-interval-secs", str(interval)]
     configs = {
         "round robin": (["--policy", "round_robin"], False),
-        "cache_aware, router constants": (["--policy", "cache_aware"], False),
+        "cache_aware, router constants": (["--policy", "cache_aware", *constants], False),
         "cache_aware, kvoffload": (render_routing.policy_args(RoutingSpec("cache_aware", "cache_aware", 1), budget), False),
     }
     if a.kv:
         configs["kv_aware, router constants"] = (["--policy", "kv_aware"], True)
         configs["kv_aware, kvoffload"] = (render_routing.policy_args(RoutingSpec("kv_aware", "kv_aware", 1), budget), True)
-    results: dict[str, Any] = {"capacity_per_replica": capacity, "replicas": len(HOSTS), "clients": a.clients, "credits": credits,
+    results: dict[str, Any] = {"resource": RESOURCES[a.resource][0], "scale": a.scale,
+                               "capacity_per_replica": capacity, "replicas": len(HOSTS), "clients": a.clients, "credits": credits,
                                "seconds_per_token": per_token, "configs": {k: v[0] for k, v in configs.items()}, "workloads": {}}
     logs = Path("/tmp") / "routing-bench"
     logs.mkdir(exist_ok=True)
@@ -204,10 +225,10 @@ def main() -> int:
                     r = run(a.router, policy, prompts, a.clients, logs / f"{label.replace(' ', '_').replace(',', '')}.log", kv)
                     est = sum(r["hit_tokens"][t] * per_token[t] for t in TIERS) + r["computed_tokens"] * per_token["recompute"]
                     r["hit_rate"] = {t: round(r["hit_tokens"][t] / r["prompt_tokens"], 4) for t in TIERS}
-                    r["ttft_without_queueing_ms"] = round(est / len(prompts) * 1000, 2)
                     rows[label] = r
+                    r["ttft_ms"]["modelled"] = round(est / len(prompts) * 1000, 2)
                     print(f"{name} | {label}: hits {r['hit_rate']} recomputed {r['computed_tokens']} TTFT {r['ttft_ms']} ms "
-                          f"(without queueing {r['ttft_without_queueing_ms']} ms) requests/replica {r['requests']}", flush=True)
+                          f"requests/replica {r['requests']}", flush=True)
         finally:
             if standins.stdin:
                 standins.stdin.close()

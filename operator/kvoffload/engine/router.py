@@ -38,7 +38,8 @@ METRICS_PORT = 29000  # --prometheus-port (the router's default)
 DEFAULT_MAX_TREE_SIZE = 2 ** 25  # cache_aware's per-worker budget in characters, when nobody says
 # cache_aware's tree characters per token: each token id as 8 hex digits (src/protocols/spec.rs, TOKEN_WIDTH).
 TREE_CHARS_PER_TOKEN = 8
-# The shortest --eviction-interval-secs the router accepts (src/config/validation.rs refuses 0).
+# --eviction-interval-secs: the router's default, and the shortest it accepts (src/config/validation.rs refuses 0).
+DEFAULT_EVICTION_INTERVAL_S = 120
 MIN_EVICTION_INTERVAL_S = 1
 DEFAULT_CREDITS = {"cpu": 0.8, "external": 0.6, "disk": 0.3}  # kv_aware's constants (--kv-penalty-*)
 # The router's flag per tier credit (the GPU tier's credit is 1, not a flag).

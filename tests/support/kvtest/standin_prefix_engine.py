@@ -78,6 +78,7 @@ class Counts:
     prompt_tokens: int = 0
     hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     computed_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)  # with seconds_per_token: arrival to the end of its prefill
 
 
 KV_EVENTS_PORT = 5557
@@ -296,12 +297,13 @@ class StandInPrefixEngine:
         if self.seconds_per_token is None:
             hits = self.cache.serve(ids)
         else:
-            rate = self.seconds_per_token
+            rate, arrived = self.seconds_per_token, time.monotonic()
             self.waiting += 1
             with self.prefill:  # looked up when its prefill starts, as vLLM's scheduler does
                 self.waiting -= 1
                 hits = self.cache.serve(ids)
                 time.sleep((len(ids) - sum(hits.values())) * rate["recompute"] + sum(n * rate.get(t, 0.0) for t, n in hits.items()))
+                self.cache.counts.ttft_s.append(time.monotonic() - arrived)
         self.prompts.append(prompt)
         cached = sum(hits.values())
         return {"id": f"cmpl-standin-{self.name}-{len(self.prompts)}", "object": "text_completion", "model": SERVED,
