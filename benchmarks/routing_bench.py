@@ -172,6 +172,7 @@ def main() -> int:
     ap.add_argument("--system-tokens", type=int, default=256, help="the system prompt in front of every request")
     ap.add_argument("--doc-tokens", type=int, default=1024)
     ap.add_argument("--clients", type=int, default=8, help="requests in flight at once")
+    ap.add_argument("--seeds", type=int, default=1, help="run each configuration on this many orders of the requests")
     ap.add_argument("--resource", choices=sorted(RESOURCES), default="llama-8b")
     ap.add_argument("--router", type=Path, default=ROUTER, help="the vllm-router binary (make router)")
     ap.add_argument("--only", default="", help="run only the workloads whose name contains this")
@@ -215,24 +216,33 @@ def main() -> int:
             for name, docs in loads.items():
                 if a.only not in name:
                     continue
-                prompts = workload(a.system_tokens, docs, a.doc_tokens, rounds[name], seed=7)
-                rows = results["workloads"].setdefault(name, {"documents": docs, "system_tokens": a.system_tokens,
-                                                              "doc_tokens": a.doc_tokens, "rounds": rounds[name],
-                                                              "requests": len(prompts), "configs": {}})["configs"]
-                for label, (policy, needs_kv) in configs.items():
-                    if needs_kv != kv:
-                        continue
-                    r = run(a.router, policy, prompts, a.clients, logs / f"{label.replace(' ', '_').replace(',', '')}.log", kv)
-                    est = sum(r["hit_tokens"][t] * per_token[t] for t in TIERS) + r["computed_tokens"] * per_token["recompute"]
-                    r["hit_rate"] = {t: round(r["hit_tokens"][t] / r["prompt_tokens"], 4) for t in TIERS}
-                    rows[label] = r
-                    r["ttft_ms"]["modelled"] = round(est / len(prompts) * 1000, 2)
-                    print(f"{name} | {label}: hits {r['hit_rate']} recomputed {r['computed_tokens']} TTFT {r['ttft_ms']} ms "
-                          f"requests/replica {r['requests']}", flush=True)
+                for seed in range(7, 7 + a.seeds):  # each seed: another order of the same requests
+                    prompts = workload(a.system_tokens, docs, a.doc_tokens, rounds[name], seed)
+                    rows = results["workloads"].setdefault(name, {"documents": docs, "system_tokens": a.system_tokens,
+                                                                  "doc_tokens": a.doc_tokens, "rounds": rounds[name],
+                                                                  "requests": len(prompts), "configs": {}})["configs"]
+                    for label, (policy, needs_kv) in configs.items():
+                        if needs_kv != kv:
+                            continue
+                        r = run(a.router, policy, prompts, a.clients, logs / f"{label.replace(' ', '_').replace(',', '')}.log", kv)
+                        est = sum(r["hit_tokens"][t] * per_token[t] for t in TIERS) + r["computed_tokens"] * per_token["recompute"]
+                        r["hit_rate"] = {t: round(r["hit_tokens"][t] / r["prompt_tokens"], 4) for t in TIERS}
+                        r["ttft_ms"]["modelled"] = round(est / len(prompts) * 1000, 2)
+                        r["seed"] = seed
+                        rows.setdefault(label, []).append(r)
+                        print(f"{name} | seed {seed} | {label}: hits {r['hit_rate']} recomputed {r['computed_tokens']} "
+                              f"TTFT {r['ttft_ms']} ms requests/replica {r['requests']}", flush=True)
         finally:
             if standins.stdin:
                 standins.stdin.close()
             standins.wait(timeout=30)
+    for name, w in results["workloads"].items():  # the mean over the seeds
+        for label, runs in w["configs"].items():
+            mean = {"hit_rate": round(statistics.mean(sum(r["hit_rate"].values()) for r in runs), 4),
+                    "computed_tokens": round(statistics.mean(r["computed_tokens"] for r in runs)),
+                    "ttft_at_replica_ms": round(statistics.mean(r["ttft_ms"]["at the replica"]["mean"] for r in runs), 2),
+                    "ttft_modelled_ms": round(statistics.mean(r["ttft_ms"]["modelled"] for r in runs), 2)}
+            print(f"{name} | mean of {len(runs)} | {label}: {mean}")
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))
     print(json.dumps({k: v for k, v in results.items() if k != "workloads"}))

@@ -12,19 +12,11 @@ that logs what it is asked (tests/routing/build-router.sh installs it):
   request through the worker's POST /v1/completions/render. BlockStored events are credited per medium:
   GPU 1, CPU `--kv-penalty-host` (0.8), external `--kv-penalty-external` (0.6), disk `--kv-penalty-disk` (0.3).
   It asks a pod it found by `--service-discovery` the same (tests/integration/test_routing_cluster.py).
-- `cache_aware` (read from the 0.1.17 sdist: src/policies/cache_aware.rs, src/protocols/spec.rs, src/tree.rs) asks
-  each worker for the request's token ids (POST /v1/completions/render, else POST /tokenize) and keeps one radix tree
-  per model of those ids, each id written as 8 hex characters behind a 6-character marker; `--max-tree-size` counts
-  those characters per worker. Per request (CacheAwarePolicy::select_prepared): each worker's match rate is the share
-  of the request's tokens its tree holds; when the load is balanced and the best rate exceeds `--cache-threshold`
-  (0.3) it picks, among the workers with that rate, the one with the fewest requests in flight; otherwise the one with
-  the fewest requests in flight of all, the first in its list when they tie (`min_by_key`), so requests sent one at a
-  time all go to one worker. Load counts as imbalanced when the busiest worker has more than
-  `--balance-abs-threshold` (64) requests in flight beyond the idlest and more than `--balance-rel-threshold` (1.5)
-  times as many; then it picks the least loaded and records the request in that worker's tree. Every
-  `--eviction-interval-secs` (120) it trims each worker's tree to `--max-tree-size` (2**25) characters, least recently
-  used leaves first; between trims a tree grows without bound. No tokens from a worker (neither route answers): no
-  tree at all, least loaded only.
+- `cache_aware` (read from the 0.1.17 sdist: src/policies/cache_aware.rs, src/protocols/spec.rs, src/tree.rs;
+  docs/routing.md says what it does per request): its per-worker radix tree holds the token ids that each worker's
+  POST /v1/completions/render (else POST /tokenize) returns, 8 characters per id, which `--max-tree-size` counts; a
+  request that matches no tree well enough goes by load alone (requests in flight; on a tie the first worker); the
+  trees are trimmed to `--max-tree-size` every `--eviction-interval-secs`.
 """
 
 from __future__ import annotations
