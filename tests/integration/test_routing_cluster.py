@@ -10,6 +10,9 @@ router's HTTP port.
   discovered pod GET /get_server_info and GET /kv_event_sources, the two routes vLLM 0.26.0 does not serve (why the
   operator refuses kv_aware there, docs/routing.md). The stand-ins serve them and publish vLLM's own KV event
   classes (under the engine venv's python; skipped without it).
+- the slow-tier rule (cache_aware's tree budget counts only the tiers faster than recompute): with the flags the
+  operator rendered for two resources whose disks differ only in speed, a document left only in its holder's slow
+  disk tier no longer draws its requests there, the same document in a fast disk tier still does.
 
 Everything binds 127.0.0.x: the router (127.0.0.1), the stand-ins (the pods' loopback IPs).
 """
@@ -171,7 +174,7 @@ def test_router_discovers_the_serving_pods_and_keeps_each_prefix_on_one_replica(
 
         # Round robin, for contrast: the same workload spreads prefixes over replicas and recomputes them.
         rr = [*args]
-        rr[rr.index("--policy") + 1: rr.index("--max-tree-size") + 2] = ["round_robin"]
+        rr[rr.index("--policy") + 1: rr.index("--eviction-interval-secs") + 2] = ["round_robin"]
         before = {e.name: e.cache.counts.computed_tokens for e in engines}
         rrouter = start(rr, tmp_path / "router-rr.log")
         routers.append(rrouter)
