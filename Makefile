@@ -118,11 +118,11 @@ typecheck: venv
 	cd operator && ../$(BIN)/mypy
 
 # Fast feedback, first in `make test`: lint, the type check, the generated files, the unit tests; stops at the
-# first failure. No network and no Go: unit tests that need the cached Go tools or the wheelhouse skip here and
-# run in `make test`'s full pass.
+# first failure. No network and no build (KVO_CHECK=1): unit tests that need a built tool or a download (helm, the
+# router, the GitOps tools, the wheelhouse: tests/conftest.py BUILT_TOOL_FIXTURES) skip here and run in the full pass.
 check: lint typecheck
 	$(BIN)/python -m kvoffload.cli.generate --check
-	$(BIN)/python -m pytest tests/unit -q -x
+	KVO_CHECK=1 $(BIN)/python -m pytest tests/unit -q -x
 
 unit: venv operator-wheels gitops-tools router
 	$(BIN)/python -m pytest tests/unit -q

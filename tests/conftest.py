@@ -45,9 +45,16 @@ def pytest_configure(config):
         "markers", "cluster: needs the local Kubernetes control plane (kvtest.Cluster)")
 
 
-# `make test` runs tests/unit once in `make check`, first, before any Go build: there the tests that
-# need helm or the router (`make router`) skip. With KVO_UNIT_RAN=1 (the full run after it) only those run again.
-BUILT_TOOL_FIXTURES = {"helm", "vllm_router"}
+# `make test` runs tests/unit once in `make check`, first, before any build or download (KVO_CHECK=1): there the
+# tests that need a built tool (helm, the router, the GitOps tools) or a download (the operator's wheelhouse) skip.
+# With KVO_UNIT_RAN=1 (the full run after it) only those run again.
+BUILT_TOOL_FIXTURES = {"helm", "vllm_router", "gitops_tools", "operator_wheelhouse"}
+
+
+def _built_or_skip(what: str, how: str) -> None:
+    """`make check` builds and downloads nothing: a test needing `what` skips there (and runs in the full pass)."""
+    if os.environ.get("KVO_CHECK") == "1":
+        pytest.skip(f"make check builds nothing: tests needing {what} run in the full pass ({how})")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -211,6 +218,25 @@ def vllm_router() -> Path:
             pytest.fail(f"vllm-router {router.VERSION} is not installed: run `make router`")
         pytest.skip(f"vllm-router {router.VERSION} is not installed (make router)")
     return path / "bin" / "vllm-router"
+
+
+@pytest.fixture(scope="session")
+def gitops_tools() -> dict[str, str]:
+    """name -> path of each GitOps test tool (tests/gitops/build.sh: Go builds, cached by version)."""
+    _built_or_skip("the GitOps tools", "make gitops-tools")
+    from kvtest import gitops
+
+    return gitops.tools()
+
+
+@pytest.fixture(scope="session")
+def operator_wheelhouse() -> Path:
+    """The operator's dependencies as wheels (`make operator-wheels`), so an install runs offline."""
+    _built_or_skip("the operator's wheelhouse", "make operator-wheels")
+    wheelhouse = Path.home() / ".cache" / "kvoffload" / "wheelhouse"
+    if not list(wheelhouse.glob("kopf-*.whl")):
+        pytest.fail(f"no wheels in {wheelhouse}: run `make operator-wheels`")
+    return wheelhouse
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,10 @@ GPU_RUNS = {
                          "real node's containerd generated for each rendered pod: lmcache reload 0.110 s (CPU tier; no "
                          "connector 1.114 s), lmcache-server 0.149-0.153 s with its disk tier written with O_DIRECT (its "
                          "container 40.6 of 43.0 GiB, no reclaim at the limit), same token after every reload, no OOM kill "
-                         "(docs/benchmarks.md)",
+                         "(docs/benchmarks.md); 2026-12-01 (third session), the rest from those captures: vllm-native "
+                         "0.174 s (its container 67.5 of 79.2 GiB), lmcache-server with its read-only-root sidecar 0.171 s, "
+                         "the disk tier alone 1.261 s (= recompute: 2.15 GB read at 1.5-1.8 GB/s); same token after every "
+                         "reload, no OOM kill (docs/benchmarks.md)",
 }
 
 

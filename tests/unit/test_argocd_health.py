@@ -7,18 +7,22 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from kvoffload.cli import generate
 from kvtest import gitops as gt
 
 
-def run_table(script: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([gt.tools()["argocd-health"], "-script", str(script), "-tests", str(gt.TABLE)],
-                          capture_output=True, text=True, timeout=120)
+@pytest.fixture
+def run_table(gitops_tools):
+    def run(script: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([gitops_tools["argocd-health"], "-script", str(script), "-tests", str(gt.TABLE)],
+                              capture_output=True, text=True, timeout=120)
+    return run
 
 
-def test_table_passes():
+def test_table_passes(run_table):
     res = run_table(gt.HEALTH_LUA)
     table = yaml.safe_load(gt.TABLE.read_text())["tests"]
     assert res.returncode == 0, res.stdout + res.stderr
@@ -29,14 +33,14 @@ def test_table_passes():
     assert used == {p.name for p in (gt.ARGO_DIR / "testdata").glob("*.yaml")}  # every capture is in the table
 
 
-def test_table_catches_a_wrong_script(tmp_path):
+def test_table_catches_a_wrong_script(tmp_path, run_table):
     wrong = tmp_path / "health.lua"
     wrong.write_text('return {status = "Healthy", message = ""}\n')
     res = run_table(wrong)
     assert res.returncode == 1 and "FAIL testdata/invalid.yaml: got Healthy" in res.stdout
 
 
-def test_standard_libraries_are_off_as_in_argocd(tmp_path):
+def test_standard_libraries_are_off_as_in_argocd(tmp_path, run_table):
     script = tmp_path / "health.lua"
     script.write_text('local i = string.find("ab", "b")\nreturn {status = "Healthy", message = ""}\n')
     res = run_table(script)

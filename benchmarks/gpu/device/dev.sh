@@ -5,7 +5,9 @@
 #   mkdir -p /root/kvstash && mv .gpupN/site.part* /root/kvstash/   one call per part (kept while the machine is warm)
 #   bash .gpu/dev/dev.sh install         the serving "image" (host torch + wheels), the operator package, crun
 #   bash .gpu/dev/dev.sh bench ARGS...   gpu_bench.py --runtime crun ARGS (--rendered F --oci .gpu/oci/<backend> ...)
-#   bash .gpu/dev/dev.sh plan TOTAL_S    the 2 Dec measurement: every bench below, each skipped when TOTAL_S would not hold it
+#   bash .gpu/dev/dev.sh plan TOTAL_S    the 1 Dec measurement: every bench below, each skipped when TOTAL_S would not hold it
+#   bash .gpu/dev/dev.sh plan-rest TOTAL_S   the runs the captures had not had (vllm-native, the server's read-only
+#                                        sidecar, the disk tier alone); each bench's directory comes back as one $OUT/NAME.tar.xz
 set -u -o pipefail
 K=/root/kvstash
 IMG=/opt/kvimage
@@ -45,4 +47,15 @@ plan)
       --rescan-wait 20 --out $out/server
   b 100 --rendered $R/workstation-llama31-8b.yaml --oci $O/lmcache --runs baseline --tag-suffix=-oci --out $out/base
   echo "plan done, $(left) s left" ;;
+plan-rest)
+  end=$(( $(date +%s) + $2 )); R=$G/rendered; O=$G/oci; out=/root/out
+  left() { echo $(( end - $(date +%s) )); }
+  b() { local name=$1 first=$2; shift 2; [ "$(left)" -gt "$first" ] || { echo "skipped (left $(left) s): $name"; return; }
+        bash $G/dev/dev.sh bench --budget-s "$(left)" --run-estimate-s "$first" --request-timeout 100 --out $out/$name "$@"
+        tar -C $out -cJf "${OUT:-/root}/$name.tar.xz" $name; echo "$name done, $(left) s left"; }
+  b native 150 --rendered $R/native-llama31-8b.yaml --oci $O/vllm-native --runs connector --tag-suffix=-native-oci
+  b server 130 --rendered $R/server-llama31-8b.yaml --oci $O/lmcache-server --runs connector --tag-suffix=-server-ro \
+      --rescan-wait 20
+  b disk 150 --rendered $R/workstation-llama31-8b.yaml --oci $O/lmcache --runs disk --tag-suffix=-disk-oci
+  echo "plan-rest done, $(left) s left" ;;
 esac
