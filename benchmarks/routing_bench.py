@@ -35,6 +35,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import socket
 import statistics
 import subprocess
@@ -114,10 +115,10 @@ def run(router: Path, policy: list[str], prompts: list[str], clients: int, log: 
     for h in HOSTS:
         _post(f"http://{h}:{PORT}/standin/reset", {})
         _post(f"http://{h}:{PORT}/standin/stop", {})  # "starting": the router subscribes to workers that become healthy
-    port = _free_port()
+    port, metrics = _free_port(), _free_port()
     proc = subprocess.Popen([str(router), "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
                              *[f"http://{h}:{PORT}" for h in HOSTS], "--prometheus-host", "127.0.0.1",
-                             "--prometheus-port", str(_free_port()), *policy], stdout=log.open("w"), stderr=subprocess.STDOUT)
+                             "--prometheus-port", str(metrics), *policy], stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         time.sleep(2)
@@ -150,15 +151,29 @@ def run(router: Path, policy: list[str], prompts: list[str], clients: int, log: 
         with ThreadPoolExecutor(clients) as pool:
             ttft = list(pool.map(one, prompts))
         wall = time.monotonic() - start
+        decisions = _decisions(urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode())
     finally:
         proc.terminate()
         proc.wait(timeout=20)
     counts = [json.loads(urllib.request.urlopen(f"http://{h}:{PORT}/standin/counts", timeout=10).read()) for h in HOSTS]
-    return {"wall_s": round(wall, 2), "requests": [c["requests"] for c in counts],
+    return {"wall_s": round(wall, 2), "requests": [c["requests"] for c in counts], "router_decisions": decisions,
             "prompt_tokens": sum(c["prompt_tokens"] for c in counts),
             "hit_tokens": {t: sum(c["hit_tokens"][t] for c in counts) for t in TIERS},
             "computed_tokens": sum(c["computed_tokens"] for c in counts),
             "ttft_ms": {"at the replica": _ms([x for c in counts for x in c["ttft_s"]]), "through the router": _ms(ttft)}}
+
+
+def _decisions(metrics: str) -> dict[str, int]:
+    """cache_aware's decisions by outcome, from the router's own counter: prefix_hit (followed a tree), prefix_miss
+    (no tree matched enough: by load), load_imbalance, missing_tokens (a replica did not tokenize it within the
+    router's 1 s budget: by load, and remembered nowhere)."""
+    found = re.findall(r'^vllm_router_prefix_routing_decisions_total\{([^}]*)\} (\S+)$', metrics, re.M)
+    out: dict[str, int] = {}
+    for labels, value in found:
+        outcome = re.search(r'outcome="([^"]+)"', labels)
+        if outcome:
+            out[outcome.group(1)] = out.get(outcome.group(1), 0) + int(float(value))
+    return out
 
 
 def _ms(seconds: list[float]) -> dict[str, float]:
@@ -231,7 +246,7 @@ def main() -> int:
                         r["seed"] = seed
                         rows.setdefault(label, []).append(r)
                         print(f"{name} | seed {seed} | {label}: hits {r['hit_rate']} recomputed {r['computed_tokens']} "
-                              f"TTFT {r['ttft_ms']} ms requests/replica {r['requests']}", flush=True)
+                              f"TTFT {r['ttft_ms']} ms requests/replica {r['requests']} router {r['router_decisions']}", flush=True)
         finally:
             if standins.stdin:
                 standins.stdin.close()
