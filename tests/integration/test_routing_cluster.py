@@ -10,6 +10,9 @@ router's HTTP port.
   discovered pod GET /get_server_info and GET /kv_event_sources, the two routes vLLM 0.26.0 does not serve (why the
   operator refuses kv_aware there, docs/routing.md). The stand-ins serve them and publish vLLM's own KV event
   classes (under the engine venv's python; skipped without it).
+- the slow-tier rule (cache_aware's tree budget counts only the tiers faster than recompute): with the flags the
+  operator rendered for two resources whose disks differ only in speed, a document left only in its holder's slow
+  disk tier no longer draws its requests there, the same document in a fast disk tier still does.
 
 Everything binds 127.0.0.x: the router (127.0.0.1), the stand-ins (the pods' loopback IPs).
 """
@@ -22,6 +25,7 @@ import random
 import re
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -32,7 +36,7 @@ import pytest
 from kvoffload.engine import router as engine_router
 from kvtest import ROOT, condition
 from kvtest.specs import serve, wait_ready
-from kvtest.standin_prefix_engine import BLOCK, StandInPrefixEngine, tokens
+from kvtest.standin_prefix_engine import BLOCK, PrefixCache, StandInPrefixEngine, tokens
 
 pytestmark = pytest.mark.cluster
 
@@ -170,7 +174,7 @@ def test_router_discovers_the_serving_pods_and_keeps_each_prefix_on_one_replica(
 
         # Round robin, for contrast: the same workload spreads prefixes over replicas and recomputes them.
         rr = [*args]
-        rr[rr.index("--policy") + 1: rr.index("--max-tree-size") + 2] = ["round_robin"]
+        rr[rr.index("--policy") + 1: rr.index("--eviction-interval-secs") + 2] = ["round_robin"]
         before = {e.name: e.cache.counts.computed_tokens for e in engines}
         rrouter = start(rr, tmp_path / "router-rr.log")
         routers.append(rrouter)
@@ -236,3 +240,93 @@ def test_kv_aware_asks_each_discovered_pod_for_what_vllm_0_26_lacks(cluster, nam
         if standins.stdin:
             standins.stdin.close()
         standins.wait(timeout=30)
+
+
+
+# A small resource (a 24 GB workstation GPU, Llama-2-7B: 512 KiB of KV per token) so a few requests overflow its GPU
+# and CPU tiers; its disk tier holds them all. The disk at the default 0.94 GB/s reloads slower than the prefill
+# recomputes; at 30 GB/s (a striped NVMe array) faster.
+SMALL_TIERS = {"model": {"name": "meta-llama/Llama-2-7b-hf"}, "engine": {"maxModelLen": 4096},
+               "offload": {"cpu": {"size": "2Gi"}, "disk": {"path": "/mnt/nvme/lmcache", "size": "20Gi"}},
+               "resources": {"gpuMemory": "24Gi"}}
+DOC_WORDS = 1000
+
+
+def revisit_the_oldest(binary: Path, args: list[str], capacity: dict[str, int], texts: list[str], log: Path,
+                       wait_until: Any) -> dict[str, Any]:
+    """Two stand-in replicas with `capacity`, the router with the rendered `args` given them as --worker-urls
+    (discovery is the first test's): every document goes to one replica (the holder; the other is kept busy by one
+    waiting request meanwhile), the router trims its trees, then the first document is asked again. The stand-in's
+    answer, with the holder's name and where the holder keeps that document."""
+    engines = [StandInPrefixEngine(f"r{i}", "127.0.0.1", _free_port(), capacity, seconds_per_token={"recompute": 0.0})
+               for i in range(2)]
+    argv = args[:args.index("--service-discovery")] + ["--worker-urls", *(e.url for e in engines)] + args[args.index("--policy"):]
+    router = Router(binary, argv, Path("/nonexistent"), log)
+    try:
+        wait_until(router.ready, timeout=60, message=f"the router sees both stand-ins (log: {log})")
+        # The replica the router picks first (both idle) gets one request that waits for its prefill, so every new
+        # document goes to the other, idle one.
+        for e in engines:
+            e.prefill.acquire()
+        blocker = threading.Thread(target=router.complete, args=("one request that keeps this replica busy",))
+        blocker.start()
+        wait_until(lambda: any(e.waiting for e in engines), timeout=30, message="the busy request arrives")
+        busy = next(e for e in engines if e.waiting)
+        holder = next(e for e in engines if e is not busy)
+        holder.prefill.release()
+        for k, text in enumerate(texts):
+            assert router.complete(f"{text} question {k}")["kvoffload_stand_in"]["replica"] == holder.name
+        busy.prefill.release()
+        blocker.join(timeout=30)
+        first = PrefixCache.keys(tokens(texts[0]))[0]
+        where = [t for t in ("gpu", "cpu", "disk") if first in holder.cache.tiers[t]]
+        # A whole trimming of the trees after the last document (the router logs each at debug level).
+        trims = _plain(log).count("Cache eviction completed")
+        wait_until(lambda: _plain(log).count("Cache eviction completed") >= trims + 2, timeout=30,
+                   message="the router trims its trees")
+        answer = router.complete(f"{texts[0]} another question")["kvoffload_stand_in"]
+        return {**answer, "holder": holder.name, "holder_tiers": where}
+    finally:
+        router.stop()
+        for e in engines:
+            e.close()
+
+
+def test_a_prefix_left_only_in_a_slow_tier_stops_drawing_its_requests(cluster, namespace, operator, tmp_path, vllm_router):
+    """The operator's cache_aware rendering on the real router: the tree budget counts only the tiers worth a hit. Two
+    resources differ only in their disk tier's read rate; on one replica of each, the same documents leave the first
+    one in its disk tier alone (the GPU and CPU tiers evicted it). Where that disk is slower than recompute, the
+    router has forgotten the document and sends its next request by load, away from the replica that holds it; where
+    the disk is faster than recompute, the router still sends it to that replica, which serves it from its disk."""
+    for name, disk in (("slow", {}), ("fast", {"readGbps": 30})):
+        cluster.client.apply(serve(name, SMALL_TIERS, replicas=2, routing={},
+                                   offload__disk={**SMALL_TIERS["offload"]["disk"], **disk}), namespace)
+    rendered: dict[str, tuple[dict[str, Any], list[str]]] = {}
+    for name in ("slow", "fast"):
+        def seen(name: str = name) -> bool:
+            st = cluster.client.get("kvs", name, namespace).get("status") or {}
+            if "maxTreeSize" in st.get("routing", {}) and "budget" in st:
+                deployment = cluster.client.get("deployment", f"{name}-router", namespace)
+                rendered[name] = (st, deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+            return name in rendered
+        cluster.wait_until(seen, timeout=120, message=f"the operator renders {name}'s router and its Budget")
+    (slow, slow_args), (fast, fast_args) = rendered["slow"], rendered["fast"]
+    assert slow["budget"]["tiers"] == fast["budget"]["tiers"]  # the same tiers: only the disk's read rate differs
+    assert {r["tier"]: r["slowerThanRecompute"] for r in slow["budget"]["reload"]} == {"cpu": False, "disk": True}
+    assert {r["tier"]: r["slowerThanRecompute"] for r in fast["budget"]["reload"]} == {"cpu": False, "disk": False}
+    for st, args in rendered.values():
+        assert args[args.index("--max-tree-size") + 1] == str(st["routing"]["maxTreeSize"])
+    capacity = {t["name"]: t["tokens"] for t in slow["budget"]["tiers"]}
+    docs = capacity["disk"] // (DOC_WORDS + BLOCK) - 1  # fill the disk tier, overflow the GPU and CPU tiers
+    assert (docs - 1) * DOC_WORDS > max(capacity["gpu"], capacity["cpu"])
+    texts = [" ".join(f"slowtier{k}w{j}" for j in range(DOC_WORDS)) for k in range(docs)]
+
+    # Slow disk: the tree budget is the GPU tier's (it holds more than the CPU tier), so the router has forgotten the
+    # document; load decides (both idle: the first replica), and the request is recomputed there.
+    answer = revisit_the_oldest(vllm_router, slow_args, capacity, texts, tmp_path / "router-slow.log", cluster.wait_until)
+    assert answer["holder_tiers"] == ["disk"], answer
+    assert answer["replica"] != answer["holder"] and sum(answer["hit_tokens"].values()) == 0, answer
+    # Fast disk: the tree budget is the disk tier's; the router sends the document to its holder, a disk hit.
+    answer = revisit_the_oldest(vllm_router, fast_args, capacity, texts, tmp_path / "router-fast.log", cluster.wait_until)
+    assert answer["holder_tiers"] == ["disk"], answer
+    assert answer["replica"] == answer["holder"] and answer["hit_tokens"]["disk"] >= DOC_WORDS // BLOCK * BLOCK, answer

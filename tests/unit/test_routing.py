@@ -109,21 +109,22 @@ def test_tree_budget_counts_only_tiers_worth_reloading():
     assert plan_routing.cached_tokens(slow) == max(slow.tier("gpu").tokens, slow.tier("cpu").tokens)
     fast = desired(spec(**ROUTED, offload__disk__readGbps=12)).budget  # the disk holds the most and is worth it
     assert plan_routing.cached_tokens(fast) == fast.tier("disk").tokens > plan_routing.cached_tokens(slow)
-    assert plan_routing.max_tree_size(fast, 4.0) == 4 * fast.tier("disk").tokens
+    # The router's tree holds each token id as 8 hex characters (vllm-router 0.1.17 src/protocols/spec.rs TOKEN_WIDTH).
+    assert plan_routing.max_tree_size(fast) == 8 * fast.tier("disk").tokens
 
 
-def test_cache_aware_is_given_the_tree_budget_from_the_tiers_and_the_setting():
-    s = spec(**ROUTED)
-    d = desired(s, Settings(router_chars_per_token=3.5))
+def test_cache_aware_is_given_the_tree_budget_from_the_tiers_trimmed_every_second():
+    d = desired(spec(**ROUTED))
     args = router_container(d)["args"]
     assert args[args.index("--policy") + 1] == "cache_aware"
-    assert int(args[args.index("--max-tree-size") + 1]) == int(plan_routing.cached_tokens(d.budget) * 3.5)
+    assert int(args[args.index("--max-tree-size") + 1]) == 8 * plan_routing.cached_tokens(d.budget)
+    assert args[args.index("--eviction-interval-secs") + 1] == "1"  # the shortest the router takes; its default is 120
     assert not any(a.startswith("--kv-penalty") for a in args)
 
 
 def test_kv_aware_is_given_each_tiers_credit_and_the_engine_publishes_its_events():
     d = desired(spec(**ROUTED))
-    args = routing.policy_args(RoutingSpec("kv_aware", "kv_aware", 1), d.budget, Settings())
+    args = routing.policy_args(RoutingSpec("kv_aware", "kv_aware", 1), d.budget)
     credits = plan_routing.credits(d.budget)
     assert args == ["--policy", "kv_aware", "--kv-penalty-host", repr(credits["cpu"]), "--kv-penalty-external", "0.0",
                     "--kv-penalty-disk", "0.0"]
@@ -221,7 +222,7 @@ def test_ready_waits_for_the_router_and_status_names_it():
     assert st["endpoint"] == "http://svc-router.team-a.svc:8000/v1"
     assert st["routing"] == {"policy": "cache_aware", "deployment": "svc-router", "readyReplicas": 0,
                              "credits": plan_routing.credits(d.budget),
-                             "maxTreeSize": plan_routing.max_tree_size(d.budget, Settings().router_chars_per_token)}
+                             "maxTreeSize": plan_routing.max_tree_size(d.budget)}
     st = conditions.status({**BODY, "spec": s}, d, None, conditions.Observed(STS, [], None, None, _deployment(1)))
     c = _conds(st)
     assert c["Ready"]["status"] == "True" and c["RouterReady"]["reason"] == "RouterAvailable"
@@ -245,6 +246,8 @@ def test_why_explains_the_router():
     assert "Not ready yet (RouterNotReady)" in text and why.HINTS["RouterNotReady"] in text
     assert "vllm-router svc-router: policy cache_aware, 0 router pod(s) ready" in text
     assert re.search(r"credit per offload tier .*: cpu 0\.9\d+, disk 0", text)
+    tokens = plan_routing.cached_tokens(desired(s).budget)
+    assert f"cache_aware remembers {tokens:,} tokens of prompts per replica (--max-tree-size {8 * tokens}" in text
 
 
 # --- the real router's flags
@@ -255,7 +258,7 @@ def test_every_rendered_flag_is_one_the_real_router_declares(vllm_router):
     declared = set(re.findall(r"(--[a-z0-9-]+)", help_text))
     d = desired(spec(**ROUTED, engine__apiKeySecretRef__name="api"))
     rendered = {a for a in router_container(d)["args"] if a.startswith("--")}
-    rendered |= {a for a in routing.policy_args(RoutingSpec("kv_aware", "kv_aware", 1), d.budget, Settings()) if a.startswith("--")}
+    rendered |= {a for a in routing.policy_args(RoutingSpec("kv_aware", "kv_aware", 1), d.budget) if a.startswith("--")}
     assert rendered <= declared, rendered - declared
     for policy in engine_router.POLICIES[1:]:
         assert policy in help_text

@@ -422,8 +422,8 @@ def _routing() -> Schema:
          "policy": _s("How the router picks a replica. auto: kv_aware where the engine lets the router index its KV events "
                       "(GET /get_server_info and /kv_event_sources; no vLLM the operator knows serves both yet), else cache_aware. "
                       "kv_aware: follows the engines' KV events, crediting a hit in each tier by what it saves against "
-                      "recomputing (status.routing.credits). cache_aware: a per-replica prefix tree of request text, sized from "
-                      "the tiers worth reloading (status.routing.maxTreeSize). round_robin: no cache affinity.",
+                      "recomputing (status.routing.credits). cache_aware: a per-replica prefix tree of the requests' tokens, sized "
+                      "from the tiers worth reloading (status.routing.maxTreeSize). round_robin: no cache affinity.",
                       enum=list(engine_router.POLICIES), default="auto"),
          "replicas": _i("Router pods. Each keeps its own view of the caches, so more than one splits the affinity "
                         "between them; 1 is enough for most fleets (the router is a small Rust proxy).",
@@ -485,8 +485,9 @@ def status_schema() -> Schema:
              "policy": _s("The policy the router runs (spec.routing.policy with auto resolved)."),
              "deployment": _s("Name of the router's Deployment (and Service)."),
              "readyReplicas": _i("Router pods that are ready.", format="int32"),
-             "maxTreeSize": _i("cache_aware: each replica's prefix-tree budget in characters (tokens in the tiers worth "
-                               "reloading x the operator setting routerCharsPerToken).", format="int64"),
+             "maxTreeSize": _i("cache_aware: each replica's prefix-tree budget in the router's characters (the tokens of "
+                               "the largest tier worth reloading x 8, the characters the router writes per token id).",
+                               format="int64"),
              "credits": {"type": "object", "additionalProperties": {"type": "number"},
                          "description": "kv_aware: the credit of a hit in each offload tier (1 - reload / recompute time, 0 when "
                                         "reloading is slower than recomputing), as rendered into the router's --kv-penalty-* flags."}}),

@@ -64,11 +64,9 @@ class Settings:
     # The Prometheus that KEDA's triggers query (autoscaler keda), e.g. http://prometheus.monitoring.svc:9090.
     prometheus_address: str = ""
     # spec.routing: the router's image (vLLM's router, vllm-router on PyPI; the operator renders its flags for
-    # engine/router.VERSION), and the characters of request text per token that turn the tiers' token capacity
-    # into cache_aware's per-replica tree budget (English text through Llama/Qwen tokenizers: about 4).
+    # engine/router.VERSION).
     router_image: str = "ghcr.io/kvoffload/vllm-router:0.1.17"
     router_image_pull_policy: str = "IfNotPresent"
-    router_chars_per_token: float = 4.0
 
     def nvme_selector(self) -> dict[str, str]:
         key, _, value = self.nvme_node_label.partition("=")
@@ -98,8 +96,7 @@ def from_dict(data: dict[str, Any]) -> Settings:
             raise ConfigError(f"operator config imageVersions[{image!r}]",
                               f"must be {{vllm: VERSION, lmcache: VERSION}} (lmcache optional), got {pair!r}")
     for name, kind, least in (("events_per_second", (int, float), 0), ("event_burst", int, 1), ("cpu_read_gbps", (int, float), 1e-6),
-                              ("disk_read_gbps", (int, float), 1e-6), ("prefill_tokens_per_second", (int, float), 0),
-                              ("router_chars_per_token", (int, float), 0.1)):
+                              ("disk_read_gbps", (int, float), 1e-6), ("prefill_tokens_per_second", (int, float), 0)):
         value = kwargs.get(name, getattr(Settings, name))
         if isinstance(value, bool) or not isinstance(value, kind) or value < least:
             raise ConfigError(f"operator config {_camel(name)}", f"must be a number >= {least}, got {value!r}")

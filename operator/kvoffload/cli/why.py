@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from ..api.quantity import format_bytes
+from ..engine import router as engine_router
 
 HINTS = {  # Ready/Stalled reason -> what a person does next
     "InvalidSpec": "Fix the field named above and apply again; nothing was created or changed while the spec is refused.",
@@ -138,7 +139,8 @@ def _routing(obj: dict[str, Any]) -> list[str]:
     lines = ["", "Routing:", f"  vllm-router {r.get('deployment', '')}: policy {r.get('policy', '')}, "
                              f"{r.get('readyReplicas', 0)} router pod(s) ready"]
     if "maxTreeSize" in r:
-        lines.append(f"  cache_aware remembers {r['maxTreeSize']:,} characters of prompts per replica (--max-tree-size)")
+        lines.append(f"  cache_aware remembers {r['maxTreeSize'] // engine_router.TREE_CHARS_PER_TOKEN:,} tokens of prompts per "
+                     f"replica (--max-tree-size {r['maxTreeSize']}: {engine_router.TREE_CHARS_PER_TOKEN} characters per token)")
     lines.append(f"  a hit's credit per offload tier (1 - reload/recompute; 0: slower than recompute): {figures}")
     return lines
 

@@ -12,8 +12,11 @@ that logs what it is asked (tests/routing/build-router.sh installs it):
   request through the worker's POST /v1/completions/render. BlockStored events are credited per medium:
   GPU 1, CPU `--kv-penalty-host` (0.8), external `--kv-penalty-external` (0.6), disk `--kv-penalty-disk` (0.3).
   It asks a pod it found by `--service-discovery` the same (tests/integration/test_routing_cluster.py).
-- `cache_aware` keeps one radix tree of request text per worker and evicts it down to `--max-tree-size`
-  characters (default 2**25) every `--eviction-interval-secs` (120).
+- `cache_aware` (read from the 0.1.17 sdist: src/policies/cache_aware.rs, src/protocols/spec.rs, src/tree.rs;
+  docs/routing.md says what it does per request): its per-worker radix tree holds the token ids that each worker's
+  POST /v1/completions/render (else POST /tokenize) returns, 8 characters per id, which `--max-tree-size` counts; a
+  request that matches no tree well enough goes by load alone (requests in flight; on a tie the first worker); the
+  trees are trimmed to `--max-tree-size` every `--eviction-interval-secs`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ DEFAULT_IMAGE = f"ghcr.io/kvoffload/vllm-router:{VERSION}"  # images/router/Dock
 HTTP_PORT = 8000  # the router's own port (--port): clients call it as they would call vLLM
 METRICS_PORT = 29000  # --prometheus-port (the router's default)
 DEFAULT_MAX_TREE_SIZE = 2 ** 25  # cache_aware's per-worker budget in characters, when nobody says
+# cache_aware's tree characters per token: each token id as 8 hex digits (src/protocols/spec.rs, TOKEN_WIDTH).
+TREE_CHARS_PER_TOKEN = 8
+# --eviction-interval-secs: the router's default, and the shortest it accepts (src/config/validation.rs refuses 0).
+DEFAULT_EVICTION_INTERVAL_S = 120
+MIN_EVICTION_INTERVAL_S = 1
 DEFAULT_CREDITS = {"cpu": 0.8, "external": 0.6, "disk": 0.3}  # kv_aware's constants (--kv-penalty-*)
 # The router's flag per tier credit (the GPU tier's credit is 1, not a flag).
 CREDIT_FLAGS = {"cpu": "--kv-penalty-host", "external": "--kv-penalty-external", "disk": "--kv-penalty-disk"}

@@ -4,15 +4,18 @@
   from the tier takes reload_s, recomputing it recompute_s (Budget.reload, from status.budget.reloadFigures):
   credit = 1 - reload_s / recompute_s, and 0 when reloading is slower than recomputing, so such a tier never
   attracts a request (a GPU hit costs nothing to reload: credit 1, the router's own constant).
-- cache_aware's per-replica budget (--max-tree-size, characters of request text): the tokens one replica holds
-  in the tiers whose hits are worth having (the GPU tier, and each offload tier whose credit is above 0). Every
-  computed chunk is stored to each offload tier (LMCache writes through; vLLM's native offload copies each block
-  out), so the tiers hold overlapping prefixes, not disjoint ones: the largest worthwhile tier bounds what one
-  replica serves from cache. Times characters per token (the operator setting routerCharsPerToken).
+- cache_aware's per-replica budget (--max-tree-size): the tokens one replica holds in the tiers whose hits are
+  worth having (the GPU tier, and each offload tier whose credit is above 0), so the router forgets a prefix when
+  the replica can no longer serve it faster than recomputing, and a prefix left only in a tier slower than
+  recompute no longer draws its requests there. Every computed chunk is stored to each offload tier (LMCache writes
+  through; vLLM's native offload copies each block out), so the tiers hold overlapping prefixes, not disjoint ones:
+  the largest worthwhile tier bounds what one replica serves from cache. The router's tree holds token ids, 8
+  characters each (engine/router.TREE_CHARS_PER_TOKEN), whatever the text.
 """
 
 from __future__ import annotations
 
+from ..engine import router as engine_router
 from .sizing import Budget
 
 OFFLOAD_TIERS = ("cpu", "disk")
@@ -37,6 +40,6 @@ def cached_tokens(budget: Budget) -> int:
     return max([budget.tier("gpu").tokens] + [budget.tier(t).tokens for t in OFFLOAD_TIERS if credit(budget, t) > 0])
 
 
-def max_tree_size(budget: Budget, chars_per_token: float) -> int:
-    """cache_aware's --max-tree-size: characters of request text the router remembers per replica."""
-    return max(1, int(cached_tokens(budget) * chars_per_token))
+def max_tree_size(budget: Budget) -> int:
+    """cache_aware's --max-tree-size: the characters of token ids the router remembers per replica."""
+    return max(1, cached_tokens(budget) * engine_router.TREE_CHARS_PER_TOKEN)

@@ -53,8 +53,10 @@ def kv_events_args(spec: Spec) -> list[str]:
     return ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
 
 
-def policy_args(routing: RoutingSpec, budget: Budget, settings: Settings) -> list[str]:
-    """--policy and the figures that policy is given: kv_aware's tier credits, cache_aware's tree budget."""
+def policy_args(routing: RoutingSpec, budget: Budget) -> list[str]:
+    """--policy and the figures that policy is given: kv_aware's tier credits; cache_aware's tree budget, trimmed to
+    every second (the router's shortest interval: its default, 120 s, lets a tree grow far past its budget between
+    trims, remembering prefixes the replica has evicted)."""
     args = ["--policy", routing.policy]
     if routing.policy == "kv_aware":
         credits = plan_routing.credits(budget)
@@ -62,7 +64,8 @@ def policy_args(routing: RoutingSpec, budget: Budget, settings: Settings) -> lis
         for tier, flag in engine_router.CREDIT_FLAGS.items():
             args += [flag, repr(credits.get(tier, 0.0))]
     elif routing.policy == "cache_aware":
-        args += ["--max-tree-size", str(plan_routing.max_tree_size(budget, settings.router_chars_per_token))]
+        args += ["--max-tree-size", str(plan_routing.max_tree_size(budget)),
+                 "--eviction-interval-secs", str(engine_router.MIN_EVICTION_INTERVAL_S)]
     return args
 
 
@@ -71,7 +74,7 @@ def _args(owner_name: str, namespace: str, serving: dict[str, str], routing: Rou
     args = ["--host", "$(POD_IP)", "--port", str(engine_router.HTTP_PORT),
             "--service-discovery", "--selector", *(f"{k}={v}" for k, v in sorted(serving.items())),
             "--service-discovery-namespace", namespace, "--service-discovery-port", str(HTTP_PORT),
-            *policy_args(routing, budget, settings),
+            *policy_args(routing, budget),
             "--prometheus-host", "$(POD_IP)", "--prometheus-port", str(engine_router.METRICS_PORT)]
     if api_key:
         args += ["--api-key", "$(VLLM_API_KEY)"]  # expanded by kubelet: the key stays in its Secret

@@ -14,6 +14,12 @@ what the engine keeps per replica with the operator's capacities (status.budget.
 
 Tokens: one per whitespace-separated word, its id a stable hash (the router only compares them).
 
+With `seconds_per_token` (per tier and "recompute": the Budget's reload and recompute figures per token), each request
+also takes its modelled prefill time before it answers: its recomputed tokens at the recompute rate plus its hit tokens
+at their tier's reload rate (a GPU hit costs nothing). One replica runs its prefills one after another (prefill is
+compute-bound: requests arriving together share the GPU and wait for each other), so a router that piles requests on
+one replica sees its load (requests in flight) grow and its clients wait, as with a real engine.
+
 With `kv_events` (a pod address), it also does what kv_aware needs from an engine that lets the router index it:
 GET /get_server_info (kv_block_size) and GET /kv_event_sources, and a ZMQ PUB socket on <pod address>:5557 that
 publishes vLLM's own event classes (vllm.distributed.kv_events: BlockStored / BlockRemoved in a KVEventBatch,
@@ -72,6 +78,7 @@ class Counts:
     prompt_tokens: int = 0
     hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     computed_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)  # with seconds_per_token: arrival to the end of its prefill
 
 
 KV_EVENTS_PORT = 5557
@@ -214,8 +221,12 @@ class PrefixCache:
 class StandInPrefixEngine:
     """A stand-in engine on (host, port) with a PrefixCache of the operator's tier capacities."""
 
-    def __init__(self, name: str, host: str, port: int, capacity: dict[str, int], kv_events: bool = False) -> None:
+    def __init__(self, name: str, host: str, port: int, capacity: dict[str, int], kv_events: bool = False,
+                 seconds_per_token: dict[str, float] | None = None) -> None:
         self.name = name
+        self.seconds_per_token = seconds_per_token
+        self.prefill = threading.Lock()  # one prefill at a time per replica (with seconds_per_token)
+        self.waiting = 0  # requests that wait for the prefill lock (a test may hold it to keep this replica busy)
         # With KV events the engine starts "starting": vllm-router 0.1.17 subscribed to the publishers of workers that
         # became healthy after it started, and in our runs never to those already healthy at its first check.
         self.healthy = not kv_events
@@ -283,7 +294,16 @@ class StandInPrefixEngine:
 
     def complete(self, prompt: str) -> dict[str, Any]:
         ids = tokens(prompt)
-        hits = self.cache.serve(ids)
+        if self.seconds_per_token is None:
+            hits = self.cache.serve(ids)
+        else:
+            rate, arrived = self.seconds_per_token, time.monotonic()
+            self.waiting += 1
+            with self.prefill:  # looked up when its prefill starts, as vLLM's scheduler does
+                self.waiting -= 1
+                hits = self.cache.serve(ids)
+                time.sleep((len(ids) - sum(hits.values())) * rate["recompute"] + sum(n * rate.get(t, 0.0) for t, n in hits.items()))
+                self.cache.counts.ttft_s.append(time.monotonic() - arrived)
         self.prompts.append(prompt)
         cached = sum(hits.values())
         return {"id": f"cmpl-standin-{self.name}-{len(self.prompts)}", "object": "text_completion", "model": SERVED,
@@ -318,12 +338,12 @@ class StandInPrefixEngine:
 def main() -> None:
     """Stand-in engines in their own process (the engine venv's python has vLLM's event classes):
     python -m kvtest.standin_prefix_engine '{"engines": [{"name": ..., "host": ..., "port": ...}], "capacity": {...},
-    "kv_events": true}'; runs until stdin closes."""
+    "kv_events": true, "seconds_per_token": {...}}'; runs until stdin closes."""
     import sys
 
     conf = json.loads(sys.argv[1])
-    engines = [StandInPrefixEngine(e["name"], e["host"], e["port"], conf["capacity"], conf.get("kv_events", False))
-               for e in conf["engines"]]
+    engines = [StandInPrefixEngine(e["name"], e["host"], e["port"], conf["capacity"], conf.get("kv_events", False),
+                                   conf.get("seconds_per_token")) for e in conf["engines"]]
     print("stand-in engines ready:", " ".join(e.url for e in engines), flush=True)
     sys.stdin.read()
     for e in engines:
