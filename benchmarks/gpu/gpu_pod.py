@@ -37,6 +37,7 @@ from typing import Any
 
 import gpu_manifests as gm
 import gpu_oci
+
 from kvoffload.engine import images
 
 CGROUP = Path("/sys/fs/cgroup")

@@ -22,6 +22,7 @@ import gpu_manifests as gm  # noqa: E402
 import gpu_oci  # noqa: E402
 import gpu_pod  # noqa: E402
 import gpu_report  # noqa: E402
+
 from kvoffload.engine import images  # noqa: E402
 
 OCI = ROOT / "benchmarks" / "gpu" / "oci"

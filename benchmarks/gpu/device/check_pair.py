@@ -51,9 +51,8 @@ def check(name: str, fn) -> None:
 
 
 def versions() -> str:
-    from packaging.requirements import Requirement
-
     import torch
+    from packaging.requirements import Requirement
 
     assert md.version("vllm") == VLLM and md.version("lmcache") == LMCACHE, (md.version("vllm"), md.version("lmcache"))
     pin = next(Requirement(r).specifier for r in md.requires("vllm") if key(Requirement(r).name) == "torch")
