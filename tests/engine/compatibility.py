@@ -62,6 +62,11 @@ GPU_RUNS = {
                          "0.174 s (its container 67.5 of 79.2 GiB), lmcache-server with its read-only-root sidecar 0.171 s, "
                          "the disk tier alone 1.261 s (= recompute: 2.15 GB read at 1.5-1.8 GB/s); same token after every "
                          "reload, no OOM kill (docs/benchmarks.md)",
+    ("0.33.0", "0.5.6", "source"): "yes: NVIDIA H200, 2026-12-01, the rendered workstation example (V1 model runner) as real "
+                                   "containers (crun 1.8.1, the real node's lmcache capture) on the carried torch 2.14.0 "
+                                   "and LMCache 0.5.6 compiled for sm_90: a 32,768-token prefix came back from the CPU "
+                                   "tier in 0.110 s (1.170 s recomputed), same token after every reload, vLLM's container "
+                                   "48.7 of 53.9 GiB, no OOM kill (docs/benchmarks.md)",
 }
 
 
@@ -259,7 +264,8 @@ torch 2.14.0 and no LMCache wheel is built against it (0.5.6's extension lacks
 compiles LMCache 0.5.6, the newest, from its sdist against the base image's own torch
 (images/serving/build-lmcache.sh: nvcc from PyPI's cuda-toolkit of torch's CUDA; no GPU needed).
 `make test` builds the same in that pair's engine venv (for sm_90 only) and checks its row in full.
-It has not run on a GPU, so the default stays the pair that did.
+It ran on an H200 once (1 Dec 2026, the CPU tier only: the row below), while the default pair ran every backend and
+tier; the default stays 0.26.0 + 0.5.3 until 0.33 has run as much.
 
 **vLLM's V2 model runner.** vLLM 0.26.0's default V2 model runner calls LMCacheConnectorV1's
 `start_load_kv` without attention metadata when one token is left to compute; LMCache 0.5.3 then

@@ -57,7 +57,8 @@ KNOWN_IMAGES: dict[str, KnownImage] = {
 # 1.405 s read from disk; LMCache's retrieve counters count). vLLM 0.26.0 reads the variable in
 # vllm/envs.py ("VLLM_USE_V2_MODEL_RUNNER": maybe_convert_bool(...), line 1922) and
 # vllm/config/vllm.py (use_v2_model_runner, line 551).
-# vLLM 0.33.0 + LMCache 0.5.6, from the source (not run on a GPU): V2 is the default runner for every
+# vLLM 0.33.0 + LMCache 0.5.6, from the source (and run with the V1 runner on an H200, 1 Dec 2026):
+# V2 is the default runner for every
 # model (vllm/config/vllm.py:748-767, no per-architecture gate any more); LMCacheConnectorV1 keeps
 # vLLM's full CUDA graphs unless use_layerwise (kv_connector/v1/lmcache_connector.py:70-76,
 # config/vllm.py:1990); with a full graph the V2 runner calls the connector's pre_forward outside the
