@@ -33,8 +33,8 @@ class KnownImage:
 # row of docs/compatibility.md checked in full by `make test`. The default is vLLM 0.26.0 + LMCache
 # 0.5.3 (torch 2.11.0 both): the pair that ran on an H200. vLLM 0.33.0 pins torch 2.14.0, and no
 # LMCache wheel is built against it (0.5.6's extension lacks c10_cuda_check_implementation there), so
-# its image compiles LMCache 0.5.6, the newest, from source against that torch; it has not run on a
-# GPU, so it is not the default.
+# its image compiles LMCache 0.5.6, the newest, from source against that torch; it has run on a GPU
+# once (the CPU tier only, 1 Dec 2026), so it is not the default yet.
 SERVING_REPOSITORY = "ghcr.io/kvoffload/vllm-lmcache"
 DEFAULT_IMAGE = f"{SERVING_REPOSITORY}:0.26.0-0.5.3"
 KNOWN_IMAGES: dict[str, KnownImage] = {
