@@ -347,10 +347,19 @@ def test_ha_killing_the_leader_hands_over_and_a_drain_respects_the_budget(demo):
         leader = demo.wait_until(lambda: next((n for n in names if n in lease_holder(demo)), None), timeout=120,
                                  message="one replica holds the Lease")
         standby = (names - {leader}).pop()
+        # The node cordoned first: the Deployment's replacement for the killed leader stays Pending, so the
+        # standby is the only replica that can take the Lease (else the two race for it once it is free).
+        demo.kubectl("cordon", node.NAME)
         # Killed, not stopped: no graceful release of the Lease; the standby takes it when it expires.
         demo.client.request("DELETE", f"/api/v1/namespaces/{RELEASE_NS}/pods/{leader}",
                             body={"gracePeriodSeconds": 0})
-        demo.wait_until(lambda: standby in lease_holder(demo), timeout=90, message="the standby took the Lease")
+
+        def standby_holds() -> str:
+            holder = lease_holder(demo)
+            assert standby in holder, f"the Lease is held by {holder!r}"  # wait_until reports the last one
+            return holder
+        demo.wait_until(standby_holds, timeout=90, message=f"the standby {standby} to take the Lease from {leader}")
+        demo.kubectl("uncordon", node.NAME)
         two_ready_again = demo.wait_until(two_ready, timeout=180, message="the Deployment back at two")
         # A drain of the node: the budget lets one replica go, not both (the replacement cannot schedule
         # on the cordoned node, so the second eviction must wait: the drain times out instead).
