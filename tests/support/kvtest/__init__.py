@@ -10,6 +10,7 @@
   kvtest.node        the real node (containerd, runc, CNI bridge, kubelet, kube-proxy): host set-up, guard, teardown
   kvtest.operator    the operator as a subprocess (`kvoffload run`), the CRD installed
   kvtest.exporter    stand-ins for vLLM and LMCache, the exporter as a subprocess
+  kvtest.router_workload  vLLM's router in front of stand-in replicas: its workers, metrics, a cache_aware workload
   kvtest.readme      the commands the README shows
   kvtest.gitops      Argo CD's Lua health runner and the kstatus checker (tests/gitops/build.sh), fixture helpers
   kvtest.flux        Flux's source-controller and kustomize-controller as processes, a git server on 127.0.0.1

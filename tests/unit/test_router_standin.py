@@ -1,0 +1,134 @@
+"""The slim stand-in engine (tests/fixtures/fake_vllm, recorded mode: what the real node's serving pods run) answers what
+vLLM's router asks of a replica, and the real router (vllm-router 0.1.17, `make router`) with the operator's rendered
+cache_aware flags keeps each document on one stand-in: the workload tests/integration/test_real_node_routing.py runs
+on the real node (kvtest.router_workload), here with the router and two stand-ins as processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvoffload.api.settings import Settings
+from kvoffload.controller import pipeline
+from kvtest import ROOT, node, wait_until
+from kvtest import router_workload as rw
+from kvtest.procs import free_ports
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def rendered(replicas: int = 2) -> pipeline.Desired:
+    """The real-node test's KVOffloadServe (kvtest.node.serve_spec, spec.routing cache_aware), rendered."""
+    body = node.serve_spec("routed", "stand-in", Path("/var/lib/kvoffload/t"))["spec"]
+    body = {**body, "replicas": replicas, "routing": {"policy": "cache_aware"}}
+    return pipeline.desired("routed", "ns", "uid-1", body, Settings())
+
+
+def containers(d: pipeline.Desired, kind: str) -> dict[str, dict]:
+    (obj,) = [c for c in d.children if c["kind"] == kind]
+    return {c["name"]: c for c in obj["spec"]["template"]["spec"]["containers"]}
+
+
+def _with(args: list[str], flag: str, value: str) -> list[str]:
+    out = list(args)
+    out[out.index(flag) + 1] = value
+    return out
+
+
+@contextlib.contextmanager
+def stand_in(port: int, name: str, args: list[str]) -> Iterator[str]:
+    """The stand-in `vllm serve` with the rendered engine arguments, on 127.0.0.1:`port`, named `name`."""
+    argv = _with(_with(args, "--host", "127.0.0.1"), "--port", str(port))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "fixtures" / "fake_vllm"),
+           "KVO_STANDIN_RECORDED": str(ROOT / "tests" / "fixtures"), "KVO_STANDIN_REPLICA": name}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *argv], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: proc.poll() is not None or urllib.request.urlopen(f"{url}/health", timeout=2).status == 200,
+                   timeout=30, interval=0.1, message=f"stand-in {name} on {url}")
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def engine_args() -> list[str]:
+    return containers(rendered(), "StatefulSet")["vllm"]["args"]
+
+
+def test_the_stand_in_answers_what_the_router_asks_in_vllm_0_26_shapes():
+    (port,) = free_ports(1)
+    with stand_in(port, "replica-a", engine_args()) as url:
+        prompt = "one two three one"
+        _, render = rw.post_json(f"{url}/v1/completions/render", {"model": MODEL, "prompt": prompt})
+        (item,) = render  # vLLM 0.26.0: a list of GenerateRequest, one per prompt
+        assert len(item["token_ids"]) == 4 and item["token_ids"][0] == item["token_ids"][3]
+        _, tok = rw.post_json(f"{url}/tokenize", {"model": MODEL, "prompt": prompt})
+        assert tok["tokens"] == item["token_ids"] and tok["count"] == 4
+        assert tok["max_model_len"] == int(engine_args()[engine_args().index("--max-model-len") + 1])
+        status, answer = rw.post_json(f"{url}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+        assert status == 200 and answer["object"] == "text_completion" and "STAND-IN" in answer["choices"][0]["text"]
+        assert answer["system_fingerprint"] == "kvoffload-stand-in-engine replica-a"
+        assert answer[rw.STAND_IN]["replica"] == "replica-a" and answer["usage"]["prompt_tokens"] == 4
+        # A held request is in flight at this replica until its time is up.
+        held = threading.Thread(target=rw.post_json, args=(f"{url}/v1/completions", {"prompt": "x", rw.HOLD: 1.5}))
+        held.start()
+        try:
+            wait_until(lambda: rw.counts([url])[0]["in_flight"] == 1, timeout=5, interval=0.05, message="held request")
+        finally:
+            held.join()
+        assert rw.counts([url])[0] == {"replica": "replica-a", "completions": 2, "render": 1, "tokenize": 1,
+                                       "in_flight": 0, "held": 1}
+        with pytest.raises(urllib.error.HTTPError) as err:
+            rw.post_json(f"{url}/v1/chat/completions/nothing", {})
+        assert err.value.code == 404
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(urllib.request.Request(f"{url}/v1/completions", b"[1]", method="POST"), timeout=5)
+        assert err.value.code == 400
+
+
+def test_the_real_router_keeps_each_document_on_one_stand_in(vllm_router, tmp_path):
+    """The router with the Deployment's rendered arguments (cache_aware, the operator's tree budget), given the two
+    stand-ins as --worker-urls (discovery is the cluster tests'): the second document, sent while the first is in
+    flight, goes to the other replica by load; every later question on a document reaches the replica that holds it."""
+    router_args = containers(rendered(), "Deployment")["router"]["args"]
+    assert router_args[router_args.index("--policy") + 1] == "cache_aware"
+    a, b, port, metrics = free_ports(4)
+    with stand_in(a, "replica-a", engine_args()) as url_a, stand_in(b, "replica-b", engine_args()) as url_b:
+        argv = [x.replace("$(POD_IP)", "127.0.0.1") for x in router_args]
+        argv = argv[:argv.index("--service-discovery")] + ["--worker-urls", url_a, url_b] + argv[argv.index("--policy"):]
+        argv = _with(_with(argv, "--port", str(port)), "--prometheus-port", str(metrics))
+        log = tmp_path / "router.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+        proc = subprocess.Popen([str(vllm_router), *argv], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        router = f"http://127.0.0.1:{port}"
+        try:
+            wait_until(lambda: rw.workers(router) == {url_a, url_b}, timeout=60, message=f"the router's workers ({log})")
+            wait_until(lambda: urllib.request.urlopen(f"{router}/readiness", timeout=5).status == 200, timeout=60,
+                       message="the router ready")
+            served = rw.affinity(router, [url_a, url_b], MODEL, rounds=3, hold_s=3.0, wait=wait_until)
+            assert {k: len(set(v)) for k, v in served.items()} == {0: 1, 1: 1}, served
+            assert served[0][0] != served[1][0], served  # load placed the second document on the other replica
+            samples = rw.parse_metrics(rw.metrics_text(f"http://127.0.0.1:{metrics}/metrics"))
+            decisions = {lab["outcome"]: v for n, lab, v in samples if n == rw.PREFIX_DECISIONS}
+            assert decisions.get("prefix_hit", 0) >= 2 * 3 and not decisions.get("missing_tokens"), decisions
+            assert rw.by_label(samples, "vllm_router_worker_health", "worker") == {url_a: 1.0, url_b: 1.0}
+            # The router asked each stand-in for the token ids of every request (its render route), and each answered
+            # the completions of its own document.
+            seen = {c["replica"]: c for c in rw.counts([url_a, url_b])}
+            assert all(c["render"] >= 8 and c["completions"] == 4 for c in seen.values()), seen
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
