@@ -12,7 +12,7 @@ LMCACHE_VERSION := 0.5.3
 # vLLM's router that spec.routing renders for (kvoffload/engine/router.py VERSION; images/router/Dockerfile).
 ROUTER_VERSION := 0.1.17
 
-.PHONY: background-builds router node-build venv operator-wheels serving-wheels images standin-image engine-venv engine-metadata engine-tables system-deps cluster-build gitops-tools keda cluster-up cluster-down cluster-status generate lint typecheck check unit integration test demo demo-down bench clean
+.PHONY: background-builds router router-wheels router-image node-build venv operator-wheels serving-wheels images standin-image engine-venv engine-metadata engine-tables system-deps cluster-build gitops-tools keda cluster-up cluster-down cluster-status generate lint typecheck check unit integration test demo demo-down bench clean
 
 venv: $(VENV)/.done
 $(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
@@ -32,6 +32,15 @@ operator-wheels: venv
 # async-timeout, which LMCache's redis needs on Python < 3.11.3 (the local base's Debian 3.11.2).
 serving-wheels: venv
 	$(BIN)/pip download -q --no-deps -d $(HOME)/.cache/kvoffload/wheelhouse-lmcache-$(LMCACHE_VERSION) 'lmcache==$(LMCACHE_VERSION)' 'async-timeout>=4.0.3'
+
+# vLLM's router and its dependencies as wheels (cached; binary wheels only, so nothing is built offline), so the router
+# image (images/router/Dockerfile) builds without network: the real-node routing test runs it as the rendered pod.
+router-wheels: venv
+	$(BIN)/pip download -q --only-binary=:all: -d $(HOME)/.cache/kvoffload/wheelhouse-vllm-router-$(ROUTER_VERSION) 'vllm-router==$(ROUTER_VERSION)'
+
+# The router image alone (tests/integration/test_real_node_routing.py builds and loads it itself).
+router-image: venv system-deps router-wheels
+	$(BIN)/python -m kvtest.images build router
 
 # Both images (images/*/Dockerfile) with podman, offline, FROM local bases made from Debian's packages
 # and the engine venv (tests/support/kvtest/images.py; README "Images" builds them FROM the public ones).
@@ -127,7 +136,7 @@ check: lint typecheck
 unit: venv operator-wheels gitops-tools router
 	$(BIN)/python -m pytest tests/unit -q
 
-integration: venv system-deps operator-wheels cluster-build node-build gitops-tools keda router
+integration: venv system-deps operator-wheels router-wheels cluster-build node-build gitops-tools keda router
 	KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_REAL_NODE=1 KVO_REQUIRE_KEDA=1 $(BIN)/python -m pytest tests/integration -q
 
 # The two longest cold builds (the engine venvs, one compiling LMCache: ~22 CPU-min; KEDA: ~20 CPU-min) start in
@@ -142,7 +151,7 @@ background-builds: venv
 # `make check` first (fails fast, before any build), then the unit tests that needed a built tool (helm;
 # KVO_UNIT_RAN: tests/conftest.py), the engine fidelity tests and everything on the real control plane and
 # the real node (started from the cached builds, stopped after), KEDA's autoscaling tests included.
-test: check background-builds operator-wheels serving-wheels system-deps cluster-build node-build gitops-tools router engine-venv engine-metadata keda
+test: check background-builds operator-wheels serving-wheels router-wheels system-deps cluster-build node-build gitops-tools router engine-venv engine-metadata keda
 	KVO_UNIT_RAN=1 KVO_REQUIRE_CLUSTER=1 KVO_REQUIRE_REAL_NODE=1 KVO_REQUIRE_ENGINE=1 KVO_REQUIRE_KEDA=1 $(BIN)/python -m pytest tests -q
 
 demo: venv system-deps operator-wheels cluster-build node-build

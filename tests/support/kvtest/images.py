@@ -21,7 +21,10 @@ the real node) is the Python base plus the stand-ins of vLLM and of the LMCache 
 (tests/images/vllm-standin, 8.8 GB) is the serving image whose `vllm` is the stand-in (vLLM's own
 parser checks the flags; the LMCache server is real).
 
-    python -m kvtest.images build [operator|serving|standin|standin-slim ...]
+`router` is images/router/Dockerfile (vLLM's router, vllm-router from its PyPI wheel, for spec.routing) FROM the
+Python base, its wheel and dependencies from the wheelhouse `make router-wheels` fills.
+
+    python -m kvtest.images build [operator|serving|standin|standin-slim|router ...]
     python -m kvtest.images save NAME   (prints the docker-archive tar's path)
 """
 
@@ -48,12 +51,15 @@ VLLM_VERSION, LMCACHE_VERSION = "0.26.0", "0.5.3"  # the Makefile's and images/s
 ENGINE_VENV = CACHE / f"engine-vllm-{VLLM_VERSION}-lmcache-{LMCACHE_VERSION}"
 OPERATOR_WHEELHOUSE = CACHE / "wheelhouse"  # `make operator-wheels`
 SERVING_WHEELHOUSE = CACHE / f"wheelhouse-lmcache-{LMCACHE_VERSION}"  # `make serving-wheels`: the LMCache wheel
+ROUTER_VERSION = "0.1.17"  # the Makefile's ROUTER_VERSION, images/router/Dockerfile's, kvoffload/engine/router.py VERSION
+ROUTER_WHEELHOUSE = CACHE / f"wheelhouse-vllm-router-{ROUTER_VERSION}"  # `make router-wheels`: the router and its deps
 
 OPERATOR = "ghcr.io/kvoffload/kvoffload:0.1.0"
 SERVING = f"ghcr.io/kvoffload/vllm-lmcache:{VLLM_VERSION}-{LMCACHE_VERSION}"
 STANDIN = f"localhost/kvoffload/vllm-standin:{VLLM_VERSION}-{LMCACHE_VERSION}"
 # No vLLM, LMCache or torch in it: the tag names the pair whose recorded pages it serves.
 STANDIN_SLIM = f"localhost/kvoffload/vllm-standin-slim:recorded-{VLLM_VERSION}-{LMCACHE_VERSION}"
+ROUTER = f"ghcr.io/kvoffload/vllm-router:{ROUTER_VERSION}"  # the chart's default routerImage
 PYTHON_BASE = "localhost/kvoffload-local/python:3.11-bookworm"
 VLLM_BASE = f"localhost/kvoffload-local/vllm-openai:v{VLLM_VERSION}"
 
@@ -102,7 +108,10 @@ class Image:
 # The recorded vLLM /metrics pages the stand-ins serve (tests/fixtures).
 RECORDED = ("fixtures/vllm-0.26.0-lmcache-0.5.3-h200", "fixtures/vllm-0.26.0-lmcache-0.5.3-h200-v1runner",
             "fixtures/h200-backends-vllm-0.26.0-lmcache-0.5.3")
-NAMES = ("operator", "serving", "standin", "standin-slim")
+NAMES = ("operator", "serving", "standin", "standin-slim", "router")
+# The `make` target that fills each wheelhouse (a build without its wheels says which to run).
+WHEEL_TARGETS = {OPERATOR_WHEELHOUSE: "operator-wheels", SERVING_WHEELHOUSE: "serving-wheels",
+                 ROUTER_WHEELHOUSE: "router-wheels"}
 
 
 def images(extension: str | None = None, tag: str | None = None) -> dict[str, Image]:
@@ -124,6 +133,8 @@ def images(extension: str | None = None, tag: str | None = None) -> dict[str, Im
                               wheel_args, OPERATOR_WHEELHOUSE,
                               inputs=("fixtures/fake_vllm", "fixtures/lmcache-0.5.3-server-status", *RECORDED,
                                       "images/vllm-standin/vllm", "images/vllm-standin-slim/lmcache")),
+        "router": Image(ROUTER, ROOT / "images/router/Dockerfile", ROOT / "images/router", PYTHON_BASE,
+                        {**wheel_args, "VLLM_ROUTER_VERSION": ROUTER_VERSION}, ROUTER_WHEELHOUSE),
     }
 
 
@@ -226,8 +237,7 @@ def python_base() -> str:
 
 def _needs(img: Image) -> None:
     if img.wheelhouse is not None and not any(img.wheelhouse.glob("*.whl")):
-        target = "operator-wheels" if img.wheelhouse == OPERATOR_WHEELHOUSE else "serving-wheels"
-        raise SystemExit(f"no wheels in {img.wheelhouse}: run `make {target}`")
+        raise SystemExit(f"no wheels in {img.wheelhouse}: run `make {WHEEL_TARGETS.get(img.wheelhouse, 'operator-wheels')}`")
     for src in img.volumes:
         if not (src / ".done").exists():
             raise SystemExit(f"{src} is not built: run `make engine-venv`")
@@ -271,7 +281,7 @@ def build(name: str) -> str:
     """Build (or reuse) one of NAMES and what it stands on; its tag."""
     table = images()
     chain = {"operator": ["operator"], "serving": ["vllm-base", "serving"],
-             "standin": ["vllm-base", "serving", "standin"], "standin-slim": ["standin-slim"]}[name]
+             "standin": ["vllm-base", "serving", "standin"], "standin-slim": ["standin-slim"], "router": ["router"]}[name]
     python_base()
     for step in chain:
         with locked(f"image-{step}"):
