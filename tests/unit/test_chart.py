@@ -29,7 +29,7 @@ SCENARIOS = ("default", "namespaced", "no-crds", "monitoring", "custom-roots", "
 STANDARD_LABELS = ("helm.sh/chart", "app.kubernetes.io/name", "app.kubernetes.io/instance",
                    "app.kubernetes.io/version", "app.kubernetes.io/managed-by")
 # Free-form string maps: the only objects whose keys the schema cannot list.
-STRING_MAPS = {"labels", "annotations", "podAnnotations", "podLabels", "nodeSelector"}
+STRING_MAPS = {"labels", "annotations", "podAnnotations", "podLabels", "nodeSelector", "routerNodeSelector"}
 OBJECT_MAPS = {"imageVersions"}  # operator.config.imageVersions: image -> {vllm, lmcache}
 # What the operator calls (kopf watching for cache.py; kube.py, reconcile.py, leader.py), and nothing more.
 EXPECTED_RULES = {
@@ -292,6 +292,16 @@ def test_exporter_image_follows_the_operator_repository_at_the_app_version_unles
     assert cfg["exporterImage"] == f"registry.local/kvo:{app_version}"
     cfg = operator_config(helm.render("--set", "operator.config.exporterImage=other/exporter:1"))
     assert cfg["exporterImage"] == "other/exporter:1"
+
+
+def test_router_placement_values_reach_the_operator(helm):
+    cfg = operator_config(helm.render("--set", "operator.config.routerNodeSelector.pool=cpu",
+                                      "--set", "operator.config.routerTolerations[0].key=dedicated",
+                                      "--set", "operator.config.routerTolerations[0].operator=Exists"))
+    s = settings.from_dict(cfg)
+    assert s.router_node_selector == {"pool": "cpu"} and s.router_tolerations == ({"key": "dedicated", "operator": "Exists"},)
+    cp = helm("template", "kvo", CHART, "--set", "operator.config.routerTolerations[0].operator=In", check=False)
+    assert cp.returncode != 0 and "'/operator/config/routerTolerations/0/operator'" in cp.stderr, cp.stderr
 
 
 def test_integer_hash_seed_is_rendered_as_a_string(helm):

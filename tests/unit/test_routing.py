@@ -13,7 +13,7 @@ import pytest
 
 from kvoffload.api import crd
 from kvoffload.api.errors import ConfigError
-from kvoffload.api.settings import Settings
+from kvoffload.api.settings import Settings, from_dict
 from kvoffload.api.spec import RoutingSpec
 from kvoffload.cli import why
 from kvoffload.controller import conditions, pipeline
@@ -183,6 +183,38 @@ def test_router_gets_the_api_key_from_its_secret_never_in_the_spec():
     c = router_container(desired(spec(**ROUTED, engine__apiKeySecretRef__name="api")))
     assert c["args"][-2:] == ["--api-key", "$(VLLM_API_KEY)"]
     assert {"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "api", "key": "api-key"}}} in c["env"]
+
+
+PLACED = {"routerNodeSelector": {"pool": "cpu"},
+          "routerTolerations": [{"key": "dedicated", "operator": "Equal", "value": "routers", "effect": "NoSchedule"}]}
+
+
+def test_where_routers_run_is_the_admins_setting_not_the_serving_pods_placement():
+    scheduled = spec(**ROUTED, scheduling__nodeSelector={"gpu": "h200"},
+                     scheduling__tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}])
+    pod = kind(desired(scheduled), "Deployment")[0]["spec"]["template"]["spec"]
+    assert "nodeSelector" not in pod and "tolerations" not in pod  # a router needs no GPU: nothing by default
+    d = desired(scheduled, from_dict(PLACED))
+    pod = kind(d, "Deployment")[0]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "cpu"} and pod["tolerations"] == PLACED["routerTolerations"]
+    serving = kind(d, "StatefulSet")[0]["spec"]["template"]["spec"]
+    assert serving["nodeSelector"]["gpu"] == "h200" and "pool" not in serving["nodeSelector"]
+    assert PLACED["routerTolerations"][0] not in serving["tolerations"]
+
+
+@pytest.mark.parametrize(("bad", "named"), [
+    ({"routerNodeSelector": ["pool=cpu"]}, "operator config routerNodeSelector"),
+    ({"routerNodeSelector": {"pool": 1}}, "operator config routerNodeSelector"),
+    ({"routerTolerations": {"key": "x"}}, "operator config routerTolerations"),
+    ({"routerTolerations": [{"key": "x", "operatr": "Exists"}]}, "operator config routerTolerations[0]"),
+    ({"routerTolerations": [{"key": "x", "operator": "In"}]}, "operator config routerTolerations[0].operator"),
+    ({"routerTolerations": [{"key": "x", "effect": "NoExecut"}]}, "operator config routerTolerations[0].effect"),
+    ({"routerTolerations": [{"key": "x", "tolerationSeconds": "60"}]}, "operator config routerTolerations[0].tolerationSeconds"),
+])
+def test_bad_router_placement_is_refused_naming_the_setting(bad, named):
+    with pytest.raises(ConfigError) as err:
+        from_dict(bad)
+    assert err.value.field == named, err.value
 
 
 def test_network_policy_lets_the_router_reach_the_serving_port():

@@ -67,6 +67,11 @@ class Settings:
     # engine/router.VERSION).
     router_image: str = "ghcr.io/kvoffload/vllm-router:0.1.17"
     router_image_pull_policy: str = "IfNotPresent"
+    # Where the router pods run: a nodeSelector and tolerations on every router Deployment. They need no GPU, so
+    # by default none (the scheduler puts them on any node that takes them, never because of the serving pods'
+    # placement); set them to keep routers on CPU nodes, or on a dedicated pool.
+    router_node_selector: dict[str, str] = field(default_factory=dict)
+    router_tolerations: tuple[dict[str, Any], ...] = ()
 
     def nvme_selector(self) -> dict[str, str]:
         key, _, value = self.nvme_node_label.partition("=")
@@ -90,6 +95,8 @@ def from_dict(data: dict[str, Any]) -> Settings:
             raise ConfigError(f"operator config {key}", f"unknown setting; allowed: {', '.join(sorted(by_camel))}")
         name = by_camel[key]
         kwargs[name] = tuple(value) if name == "allowed_disk_roots" else value
+        if name == "router_tolerations" and isinstance(value, list):
+            kwargs[name] = tuple(value)
     for image, pair in (kwargs.get("image_versions") or {}).items():
         if not isinstance(pair, dict) or not isinstance(pair.get("vllm"), str) or set(pair) - {"vllm", "lmcache"} \
                 or not isinstance(pair.get("lmcache", ""), str):
@@ -100,6 +107,7 @@ def from_dict(data: dict[str, Any]) -> Settings:
         value = kwargs.get(name, getattr(Settings, name))
         if isinstance(value, bool) or not isinstance(value, kind) or value < least:
             raise ConfigError(f"operator config {_camel(name)}", f"must be a number >= {least}, got {value!r}")
+    _check_placement(kwargs)
     autoscaler = kwargs.get("autoscaler", Settings.autoscaler)
     if autoscaler not in crd.AUTOSCALERS:
         raise ConfigError("operator config autoscaler", f"{autoscaler!r} is not allowed; allowed values: {', '.join(crd.AUTOSCALERS)}")
@@ -107,6 +115,33 @@ def from_dict(data: dict[str, Any]) -> Settings:
         raise ConfigError("operator config prometheusAddress", "is required with autoscaler keda (the Prometheus KEDA's "
                                                                "triggers query, e.g. http://prometheus.monitoring.svc:9090)")
     return Settings(**kwargs)
+
+
+TOLERATION_KEYS = {"key": str, "operator": str, "value": str, "effect": str, "tolerationSeconds": int}
+TOLERATION_OPERATORS = ("Exists", "Equal")
+TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+def _check_placement(kwargs: dict[str, Any]) -> None:
+    """routerNodeSelector: a map of strings; routerTolerations: Kubernetes tolerations (the chart's schema says the same)."""
+    selector = kwargs.get("router_node_selector", {})
+    if not isinstance(selector, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in selector.items()):
+        raise ConfigError("operator config routerNodeSelector", f"must map label keys to string values, got {selector!r}")
+    tolerations = kwargs.get("router_tolerations", ())
+    if not isinstance(tolerations, tuple):
+        raise ConfigError("operator config routerTolerations", f"must be a list of tolerations, got {tolerations!r}")
+    for i, t in enumerate(tolerations):
+        where = f"operator config routerTolerations[{i}]"
+        if not isinstance(t, dict) or set(t) - set(TOLERATION_KEYS):
+            raise ConfigError(where, f"must be a toleration with keys among {', '.join(TOLERATION_KEYS)}, got {t!r}")
+        for k, kind in TOLERATION_KEYS.items():
+            if k in t and (isinstance(t[k], bool) or not isinstance(t[k], kind)):
+                raise ConfigError(f"{where}.{k}", f"must be a {kind.__name__}, got {t[k]!r}")
+        if t.get("operator", "Equal") not in TOLERATION_OPERATORS:
+            raise ConfigError(f"{where}.operator", f"{t['operator']!r} is not allowed; allowed values: {', '.join(TOLERATION_OPERATORS)}")
+        if t.get("effect", "") not in TOLERATION_EFFECTS:
+            raise ConfigError(f"{where}.effect", f"{t['effect']!r} is not allowed; allowed values: "
+                                                 f"{', '.join(e or '(empty: all)' for e in TOLERATION_EFFECTS)}")
 
 
 def load(path: str | None = None) -> Settings:

@@ -111,12 +111,18 @@ def deployment(meta: dict[str, Any], owner_name: str, namespace: str, spec: Spec
         "securityContext": pod_security.restricted(readOnlyRootFilesystem=True, runAsNonRoot=True, runAsUser=65532,
                                                    runAsGroup=65532),
     }
-    pod = {"serviceAccountName": name(owner_name),
-           "automountServiceAccountToken": True,  # the router watches pods through the API server
-           "enableServiceLinks": False,
-           "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
-           "containers": [container],
-           "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]}
+    pod: dict[str, Any] = {
+        "serviceAccountName": name(owner_name),
+        "automountServiceAccountToken": True,  # the router watches pods through the API server
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]}
+    # Where routers run is the admin's (operator settings), not the serving pods' placement: they need no GPU.
+    if settings.router_node_selector:
+        pod["nodeSelector"] = dict(settings.router_node_selector)
+    if settings.router_tolerations:
+        pod["tolerations"] = [dict(t) for t in settings.router_tolerations]
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
             "spec": {"replicas": routing.replicas, "selector": {"matchLabels": {ROUTER_LABEL: owner_name}},
                      "template": {"metadata": {"labels": labels}, "spec": pod}}}
