@@ -133,7 +133,7 @@ check: lint typecheck
 	$(BIN)/python -m kvoffload.cli.generate --check
 	KVO_CHECK=1 $(BIN)/python -m pytest tests/unit -q -x
 
-unit: venv operator-wheels gitops-tools router
+unit: venv operator-wheels router-wheels gitops-tools router
 	$(BIN)/python -m pytest tests/unit -q
 
 integration: venv system-deps operator-wheels router-wheels cluster-build node-build gitops-tools keda router

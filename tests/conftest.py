@@ -48,7 +48,7 @@ def pytest_configure(config):
 # `make test` runs tests/unit once in `make check`, first, before any build or download (KVO_CHECK=1): there the
 # tests that need a built tool (helm, the router, the GitOps tools) or a download (the operator's wheelhouse) skip.
 # With KVO_UNIT_RAN=1 (the full run after it) only those run again.
-BUILT_TOOL_FIXTURES = {"helm", "vllm_router", "gitops_tools", "operator_wheelhouse"}
+BUILT_TOOL_FIXTURES = {"helm", "vllm_router", "gitops_tools", "operator_wheelhouse", "router_wheelhouse"}
 
 
 def _built_or_skip(what: str, how: str) -> None:
@@ -237,6 +237,17 @@ def operator_wheelhouse() -> Path:
     if not list(wheelhouse.glob("kopf-*.whl")):
         pytest.fail(f"no wheels in {wheelhouse}: run `make operator-wheels`")
     return wheelhouse
+
+
+@pytest.fixture(scope="session")
+def router_wheelhouse() -> Path:
+    """vLLM's router and its dependencies as wheels (`make router-wheels`), so the router image builds offline."""
+    _built_or_skip("the router's wheelhouse", "make router-wheels")
+    from kvtest import images
+
+    if not list(images.ROUTER_WHEELHOUSE.glob("vllm_router-*.whl")):
+        pytest.fail(f"no vllm-router wheel in {images.ROUTER_WHEELHOUSE}: run `make router-wheels`")
+    return images.ROUTER_WHEELHOUSE
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,13 @@ import pytest
 import yaml
 
 from kvoffload.api import settings
+from kvoffload.api.settings import Settings
+from kvoffload.controller import pipeline
 from kvoffload.engine import images
-from kvtest.dockerfile import OPERATOR, SERVING, Dockerfile, serving
+from kvoffload.engine import router as engine_router
+from kvtest import images as built
+from kvtest.dockerfile import OPERATOR, ROUTER, SERVING, Dockerfile, serving
+from kvtest.specs import spec
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING_IMAGE = images.DEFAULT_IMAGE
@@ -39,14 +44,14 @@ def hadolint() -> str:
 LOCAL = [ROOT / "tests/images" / name / "Dockerfile" for name in ("vllm-base", "vllm-standin")]  # the local base, the stand-in
 
 
-@pytest.mark.parametrize("path", [OPERATOR, SERVING, *LOCAL], ids=["operator", "serving", "vllm-base", "vllm-standin"])
+@pytest.mark.parametrize("path", [OPERATOR, SERVING, ROUTER, *LOCAL], ids=["operator", "serving", "router", "vllm-base", "vllm-standin"])
 def test_hadolint_clean(hadolint, path):
     cp = subprocess.run([hadolint, "--failure-threshold", "info", "--no-color", str(path)],
                         capture_output=True, text=True, timeout=60)
     assert cp.returncode == 0, cp.stdout + cp.stderr
 
 
-@pytest.mark.parametrize("path", [OPERATOR, SERVING], ids=["operator", "serving"])
+@pytest.mark.parametrize("path", [OPERATOR, SERVING, ROUTER], ids=["operator", "serving", "router"])
 def test_base_images_pinned(path):
     df = Dockerfile(path)
     bases = df.all("FROM")
@@ -73,6 +78,51 @@ def test_operator_image():
     assert re.search(r"pip install (--no-cache-dir )?\./operator\b", runs), \
         "the image must install ./operator like `pip install ./operator`"
     assert "COPY operator/ ./operator/" in [f"COPY {c}" for c in df.all("COPY")]
+
+
+def test_router_image_is_the_one_the_operator_renders_for():
+    """images/router/Dockerfile: the public slim base for users, the pinned router version the operator renders flags
+    for, the uid the rendered router pod runs as, and the offline build arguments kvtest.images passes."""
+    df = Dockerfile(ROUTER)
+    assert df.all("FROM") == ["python:3.11-slim"]
+    assert df.args["VLLM_ROUTER_VERSION"] == engine_router.VERSION == built.ROUTER_VERSION
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(rf"^ROUTER_VERSION := {re.escape(engine_router.VERSION)}$", makefile, re.M)
+    assert list(df.build_commands()) == [Settings().router_image] == [engine_router.DEFAULT_IMAGE] == [built.ROUTER]
+    assert any('pip install --no-cache-dir "vllm-router==' + engine_router.VERSION + '"' in r for r in df.all("RUN"))
+    assert df.all("USER") == ["65532:65532"] and df.all("ENTRYPOINT") == ['["vllm-router"]']
+    routed = pipeline.desired("svc", "ns", "uid-1", spec(replicas=2, routing__policy="auto"), Settings())
+    (deployment,) = [c for c in routed.children if c["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    sc = container["securityContext"]
+    assert f"{sc['runAsUser']}:{sc['runAsGroup']}" == df.all("USER")[0] and container["command"] == ["vllm-router"]
+    declared = {rest.split("=", 1)[0] for rest in df.all("ARG")}
+    assert {"BASE_IMAGE", "PIP_NO_INDEX", "PIP_FIND_LINKS"} <= declared
+    assert df.args["PIP_NO_INDEX"] == "0" and df.args["PIP_FIND_LINKS"] == ""  # a user's build reaches PyPI
+    img = built.images()["router"]
+    assert (img.tag, img.dockerfile, img.base, img.wheelhouse) == (built.ROUTER, ROUTER, built.PYTHON_BASE, built.ROUTER_WHEELHOUSE)
+    assert img.args == {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "/wheels", "VLLM_ROUTER_VERSION": engine_router.VERSION}
+    assert built.WHEEL_TARGETS[built.ROUTER_WHEELHOUSE] == "router-wheels" and "\nrouter-wheels: venv\n" in makefile
+    assert f"wheelhouse-vllm-router-{built.ROUTER_VERSION}" in built.ROUTER_WHEELHOUSE.name
+    assert "router" in built.NAMES
+
+
+@pytest.mark.timeout(600)
+def test_router_image_install_line_runs_offline_from_the_wheelhouse(tmp_path, router_wheelhouse):
+    """The router Dockerfile's install line in a clean venv with only the wheelhouse `make router-wheels` filled (as
+    the offline image build has it): vllm-router and every dependency install, and `vllm-router --help` runs."""
+    (run,) = [r for r in Dockerfile(ROUTER).all("RUN") if "pip install" in r]
+    venv = tmp_path / "venv"
+    steps = [s.strip().replace("/opt/vllm-router", str(venv)).replace("python -m venv", f"{sys.executable} -m venv")
+             for s in run.split("&&")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH", "PIP_"))}
+    env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(router_wheelhouse), PATH=f"{venv}/bin:{env.get('PATH', '')}")
+    for step in steps:
+        cp = subprocess.run(step, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=540, env=env)
+        assert cp.returncode == 0, f"{step}\n{cp.stdout[-3000:]}\n{cp.stderr[-3000:]}"
+    cp = subprocess.run([str(venv / "bin" / "python"), "-c", "from importlib.metadata import version; print(version('vllm-router'))"],
+                        capture_output=True, text=True, env=env)
+    assert cp.stdout.strip() == engine_router.VERSION, cp.stdout + cp.stderr
 
 
 def test_operator_image_user_is_the_charts():

@@ -9,6 +9,7 @@ from .paths import ROOT
 
 OPERATOR = ROOT / "images" / "operator" / "Dockerfile"
 SERVING = ROOT / "images" / "serving" / "Dockerfile"
+ROUTER = ROOT / "images" / "router" / "Dockerfile"
 
 
 class Dockerfile:
