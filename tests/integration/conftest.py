@@ -36,3 +36,18 @@ def engine_image(demo) -> str:
     print(f"{node.STANDIN}: {tar.stat().st_size / 2**20:.0f} MiB archive; build+save {built:.1f}s, "
           f"import {time.monotonic() - t1:.1f}s")
     return images.images()[node.STANDIN].tag
+
+
+@pytest.fixture(scope="session")
+def router_image(demo) -> str:
+    """vLLM's router image (images/router/Dockerfile, kvtest.images "router": FROM the local Python base, the wheels
+    `make router-wheels` fetched) built and in the node's containerd; its tag, the chart's routerImage. Build and
+    import times are printed."""
+    t0 = time.monotonic()
+    tar = images.save("router")
+    built = time.monotonic() - t0
+    t1 = time.monotonic()
+    node.load_images(demo.cluster, ["router"])
+    print(f"router image: {tar.stat().st_size / 2**20:.0f} MiB archive; build+save {built:.1f}s, "
+          f"import {time.monotonic() - t1:.1f}s")
+    return images.images()["router"].tag

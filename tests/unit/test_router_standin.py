@@ -125,6 +125,7 @@ def test_the_real_router_keeps_each_document_on_one_stand_in(vllm_router, tmp_pa
             decisions = {lab["outcome"]: v for n, lab, v in samples if n == rw.PREFIX_DECISIONS}
             assert decisions.get("prefix_hit", 0) >= 2 * 3 and not decisions.get("missing_tokens"), decisions
             assert rw.by_label(samples, "vllm_router_worker_health", "worker") == {url_a: 1.0, url_b: 1.0}
+            assert rw.by_label(samples, "vllm_router_processed_requests_total", "worker") == {url_a: 4.0, url_b: 4.0}
             # The router asked each stand-in for the token ids of every request (its render route), and each answered
             # the completions of its own document.
             seen = {c["replica"]: c for c in rw.counts([url_a, url_b])}

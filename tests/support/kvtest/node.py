@@ -527,7 +527,7 @@ def import_pause(c: Cluster) -> None:
 
 
 def load_images(c: Cluster, names: list[str]) -> list[str]:
-    """Images kvtest.images builds ("operator", "serving", "standin") into the node's containerd, from
+    """Images kvtest.images builds (its NAMES: "operator", "standin-slim", "router", ...) into the node's containerd, from
     their docker-archive tars; one containerd holds already (same podman image id) is skipped."""
     from . import images as built
 
@@ -584,6 +584,46 @@ def _spec(c: Cluster, cid: str) -> dict:
     if bundle.exists():  # a running container: exactly what the runtime executes
         return json.loads(bundle.read_text())
     return json.loads(ctr(c, "containers", "info", cid).stdout)["Spec"]  # exited: the spec containerd stored
+
+
+# ----------------------------------------------------------------------------------------- a pod's processes
+def task_pids(c: Cluster, pod: dict) -> dict[str, int]:
+    """{container: pid of its first process} of a pod's running containers (containerd's tasks; sidecars included)."""
+    tasks = {parts[0]: int(parts[1]) for parts in (ln.split() for ln in ctr(c, "tasks", "ls").stdout.splitlines()[1:])
+             if len(parts) >= 3 and parts[2] == "RUNNING"}
+    out = {}
+    for cs in pod["status"].get("containerStatuses", []) + pod["status"].get("initContainerStatuses", []):
+        cid = (cs.get("containerID") or "").removeprefix("containerd://")
+        if cid in tasks:
+            out[cs["name"]] = tasks[cid]
+    return out
+
+
+def proc_status(pid: int) -> dict[str, str]:
+    """/proc/PID/status as the kernel holds the process: Uid, Gid, Groups, CapEff, NoNewPrivs, Seccomp, ..."""
+    return {k: v.strip() for k, v in (ln.split(":", 1) for ln in Path(f"/proc/{pid}/status").read_text().splitlines())}
+
+
+def mount_options(pid: int) -> dict[str, tuple[str, str]]:
+    """{mount point: (per-mount options, fs type)} as the process sees them."""
+    out = {}
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        left, right = line.split(" - ", 1)
+        out[left.split()[4]] = (left.split()[5], right.split()[0])
+    return out
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """TCP listeners in the process's network namespace (/proc/PID/net/tcp: the pod's, not the host's)."""
+    import socket
+
+    out = set()
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if state == "0A":
+            addr, port = local.split(":")
+            out.add((socket.inet_ntoa(bytes.fromhex(addr)[::-1]), int(port, 16)))
+    return out
 
 
 # ----------------------------------------------------------------------------------------- serving pods

@@ -1,0 +1,182 @@
+"""spec.routing on the real node: the router pod exactly as the operator renders it, run by kubelet + containerd + runc,
+in front of two serving pods on the same node.
+
+The operator is the demo's (in-cluster, from the chart). tests/cluster/demo-values.yaml places router pods on the real
+node (operator.config.routerNodeSelector / routerTolerations) and never pulls the router image
+(routerImagePullPolicy Never); the `router_image` fixture builds images/router/Dockerfile here (kvtest.images
+"router": vllm-router 0.1.17 from the wheels `make router-wheels` fetched) and imports it into the node. The serving
+pods run the slim STAND-IN engine (kvtest.images STANDIN_SLIM: no vLLM, no model); what it answers the router is
+tests/fixtures/fake_vllm's recorded mode, whose answers name the pod that served them.
+
+What it shows: the router runs under its rendered securityContext (the kernel's view of its process: uid 65532, no
+capabilities, no new privileges, seccomp, read-only root); it watches the API server with its own ServiceAccount
+(the `kubernetes` Service) and discovers exactly the serving pods; RouterReady and Ready; real requests sent to the
+router's Service ClusterIP (198.19.0.x, routed to the bridge on the host) reach both serving pods and come back 200;
+with cache_aware, every request on one document reaches the replica that served it first (the workload of
+kvtest.router_workload, run against the same router as a host process in tests/unit/test_router_standin.py).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import shutil
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvtest import condition, node
+from kvtest import router_workload as rw
+
+pytestmark = pytest.mark.cluster
+
+DISK_ROOT = Path("/var/lib/kvoffload")  # one of the chart's allowedDiskRoots
+RELEASE_NS = "kvoffload-system"
+NAME = "routed"
+REPLICAS = 2
+ROUTER_UID = 65532  # images/router/Dockerfile USER, the rendered runAsUser
+
+
+@pytest.fixture
+def disk_dir():
+    d = DISK_ROOT / f"t-{uuid.uuid4().hex[:8]}"
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def operator_config(demo) -> dict:
+    """The settings file the chart gave the demo's operator (its ConfigMap's config.yaml)."""
+    (cm,) = [c for c in demo.client.list("configmaps", RELEASE_NS) if "config.yaml" in (c.get("data") or {})]
+    return yaml.safe_load(cm["data"]["config.yaml"])
+
+
+def wait_cond(demo, ns, name, type_, status, timeout=300):
+    def check():
+        obj = demo.client.get_or_none("kvs", name, ns)
+        return obj if condition(obj, type_).get("status") == status else None
+    return demo.wait_until(check, timeout=timeout, interval=1, message=f"{name} {type_}={status}")
+
+
+def to_bytes(q: str) -> int:
+    from kvoffload.api.quantity import to_bytes as parse
+    return parse(q, "quantity")
+
+
+def test_the_rendered_router_pod_routes_to_the_serving_pods_on_the_real_node(demo, node_ns, engine_image, router_image,
+                                                                              disk_dir):
+    cfg = operator_config(demo)
+    assert cfg.get("routerNodeSelector") == node.PLACEMENT["nodeSelector"] and cfg.get("routerImage") == router_image, (
+        "the demo's operator does not run routers on the real node from the image built here (tests/cluster/"
+        f"demo-values.yaml: routerNodeSelector, routerTolerations, routerImagePullPolicy); a demo from an older tree? {cfg}")
+
+    # --- the resource: two stand-in replicas on the real node, routing on (cache_aware: what vLLM 0.26.0 allows)
+    body = node.serve_spec(NAME, engine_image, disk_dir)
+    body["spec"].update(replicas=REPLICAS, routing={"policy": "cache_aware"})
+    t0 = time.monotonic()
+    demo.client.create(body, node_ns)
+    try:
+        obj = wait_cond(demo, node_ns, NAME, "Ready", "True", timeout=600)
+        print(f"KVOffloadServe {NAME} with its router Ready in {time.monotonic() - t0:.0f}s")
+        check_router(demo, node_ns, obj, body, router_image)
+    except BaseException:
+        print_router(demo, node_ns)
+        raise
+
+
+def print_router(demo, ns: str) -> None:
+    """What a failure needs: the resource's conditions, the router pod's state and log (through the API server)."""
+    obj = demo.client.get_or_none("kvs", NAME, ns) or {}
+    print("conditions:", [(c["type"], c["status"], c.get("reason"), c.get("message")) for c in
+                          (obj.get("status") or {}).get("conditions", [])])
+    for pod in demo.client.list("pods", ns, labels={"kvoffload.io/router": NAME}):
+        print(f"router pod {pod['metadata']['name']} on {pod['spec'].get('nodeName')}: {pod['status'].get('phase')}, "
+              f"{pod['status'].get('containerStatuses')}")
+        try:
+            log = demo.client.request("GET", f"/api/v1/namespaces/{ns}/pods/{pod['metadata']['name']}/log")
+            print(f"router log (last 6000 characters):\n{str(log)[-6000:]}")
+        except Exception as e:  # noqa: BLE001 - a diagnostic only
+            print(f"no router log: {e!r}")
+
+
+def check_router(demo, node_ns: str, obj: dict, body: dict, router_image: str) -> None:
+    router_ready = condition(obj, "RouterReady")
+    assert (router_ready["status"], router_ready["reason"]) == ("True", "RouterAvailable"), router_ready
+    st = obj["status"]
+    assert st["routing"]["policy"] == "cache_aware" and st["routing"]["readyReplicas"] == 1, st["routing"]
+    assert st["endpoint"] == f"http://{NAME}-router.{node_ns}.svc:8000/v1", st["endpoint"]
+    model = body["spec"]["model"]["name"]
+
+    serving = demo.client.list("pods", node_ns, labels={"kvoffload.io/serve": NAME})
+    assert len(serving) == REPLICAS and {p["spec"]["nodeName"] for p in serving} == {node.NAME}, serving
+    (rpod,) = demo.client.list("pods", node_ns, labels={"kvoffload.io/router": NAME})
+    assert rpod["spec"]["nodeName"] == node.NAME and rpod["status"]["phase"] == "Running", rpod["status"]
+    (rendered,) = rpod["spec"]["containers"]
+    assert rendered["image"] == router_image and rendered["imagePullPolicy"] == "Never", rendered
+    (cs,) = rpod["status"]["containerStatuses"]
+    assert cs["ready"] and cs["restartCount"] == 0, cs  # its probes pass on the pod IP
+    router_ip = rpod["status"]["podIP"]
+    assert ipaddress.ip_address(router_ip) in ipaddress.ip_network(node.POD_CIDR)
+
+    # --- what runc was given, and the kernel's view of the router's process
+    oci = node.oci_specs(demo.cluster, node_ns, rpod["metadata"]["name"])["router"]
+    proc = oci["process"]
+    assert (proc["user"]["uid"], proc["user"]["gid"]) == (ROUTER_UID, ROUTER_UID), proc["user"]
+    assert oci["root"]["readonly"] is True and proc["noNewPrivileges"] is True
+    assert not (proc.get("capabilities", {}).get("effective") or []), proc.get("capabilities")
+    assert oci["linux"]["resources"]["memory"]["limit"] == to_bytes(rendered["resources"]["limits"]["memory"])
+    pids = node.task_pids(demo.cluster, rpod)
+    assert set(pids) == {"router"}, pids
+    pid = pids["router"]
+    status = node.proc_status(pid)
+    assert status["Uid"].split() == [str(ROUTER_UID)] * 4 and status["Gid"].split() == [str(ROUTER_UID)] * 4, status
+    assert (status["CapEff"], status["CapPrm"], status["NoNewPrivs"], status["Seccomp"]) == \
+        ("0000000000000000", "0000000000000000", "1", "2"), status
+    mounts = node.mount_options(pid)
+    assert mounts["/"][0].split(",")[0] == "ro", mounts["/"]
+    assert mounts["/tmp"][0].split(",")[0] == "rw", mounts.get("/tmp")  # the emptyDir, its only writable place
+    assert Path(f"/proc/{pid}/root/var/run/secrets/kubernetes.io/serviceaccount/token").exists()  # its own token
+    # It listens on its pod IP only: the HTTP port and the metrics port the rendered Service names.
+    listeners = node.listening(pid)
+    assert {(router_ip, 8000), (router_ip, 29000)} <= listeners, listeners
+    assert not [a for a in listeners if a[0] == "0.0.0.0"], listeners
+
+    # --- discovery: exactly the serving pods, through the API server with its ServiceAccount
+    direct = f"http://{router_ip}:8000"
+    want = {f"http://{p['status']['podIP']}:8000" for p in serving}
+    demo.wait_until(lambda: rw.workers(direct) == want, timeout=60, message=f"the router's workers are {sorted(want)}")
+    assert f"http://{router_ip}:8000" not in rw.workers(direct)
+    samples = rw.parse_metrics(rw.metrics_text(f"http://{router_ip}:29000/metrics"))
+    assert rw.by_label(samples, "vllm_router_worker_health", "worker") == dict.fromkeys(want, 1.0), samples
+
+    # --- real requests to the router's Service (its ClusterIP, on the bridge; kube-proxy picks the router pod)
+    svc = demo.client.get("services", f"{NAME}-router", node_ns)
+    cluster_ip = svc["spec"]["clusterIP"]
+    assert ipaddress.ip_address(cluster_ip) in ipaddress.ip_network(node.SERVICE_CIDR), cluster_ip
+    router = f"http://{cluster_ip}:8000"
+    try:  # kube-proxy programs the Service once the router pod is ready: allow it a moment
+        demo.wait_until(lambda: urllib.request.urlopen(f"{router}/readiness", timeout=5).status == 200,  # noqa: S310
+                        timeout=60, interval=1, message=f"the router's /readiness on its ClusterIP {cluster_ip}")
+    except TimeoutError as e:
+        pytest.fail(f"the router answers on its pod IP but not on its Service's ClusterIP {cluster_ip} from the host: {e}")
+    replicas = sorted(want)
+    served = rw.affinity(router, replicas, model, rounds=3, hold_s=5.0, seed=uuid.uuid4().hex[:6], wait=demo.wait_until)
+    print(f"served: {served}")
+    names = {p["metadata"]["name"] for p in serving}
+    assert {r for rs in served.values() for r in rs} == names, (served, names)  # both serving pods answered
+    assert {k: len(set(v)) for k, v in served.items()} == {0: 1, 1: 1}, served  # each document stayed on one replica
+    assert served[0][0] != served[1][0], served
+
+    # The router's own account: prefix hits for every repeat, token ids from every replica, four requests each.
+    samples = rw.parse_metrics(rw.metrics_text(f"http://{router_ip}:29000/metrics"))
+    decisions = {lab["outcome"]: v for n, lab, v in samples if n == rw.PREFIX_DECISIONS and lab.get("policy") == "cache_aware"}
+    assert decisions.get("prefix_hit", 0) >= 2 * 3 and not decisions.get("missing_tokens"), decisions
+    assert rw.by_label(samples, "vllm_router_processed_requests_total", "worker") == dict.fromkeys(want, 4.0), samples
+    asked = {c["replica"]: c for c in rw.counts(replicas)}
+    assert set(asked) == names and all(c["completions"] == 4 and c["render"] >= 8 for c in asked.values()), asked
+
+    # Nothing left the bridge on the way (the guard's counters: kvtest.node).
+    dropped = {k: v for k, v in node.guard_counters().items() if v}
+    assert not dropped, (dropped, node.guard_log()[-20:])
