@@ -6,7 +6,8 @@ node (operator.config.routerNodeSelector / routerTolerations) and never pulls th
 (routerImagePullPolicy Never); the `router_image` fixture builds images/router/Dockerfile here (kvtest.images
 "router": vllm-router 0.1.17 from the wheels `make router-wheels` fetched) and imports it into the node. The serving
 pods run the slim STAND-IN engine (kvtest.images STANDIN_SLIM: no vLLM, no model); what it answers the router is
-tests/fixtures/fake_vllm's recorded mode, whose answers name the pod that served them.
+tests/fixtures/fake_vllm's recorded mode, whose answers name the pod that served them. Backend lmcache (in-process,
+kvtest.node.routed_spec): lmcache-server's server sidecar requests a whole CPU per pod, and this node has two.
 
 What it shows: the router runs under its rendered securityContext (the kernel's view of its process: uid 65532, no
 capabilities, no new privileges, seccomp, read-only root); it watches the API server with its own ServiceAccount
@@ -72,9 +73,9 @@ def test_the_rendered_router_pod_routes_to_the_serving_pods_on_the_real_node(dem
         "the demo's operator does not run routers on the real node from the image built here (tests/cluster/"
         f"demo-values.yaml: routerNodeSelector, routerTolerations, routerImagePullPolicy); a demo from an older tree? {cfg}")
 
-    # --- the resource: two stand-in replicas on the real node, routing on (cache_aware: what vLLM 0.26.0 allows)
-    body = node.serve_spec(NAME, engine_image, disk_dir)
-    body["spec"].update(replicas=REPLICAS, routing={"policy": "cache_aware"})
+    # --- the resource: two stand-in replicas on the real node (backend lmcache, in-process: kvtest.node.routed_spec),
+    # routing on (cache_aware: what vLLM 0.26.0 allows)
+    body = node.routed_spec(NAME, engine_image, disk_dir, replicas=REPLICAS)
     t0 = time.monotonic()
     demo.client.create(body, node_ns)
     try:

@@ -26,10 +26,9 @@ from kvtest.procs import free_ports
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
-def rendered(replicas: int = 2) -> pipeline.Desired:
-    """The real-node test's KVOffloadServe (kvtest.node.serve_spec, spec.routing cache_aware), rendered."""
-    body = node.serve_spec("routed", "stand-in", Path("/var/lib/kvoffload/t"))["spec"]
-    body = {**body, "replicas": replicas, "routing": {"policy": "cache_aware"}}
+def rendered() -> pipeline.Desired:
+    """The real-node test's KVOffloadServe (kvtest.node.routed_spec), rendered."""
+    body = node.routed_spec("routed", "stand-in", Path("/var/lib/kvoffload/t"))["spec"]
     return pipeline.desired("routed", "ns", "uid-1", body, Settings())
 
 
@@ -45,12 +44,16 @@ def _with(args: list[str], flag: str, value: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def stand_in(port: int, name: str, args: list[str]) -> Iterator[str]:
-    """The stand-in `vllm serve` with the rendered engine arguments, on 127.0.0.1:`port`, named `name`."""
-    argv = _with(_with(args, "--host", "127.0.0.1"), "--port", str(port))
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "fixtures" / "fake_vllm"),
+def stand_in(port: int, name: str, container: dict, tmp: Path) -> Iterator[str]:
+    """The stand-in `vllm serve` with the rendered engine container's arguments and plain environment values (its
+    multiprocess metrics directory in `tmp`), on 127.0.0.1:`port`, named `name`."""
+    argv = _with(_with(container["args"], "--host", "127.0.0.1"), "--port", str(port))
+    metrics = tmp / f"prometheus-{name}"
+    metrics.mkdir()
+    rendered_env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    env = {**os.environ, **{k: v for k, v in rendered_env.items() if k.startswith(("VLLM_", "PYTHONHASHSEED"))},
+           "PYTHONPATH": str(ROOT / "tests" / "fixtures" / "fake_vllm"), "PROMETHEUS_MULTIPROC_DIR": str(metrics),
            "KVO_STANDIN_RECORDED": str(ROOT / "tests" / "fixtures"), "KVO_STANDIN_REPLICA": name}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *argv], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -64,20 +67,22 @@ def stand_in(port: int, name: str, args: list[str]) -> Iterator[str]:
         proc.wait(timeout=10)
 
 
-def engine_args() -> list[str]:
-    return containers(rendered(), "StatefulSet")["vllm"]["args"]
+def engine() -> dict:
+    return containers(rendered(), "StatefulSet")["vllm"]
 
 
-def test_the_stand_in_answers_what_the_router_asks_in_vllm_0_26_shapes():
+def test_the_stand_in_answers_what_the_router_asks_in_vllm_0_26_shapes(tmp_path):
     (port,) = free_ports(1)
-    with stand_in(port, "replica-a", engine_args()) as url:
+    args = engine()["args"]
+    assert "LMCacheConnectorV1" in args[args.index("--kv-transfer-config") + 1]  # in-process LMCache (routed_spec)
+    with stand_in(port, "replica-a", engine(), tmp_path) as url:
         prompt = "one two three one"
         _, render = rw.post_json(f"{url}/v1/completions/render", {"model": MODEL, "prompt": prompt})
         (item,) = render  # vLLM 0.26.0: a list of GenerateRequest, one per prompt
         assert len(item["token_ids"]) == 4 and item["token_ids"][0] == item["token_ids"][3]
         _, tok = rw.post_json(f"{url}/tokenize", {"model": MODEL, "prompt": prompt})
         assert tok["tokens"] == item["token_ids"] and tok["count"] == 4
-        assert tok["max_model_len"] == int(engine_args()[engine_args().index("--max-model-len") + 1])
+        assert tok["max_model_len"] == int(args[args.index("--max-model-len") + 1])
         status, answer = rw.post_json(f"{url}/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
         assert status == 200 and answer["object"] == "text_completion" and "STAND-IN" in answer["choices"][0]["text"]
         assert answer["system_fingerprint"] == "kvoffload-stand-in-engine replica-a"
@@ -106,7 +111,7 @@ def test_the_real_router_keeps_each_document_on_one_stand_in(vllm_router, tmp_pa
     router_args = containers(rendered(), "Deployment")["router"]["args"]
     assert router_args[router_args.index("--policy") + 1] == "cache_aware"
     a, b, port, metrics = free_ports(4)
-    with stand_in(a, "replica-a", engine_args()) as url_a, stand_in(b, "replica-b", engine_args()) as url_b:
+    with stand_in(a, "replica-a", engine(), tmp_path) as url_a, stand_in(b, "replica-b", engine(), tmp_path) as url_b:
         argv = [x.replace("$(POD_IP)", "127.0.0.1") for x in router_args]
         argv = argv[:argv.index("--service-discovery")] + ["--worker-urls", url_a, url_b] + argv[argv.index("--policy"):]
         argv = _with(_with(argv, "--port", str(port)), "--prometheus-port", str(metrics))

@@ -651,3 +651,15 @@ def serve_spec(name: str, image: str, disk: Path, *, env=(), reclaim: str = "Del
                      "resources": {"gpuResourceName": GPU_STAND_IN, "gpuMemory": "24Gi", "cpu": "100m", "shm": "64Mi",
                                    **STANDIN_SIZES},
                      "scheduling": PLACEMENT}}
+
+
+def routed_spec(name: str, image: str, disk: Path, *, replicas: int = 2) -> dict:
+    """serve_spec with spec.routing (cache_aware, what vLLM 0.26.0 allows) and `replicas` replicas, backend lmcache
+    (in-process; the same disk tier): the lmcache-server backend's server sidecar requests a whole CPU per pod, so two
+    of its pods do not fit a 2-CPU node."""
+    body = serve_spec(name, image, disk)
+    spec = body["spec"]
+    spec["offload"]["backend"] = "lmcache"
+    spec["resources"] = {k: v for k, v in spec["resources"].items() if k != "serverBaseline"}
+    spec.update(replicas=replicas, routing={"policy": "cache_aware"})
+    return body
