@@ -56,22 +56,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def task_pids(demo, pod) -> dict[str, int]:
-    """{container: pid of its first process} for the pod's running containers (sidecars included)."""
-    tasks = {parts[0]: int(parts[1]) for parts in (ln.split() for ln in node.ctr(demo.cluster, "tasks", "ls").stdout.splitlines()[1:])
-             if len(parts) >= 3 and parts[2] == "RUNNING"}
-    out = {}
-    for cs in pod["status"]["containerStatuses"] + pod["status"].get("initContainerStatuses", []):
-        cid = (cs.get("containerID") or "").removeprefix("containerd://")
-        if cid in tasks:
-            out[cs["name"]] = tasks[cid]
-    return out
-
-
-def proc_status(pid: int) -> dict[str, str]:
-    return dict((k, v.strip()) for k, v in (ln.split(":", 1) for ln in Path(f"/proc/{pid}/status").read_text().splitlines()))
-
-
 def memory_limit(pid: int) -> int:
     """The memory cgroup limit the kernel holds the process to (cgroup v1 here, v2 where there is no v1)."""
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
@@ -81,26 +65,6 @@ def memory_limit(pid: int) -> int:
         if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").exists():
             return int(Path(f"/sys/fs/cgroup{path}/memory.max").read_text())
     raise AssertionError(f"no memory cgroup for pid {pid}")
-
-
-def mount_options(pid: int) -> dict[str, tuple[str, str]]:
-    """{mount point: (per-mount options, fs type)} as the process sees them."""
-    out = {}
-    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
-        left, right = line.split(" - ", 1)
-        out[left.split()[4]] = (left.split()[5], right.split()[0])
-    return out
-
-
-def listening(pid: int) -> set[tuple[str, int]]:
-    """TCP listeners in the process's network namespace (/proc/PID/net/tcp: the pod's, not the host's)."""
-    out = set()
-    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
-        local, state = line.split()[1], line.split()[3]
-        if state == "0A":
-            addr, port = local.split(":")
-            out.add((socket.inet_ntoa(bytes.fromhex(addr)[::-1]), int(port, 16)))
-    return out
 
 
 def prometheus_scrape(tmp: Path, target: str) -> dict[str, float]:
@@ -164,21 +128,21 @@ def test_the_rendered_server_pod_runs_on_the_real_node(demo, node_ns, engine_ima
 
     # The running processes as the kernel holds them: uid, groups, no capabilities, seccomp, the cgroup's
     # limit, a read-only root mount.
-    pids = task_pids(demo, pod)
+    pids = node.task_pids(demo.cluster, pod)
     assert set(pids) == {"lmcache-server", "vllm", "exporter"}, pids
     for cname, pid in pids.items():
-        st, sc = proc_status(pid), rendered[cname]["securityContext"]
+        st, sc = node.proc_status(pid), rendered[cname]["securityContext"]
         uid = sc.get("runAsUser", spec["securityContext"]["runAsUser"])
         assert st["Uid"].split()[0] == str(uid) and "1000" in st["Groups"].split(), (cname, st["Uid"], st["Groups"])
         assert (st["CapEff"], st["NoNewPrivs"], st["Seccomp"]) == ("0000000000000000", "1", "2"), (cname, st)
         assert memory_limit(pid) == to_bytes(rendered[cname]["resources"]["limits"]["memory"]), cname
-        assert mount_options(pid)["/"][0].split(",")[0] == "ro", (cname, mount_options(pid)["/"])
+        assert node.mount_options(pid)["/"][0].split(",")[0] == "ro", (cname, node.mount_options(pid)["/"])
 
     # The memory-backed /dev/shm: one tmpfs of the rendered sizeLimit that the server and vLLM share; the
     # server's L1 segment lives in it.
     volumes = {v["name"]: v for v in spec["volumes"]}
     shm_size = to_bytes(volumes["dshm"]["emptyDir"]["sizeLimit"])
-    shm = {n: mount_options(pids[n])["/dev/shm"] for n in ("lmcache-server", "vllm")}
+    shm = {n: node.mount_options(pids[n])["/dev/shm"] for n in ("lmcache-server", "vllm")}
     assert {fs for _, fs in shm.values()} == {"tmpfs"}, shm
     views = {n: os.statvfs(f"/proc/{pids[n]}/root/dev/shm") for n in ("lmcache-server", "vllm")}
     assert {v.f_blocks * v.f_frsize for v in views.values()} == {shm_size}, (views, shm_size)
@@ -201,7 +165,7 @@ def test_the_rendered_server_pod_runs_on_the_real_node(demo, node_ns, engine_ima
     # Probes against the pod IP: the exporter listens on the pod IP only, and kubelet's liveness probe passes there.
     ip = pod["status"]["podIP"]
     port = next(p["containerPort"] for p in rendered["exporter"]["ports"] if p["name"] == "metrics")
-    assert (ip, port) in listening(pids["exporter"]) and ("0.0.0.0", port) not in listening(pids["exporter"])
+    assert (ip, port) in node.listening(pids["exporter"]) and ("0.0.0.0", port) not in node.listening(pids["exporter"])
     assert rendered["exporter"]["livenessProbe"]["httpGet"]["port"] == "metrics"
 
     # A real Prometheus scrapes the exporter at the pod IP through the rendered port: it read the files and
