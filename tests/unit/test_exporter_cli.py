@@ -156,6 +156,23 @@ def test_exporter_process_end_to_end(tmp_path: Path) -> None:
         assert exporter.proc.wait(10) == 0
 
 
+def test_a_sigterm_the_kernel_gives_another_thread_still_stops_the_exporter() -> None:
+    """kubelet's SIGTERM is process-wide; the kernel may hand it to any thread (here the HTTP thread, by its tid).
+    Python runs the handler in the main thread only when that thread wakes: the exporter must not sleep through it."""
+    import os
+    import time
+
+    with ExporterProcess(["--vllm-metrics-url", f"http://127.0.0.1:{_closed_port()}/metrics"]) as exporter:
+        assert get(exporter.port, "/healthz")[0] == 200
+        pid = exporter.proc.pid
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+        assert tids, "the HTTP server runs in a thread of its own"
+        os.kill(tids[0], signal.SIGTERM)  # kill(2) on a tid: the signal goes to the process, preferably that thread
+        t0 = time.monotonic()
+        assert exporter.proc.wait(10) == 0
+        assert time.monotonic() - t0 < 5
+
+
 def test_exporter_process_survives_every_source_failing(tmp_path: Path) -> None:
     with ExporterProcess(["--vllm-metrics-url", f"http://127.0.0.1:{_closed_port()}/metrics",
                           "--multiproc-dir", str(tmp_path / "empty"),

@@ -130,7 +130,10 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, lambda *_: stop.set())
     bound_host, bound_port = server.server_address[:2]
     log.info("kvoffload exporter listening on http://%s:%d/metrics", bound_host, bound_port)
-    stop.wait()
+    # A timed wait: a blocking one in the main thread sleeps through a SIGTERM the kernel delivered to another
+    # thread (Python runs its handler in the main thread only when that thread wakes), and kubelet would kill us.
+    while not stop.wait(1.0):
+        pass
     log.info("stopping")
     server.shutdown()
     server.server_close()
