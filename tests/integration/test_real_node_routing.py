@@ -138,7 +138,10 @@ def check_router(demo, node_ns: str, obj: dict, body: dict, router_image: str) -
     mounts = node.mount_options(pid)
     assert mounts["/"][0].split(",")[0] == "ro", mounts["/"]
     assert mounts["/tmp"][0].split(",")[0] == "rw", mounts.get("/tmp")  # the emptyDir, its only writable place
-    assert Path(f"/proc/{pid}/root/var/run/secrets/kubernetes.io/serviceaccount/token").exists()  # its own token
+    # Its own token, mounted where kubelet put it (/var/run is a link to /run in the image: read the mount table,
+    # since the link would resolve against this host's root through /proc/PID/root).
+    (sa,) = [m for m in mounts if m.endswith("/secrets/kubernetes.io/serviceaccount")]
+    assert mounts[sa][0].split(",")[0] == "ro" and Path(f"/proc/{pid}/root{sa}/token").exists(), (sa, mounts[sa])
     # It listens on its pod IP only: the HTTP port and the metrics port the rendered Service names.
     listeners = node.listening(pid)
     assert {(router_ip, 8000), (router_ip, 29000)} <= listeners, listeners
