@@ -8,10 +8,17 @@
 # The serving image (images/serving/Dockerfile, LMCACHE_FROM=source) and the engine venvs
 # (tests/engine/build-venv.sh) both run this file.
 #   build-lmcache.sh PYTHON LMCACHE_VERSION      (TORCH_CUDA_ARCH_LIST: the GPU architectures, e.g. "9.0")
+#   build-lmcache.sh --download DIR PYTHON LMCACHE_VERSION
+# --download compiles nothing: it puts into DIR what the build would fetch from the index into PYTHON's
+# environment (the toolchain below as pip resolves it there, and LMCache's sdist), for an offline build
+# (PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR) in an environment holding the same packages as PYTHON's but LMCache:
+# tests/support/kvtest/images.py runs it in the pair's engine venv for the serving image's local build.
 set -euo pipefail
+DOWNLOAD=
+if [ "${1:-}" = --download ]; then DOWNLOAD=$2; shift 2; fi
 PY=$1
 VERSION=$2
-: "${TORCH_CUDA_ARCH_LIST:?set the GPU architectures to compile for, e.g. 9.0}"
+[ -n "$DOWNLOAD" ] || : "${TORCH_CUDA_ARCH_LIST:?set the GPU architectures to compile for, e.g. 9.0}"
 HERE=$(cd "$(dirname "$0")" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -24,8 +31,22 @@ toolkit=$(sed -n 's/^cuda-toolkit==//p' "$work/constraints.txt")
 [ -n "$toolkit" ] || toolkit="$("$PY" -c 'import torch; print(torch.version.cuda)').*"
 PIP=("$PY" -m pip install -q --no-cache-dir --disable-pip-version-check -c "$work/constraints.txt")
 # The compiler and headers, and LMCache's build requirements (its requirements/build.txt, torch aside).
-"${PIP[@]}" "cuda-toolkit[nvcc,cccl,crt,cudart]==$toolkit" \
-  ninja 'packaging>=24.2' 'setuptools>=77.0.3,<81.0.0' 'setuptools_scm>=8' 'grpcio-tools==1.78.0' wheel
+TOOLCHAIN=("cuda-toolkit[nvcc,cccl,crt,cudart]==$toolkit"
+  ninja 'packaging>=24.2' 'setuptools>=77.0.3,<81.0.0' 'setuptools_scm>=8' 'grpcio-tools==1.78.0' wheel)
+if [ -n "$DOWNLOAD" ]; then
+  # Exactly the files pip would install here (its dry-run report), then the sdist the compile builds.
+  mkdir -p "$DOWNLOAD"
+  "${PIP[@]}" --dry-run --report "$work/report.json" "${TOOLCHAIN[@]}"
+  mapfile -t urls < <("$PY" -c 'import json, sys
+for item in json.load(open(sys.argv[1]))["install"]:
+    print(item["download_info"]["url"])' "$work/report.json")
+  DL=("$PY" -m pip download -q --no-cache-dir --disable-pip-version-check --no-deps -d "$DOWNLOAD")
+  [ "${#urls[@]}" = 0 ] || "${DL[@]}" "${urls[@]}"
+  "${DL[@]}" --no-binary lmcache "lmcache==$VERSION"
+  echo "build-lmcache.sh --download: ${#urls[@]} toolchain files and lmcache $VERSION's sdist in $DOWNLOAD" >&2
+  exit 0
+fi
+"${PIP[@]}" "${TOOLCHAIN[@]}"
 purelib=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 nvcc=$(find "$purelib/nvidia" -path '*/bin/nvcc' -type f | head -1)
 [ -n "$nvcc" ] || { echo "no nvcc under $purelib/nvidia after installing cuda-toolkit[nvcc]==$toolkit" >&2; exit 1; }
