@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import yaml
 from kvoffload.api import settings
 from kvoffload.engine import images
 from kvtest.dockerfile import OPERATOR, SERVING, Dockerfile, serving
+from kvtest.readme import README, commands
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING_IMAGE = images.DEFAULT_IMAGE
@@ -104,6 +106,19 @@ def test_serving_pins_agree_with_the_operators_image_table(image):
     assert labels["org.opencontainers.image.version"] == f"{pair.vllm}-{pair.lmcache}"
     assert image.rsplit(":", 1)[1] == f"{pair.vllm}-{pair.lmcache}"
     assert Dockerfile(SERVING).build_commands()[SERVING_IMAGE] == {}, "the default image is the Dockerfile's defaults"
+
+
+def test_the_readme_builds_every_offered_serving_image_with_its_headers_arguments():
+    """README "Images" shows a `docker build` line per serving image the operator offers, with exactly the
+    --build-args of the Dockerfile header's command for it (those kvtest.images builds it with), and pushes it."""
+    text = README.read_text().split("\n## Images\n", 1)[1].split("\n## ", 1)[0]
+    shown = {}
+    for argv in [shlex.split(c) for c in commands(text) if c.startswith("docker build ") and c.endswith(" images/serving")]:
+        tag = argv[argv.index("-t") + 1]
+        shown[tag.rsplit(":", 1)[1]] = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--build-arg")
+        assert f"docker push {tag}" in commands(text), tag
+    header = Dockerfile(SERVING).build_commands()
+    assert shown == {image.rsplit(":", 1)[1]: header[image] for image in images.serving_images()}
 
 
 def test_serving_build_fails_when_the_cuda_extension_does_not_load():
