@@ -196,3 +196,34 @@ def test_clean_venv_install_like_the_operator_image(tmp_path, operator_wheelhous
     cp = subprocess.run([str(venv / "bin" / "python"), "-c", "import kvoffload; print(kvoffload.__file__)"],
                         capture_output=True, text=True, env=env, cwd=tmp_path)
     assert str(venv) in cp.stdout, cp.stdout + cp.stderr
+
+
+def _cleanup_script() -> str:
+    """The Python that build-lmcache.sh runs after the compile to pick the build-only packages (its heredoc)."""
+    text = (ROOT / "images/serving/build-lmcache.sh").read_text()
+    return text.split("build_only=$(\"$PY\" - \"$work/before.txt\" \"$work/after.txt\" <<'PYEOF'\n", 1)[1].split("\nPYEOF\n", 1)[0]
+
+
+def test_lmcache_build_cleanup_removes_only_what_nothing_needs(tmp_path):
+    """build-lmcache.sh removes what the build added that nothing staying requires, following extras and
+    markers: a `lib[grpc]` requirement keeps lib's `extra == "grpc"` dependency (google-api-core[grpc] needs
+    grpcio-status: the clean-up that ignored extras removed it from vLLM 0.33.0's engine venv)."""
+    import packaging
+
+    site = tmp_path / "site"
+    shutil.copytree(Path(packaging.__file__).parent, site / "packaging")  # the script's one import; no dist-info
+    dists = {"app": ["lib[grpc]>=1", "helper"], "helper": [], "lmcache": ["app"],
+             "lib": ['status>=1; extra == "grpc"', 'other; extra == "x"', 'winonly; sys_platform == "win32"'],
+             "status": ["statusdep"], "statusdep": [], "other": [], "winonly": [], "tool": ["tooldep"], "tooldep": []}
+    for name, requires in dists.items():
+        info = site / f"{name}-1.0.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n"
+                                       + "".join(f"Requires-Dist: {r}\n" for r in requires))
+    (tmp_path / "before.txt").write_text("app==1.0\nlib==1.0\nhelper==1.0\n")
+    (tmp_path / "after.txt").write_text("".join(f"{n}==1.0\n" for n in dists))
+    cp = subprocess.run([sys.executable, "-S", "-c", f"import sys; sys.path[:0] = [{str(site)!r}]; sys.argv[1:] = "
+                         f"[{str(tmp_path / 'before.txt')!r}, {str(tmp_path / 'after.txt')!r}]; exec(sys.stdin.read())"],
+                        input=_cleanup_script(), capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout.split() == ["other", "tool", "tooldep", "winonly"]
