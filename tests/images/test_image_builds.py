@@ -240,51 +240,60 @@ VERSIONS_033 = {"vllm": "0.33.0", "lmcache": "0.5.6", "torch": "2.14.0"}
 
 
 @pytest.fixture(scope="module")
-def serving_033_image(podman) -> str:
-    """ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6, the same Dockerfile with LMCACHE_FROM=source. Not part of
-    `make test`: its build compiles LMCache's CUDA extension for every GPU architecture in the Dockerfile's
-    TORCH_CUDA_ARCH_LIST (hours of CPU on a 2-core machine; docs/benchmarks.md "Images"), on top of its own
-    ~10 GiB vLLM 0.33.0 base. So this runs when that image is already here (it tests the image as it is:
-    `python -m kvtest.images build serving --pair 0.33.0-0.5.6` made it) or under KVO_IMAGES_033=1, which
-    builds it first, or reuses it while its inputs are unchanged (needs the pair's engine venv, `make
-    engine-venv`, and its wheelhouse, `make serving-wheels PAIR=0.33.0-0.5.6`)."""
-    if os.environ.get("KVO_IMAGES_033") == "1":
-        return images.build("serving", PAIR_033)
-    tag = images.pair(PAIR_033).tag
-    if images.image_id(tag) is None:
-        pytest.skip(f"{tag} is not built here; KVO_IMAGES_033=1 builds it (an LMCache compile: hours on 2 cores)")
-    return tag
+def serving_033_image(podman) -> tuple[str, tuple[str, ...]]:
+    """ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6 (the same Dockerfile with LMCACHE_FROM=source) and the
+    podman run arguments it needs. Not part of `make test`: its build compiles LMCache's CUDA extension for
+    every GPU architecture in the Dockerfile's TORCH_CUDA_ARCH_LIST (over an hour of CPU on a 2-core machine;
+    docs/benchmarks.md "Images"), on its own vLLM 0.33.0 base (~10 GiB, and ~30 GiB of free disk while podman
+    commits it). So this runs when that image is already here (it tests the image as it is), else when the
+    thin-base build of it is (kvtest.images --thin-base: the base's packages are symlinks into the engine venv,
+    mounted read-only in every run), or under KVO_IMAGES_033=1 (=thin), which builds it first, or reuses it while
+    its inputs are unchanged (needs the pair's engine venv, `make engine-venv`, and its wheelhouse,
+    `make serving-wheels PAIR=0.33.0-0.5.6`)."""
+    p = images.pair(PAIR_033)
+    want = os.environ.get("KVO_IMAGES_033", "")
+    if want in ("1", "thin"):
+        tag, thin = images.build("serving", PAIR_033, thin=want == "thin"), want == "thin"
+    elif images.image_id(p.tag):
+        tag, thin = p.tag, False
+    elif images.image_id(p.thin_tag) and (p.engine_venv / ".done").exists():
+        tag, thin = p.thin_tag, True
+    else:
+        pytest.skip(f"{p.tag} is not built here; KVO_IMAGES_033=1 builds it (an LMCache compile: over an hour on 2 cores)")
+    mounts = images.thin_mounts(PAIR_033) if thin else {}
+    return tag, tuple(a for src, dst in mounts.items() for a in ("-v", f"{src}:{dst}:ro"))
 
 
 def test_serving_033_image_runs_as_the_rendered_pod_runs_it(serving_033_image):
     """As the operator's pods run it (UID 1000, read-only root, no capabilities, no network): the pinned
     versions, its user and entrypoint, and LMCache's compiled extension loaded against its torch 2.14.0 with
     every symbol bound (extension_check.py) and as the Dockerfile's own check loads it."""
-    info = inspect(serving_033_image)
+    image, mounts = serving_033_image
+    info = inspect(image)
     assert info["Config"]["User"] == "1000:1000" and info["Config"]["Entrypoint"] == ["vllm", "serve"]
     labels = info["Config"]["Labels"]
     assert (labels["io.kvoffload.vllm-version"], labels["io.kvoffload.lmcache-version"]) == ("0.33.0", "0.5.6")
     script = ("import json, os; from importlib.metadata import version; import torch; "
               "print(json.dumps({'versions': {n: version(n) for n in ('vllm', 'lmcache', 'torch')}, "
               "'torch': torch.__version__, 'uid': os.getuid(), 'gid': os.getgid(), 'home': os.path.expanduser('~')}))")
-    cp = run(serving_033_image, "-c", script, user="1000:1000", entrypoint=["python3"])
+    cp = run(image, "-c", script, user="1000:1000", entrypoint=["python3"], extra=mounts)
     assert cp.returncode == 0, cp.stdout + cp.stderr[-3000:]
     got = json.loads(cp.stdout.strip().splitlines()[-1])
     assert got["versions"] == VERSIONS_033 and got["torch"].startswith("2.14.0"), got
     assert (got["uid"], got["gid"], got["home"]) == (1000, 1000, "/home/vllm"), got
     # Every CUDA extension of the compiled LMCache, bound with RTLD_NOW against this torch, then imported.
-    cp = run(serving_033_image, "/opt/kvoffload/extension_check.py", user="1000:1000", entrypoint=["python3"])
+    cp = run(image, "/opt/kvoffload/extension_check.py", user="1000:1000", entrypoint=["python3"], extra=mounts)
     assert cp.returncode == 0, cp.stdout + cp.stderr[-3000:]
     loaded = json.loads(cp.stdout.split("extensions load:", 1)[1])
     assert loaded["modules"] == ["lmcache.cuda_ops"] and loaded["lmcache"] == "0.5.6", loaded
     assert loaded["torch"].startswith("2.14.0"), loaded
     # The Dockerfile's own load step for this pair (its build args applied), run again in the image.
     so = r"/opt/vllm/lib/python3\.11/site-packages/lmcache/cuda_ops\.cpython-311-x86_64-linux-gnu\.so"
-    (check,) = [r for r in serving(serving_033_image).all("RUN") if "module_from_spec" in r]
-    cp = run(serving_033_image, "-o", "pipefail", "-c", check, user="1000:1000", entrypoint=["/bin/bash"])
+    (check,) = [r for r in serving(images.pair(PAIR_033).tag).all("RUN") if "module_from_spec" in r]
+    cp = run(image, "-o", "pipefail", "-c", check, user="1000:1000", entrypoint=["/bin/bash"], extra=mounts)
     assert cp.returncode == 0 and re.search(rf"loaded {so} against torch 2\.14\.0", cp.stdout), cp.stdout + cp.stderr[-3000:]
     # Built here: the build's log shows the compile and the same checks passing in the build itself.
-    log = images.LOGS / f"{serving_033_image.replace('/', '_')}.log"
+    log = images.LOGS / f"{image.replace('/', '_')}.log"
     if log.exists():
         text = log.read_text()
         assert re.search(r"LMCache 0\.5\.6 compiled in \d+ s for TORCH_CUDA_ARCH_LIST='[^']+'", text), text[-3000:]

@@ -38,10 +38,10 @@ def hadolint() -> str:
     return found
 
 
-LOCAL = [ROOT / "tests/images" / name / "Dockerfile" for name in ("vllm-base", "vllm-standin")]  # the local base, the stand-in
+LOCAL = [ROOT / "tests/images" / name / "Dockerfile" for name in ("vllm-base", "vllm-base-thin", "vllm-standin")]  # bases, stand-in
 
 
-@pytest.mark.parametrize("path", [OPERATOR, SERVING, *LOCAL], ids=["operator", "serving", "vllm-base", "vllm-standin"])
+@pytest.mark.parametrize("path", [OPERATOR, SERVING, *LOCAL], ids=["operator", "serving", "vllm-base", "vllm-base-thin", "vllm-standin"])
 def test_hadolint_clean(hadolint, path):
     cp = subprocess.run([hadolint, "--failure-threshold", "info", "--no-color", str(path)],
                         capture_output=True, text=True, timeout=60)

@@ -36,6 +36,10 @@ Every serving image the operator offers (engine/images.serving_images()) builds 
 with its header's build command's arguments: `--pair 0.33.0-0.5.6` is ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6
 (LMCache 0.5.6 compiled against vLLM 0.33.0's torch, for TORCH_CUDA_ARCH_LIST: the Dockerfile's list, or
 KVO_TORCH_CUDA_ARCH_LIST). Without --pair: the default pair, whose builds and build keys are those of before.
+`--thin-base` builds the same serving Dockerfile FROM tests/images/vllm-base-thin instead (the engine venv's
+packages as symlinks into a read-only mount, for a machine without the ~30 GB of free disk that committing a
+full base copy of vLLM 0.33.0's venv takes), tagged localhost/kvoffload/vllm-lmcache-thin:<pair>; that image runs
+only with thin_mounts(pair).
 """
 
 from __future__ import annotations
@@ -149,6 +153,19 @@ class Pair:
         return f"localhost/kvoffload-local/vllm-openai:v{self.vllm}"
 
     @property
+    def thin_base(self) -> str:
+        return f"localhost/kvoffload-local/vllm-openai-thin:v{self.vllm}"
+
+    @property
+    def thin_tag(self) -> str:
+        return f"localhost/kvoffload/vllm-lmcache-thin:{self.name}"
+
+    @property
+    def nvidia(self) -> Path:
+        (site,) = (self.engine_venv / "lib").glob("python3*/site-packages")
+        return site / "nvidia"
+
+    @property
     def python_base(self) -> str:
         return PYTHON_BASE if self.lmcache_from == "wheel" else PYTHON_DEV_BASE
 
@@ -176,10 +193,21 @@ RECORDED = ("fixtures/vllm-0.26.0-lmcache-0.5.3-h200", "fixtures/vllm-0.26.0-lmc
 NAMES = ("operator", "serving", "standin", "standin-slim")
 
 
-def images(extension: str | None = None, tag: str | None = None, pair_name: str | None = None) -> dict[str, Image]:
+THIN_SITE = "/opt/vllm/lib/python3.11/site-packages"  # tests/images/vllm-base-thin
+
+
+def thin_mounts(pair_name: str | None = None) -> dict[Path, str]:
+    """What a build FROM the thin base, and every run of an image built on it, mounts (read-only)."""
+    p = pair(pair_name)
+    return {p.engine_venv: "/engine", p.nvidia: f"{THIN_SITE}/nvidia"}
+
+
+def images(extension: str | None = None, tag: str | None = None, pair_name: str | None = None,
+           thin: bool = False) -> dict[str, Image]:
     """The builds by name. `extension`/`tag` override the serving image's LMCACHE_EXTENSION and tag
     (the test that a failing extension check fails the build); `pair_name` ("0.33.0-0.5.6") picks the
-    vllm-base and serving builds of another offered pair (default: the default pair)."""
+    vllm-base and serving builds of another offered pair (default: the default pair); `thin`: FROM the
+    thin base (tests/images/vllm-base-thin; "vllm-base" is then that one)."""
     p = pair(pair_name)
     wheel_args = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "/wheels"}
     serving_args = {**wheel_args, **p.args, **({"LMCACHE_EXTENSION": extension} if extension else {})}
@@ -189,6 +217,13 @@ def images(extension: str | None = None, tag: str | None = None, pair_name: str 
     base_labels = {} if p.name == DEFAULT_PAIR else {
         "org.opencontainers.image.description": f"A local base holding the engine venv's vLLM {p.vllm} and its torch, "
                                                 f"standing in for vllm/vllm-openai:v{p.vllm}"}
+    if thin:
+        return {
+            "vllm-base": Image(p.thin_base, ROOT / "tests/images/vllm-base-thin/Dockerfile",
+                               ROOT / "tests/images/vllm-base-thin", PYTHON_DEV_BASE, volumes={p.engine_venv: "/engine"}),
+            "serving": Image(tag or p.thin_tag, ROOT / "images/serving/Dockerfile", ROOT / "images/serving", p.thin_base,
+                             serving_args, p.wheelhouse, volumes=thin_mounts(p.name)),
+        }
     return {
         "python-base": Image(PYTHON_BASE, Path(), Path(), None),  # podman import of the rootfs (python_base)
         "vllm-base": Image(p.vllm_base, ROOT / "tests/images/vllm-base/Dockerfile", ROOT / "tests/images/vllm-base",
@@ -255,8 +290,8 @@ def build_key(img: Image) -> str:
     for wh in [img.wheelhouse] if img.wheelhouse else []:
         for p in sorted([*wh.glob("*.whl"), *wh.glob("*.tar.gz")]):  # wheels, and a source pair's LMCache sdist
             h.update(f"{p.name}:{p.stat().st_size}".encode())
-    for src in img.volumes:  # the engine venv: its .done names the build (time, size)
-        h.update((src / ".done").read_bytes())
+    for src in img.volumes:  # the engine venv: its .done names the build (time, size); a part of it: its path
+        h.update((src / ".done").read_bytes() if (src / ".done").exists() else str(src).encode())
     if img.labels:
         h.update(json.dumps(sorted(img.labels.items())).encode())
     return h.hexdigest()[:16]
@@ -314,7 +349,7 @@ def _needs(img: Image) -> None:
             f" PAIR={name}" for name, p in pairs().items() if p.wheelhouse == img.wheelhouse and name != DEFAULT_PAIR)
         raise SystemExit(f"no wheels in {img.wheelhouse}: run `make {target}`")
     for src in img.volumes:
-        if not (src / ".done").exists():
+        if src.name.startswith("engine-vllm-") and not (src / ".done").exists():
             raise SystemExit(f"{src} is not built: run `make engine-venv`")
 
 
@@ -352,20 +387,23 @@ def build_image(img: Image, force: bool = False) -> subprocess.CompletedProcess 
     return cp
 
 
-def build(name: str, pair_name: str | None = None) -> str:
+def build(name: str, pair_name: str | None = None, thin: bool = False) -> str:
     """Build (or reuse) one of NAMES and what it stands on; its tag. `pair_name`: the serving image of
-    another offered pair ("0.33.0-0.5.6"; the stand-ins serve the default pair's recorded pages only)."""
+    another offered pair ("0.33.0-0.5.6"; the stand-ins serve the default pair's recorded pages only);
+    `thin`: the serving image FROM the thin base (see the module's docstring)."""
     p = pair(pair_name)
     if name.startswith("standin") and p.name != DEFAULT_PAIR:
         raise SystemExit(f"{name} is built for the default pair {DEFAULT_PAIR} only (its recorded pages)")
-    table = images(pair_name=p.name)
+    if thin and name != "serving":
+        raise SystemExit("--thin-base is for the serving image only")
+    table = images(pair_name=p.name, thin=thin)
     chain = {"operator": ["operator"], "serving": ["vllm-base", "serving"],
              "standin": ["vllm-base", "serving", "standin"], "standin-slim": ["standin-slim"]}[name]
     python_base()
-    if "vllm-base" in chain and p.python_base != PYTHON_BASE:
-        python_base(p.python_base)
+    if "vllm-base" in chain and table["vllm-base"].base != PYTHON_BASE:
+        python_base(table["vllm-base"].base)
     for step in chain:
-        with locked(p.lock(step) if step in ("vllm-base", "serving") else f"image-{step}"):
+        with locked(p.lock(step) + ("-thin" if thin else "") if step in ("vllm-base", "serving") else f"image-{step}"):
             build_image(table[step])
     while REPLACED:  # the previous builds of these tags, images built on them first
         podman("rmi", REPLACED.pop(), check=False)
@@ -439,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="build (or reuse) images")
     b.add_argument("names", nargs="*", choices=NAMES, default=["operator", "serving"])
     b.add_argument("--pair", help=f"the serving image of this offered pair, e.g. 0.33.0-0.5.6 (default {DEFAULT_PAIR})")
+    b.add_argument("--thin-base", action="store_true",
+                   help="the serving image FROM tests/images/vllm-base-thin (symlinks into the mounted engine venv)")
     w = sub.add_parser("wheels", help="fetch the serving build's wheelhouse for a pair (make serving-wheels)")
     w.add_argument("--pair", help=f"default {DEFAULT_PAIR}")
     sv = sub.add_parser("save", help="print the path of a docker-archive tar of the image (built first; cached by image id)")
@@ -446,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.command == "build":
         for name in a.names:
-            print(build(name, a.pair))
+            print(build(name, a.pair, a.thin_base))
     elif a.command == "wheels":
         print(wheels(a.pair))
     else:
