@@ -28,10 +28,15 @@ $(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
 operator-wheels: venv
 	$(BIN)/pip download -q -d $(HOME)/.cache/kvoffload/wheelhouse ./operator 'setuptools>=68' wheel
 
-# The LMCache wheel the serving image installs (cached), so `make images` builds without network; and
-# async-timeout, which LMCache's redis needs on Python < 3.11.3 (the local base's Debian 3.11.2).
+# The serving image of one offered pair: PAIR=<vLLM>-<LMCache> (engine/images.py), default the default pair.
+PAIR ?= $(VLLM_VERSION)-$(LMCACHE_VERSION)
+
+# What the serving image's build installs with pip (cached), so `make images` builds without network: the
+# LMCache wheel, or for a pair whose LMCache is compiled (PAIR=0.33.0-0.5.6; after `make engine-venv`) its sdist
+# and the toolchain images/serving/build-lmcache.sh installs, as its --download mode resolves them in that pair's
+# engine venv; and async-timeout, which LMCache's redis needs on Python < 3.11.3 (the local base's Debian 3.11.2).
 serving-wheels: venv
-	$(BIN)/pip download -q --no-deps -d $(HOME)/.cache/kvoffload/wheelhouse-lmcache-$(LMCACHE_VERSION) 'lmcache==$(LMCACHE_VERSION)' 'async-timeout>=4.0.3'
+	$(BIN)/python -m kvtest.images wheels --pair $(PAIR)
 
 # vLLM's router and its dependencies as wheels (cached; binary wheels only, so nothing is built offline), so the router
 # image (images/router/Dockerfile) builds without network: the real-node routing test runs it as the rendered pod.
@@ -44,8 +49,9 @@ router-image: venv system-deps router-wheels
 
 # Both images (images/*/Dockerfile) with podman, offline, FROM local bases made from Debian's packages
 # and the engine venv (tests/support/kvtest/images.py; README "Images" builds them FROM the public ones).
-images: venv system-deps operator-wheels serving-wheels engine-venv
-	$(BIN)/python -m kvtest.images build operator serving
+# PAIR=0.33.0-0.5.6: that pair's serving image (LMCache compiled in the build: an hour or more on 2 cores).
+images: venv system-deps operator-wheels engine-venv serving-wheels
+	$(BIN)/python -m kvtest.images build operator serving --pair $(PAIR)
 
 # The full stand-in engine image (tests/images/vllm-standin, FROM the serving image: vLLM's parser, the real LMCache
 # server), for KVO_STANDIN=full runs on the real node. `make test` builds the slim one itself (kvtest.images standin-slim).

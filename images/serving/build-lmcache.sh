@@ -8,10 +8,17 @@
 # The serving image (images/serving/Dockerfile, LMCACHE_FROM=source) and the engine venvs
 # (tests/engine/build-venv.sh) both run this file.
 #   build-lmcache.sh PYTHON LMCACHE_VERSION      (TORCH_CUDA_ARCH_LIST: the GPU architectures, e.g. "9.0")
+#   build-lmcache.sh --download DIR PYTHON LMCACHE_VERSION
+# --download compiles nothing: it puts into DIR what the build would fetch from the index into PYTHON's
+# environment (the toolchain below as pip resolves it there, and LMCache's sdist), for an offline build
+# (PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR) in an environment holding the same packages as PYTHON's but LMCache:
+# tests/support/kvtest/images.py runs it in the pair's engine venv for the serving image's local build.
 set -euo pipefail
+DOWNLOAD=
+if [ "${1:-}" = --download ]; then DOWNLOAD=$2; shift 2; fi
 PY=$1
 VERSION=$2
-: "${TORCH_CUDA_ARCH_LIST:?set the GPU architectures to compile for, e.g. 9.0}"
+[ -n "$DOWNLOAD" ] || : "${TORCH_CUDA_ARCH_LIST:?set the GPU architectures to compile for, e.g. 9.0}"
 HERE=$(cd "$(dirname "$0")" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -24,8 +31,37 @@ toolkit=$(sed -n 's/^cuda-toolkit==//p' "$work/constraints.txt")
 [ -n "$toolkit" ] || toolkit="$("$PY" -c 'import torch; print(torch.version.cuda)').*"
 PIP=("$PY" -m pip install -q --no-cache-dir --disable-pip-version-check -c "$work/constraints.txt")
 # The compiler and headers, and LMCache's build requirements (its requirements/build.txt, torch aside).
-"${PIP[@]}" "cuda-toolkit[nvcc,cccl,crt,cudart]==$toolkit" \
-  ninja 'packaging>=24.2' 'setuptools>=77.0.3,<81.0.0' 'setuptools_scm>=8' 'grpcio-tools==1.78.0' wheel
+TOOLCHAIN=("cuda-toolkit[nvcc,cccl,crt,cudart]==$toolkit"
+  ninja 'packaging>=24.2' 'setuptools>=77.0.3,<81.0.0' 'setuptools_scm>=8' 'grpcio-tools==1.78.0' wheel)
+if [ -n "$DOWNLOAD" ]; then
+  # Exactly the files pip would install here (dry-run reports): the toolchain; what LMCache's own install needs
+  # that this environment lacks, resolved with every installed package pinned (an engine venv cleaned up by this
+  # script before it followed extras lacks grpcio-status, which google-api-core[grpc] needs); then the sdist.
+  mkdir -p "$DOWNLOAD"
+  "${PIP[@]}" --dry-run --report "$work/toolchain.json" "${TOOLCHAIN[@]}"
+  "$PY" -m pip list --format=freeze --exclude lmcache | grep '==' > "$work/installed.txt"
+  "$PY" -m pip install -q --no-cache-dir --disable-pip-version-check --dry-run --ignore-installed \
+    -c "$work/installed.txt" --report "$work/lmcache.json" "lmcache==$VERSION"
+  mapfile -t urls < <("$PY" - "$work/installed.txt" "$work/toolchain.json" "$work/lmcache.json" <<'PYEOF'
+import json, sys
+from packaging.utils import canonicalize_name as key
+installed = {(key(n), v) for n, v in (line.strip().split("==", 1) for line in open(sys.argv[1]) if "==" in line)}
+urls = []
+for report in sys.argv[2:]:
+    for item in json.load(open(report))["install"]:
+        meta = item["metadata"]
+        if key(meta["name"]) != "lmcache" and (key(meta["name"]), meta["version"]) not in installed:
+            urls.append(item["download_info"]["url"])
+print("\n".join(dict.fromkeys(urls)))
+PYEOF
+)
+  DL=("$PY" -m pip download -q --no-cache-dir --disable-pip-version-check --no-deps -d "$DOWNLOAD")
+  [ "${#urls[@]}" = 0 ] || "${DL[@]}" "${urls[@]}"
+  "${DL[@]}" --no-binary lmcache "lmcache==$VERSION"
+  echo "build-lmcache.sh --download: ${#urls[@]} files and lmcache $VERSION's sdist in $DOWNLOAD: $(ls "$DOWNLOAD" | tr '\n' ' ')" >&2
+  exit 0
+fi
+"${PIP[@]}" "${TOOLCHAIN[@]}"
 purelib=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 nvcc=$(find "$purelib/nvidia" -path '*/bin/nvcc' -type f | head -1)
 [ -n "$nvcc" ] || { echo "no nvcc under $purelib/nvidia after installing cuda-toolkit[nvcc]==$toolkit" >&2; exit 1; }
@@ -46,18 +82,29 @@ echo "LMCache $VERSION compiled in $(( $(date +%s) - start )) s for TORCH_CUDA_A
 build_only=$("$PY" - "$work/before.txt" "$work/after.txt" <<'PYEOF'
 import re, sys
 from importlib.metadata import distributions
-names = lambda path: {re.split("[=@ ]", l)[0].lower().replace("_", "-") for l in open(path) if l.strip()}
-key = lambda name: name.lower().replace("_", "-")
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name as key
+names = lambda path: {key(re.split("[=@ ]", l)[0]) for l in open(path) if l.strip()}
 added = names(sys.argv[2]) - names(sys.argv[1]) - {"lmcache"}
-needs = {key(d.metadata["Name"]): {key(re.split(r"[\s\[<>=!~;(]", r, maxsplit=1)[0])
-                                   for r in d.requires or [] if "extra ==" not in r} for d in distributions()}
-gone = set(added)
-while True:  # what nothing that stays requires (nvcc's own nvvm and crt go with it)
-    kept = set().union(*(reqs for name, reqs in needs.items() if name not in gone))
-    if not gone & kept:
-        break
-    gone -= kept
-print(" ".join(sorted(gone)))
+dists = {key(d.metadata["Name"]): d for d in distributions()}
+# Everything that stays and what it requires, extras followed (`google-api-core[grpc]` needs google-api-core's
+# `extra == "grpc"` requirements: grpcio-status) and markers evaluated here. What the build added that none of
+# it needs goes (nvcc's own nvvm and crt go with it).
+seen, stack = set(), [(n, frozenset()) for n in dists if n not in added]
+while stack:
+    name, extras = stack.pop()
+    if (name, extras) in seen or name not in dists:
+        continue
+    seen.add((name, extras))
+    for r in dists[name].requires or []:
+        try:
+            req = Requirement(r)
+        except InvalidRequirement:  # kept, unread
+            stack.append((key(re.split(r"[\s\[<>=!~;(]", r, maxsplit=1)[0]), frozenset()))
+            continue
+        if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras or {""}):
+            stack.append((key(req.name), frozenset(req.extras)))
+print(" ".join(sorted(added - {name for name, _ in seen})))
 PYEOF
 )
 if [ -n "$build_only" ]; then

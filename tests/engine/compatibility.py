@@ -264,6 +264,10 @@ torch 2.14.0 and no LMCache wheel is built against it (0.5.6's extension lacks
 compiles LMCache 0.5.6, the newest, from its sdist against the base image's own torch
 (images/serving/build-lmcache.sh: nvcc from PyPI's cuda-toolkit of torch's CUDA; no GPU needed).
 `make test` builds the same in that pair's engine venv (for sm_90 only) and checks its row in full.
+The image itself builds offline with `python -m kvtest.images build serving --pair 0.33.0-0.5.6` (FROM a
+local stand-in for `vllm/vllm-openai:v0.33.0` made of that engine venv, a C++ compiler and Python's
+headers): the compile for the Dockerfile's GPU architectures, then its extension check, which fails the
+build on an unresolved symbol. It is not part of `make test` (the compile's cost; docs/benchmarks.md "Images").
 It ran on an H200 once (1 Dec 2026, the CPU tier only: the row below), while the default pair ran every backend and
 tier; the default stays 0.26.0 + 0.5.3 until 0.33 has run as much.
 

@@ -7,6 +7,8 @@ no privilege escalation, no network.
 - the serving image: the Dockerfile's own steps ran (LMCache installed from the wheelhouse, its CUDA
   extension's shared object loaded against the base's torch 2.11.0), its user and entrypoint, and a
   build whose extension check fails is a failed build;
+- the vLLM 0.33.0 serving image (LMCache 0.5.6 compiled in the build against torch 2.14.0): only where it
+  is already built or under KVO_IMAGES_033=1 (its compile is too long for `make test`: see its fixture);
 - the stand-in engine image: the rendered lmcache-server pod (tests/golden) in a podman pod, every
   container under its rendered command, args, env, user and mounts, with the images swapped for the
   local ones: the versions init reports the image's real versions, `lmcache server` runs for real,
@@ -36,7 +38,7 @@ import kvtest.images as images
 from kvoffload.api import settings
 from kvoffload.api.spec import parse
 from kvtest.dockerfile import SERVING as SERVING_DOCKERFILE
-from kvtest.dockerfile import Dockerfile
+from kvtest.dockerfile import Dockerfile, serving
 from kvtest.readme import README, commands
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,11 +198,16 @@ def test_the_readmes_build_commands_build_these_images(operator_image, serving_i
     text = README.read_text().split("\n## Images\n", 1)[1].split("\n## ", 1)[0]
     cmds = commands(text)
     table = images.images()
-    built = {}
+    built, not_built = {}, []
     for argv in [shlex.split(c) for c in cmds if c.startswith("docker build ")]:
         dockerfile = ROOT / (argv[argv.index("-f") + 1] if "-f" in argv else f"{argv[-1]}/Dockerfile")
         (img,) = [i for i in (table["operator"], table["serving"]) if i.dockerfile == dockerfile]
         tag = argv[argv.index("-t") + 1]
+        if img is table["serving"] and not tag.endswith(f":{images.DEFAULT_PAIR}"):
+            # Another pair's line (its build arguments: tests/unit/test_images.py): its compile is not run here
+            # (test_serving_033_image_runs_as_the_rendered_pod_runs_it, on the image kvtest.images builds).
+            not_built.append(tag)
+            continue
         offline = ["--build-arg", f"BASE_IMAGE={img.base}", "-v", f"{img.wheelhouse}:/wheels:ro",
                    *[a for k, v in img.args.items() for a in ("--build-arg", f"{k}={v}")]]
         cp = images.podman("build", "--format=docker", "--network=none", "--pull=never", *images.RUN_LIMITS, *offline,
@@ -214,7 +221,7 @@ def test_the_readmes_build_commands_build_these_images(operator_image, serving_i
         finally:
             images.podman("rmi", tag, check=False)
     assert set(built) == {images.OPERATOR, images.SERVING}
-    assert sorted(c.split()[2] for c in cmds if c.startswith("docker push ")) == sorted(built.values())
+    assert sorted(c.split()[2] for c in cmds if c.startswith("docker push ")) == sorted([*built.values(), *not_built])
     (block,) = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
     values = yaml.safe_load(block)
     assert f"{values['image']['repository']}:0.1.0" == built[images.OPERATOR]
@@ -224,6 +231,73 @@ def test_the_readmes_build_commands_build_these_images(operator_image, serving_i
                "offload": {"cpu": {"size": "8Gi"}}}
     engine = parse(minimal, cfg).engine
     assert (engine.image, engine.vllm_version, engine.lmcache_version) == (built[images.SERVING], *VERSIONS_PAIR)
+
+
+# --- the vLLM 0.33.0 serving image: LMCache compiled in the build ---------------------------------
+
+PAIR_033 = "0.33.0-0.5.6"
+VERSIONS_033 = {"vllm": "0.33.0", "lmcache": "0.5.6", "torch": "2.14.0"}
+
+
+@pytest.fixture(scope="module")
+def serving_033_image(podman) -> tuple[str, tuple[str, ...]]:
+    """ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6 (the same Dockerfile with LMCACHE_FROM=source) and the
+    podman run arguments it needs. Not part of `make test`: its build compiles LMCache's CUDA extension for
+    every GPU architecture in the Dockerfile's TORCH_CUDA_ARCH_LIST (over an hour of CPU on a 2-core machine;
+    docs/benchmarks.md "Images"), on its own vLLM 0.33.0 base (~10 GiB, and ~30 GiB of free disk while podman
+    commits it). So this runs when that image is already here (it tests the image as it is), else when the
+    thin-base build of it is (kvtest.images --thin-base: the base's packages are symlinks into the engine venv,
+    mounted read-only in every run), or under KVO_IMAGES_033=1 (=thin), which builds it first, or reuses it while
+    its inputs are unchanged (needs the pair's engine venv, `make engine-venv`, and its wheelhouse,
+    `make serving-wheels PAIR=0.33.0-0.5.6`)."""
+    p = images.pair(PAIR_033)
+    want = os.environ.get("KVO_IMAGES_033", "")
+    if want in ("1", "thin"):
+        tag, thin = images.build("serving", PAIR_033, thin=want == "thin"), want == "thin"
+    elif images.image_id(p.tag):
+        tag, thin = p.tag, False
+    elif images.image_id(p.thin_tag) and (p.engine_venv / ".done").exists():
+        tag, thin = p.thin_tag, True
+    else:
+        pytest.skip(f"{p.tag} is not built here; KVO_IMAGES_033=1 builds it (an LMCache compile: over an hour on 2 cores)")
+    mounts = images.thin_mounts(PAIR_033) if thin else {}
+    return tag, tuple(a for src, dst in mounts.items() for a in ("-v", f"{src}:{dst}:ro"))
+
+
+def test_serving_033_image_runs_as_the_rendered_pod_runs_it(serving_033_image):
+    """As the operator's pods run it (UID 1000, read-only root, no capabilities, no network): the pinned
+    versions, its user and entrypoint, and LMCache's compiled extension loaded against its torch 2.14.0 with
+    every symbol bound (extension_check.py) and as the Dockerfile's own check loads it."""
+    image, mounts = serving_033_image
+    info = inspect(image)
+    assert info["Config"]["User"] == "1000:1000" and info["Config"]["Entrypoint"] == ["vllm", "serve"]
+    labels = info["Config"]["Labels"]
+    assert (labels["io.kvoffload.vllm-version"], labels["io.kvoffload.lmcache-version"]) == ("0.33.0", "0.5.6")
+    script = ("import json, os; from importlib.metadata import version; import torch; "
+              "print(json.dumps({'versions': {n: version(n) for n in ('vllm', 'lmcache', 'torch')}, "
+              "'torch': torch.__version__, 'uid': os.getuid(), 'gid': os.getgid(), 'home': os.path.expanduser('~')}))")
+    cp = run(image, "-c", script, user="1000:1000", entrypoint=["python3"], extra=mounts)
+    assert cp.returncode == 0, cp.stdout + cp.stderr[-3000:]
+    got = json.loads(cp.stdout.strip().splitlines()[-1])
+    assert got["versions"] == VERSIONS_033 and got["torch"].startswith("2.14.0"), got
+    assert (got["uid"], got["gid"], got["home"]) == (1000, 1000, "/home/vllm"), got
+    # Every CUDA extension of the compiled LMCache, bound with RTLD_NOW against this torch, then imported.
+    cp = run(image, "/opt/kvoffload/extension_check.py", user="1000:1000", entrypoint=["python3"], extra=mounts)
+    assert cp.returncode == 0, cp.stdout + cp.stderr[-3000:]
+    loaded = json.loads(cp.stdout.split("extensions load:", 1)[1])
+    assert loaded["modules"] == ["lmcache.cuda_ops"] and loaded["lmcache"] == "0.5.6", loaded
+    assert loaded["torch"].startswith("2.14.0"), loaded
+    # The Dockerfile's own load step for this pair (its build args applied), run again in the image.
+    so = r"/opt/vllm/lib/python3\.11/site-packages/lmcache/cuda_ops\.cpython-311-x86_64-linux-gnu\.so"
+    (check,) = [r for r in serving(images.pair(PAIR_033).tag).all("RUN") if "module_from_spec" in r]
+    cp = run(image, "-o", "pipefail", "-c", check, user="1000:1000", entrypoint=["/bin/bash"], extra=mounts)
+    assert cp.returncode == 0 and re.search(rf"loaded {so} against torch 2\.14\.0", cp.stdout), cp.stdout + cp.stderr[-3000:]
+    # Built here: the build's log shows the compile and the same checks passing in the build itself.
+    log = images.LOGS / f"{image.replace('/', '_')}.log"
+    if log.exists():
+        text = log.read_text()
+        assert re.search(r"LMCache 0\.5\.6 compiled in \d+ s for TORCH_CUDA_ARCH_LIST='[^']+'", text), text[-3000:]
+        assert re.search(rf"loaded {so} against torch 2\.14\.0", text) and "extensions load:" in text, text[-3000:]
 
 
 # --- the stand-in engine image: the rendered lmcache-server pod in a podman pod ----------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from kvoffload.engine import images
 from kvoffload.engine import router as engine_router
 from kvtest import images as built
 from kvtest.dockerfile import OPERATOR, ROUTER, SERVING, Dockerfile, serving
+from kvtest.readme import README, commands
 from kvtest.specs import spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,10 +43,11 @@ def hadolint() -> str:
     return found
 
 
-LOCAL = [ROOT / "tests/images" / name / "Dockerfile" for name in ("vllm-base", "vllm-standin")]  # the local base, the stand-in
+LOCAL = [ROOT / "tests/images" / name / "Dockerfile" for name in ("vllm-base", "vllm-base-thin", "vllm-standin")]  # bases, stand-in
 
 
-@pytest.mark.parametrize("path", [OPERATOR, SERVING, ROUTER, *LOCAL], ids=["operator", "serving", "router", "vllm-base", "vllm-standin"])
+@pytest.mark.parametrize("path", [OPERATOR, SERVING, ROUTER, *LOCAL],
+                         ids=["operator", "serving", "router", "vllm-base", "vllm-base-thin", "vllm-standin"])
 def test_hadolint_clean(hadolint, path):
     cp = subprocess.run([hadolint, "--failure-threshold", "info", "--no-color", str(path)],
                         capture_output=True, text=True, timeout=60)
@@ -156,6 +159,19 @@ def test_serving_pins_agree_with_the_operators_image_table(image):
     assert Dockerfile(SERVING).build_commands()[SERVING_IMAGE] == {}, "the default image is the Dockerfile's defaults"
 
 
+def test_the_readme_builds_every_offered_serving_image_with_its_headers_arguments():
+    """README "Images" shows a `docker build` line per serving image the operator offers, with exactly the
+    --build-args of the Dockerfile header's command for it (those kvtest.images builds it with), and pushes it."""
+    text = README.read_text().split("\n## Images\n", 1)[1].split("\n## ", 1)[0]
+    shown = {}
+    for argv in [shlex.split(c) for c in commands(text) if c.startswith("docker build ") and c.endswith(" images/serving")]:
+        tag = argv[argv.index("-t") + 1]
+        shown[tag.rsplit(":", 1)[1]] = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--build-arg")
+        assert f"docker push {tag}" in commands(text), tag
+    header = Dockerfile(SERVING).build_commands()
+    assert shown == {image.rsplit(":", 1)[1]: header[image] for image in images.serving_images()}
+
+
 def test_serving_build_fails_when_the_cuda_extension_does_not_load():
     """The build loads the extension's shared object itself (module_from_spec on its file): LMCache 0.5.3's
     package replaces `lmcache.c_ops` with a shim, so `import lmcache.c_ops` passes without it. Which module
@@ -231,3 +247,34 @@ def test_clean_venv_install_like_the_operator_image(tmp_path, operator_wheelhous
     cp = subprocess.run([str(venv / "bin" / "python"), "-c", "import kvoffload; print(kvoffload.__file__)"],
                         capture_output=True, text=True, env=env, cwd=tmp_path)
     assert str(venv) in cp.stdout, cp.stdout + cp.stderr
+
+
+def _cleanup_script() -> str:
+    """The Python that build-lmcache.sh runs after the compile to pick the build-only packages (its heredoc)."""
+    text = (ROOT / "images/serving/build-lmcache.sh").read_text()
+    return text.split("build_only=$(\"$PY\" - \"$work/before.txt\" \"$work/after.txt\" <<'PYEOF'\n", 1)[1].split("\nPYEOF\n", 1)[0]
+
+
+def test_lmcache_build_cleanup_removes_only_what_nothing_needs(tmp_path):
+    """build-lmcache.sh removes what the build added that nothing staying requires, following extras and
+    markers: a `lib[grpc]` requirement keeps lib's `extra == "grpc"` dependency (google-api-core[grpc] needs
+    grpcio-status: the clean-up that ignored extras removed it from vLLM 0.33.0's engine venv)."""
+    import packaging
+
+    site = tmp_path / "site"
+    shutil.copytree(Path(packaging.__file__).parent, site / "packaging")  # the script's one import; no dist-info
+    dists = {"app": ["lib[grpc]>=1", "helper"], "helper": [], "lmcache": ["app"],
+             "lib": ['status>=1; extra == "grpc"', 'other; extra == "x"', 'winonly; sys_platform == "win32"'],
+             "status": ["statusdep"], "statusdep": [], "other": [], "winonly": [], "tool": ["tooldep"], "tooldep": []}
+    for name, requires in dists.items():
+        info = site / f"{name}-1.0.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n"
+                                       + "".join(f"Requires-Dist: {r}\n" for r in requires))
+    (tmp_path / "before.txt").write_text("app==1.0\nlib==1.0\nhelper==1.0\n")
+    (tmp_path / "after.txt").write_text("".join(f"{n}==1.0\n" for n in dists))
+    cp = subprocess.run([sys.executable, "-S", "-c", f"import sys; sys.path[:0] = [{str(site)!r}]; sys.argv[1:] = "
+                         f"[{str(tmp_path / 'before.txt')!r}, {str(tmp_path / 'after.txt')!r}]; exec(sys.stdin.read())"],
+                        input=_cleanup_script(), capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout.split() == ["other", "tool", "tooldep", "winonly"]

@@ -6,12 +6,19 @@ are built here FROM bases made locally, passed as the BASE_IMAGE build argument:
 
 - `localhost/kvoffload-local/python:3.11-bookworm`: a debootstrap rootfs of Debian's packages
   (python3, python3-venv), the stand-in for python:3.11-slim;
-- `localhost/kvoffload-local/vllm-openai:v<vLLM>`: that plus the engine venv's vLLM, torch and their
+- `localhost/kvoffload-local/python:3.11-bookworm-dev`: the same plus g++ and python3-dev, for a pair
+  whose LMCache the serving Dockerfile compiles (LMCACHE_FROM=source): vllm/vllm-openai holds a C++
+  compiler (its base is nvidia/cuda's -devel image) and Python's headers (python3.x-dev), and the
+  compile needs both;
+- `localhost/kvoffload-local/vllm-openai:v<vLLM>`: that plus the pair's engine venv's vLLM, torch and their
   dependencies (`make engine-venv`, the pinned wheels from PyPI) minus LMCache, the stand-in for
   vllm/vllm-openai (tests/images/vllm-base/Dockerfile);
 
 and pip installs from a local wheelhouse mounted into the build (build args PIP_NO_INDEX /
-PIP_FIND_LINKS), under `--network=none --pull=never`. Each image carries the hash of its inputs
+PIP_FIND_LINKS), under `--network=none --pull=never`. The wheelhouse is fetched beforehand (`make
+serving-wheels [PAIR=<vLLM>-<LMCache>]`, `wheels` below): a wheel pair's LMCache wheel; a source pair's
+LMCache sdist and the toolchain images/serving/build-lmcache.sh installs (nvcc and the CUDA headers from
+PyPI, ninja, setuptools...), as its `--download` mode resolves them in that pair's engine venv. Each image carries the hash of its inputs
 (Dockerfile, build args, context files, wheelhouse, base image id) as a label and is rebuilt only
 when that changes; the rootfs is cached under ~/.cache/kvoffload by suite and package list.
 
@@ -24,8 +31,18 @@ parser checks the flags; the LMCache server is real).
 `router` is images/router/Dockerfile (vLLM's router, vllm-router from its PyPI wheel, for spec.routing) FROM the
 Python base, its wheel and dependencies from the wheelhouse `make router-wheels` fills.
 
-    python -m kvtest.images build [operator|serving|standin|standin-slim|router ...]
+    python -m kvtest.images build [operator|serving|standin|standin-slim|router ...] [--pair VLLM-LMCACHE]
+    python -m kvtest.images wheels [--pair VLLM-LMCACHE]   (`make serving-wheels`: the one step that downloads)
     python -m kvtest.images save NAME   (prints the docker-archive tar's path)
+
+Every serving image the operator offers (engine/images.serving_images()) builds from the same Dockerfile
+with its header's build command's arguments: `--pair 0.33.0-0.5.6` is ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6
+(LMCache 0.5.6 compiled against vLLM 0.33.0's torch, for TORCH_CUDA_ARCH_LIST: the Dockerfile's list, or
+KVO_TORCH_CUDA_ARCH_LIST). Without --pair: the default pair, whose builds and build keys are those of before.
+`--thin-base` builds the same serving Dockerfile FROM tests/images/vllm-base-thin instead (the engine venv's
+packages as symlinks into a read-only mount, for a machine without the ~30 GB of free disk that committing a
+full base copy of vLLM 0.33.0's venv takes), tagged localhost/kvoffload/vllm-lmcache-thin:<pair>; that image runs
+only with thin_mounts(pair).
 """
 
 from __future__ import annotations
@@ -44,6 +61,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvoffload.engine import images as engine_images
+
+from .dockerfile import SERVING as SERVING_DOCKERFILE
+from .dockerfile import Dockerfile
 from .paths import ROOT
 
 CACHE = Path(os.environ.get("KVO_CACHE", Path.home() / ".cache" / "kvoffload"))
@@ -62,10 +83,14 @@ STANDIN_SLIM = f"localhost/kvoffload/vllm-standin-slim:recorded-{VLLM_VERSION}-{
 ROUTER = f"ghcr.io/kvoffload/vllm-router:{ROUTER_VERSION}"  # the chart's default routerImage
 PYTHON_BASE = "localhost/kvoffload-local/python:3.11-bookworm"
 VLLM_BASE = f"localhost/kvoffload-local/vllm-openai:v{VLLM_VERSION}"
+PYTHON_DEV_BASE = "localhost/kvoffload-local/python:3.11-bookworm-dev"
+DEFAULT_PAIR = f"{VLLM_VERSION}-{LMCACHE_VERSION}"
 
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 DEBIAN_PACKAGES = ("python3", "python3-venv", "python-is-python3")
+# What vllm/vllm-openai holds beside Python that compiling LMCache needs (PYTHON_DEV_BASE).
+DEV_PACKAGES = ("g++", "python3-dev")
 KEY_LABEL = "io.kvoffload.build-key"
 
 # Debian's crun 1.8.1 refuses this VM's hybrid cgroups ("drop all controllers from cgroupv2"); runc
@@ -103,6 +128,69 @@ class Image:
     wheelhouse: Path | None = None
     volumes: Mapping[Path, str] = field(default_factory=dict)  # other read-only mounts: host path -> in the build
     inputs: tuple[str, ...] = (".",)  # what the build copies from its context (hashed into the build key)
+    labels: Mapping[str, str] = field(default_factory=dict)  # `--label`s over the Dockerfile's (hashed when given)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A serving image the operator offers (engine/images.serving_images()) and the local inputs of its build."""
+    vllm: str
+    lmcache: str
+    lmcache_from: str  # "wheel": LMCache's PyPI wheel; "source": compiled in the build (build-lmcache.sh)
+    tag: str
+    args: Mapping[str, str]  # the --build-args of its build command in the Dockerfile's header ({} for the default)
+
+    @property
+    def name(self) -> str:
+        return f"{self.vllm}-{self.lmcache}"
+
+    @property
+    def engine_venv(self) -> Path:
+        return CACHE / f"engine-vllm-{self.vllm}-lmcache-{self.lmcache}"
+
+    @property
+    def wheelhouse(self) -> Path:
+        # A source pair's toolchain is resolved against its vLLM's torch: the name carries both versions.
+        return CACHE / (f"wheelhouse-lmcache-{self.lmcache}" if self.lmcache_from == "wheel"
+                        else f"wheelhouse-vllm-{self.vllm}-lmcache-{self.lmcache}")
+
+    @property
+    def vllm_base(self) -> str:
+        return f"localhost/kvoffload-local/vllm-openai:v{self.vllm}"
+
+    @property
+    def thin_base(self) -> str:
+        return f"localhost/kvoffload-local/vllm-openai-thin:v{self.vllm}"
+
+    @property
+    def thin_tag(self) -> str:
+        return f"localhost/kvoffload/vllm-lmcache-thin:{self.name}"
+
+    @property
+    def nvidia(self) -> Path:
+        (site,) = (self.engine_venv / "lib").glob("python3*/site-packages")
+        return site / "nvidia"
+
+    @property
+    def python_base(self) -> str:
+        return PYTHON_BASE if self.lmcache_from == "wheel" else PYTHON_DEV_BASE
+
+    def lock(self, step: str) -> str:
+        return f"image-{step}" if self.name == DEFAULT_PAIR else f"image-{step}-{self.name}"
+
+
+def pairs() -> dict[str, Pair]:
+    """The offered pairs by "<vLLM>-<LMCache>", with their build commands' arguments from the Dockerfile's header."""
+    header = Dockerfile(SERVING_DOCKERFILE).build_commands()
+    return {f"{k.vllm}-{k.lmcache}": Pair(k.vllm, k.lmcache, k.lmcache_from, tag, header[tag])
+            for tag, k in engine_images.serving_images().items() if k.vllm and k.lmcache}
+
+
+def pair(name: str | None = None) -> Pair:
+    table = pairs()
+    if (name or DEFAULT_PAIR) not in table:
+        raise SystemExit(f"no serving image for the pair {name!r}: engine/images.py offers {', '.join(table)}")
+    return table[name or DEFAULT_PAIR]
 
 
 # The recorded vLLM /metrics pages the stand-ins serve (tests/fixtures).
@@ -114,19 +202,45 @@ WHEEL_TARGETS = {OPERATOR_WHEELHOUSE: "operator-wheels", SERVING_WHEELHOUSE: "se
                  ROUTER_WHEELHOUSE: "router-wheels"}
 
 
-def images(extension: str | None = None, tag: str | None = None) -> dict[str, Image]:
+THIN_SITE = "/opt/vllm/lib/python3.11/site-packages"  # tests/images/vllm-base-thin
+
+
+def thin_mounts(pair_name: str | None = None) -> dict[Path, str]:
+    """What a build FROM the thin base, and every run of an image built on it, mounts (read-only)."""
+    p = pair(pair_name)
+    return {p.engine_venv: "/engine", p.nvidia: f"{THIN_SITE}/nvidia"}
+
+
+def images(extension: str | None = None, tag: str | None = None, pair_name: str | None = None,
+           thin: bool = False) -> dict[str, Image]:
     """The builds by name. `extension`/`tag` override the serving image's LMCACHE_EXTENSION and tag
-    (the test that a failing extension check fails the build)."""
+    (the test that a failing extension check fails the build); `pair_name` ("0.33.0-0.5.6") picks the
+    vllm-base and serving builds of another offered pair (default: the default pair); `thin`: FROM the
+    thin base (tests/images/vllm-base-thin; "vllm-base" is then that one)."""
+    p = pair(pair_name)
     wheel_args = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "/wheels"}
-    serving_args = {**wheel_args, **({"LMCACHE_EXTENSION": extension} if extension else {})}
+    serving_args = {**wheel_args, **p.args, **({"LMCACHE_EXTENSION": extension} if extension else {})}
+    if p.lmcache_from == "source" and os.environ.get("KVO_TORCH_CUDA_ARCH_LIST"):  # fewer GPUs, a shorter compile
+        serving_args["TORCH_CUDA_ARCH_LIST"] = os.environ["KVO_TORCH_CUDA_ARCH_LIST"]
+    # The base Dockerfile's description names the default pair's versions; another pair's base says its own.
+    base_labels = {} if p.name == DEFAULT_PAIR else {
+        "org.opencontainers.image.description": f"A local base holding the engine venv's vLLM {p.vllm} and its torch, "
+                                                f"standing in for vllm/vllm-openai:v{p.vllm}"}
+    if thin:
+        return {
+            "vllm-base": Image(p.thin_base, ROOT / "tests/images/vllm-base-thin/Dockerfile",
+                               ROOT / "tests/images/vllm-base-thin", PYTHON_DEV_BASE, volumes={p.engine_venv: "/engine"}),
+            "serving": Image(tag or p.thin_tag, ROOT / "images/serving/Dockerfile", ROOT / "images/serving", p.thin_base,
+                             serving_args, p.wheelhouse, volumes=thin_mounts(p.name)),
+        }
     return {
         "python-base": Image(PYTHON_BASE, Path(), Path(), None),  # podman import of the rootfs (python_base)
-        "vllm-base": Image(VLLM_BASE, ROOT / "tests/images/vllm-base/Dockerfile", ROOT / "tests/images/vllm-base",
-                           PYTHON_BASE, volumes={ENGINE_VENV: "/engine"}),
+        "vllm-base": Image(p.vllm_base, ROOT / "tests/images/vllm-base/Dockerfile", ROOT / "tests/images/vllm-base",
+                           p.python_base, volumes={p.engine_venv: "/engine"}, labels=base_labels),
         "operator": Image(OPERATOR, ROOT / "images/operator/Dockerfile", ROOT, PYTHON_BASE, wheel_args,
                           OPERATOR_WHEELHOUSE, inputs=("operator",)),
-        "serving": Image(tag or SERVING, ROOT / "images/serving/Dockerfile", ROOT / "images/serving", VLLM_BASE,
-                         serving_args, SERVING_WHEELHOUSE),
+        "serving": Image(tag or p.tag, ROOT / "images/serving/Dockerfile", ROOT / "images/serving", p.vllm_base,
+                         serving_args, p.wheelhouse),
         "standin": Image(STANDIN, ROOT / "tests/images/vllm-standin/Dockerfile", ROOT / "tests", SERVING,
                          inputs=("fixtures/fake_vllm", *RECORDED, "engine/engine_check.py", "images/vllm-standin/vllm")),
         "standin-slim": Image(STANDIN_SLIM, ROOT / "tests/images/vllm-standin-slim/Dockerfile", ROOT / "tests", PYTHON_BASE,
@@ -185,17 +299,19 @@ def build_key(img: Image) -> str:
     for p in _context_files(img):
         h.update(str(p.relative_to(img.context)).encode() + b"\0" + p.read_bytes())
     for wh in [img.wheelhouse] if img.wheelhouse else []:
-        for p in sorted(wh.glob("*.whl")):
+        for p in sorted([*wh.glob("*.whl"), *wh.glob("*.tar.gz")]):  # wheels, and a source pair's LMCache sdist
             h.update(f"{p.name}:{p.stat().st_size}".encode())
-    for src in img.volumes:  # the engine venv: its .done names the build (time, size)
-        h.update((src / ".done").read_bytes())
+    for src in img.volumes:  # the engine venv: its .done names the build (time, size); a part of it: its path
+        h.update((src / ".done").read_bytes() if (src / ".done").exists() else str(src).encode())
+    if img.labels:
+        h.update(json.dumps(sorted(img.labels.items())).encode())
     return h.hexdigest()[:16]
 
 
-def rootfs() -> Path:
-    """A Debian rootfs (debootstrap --variant=minbase plus DEBIAN_PACKAGES) as a tar, cached by
+def rootfs(packages: tuple[str, ...] = DEBIAN_PACKAGES) -> Path:
+    """A Debian rootfs (debootstrap --variant=minbase plus `packages`) as a tar, cached by
     suite, mirror and package list; its dpkg versions are written beside it."""
-    key = hashlib.sha256(json.dumps([DEBIAN_SUITE, DEBIAN_MIRROR, DEBIAN_PACKAGES]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(json.dumps([DEBIAN_SUITE, DEBIAN_MIRROR, packages]).encode()).hexdigest()[:12]
     d = CACHE / f"rootfs-debian-{DEBIAN_SUITE}-{key}"
     tar = d / "rootfs.tar"
     if tar.exists():
@@ -207,8 +323,8 @@ def rootfs() -> Path:
         work = d / "work"
         work.mkdir(parents=True)
         t0 = time.monotonic()
-        log(f"debootstrap {DEBIAN_SUITE} ({', '.join(DEBIAN_PACKAGES)}) from {DEBIAN_MIRROR}")
-        subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(DEBIAN_PACKAGES)}",
+        log(f"debootstrap {DEBIAN_SUITE} ({', '.join(packages)}) from {DEBIAN_MIRROR}")
+        subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}",
                         DEBIAN_SUITE, str(work), DEBIAN_MIRROR], check=True, stdout=subprocess.DEVNULL)
         for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
             for p in (work / junk).glob("*"):
@@ -224,22 +340,27 @@ def rootfs() -> Path:
     return tar
 
 
-def python_base() -> str:
-    tar = rootfs()
+PYTHON_BASES = {PYTHON_BASE: DEBIAN_PACKAGES, PYTHON_DEV_BASE: DEBIAN_PACKAGES + DEV_PACKAGES}
+
+
+def python_base(tag: str = PYTHON_BASE) -> str:
+    tar = rootfs(PYTHON_BASES[tag])
     key = hashlib.sha256(f"{tar}:{tar.stat().st_size}:{tar.stat().st_mtime_ns}".encode()).hexdigest()[:16]
-    if label(PYTHON_BASE, KEY_LABEL) != key:
-        REPLACED.extend([i for i in [image_id(PYTHON_BASE)] if i])
+    if label(tag, KEY_LABEL) != key:
+        REPLACED.extend([i for i in [image_id(tag)] if i])
         podman("import", "--change", f"LABEL {KEY_LABEL}={key}", "--change", 'CMD ["python3"]',
-               str(tar), PYTHON_BASE)
-        log(f"imported {PYTHON_BASE}")
-    return PYTHON_BASE
+               str(tar), tag)
+        log(f"imported {tag}")
+    return tag
 
 
 def _needs(img: Image) -> None:
     if img.wheelhouse is not None and not any(img.wheelhouse.glob("*.whl")):
-        raise SystemExit(f"no wheels in {img.wheelhouse}: run `make {WHEEL_TARGETS.get(img.wheelhouse, 'operator-wheels')}`")
+        target = WHEEL_TARGETS.get(img.wheelhouse) or "serving-wheels" + "".join(
+            f" PAIR={name}" for name, p in pairs().items() if p.wheelhouse == img.wheelhouse and name != DEFAULT_PAIR)
+        raise SystemExit(f"no wheels in {img.wheelhouse}: run `make {target}`")
     for src in img.volumes:
-        if not (src / ".done").exists():
+        if src.name.startswith("engine-vllm-") and not (src / ".done").exists():
             raise SystemExit(f"{src} is not built: run `make engine-venv`")
 
 
@@ -255,7 +376,7 @@ def build_image(img: Image, force: bool = False) -> subprocess.CompletedProcess 
     # replaced 8 GiB base alive.
     cmd = ["build", "--format=docker", "--layers=false", "--force-rm", "--network=none", "--pull=never", *RUN_LIMITS,
            "-f", str(img.dockerfile), "-t", img.tag,
-           "--label", f"{KEY_LABEL}={key}"]
+           "--label", f"{KEY_LABEL}={key}", *[a for k, v in img.labels.items() for a in ("--label", f"{k}={v}")]]
     if img.base:
         cmd += ["--build-arg", f"BASE_IMAGE={img.base}"]
     cmd += [a for k, v in img.args.items() for a in ("--build-arg", f"{k}={v}")]
@@ -277,18 +398,59 @@ def build_image(img: Image, force: bool = False) -> subprocess.CompletedProcess 
     return cp
 
 
-def build(name: str) -> str:
-    """Build (or reuse) one of NAMES and what it stands on; its tag."""
-    table = images()
+def build(name: str, pair_name: str | None = None, thin: bool = False) -> str:
+    """Build (or reuse) one of NAMES and what it stands on; its tag. `pair_name`: the serving image of
+    another offered pair ("0.33.0-0.5.6"; the stand-ins serve the default pair's recorded pages only);
+    `thin`: the serving image FROM the thin base (see the module's docstring)."""
+    p = pair(pair_name)
+    if name.startswith("standin") and p.name != DEFAULT_PAIR:
+        raise SystemExit(f"{name} is built for the default pair {DEFAULT_PAIR} only (its recorded pages)")
+    if thin and name != "serving":
+        raise SystemExit("--thin-base is for the serving image only")
+    table = images(pair_name=p.name, thin=thin)
     chain = {"operator": ["operator"], "serving": ["vllm-base", "serving"],
              "standin": ["vllm-base", "serving", "standin"], "standin-slim": ["standin-slim"], "router": ["router"]}[name]
     python_base()
+    if "vllm-base" in chain and table["vllm-base"].base != PYTHON_BASE:
+        python_base(table["vllm-base"].base)
     for step in chain:
-        with locked(f"image-{step}"):
+        with locked(p.lock(step) + ("-thin" if thin else "") if step in ("vllm-base", "serving") else f"image-{step}"):
             build_image(table[step])
     while REPLACED:  # the previous builds of these tags, images built on them first
         podman("rmi", REPLACED.pop(), check=False)
     return table[name].tag
+
+
+def wheels(pair_name: str | None = None) -> Path:
+    """The serving build's pip inputs for a pair, from PyPI into its wheelhouse (`make serving-wheels [PAIR=...]`;
+    the builds themselves run with --network=none). A wheel pair: LMCache's wheel. A source pair: what
+    images/serving/build-lmcache.sh installs (`--download`: the toolchain as pip resolves it in the pair's engine
+    venv, whose packages the vllm-base copies, and LMCache's sdist), cached (.done); and its base's Debian
+    packages (the compiler and Python's headers: PYTHON_DEV_BASE's rootfs). Both: async-timeout, which LMCache's
+    redis needs on Python < 3.11.3 (the local base's Debian 3.11.2; the engine venv's Python is newer, so no
+    resolver here asks for it)."""
+    p = pair(pair_name)
+    wh = p.wheelhouse
+    download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wh)]
+    if p.lmcache_from == "wheel":
+        subprocess.run([*download, f"lmcache=={p.lmcache}", "async-timeout>=4.0.3"], check=True)
+        return wh
+    if (wh / ".done").exists():
+        return wh
+    if not (p.engine_venv / ".done").exists():
+        raise SystemExit(f"{p.engine_venv} is not built: run `make engine-venv` first (the toolchain is resolved in it)")
+    rootfs(PYTHON_BASES[p.python_base])
+    with locked(wh.name):
+        if not (wh / ".done").exists():
+            shutil.rmtree(wh, ignore_errors=True)
+            t0 = time.monotonic()
+            subprocess.run(["bash", str(ROOT / "images/serving/build-lmcache.sh"), "--download", str(wh),
+                            str(p.engine_venv / "bin" / "python"), p.lmcache], check=True)
+            subprocess.run([*download, "async-timeout>=4.0.3"], check=True)
+            files = sorted(f.name for f in wh.iterdir())
+            (wh / ".done").write_text("".join(f"{f}\n" for f in files))
+            log(f"{wh}: {len(files)} files in {time.monotonic() - t0:.0f}s")
+    return wh
 
 
 def build_all() -> list[str]:
@@ -325,12 +487,19 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build (or reuse) images")
     b.add_argument("names", nargs="*", choices=NAMES, default=["operator", "serving"])
+    b.add_argument("--pair", help=f"the serving image of this offered pair, e.g. 0.33.0-0.5.6 (default {DEFAULT_PAIR})")
+    b.add_argument("--thin-base", action="store_true",
+                   help="the serving image FROM tests/images/vllm-base-thin (symlinks into the mounted engine venv)")
+    w = sub.add_parser("wheels", help="fetch the serving build's wheelhouse for a pair (make serving-wheels)")
+    w.add_argument("--pair", help=f"default {DEFAULT_PAIR}")
     sv = sub.add_parser("save", help="print the path of a docker-archive tar of the image (built first; cached by image id)")
     sv.add_argument("name", choices=NAMES)
     a = ap.parse_args(argv)
     if a.command == "build":
         for name in a.names:
-            print(build(name))
+            print(build(name, a.pair, a.thin_base))
+    elif a.command == "wheels":
+        print(wheels(a.pair))
     else:
         print(save(a.name))
     return 0
