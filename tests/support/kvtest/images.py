@@ -97,7 +97,7 @@ KEY_LABEL = "io.kvoffload.build-key"
 # runs the build steps. crun also refuses default rlimits above the hard limits: pass them.
 PODMAN = ("podman", "--runtime", "runc")
 RUN_LIMITS = ("--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024")
-IGNORED = ("__pycache__", "*.pyc", "*.egg-info", "build", "dist")
+IGNORED = ("__pycache__", "*.pyc", "*.egg-info", "build", "dist", ".mypy_cache")
 
 
 LOGS = CACHE / "image-builds"  # the last build's output per tag
