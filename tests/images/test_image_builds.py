@@ -264,10 +264,13 @@ def serving_033_image(podman) -> tuple[str, tuple[str, ...]]:
     return tag, tuple(a for src, dst in mounts.items() for a in ("-v", f"{src}:{dst}:ro"))
 
 
-def test_serving_033_image_runs_as_the_rendered_pod_runs_it(serving_033_image):
+def test_serving_033_image_runs_as_the_rendered_pod_runs_it(serving_033_image, tmp_path):
     """As the operator's pods run it (UID 1000, read-only root, no capabilities, no network): the pinned
     versions, its user and entrypoint, and LMCache's compiled extension loaded against its torch 2.14.0 with
-    every symbol bound (extension_check.py) and as the Dockerfile's own check loads it."""
+    every symbol bound (extension_check.py) and as the Dockerfile's own check loads it; then `import lmcache`
+    with the pod's writable HOME and /tmp (tests/golden: emptyDirs; XDG_CACHE_HOME under HOME) loads its compute
+    backend and the extension. Without a writable HOME, LMCache 0.5.6's numba kernels (cache=True) cannot cache
+    and LMCache says "No compute backend loaded; CLI-only mode": the pod's HOME volume is what avoids that."""
     image, mounts = serving_033_image
     info = inspect(image)
     assert info["Config"]["User"] == "1000:1000" and info["Config"]["Entrypoint"] == ["vllm", "serve"]
@@ -292,6 +295,15 @@ def test_serving_033_image_runs_as_the_rendered_pod_runs_it(serving_033_image):
     (check,) = [r for r in serving(images.pair(PAIR_033).tag).all("RUN") if "module_from_spec" in r]
     cp = run(image, "-o", "pipefail", "-c", check, user="1000:1000", entrypoint=["/bin/bash"], extra=mounts)
     assert cp.returncode == 0 and re.search(rf"loaded {so} against torch 2\.14\.0", cp.stdout), cp.stdout + cp.stderr[-3000:]
+    home = tmp_path / "home"
+    home.mkdir(mode=0o750)
+    os.chown(home, 1000, 1000)
+    pod = (*mounts, "-v", f"{home}:/home/vllm", "--tmpfs", "/tmp:rw,mode=1777", "--env", "XDG_CACHE_HOME=/home/vllm/.cache")
+    cp = run(image, "-c", "import lmcache, lmcache.cuda_ops as c; print('extension', c.__spec__.origin)",
+             user="1000:1000", entrypoint=["python3"], extra=pod)
+    out = cp.stdout + cp.stderr
+    assert cp.returncode == 0 and re.search(rf"extension {so}", cp.stdout), out[-3000:]
+    assert "CLI-only mode" not in out and (home / ".cache" / "numba").is_dir(), out[-3000:]
     # Built here: the build's log shows the compile and the same checks passing in the build itself.
     log = images.LOGS / f"{image.replace('/', '_')}.log"
     if log.exists():
