@@ -57,15 +57,34 @@ def _built_or_skip(what: str, how: str) -> None:
         pytest.skip(f"make check builds nothing: tests needing {what} run in the full pass ({how})")
 
 
+# The tests that need a build `make test` runs in the background (kvtest.background) run last, whole modules at a
+# time, in the order those builds are expected to finish, so the rest of the pass overlaps them.
+TESTS = Path(__file__).parent
+LATE = {"flux": 1, "keda": 2, "engine": 3}  # kvtest.background.LOCKS
+LATE_PATHS = {TESTS / "integration" / "test_flux.py": "flux", TESTS / "integration" / "test_gitops.py": "flux",
+              TESTS / "integration" / "test_autoscaling.py": "keda", TESTS / "engine": "engine", TESTS / "images": "engine"}
+
+
+def _late(item) -> int:
+    path = Path(item.path)
+    for where, build in LATE_PATHS.items():
+        if path == where or where in path.parents:
+            return LATE[build]
+    return LATE["flux"] if "gitops_tools" in item.fixturenames else 0
+
+
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("KVO_UNIT_RAN") != "1":
-        return
-    unit = Path(__file__).parent / "unit"
-    done = [i for i in items if unit in Path(i.path).parents and not BUILT_TOOL_FIXTURES & set(i.fixturenames)]
-    if done:
-        config.hook.pytest_deselected(items=done)
-        gone = set(map(id, done))
-        items[:] = [i for i in items if id(i) not in gone]
+    if os.environ.get("KVO_UNIT_RAN") == "1":
+        unit = TESTS / "unit"
+        done = [i for i in items if unit in Path(i.path).parents and not BUILT_TOOL_FIXTURES & set(i.fixturenames)]
+        if done:
+            config.hook.pytest_deselected(items=done)
+            gone = set(map(id, done))
+            items[:] = [i for i in items if id(i) not in gone]
+    rank: dict[Path, int] = {}
+    for i in items:
+        rank[Path(i.path)] = max(rank.get(Path(i.path), 0), _late(i))
+    items.sort(key=lambda i: rank[Path(i.path)])  # stable: the collected order within each rank
 
 
 class ClusterHandle:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload.engine import images
+from kvtest import background
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -37,9 +38,11 @@ def venv_path(vllm: str | None = PAIR.vllm, lmcache: str | None = PAIR.lmcache) 
 
 
 def require(vllm: str | None = PAIR.vllm, lmcache: str | None = PAIR.lmcache) -> Path:
+    background.wait("engine")
     path = venv_path(vllm, lmcache)
     if not (path / ".done").is_file():
-        message = f"no engine venv at {path}: run `make engine-venv` (tests/engine/build-venv.sh {vllm} {lmcache} ...)"
+        message = (f"no engine venv at {path}: run `make engine-venv` (tests/engine/build-venv.sh {vllm} {lmcache} ...;"
+                   f" `make test` builds it in the background: {background.log('engine')})")
         if os.environ.get("KVO_REQUIRE_ENGINE"):
             pytest.fail(message)
         pytest.skip(message)

@@ -4,7 +4,8 @@
 #   kstatus-check  kstatus verdicts (github.com/fluxcd/cli-utils, the version Helm v4.3.1 waits with)
 #   Flux           source-controller and kustomize-controller, and their CRDs (tests/gitops/flux/build.sh)
 # Cached under $KVO_CACHE (default ~/.cache/kvoffload)/<tool>-<pinned lib>-<source hash>/, rebuilt
-# only when missing. Prints `name=path` per tool on stdout.
+# only when missing. Prints `name=path` per tool on stdout. --without-flux: the first two only (`make test` builds
+# Flux in the background: Makefile background-builds).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -31,4 +32,4 @@ build() {
 
 build argocd-health github.com/yuin/gopher-lua
 build kstatus-check github.com/fluxcd/cli-utils
-"$HERE/flux/build.sh"
+[ "${1:-}" = --without-flux ] || "$HERE/flux/build.sh"

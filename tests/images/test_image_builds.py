@@ -37,6 +37,7 @@ import yaml
 import kvtest.images as images
 from kvoffload.api import settings
 from kvoffload.api.spec import parse
+from kvtest import background
 from kvtest.dockerfile import SERVING as SERVING_DOCKERFILE
 from kvtest.dockerfile import Dockerfile, serving
 from kvtest.readme import README, commands
@@ -70,6 +71,7 @@ def operator_image(podman) -> str:
 
 @pytest.fixture(scope="module")
 def serving_image(podman) -> str:
+    background.wait("engine")
     _require(f"no engine venv at {images.ENGINE_VENV} (make engine-venv)", (images.ENGINE_VENV / ".done").exists())
     return images.build("serving")
 

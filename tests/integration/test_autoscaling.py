@@ -21,7 +21,7 @@ import yaml
 
 from kvoffload.cli import why
 from kvoffload.rendering import autoscaling
-from kvtest import ApiError, OperatorProcess, condition, sentinel
+from kvtest import ApiError, OperatorProcess, background, condition, sentinel
 from kvtest.exporter import FakeVllm
 from kvtest.keda import SCALED_OBJECT_CRD, Keda, built
 from kvtest.prometheus import PROMETHEUS, Prometheus
@@ -63,7 +63,7 @@ def ready_pods(cluster, namespace: str, name: str) -> int:
 def keda(cluster, crd_installed, tmp_path_factory) -> Iterator[Keda]:
     bin_dir = built()
     if bin_dir is None:
-        why = "KEDA is not built (make keda: tests/autoscaling/build-keda.sh)"
+        why = f"KEDA is not built (make keda: tests/autoscaling/build-keda.sh; make test's background build: {background.log('keda')})"
         if os.environ.get("KVO_REQUIRE_KEDA"):  # make test: the KEDA tests must run
             pytest.fail(why + " (KVO_REQUIRE_KEDA is set)", pytrace=False)
         pytest.skip(why)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from . import background
 from .paths import ROOT
 
 HERE = ROOT / "tests" / "gitops"
@@ -31,6 +32,7 @@ def tools() -> dict[str, str]:
         if os.environ.get("KVO_REQUIRE_CLUSTER"):
             pytest.fail("go is needed to build the GitOps test tools (tests/gitops/build.sh)", pytrace=False)
         pytest.skip("go not found: tests/gitops/build.sh cannot build the GitOps test tools")
+    background.wait("flux")  # tests/gitops/flux/build.sh, which build.sh runs last, started by `make test`
     out = subprocess.run([str(HERE / "build.sh")], check=True, capture_output=True, text=True, timeout=1800).stdout
     return dict(line.split("=", 1) for line in out.split())
 

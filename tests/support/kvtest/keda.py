@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from . import background
 from .cluster import Cluster
 from .paths import ROOT
 from .procs import LOOPBACK, free_ports, wait_until
@@ -34,6 +35,7 @@ SCALED_OBJECT_CRD = "scaledobjects.keda.sh"
 
 def built() -> Path | None:
     """The cached KEDA binaries (`make keda` builds them), or None when they are not built."""
+    background.wait("keda")
     cp = subprocess.run([str(ROOT / "tests" / "autoscaling" / "build-keda.sh"), "--check"], text=True,
                         capture_output=True, env={**os.environ, "KEDA_VERSION": KEDA_VERSION})
     return Path(cp.stdout.strip()) if cp.returncode == 0 else None
