@@ -401,12 +401,13 @@ class Tracker:
 # ------------------------------------------------------------------------------ profiles
 def profile(c: kvtest.Cluster, op: OperatorProcess | None, seconds: float, out_dir: Path, mode: str) -> None:
     """CPU profiles over `seconds` of the rollout: kube-apiserver's own pprof (`go tool pprof -top`) and,
-    in the operator phase, py-spy of the operator (collapsed stacks). Files go to `out_dir`."""
+    in the operator phase, py-spy of the operator (collapsed stacks of the thread holding the GIL: where its Python
+    CPU goes, not where it waits). Files go to `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spy = None
     if op is not None and shutil.which("py-spy"):
         spy = subprocess.Popen(["py-spy", "record", "--pid", str(op.proc.pid), "--rate", "20", "--duration",
-                                str(int(seconds)), "--idle", "--threads", "--format", "raw",
+                                str(int(seconds)), "--gil", "--threads", "--format", "raw",
                                 "-o", str(out_dir / "operator.pyspy.txt")],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pki = c.dir / "pki"
