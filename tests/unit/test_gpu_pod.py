@@ -29,7 +29,8 @@ OCI = ROOT / "benchmarks" / "gpu" / "oci"
 PODS = {"workstation-llama31-8b": ROOT / "examples" / "workstation-llama31-8b.yaml",
         "server-llama31-8b": ROOT / "examples" / "server-llama31-8b.yaml",
         "native-llama31-8b": ROOT / "benchmarks" / "gpu" / "native-llama31-8b.yaml",
-        "workstation-llama31-8b-vllm-0.33.0": ROOT / "benchmarks" / "gpu" / "workstation-llama31-8b-vllm-0.33.0.yaml"}
+        "workstation-llama31-8b-vllm-0.33.0": ROOT / "benchmarks" / "gpu" / "workstation-llama31-8b-vllm-0.33.0.yaml",
+        "workstation-llama31-8b-bf16": ROOT / "benchmarks" / "gpu" / "workstation-llama31-8b-bf16.yaml"}
 HOST = gpu_oci.Host(image_dirs=("/usr", "/opt", "/etc"),
                     devices=(gpu_oci.Device("/dev/nvidia0", 195, 0), gpu_oci.Device("/dev/nvidiactl", 195, 255),
                              gpu_oci.Device("/dev/nvidia-uvm", 507, 0)),
@@ -407,6 +408,21 @@ def test_the_033_example_is_the_workstation_example_on_the_033_image(rendered):
     for x, y in zip(pod(a).containers, pod(b).containers, strict=True):
         assert dataclasses.replace(y, image=x.image) == x, x.name
     assert {c.image for c in pod(b).containers if c.role != "exporter"} == {"ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6"}
+
+
+def test_the_bf16_example_is_the_workstation_example_with_a_bf16_cache(rendered):
+    """dev.sh plan-layerwise (issue 21): the KVOffloadServe differs in the KV dtype and the context alone; the pod's
+    containers are the workstation pod's, so the lmcache capture fits each, and vLLM gets a bf16 cache."""
+    new, old = (yaml.safe_load(PODS[n].read_text()) for n in ("workstation-llama31-8b-bf16", "workstation-llama31-8b"))
+    assert (new["spec"]["model"].pop("kvDtype"), old["spec"]["model"].pop("kvDtype")) == ("bf16", "fp8")
+    assert (new["spec"]["engine"].pop("maxModelLen"), old["spec"]["engine"].pop("maxModelLen")) == (40960, 65536)
+    assert new == old
+    a, b = (pod(rendered[n]) for n in ("workstation-llama31-8b", "workstation-llama31-8b-bf16"))
+    assert [c.name for c in a.containers] == [c.name for c in b.containers]
+    assert gm.flag(b.container("main").argv, "--kv-cache-dtype") == "bfloat16"
+    gpu_pod.Pod(b, gpu_pod.load_specs(str(OCI / "lmcache")), name="bf16-0", tag="t", work="/w/pod", logdir="/tmp",
+                namespaces=dict(gpu_pod.NS_FILES), python="/opt/py/bin/python3", crun="crun", host=GPU_HOST,
+                dry_run=True).prepare()  # every container of it has its captured spec (a missing one would raise)
 
 
 def test_each_serving_image_runs_on_its_own_stand_in(tmp_path, rendered, monkeypatch):

@@ -13,6 +13,7 @@
 #   bash <bundle>/dev/dev.sh plan TOTAL_S    the 1 Dec measurement: every bench below, each skipped when TOTAL_S would not hold it
 #   bash <bundle>/dev/dev.sh plan-rest TOTAL_S   the runs the captures had not had (vllm-native, the server's read-only
 #                                            sidecar, the disk tier alone); each bench's directory comes back as one $OUT/NAME.tar.xz
+#   bash <bundle>/dev/dev.sh plan-layerwise TOTAL_S  issue 21: the cold-request cost with LMCache's layer-wise store (bf16 cache)
 #   bash <bundle>/dev/dev.sh plan033 TOTAL_S [RUNS]  vLLM 0.33.0 + LMCache 0.5.6: check, then its rendered example under
 #                                            crun (RUNS: connector,baseline by default)
 set -u -o pipefail
@@ -94,6 +95,23 @@ plan|plan033)
     done
   fi
   echo "$1 done, $(left) s left" ;;
+plan-layerwise)
+  # Issue 21's cold-request cost: does LMCache 0.5.3's layer-wise store (which overlaps the forward pass; its GPU
+  # connector refuses vLLM 0.26.0's fp8 cache) bring it to <= 3 %? The workstation example with a bf16 cache
+  # (benchmarks/gpu/workstation-llama31-8b-bf16.yaml), from the lmcache capture: no connector, as rendered,
+  # use_layerwise, use_layerwise with chunk 2048. Each bench's directory comes back as $OUT/NAME.tar.xz.
+  end=$(( $(date +%s) + $2 )); R=$G/rendered; O=$G/oci; out=/root/out; mkdir -p $out
+  left() { echo $(( end - $(date +%s) )); }
+  b() { local name=$1 first=$2; shift 2; [ "$(left)" -gt "$first" ] || { echo "skipped (left $(left) s): $name"; return; }
+        bash $G/dev/dev.sh bench --budget-s "$(left)" --run-estimate-s "$first" --request-timeout 100 \
+            --rendered $R/workstation-llama31-8b-bf16.yaml --oci $O/lmcache "$@" --out $out/$name
+        tar -C $out -cJf "${OUT:-/root}/$name.tar.xz" $name; echo "$name done, $(left) s left"; }
+  b base-bf16 110 --runs baseline --tag-suffix=-bf16
+  b layerwise-bf16 150 --runs connector --tag-suffix=-bf16-layerwise --lmcache-overrides '{"use_layerwise": true}'
+  b conn-bf16 150 --runs connector --tag-suffix=-bf16
+  b layerwise2048-bf16 150 --runs connector --tag-suffix=-bf16-layerwise-c2048 \
+      --lmcache-overrides '{"use_layerwise": true, "chunk_size": 2048}'
+  echo "plan-layerwise done, $(left) s left" ;;
 plan-rest)
   end=$(( $(date +%s) + $2 )); R=$G/rendered; O=$G/oci; out=/root/out
   left() { echo $(( end - $(date +%s) )); }
@@ -106,5 +124,5 @@ plan-rest)
   b disk 150 --rendered $R/workstation-llama31-8b.yaml --oci $O/lmcache --runs disk --tag-suffix=-disk-oci
   echo "plan-rest done, $(left) s left" ;;
 *)
-  echo "usage: dev.sh install [PAIR] | check PAIR | bench ARGS... | plan TOTAL_S | plan-rest TOTAL_S | plan033 TOTAL_S [RUNS]" >&2; exit 2 ;;
+  echo "usage: dev.sh install [PAIR] | check PAIR | bench ARGS... | plan TOTAL_S | plan-rest TOTAL_S | plan-layerwise TOTAL_S | plan033 TOTAL_S [RUNS]" >&2; exit 2 ;;
 esac

@@ -40,6 +40,7 @@ render() { PYTHONPATH=$SRC/operator "$PY" -m kvoffload.cli render -f "$1" > "$tm
 render "$SRC/examples/workstation-llama31-8b.yaml" workstation-llama31-8b.yaml
 render "$SRC/examples/server-llama31-8b.yaml" server-llama31-8b.yaml
 render "$SRC/benchmarks/gpu/native-llama31-8b.yaml" native-llama31-8b.yaml
+render "$SRC/benchmarks/gpu/workstation-llama31-8b-bf16.yaml" workstation-llama31-8b-bf16.yaml
 for f in "$SRC"/benchmarks/gpu/workstation-llama31-8b-vllm-*.yaml; do render "$f" "$(basename "$f")"; done
 # What the pair's rendering changes against the default pair's, whose pod the lmcache capture is of.
 for f in "$tmp"/rendered/workstation-llama31-8b-vllm-*.yaml; do
