@@ -6,7 +6,8 @@ import pytest
 from kvoffload.api import crd
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
-from kvoffload.controller import conditions, pipeline
+from kvoffload.controller import conditions, pipeline, reconcile
+from kvoffload.controller.kube import ApiError
 from kvoffload.controller.probe import Reading
 from kvtest.specs import T0, T1, body, pod, ready_pod, spec, sts
 
@@ -71,6 +72,28 @@ def test_invalid_spec():
     assert "spec.offload.disk.path" in c["ConfigValid"]["message"] and c["Ready"]["status"] == "False"
     assert st["observedGeneration"] == 3
 
+
+
+@pytest.mark.parametrize("reason", ["ApplyRefused", "NameConflict"])
+def test_a_child_that_cannot_be_written_stalls_with_its_own_reason(reason):
+    child = {"kind": "Service", "metadata": {"name": "foo-pods"}}
+    err = reconcile.Refused(reason, child, "held by KVOffloadServe foo (uid 1)")
+    c = by_type(conditions.status(body(2), None, err, conditions.Observed(None, []), T0))
+    assert c["ConfigValid"] == {**c["ConfigValid"], "status": "False", "reason": reason,
+                                "message": "Service foo-pods: held by KVOffloadServe foo (uid 1)"}
+    assert c["Stalled"]["status"] == "True" and c["Stalled"]["reason"] == reason  # kstatus: Failed, not InProgress
+    assert c["Reconciling"]["status"] == "False" and c["Ready"]["reason"] == reason
+    assert c["Scheduled"]["message"] == "not evaluated while a child cannot be written"
+
+
+def test_an_invalid_pod_template_stays_invalid_spec_and_anything_else_is_apply_refused():
+    child = {"kind": "StatefulSet", "metadata": {"name": "svc"}}
+    invalid = reconcile._refused(child, ApiError(422, "Unprocessable Entity", '{"message": "spec.tolerations: bad"}'))
+    assert type(invalid) is ConfigError and invalid.field == "spec" and "spec.tolerations: bad" in invalid.message
+    for code in (403, 409, 500, 503):
+        err = reconcile._refused(child, ApiError(code, "X", '{"message": "no"}'))
+        assert isinstance(err, reconcile.Refused) and err.reason == "ApplyRefused", code
+        assert str(err) == f"StatefulSet svc: the API server refused to apply it ({code} X): no"
 
 def test_no_disk_tier():
     c = by_type(conditions.status(body(), desired(offload__disk=None), None, conditions.Observed(sts(), [pod()]), T0))

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 # Reasons every condition but Reconciling can carry.
 PENDING = "Pending"  # first sight: the operator has seen the generation and works on it
 INVALID_SPEC = "InvalidSpec"  # the spec is refused: ConfigValid=False, and every other condition says why it is not evaluated
+# A valid spec whose children cannot be written: ConfigValid=False with one of these, the rest as for InvalidSpec.
+APPLY_REFUSED = "ApplyRefused"  # the API server refused a rendered child (quota, admission, RBAC, a 5xx)
+NAME_CONFLICT = "NameConflict"  # a child's name is held by an object another owner controls
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,12 @@ class ConditionType:
 
 
 _COMMON = {PENDING: "the operator has seen this generation and is working on it",
-           INVALID_SPEC: "the spec is refused (ConfigValid says which field and why): nothing is created or changed"}
+           INVALID_SPEC: "the spec is refused (ConfigValid says which field and why): nothing is created or changed",
+           APPLY_REFUSED: "the API server refused a rendered child (ConfigValid names it and the API server's cause); "
+                          "nothing after it is written, and the operator retries with backoff",
+           NAME_CONFLICT: "a child's name is held by an object that is not this resource's (ConfigValid names it and its "
+                          "owner): the operator never takes it over, writes nothing, and retries with backoff"}
+_REFUSED = {r: _COMMON[r] for r in (INVALID_SPEC, APPLY_REFUSED, NAME_CONFLICT)}
 _PROBES = {"MetricsDisabled": "spec.metrics.enabled is false: no exporter to ask",
            "ProbesDisabled": "the operator does not probe exporters (operator setting probeExporters: false)"}
 
@@ -37,7 +45,8 @@ CONDITIONS: tuple[ConditionType, ...] = (
     ConditionType("ConfigValid", "The spec was accepted (parsed, planned and rendered); its message carries the planner's warnings.", {
         PENDING: _COMMON[PENDING],
         "Valid": "the spec is valid (warnings, if any, in the message)",
-        INVALID_SPEC: "the spec is refused: the message names the field and what is allowed"}),
+        INVALID_SPEC: "the spec is refused: the message names the field and what is allowed",
+        APPLY_REFUSED: _COMMON[APPLY_REFUSED], NAME_CONFLICT: _COMMON[NAME_CONFLICT]}),
     ConditionType("Scheduled", "Every pod is bound to a node.", {
         **_COMMON,
         "AllPodsScheduled": "every pod is on a node",
@@ -74,7 +83,7 @@ CONDITIONS: tuple[ConditionType, ...] = (
     ConditionType("Stalled", "True while the spec cannot be acted on (kstatus); its reason is ConfigValid's.", {
         PENDING: _COMMON[PENDING],
         "SpecAccepted": "the spec can be acted on",
-        INVALID_SPEC: _COMMON[INVALID_SPEC]}),
+        **_REFUSED}),
 )
 BY_TYPE = {c.type: c for c in CONDITIONS}
 TYPES = tuple(BY_TYPE)

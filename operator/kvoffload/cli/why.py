@@ -14,6 +14,10 @@ from ..engine import router as engine_router
 
 HINTS = {  # Ready/Stalled reason -> what a person does next
     "InvalidSpec": "Fix the field named above and apply again; nothing was created or changed while the spec is refused.",
+    "ApplyRefused": "The API server refused a child (quota, admission policy, the operator's RBAC): fix the cause named above; "
+                    "the operator retries by itself.",
+    "NameConflict": "An object of that name belongs to someone else: rename this resource or remove that object; the operator "
+                    "retries by itself and never takes it over.",
     "Unschedulable": "No node can take the pod: add nodes with that capacity, or lower spec.offload.cpu.size / "
                      "spec.resources (see `kubectl kvs plan`).",
     "PodsFailing": "Look at the pod: `kubectl describe pod` and `kubectl logs` (image, engine arguments, GPU memory).",
@@ -61,7 +65,8 @@ def verdict(obj: dict[str, Any]) -> list[str]:
                 f"{ready.get('observedGeneration')}). Is the operator running?"]
     if stalled.get("status") == "True" or conds.get("ConfigValid", {}).get("status") == "False":
         c = stalled if stalled.get("status") == "True" else conds["ConfigValid"]
-        return ["Refused: the operator cannot act on this spec.", f"  {c.get('message', '')}", HINTS["InvalidSpec"]]
+        return ["Refused: the operator cannot act on this spec.", f"  {c.get('message', '')}",
+                HINTS.get(c.get("reason", ""), HINTS["InvalidSpec"])]
     if ready.get("status") == "True" and st.get("observedGeneration") == gen:
         return [f"Ready: {ready.get('message', '')}."]
     reason = ready.get("reason", "")

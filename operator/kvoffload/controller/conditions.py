@@ -292,13 +292,13 @@ def progress(ready: Cond, valid: Cond) -> list[Cond]:
 def evaluate(desired: Desired | None, error: ConfigError | None, obs: Observed) -> list[Cond]:
     if error is not None or desired is None:
         msg = str(error) if error else "not evaluated"
-        ready, valid = Cond("Ready", "False", INVALID_SPEC, msg), Cond("ConfigValid", "False", INVALID_SPEC, msg)
+        why = getattr(error, "reason", INVALID_SPEC)  # reconcile.Refused: a valid spec whose children cannot be written
+        ready, valid = Cond("Ready", "False", why, msg), Cond("ConfigValid", "False", why, msg)
         return [ready, valid,
-                Cond("Scheduled", "Unknown", INVALID_SPEC, "no children created or changed while the spec is invalid"),
-                Cond("OffloadActive", "Unknown", INVALID_SPEC, msg),
-                Cond("EngineVerified", "Unknown", INVALID_SPEC, msg),
-                Cond("DiskTierReady", "Unknown", INVALID_SPEC, msg),
-                Cond("RouterReady", "Unknown", INVALID_SPEC, msg), *progress(ready, valid)]
+                Cond("Scheduled", "Unknown", why, "no children created or changed while the spec is invalid"
+                     if why == INVALID_SPEC else "not evaluated while a child cannot be written"),
+                *(Cond(t, "Unknown", why, msg) for t in ("OffloadActive", "EngineVerified", "DiskTierReady", "RouterReady")),
+                *progress(ready, valid)]
     replicas = desired.spec.replicas
     scheduled = _scheduled(replicas, obs.pods)
     ready, router = _ready(replicas, obs, scheduled), _router(desired, obs)

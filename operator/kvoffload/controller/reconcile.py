@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from ..api import crd
+from ..api.conditions import APPLY_REFUSED, NAME_CONFLICT
 from ..api.errors import ConfigError
 from ..api.settings import Settings
 from ..rendering import autoscaling, render
@@ -86,9 +87,49 @@ def _owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid and ref.get("controller") for ref in obj["metadata"].get("ownerReferences", []) or [])
 
 
+class Refused(ConfigError):
+    """A valid spec whose children the operator may not write (reason APPLY_REFUSED or NAME_CONFLICT). Nothing
+    after the refused child is written; the Runtime retries with backoff, as the cause may go away (a quota
+    raised, the other owner deleted)."""
+
+    def __init__(self, reason: str, child: dict[str, Any], message: str) -> None:
+        super().__init__(f"{child['kind']} {child['metadata']['name']}", message)
+        self.reason = reason
+
+
 def _refused(child: dict[str, Any], exc: ApiError) -> ConfigError:
-    return ConfigError("spec", f"the API server refused the rendered {child['kind']}: {exc.message} "
-                               "(spec.scheduling and spec.engine.env are passed to the pod unchanged)")
+    """The API server's refusal of a rendered child, whatever its code, as the condition that says why."""
+    if exc.status in (400, 422):  # invalid: a pass-through spec field the CRD schema cannot check
+        return ConfigError("spec", f"the API server refused the rendered {child['kind']}: {exc.message} "
+                                   "(spec.scheduling and spec.engine.env are passed to the pod unchanged)")
+    return Refused(APPLY_REFUSED, child, f"the API server refused to apply it ({exc.status} {exc.reason}): "
+                                                   f"{exc.message[:1000]}")
+
+
+def _holder(obj: dict[str, Any]) -> str:
+    refs = obj["metadata"].get("ownerReferences") or []
+    ref = next((r for r in refs if r.get("controller")), refs[0] if refs else None)
+    if ref is None:
+        return "no owner (created by someone else)"
+    return f"{ref.get('kind')} {ref.get('name')} (uid {ref.get('uid')})"
+
+
+def _check_names(kube: Kube, namespace: str, uid: str, changed: list[dict[str, Any]],
+                 live: dict[tuple[str, str, str], dict[str, Any]]) -> None:
+    """Never take over an object another owner holds: every child about to be written must be absent or
+    controlled by this resource (uid). Names cannot be made collision-free (a resource `foo-pods` renders the
+    Service that `foo` renders as its headless one), so the second comer is refused, before anything is written.
+    An object of ours is in `live`; anything else is read from the API server itself, not the label-filtered cache."""
+    for child in changed:
+        key = _key(child)
+        current = live.get(key)
+        if current is not None and _owned_by(current, uid):
+            continue
+        current = kube.get_live(f"{collection(key[0], key[1], namespace)}/{key[2]}")
+        if current is not None and not _owned_by(current, uid):
+            raise Refused(NAME_CONFLICT, child, f"{key[1]} {namespace}/{key[2]} already exists and is held by "
+                                                           f"{_holder(current)}: kvoffload never takes over another owner's "
+                                                           "object; rename this resource or remove that object")
 
 
 def _unserved(child: dict[str, Any]) -> ConfigError:
@@ -113,8 +154,6 @@ def _dry_run(kube: Kube, children: list[dict[str, Any]]) -> None:
         try:
             kube.apply(child, dry_run=True)
         except ApiError as exc:
-            if exc.status not in (400, 422):
-                raise
             raise _refused(child, exc) from None
 
 
@@ -132,6 +171,7 @@ def sync_children(kube: Kube, namespace: str, name: str, uid: str, children: lis
     live = _live_children(kube, namespace, name, kinds)
     wanted = {_key(c) for c in children}
     changed = [c for c in children if _key(c) not in live or not covered(c, live[_key(c)])]
+    _check_names(kube, namespace, uid, changed, live)
     _dry_run(kube, _to_validate(changed, unchecked))
     sts = live.get(("apps/v1", "StatefulSet", render.names(name)["statefulset"]))
     for child in changed:
@@ -139,9 +179,7 @@ def sync_children(kube: Kube, namespace: str, name: str, uid: str, children: lis
         try:
             current = kube.apply(child)
         except ApiError as exc:
-            if exc.status not in (400, 422):
-                raise
-            raise _refused(child, exc) from None  # a StatefulSet that can be refused was validated above
+            raise _refused(child, exc) from None  # a StatefulSet refused as invalid was validated above
         if child["kind"] == "StatefulSet":
             sts = current
     for key, obj in live.items():
@@ -167,6 +205,7 @@ def urgent(old: dict[str, Any], new: dict[str, Any]) -> bool:
 
 
 REFUSED = "status-refused"  # the outcome of a reconcile whose status write the API server refused
+CHILD_REFUSED = "child-refused"  # the outcome of a reconcile that wrote a Refused condition: retried with backoff
 
 
 class StatusRefused(Exception):
@@ -251,7 +290,7 @@ def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: date
     if new_status == (body.get("status") or {}):
         if applied and recorder is not None:  # drift repaired: children changed, status did not
             recorder.record(body, events.transitions(previous, new_status["conditions"], applied))
-        return "unchanged"
+        return CHILD_REFUSED if isinstance(error, Refused) else "unchanged"
     if not urgent(body.get("status") or {}, new_status) and kube.status_written_within(cr_path(namespace, name), STATUS_SPACING):
         return "deferred"  # the Runtime reconciles it again once the spacing has passed
     written = _write_status(kube, namespace, name, new_status, meta["resourceVersion"])
@@ -259,4 +298,6 @@ def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: date
         return "conflict"
     if recorder is not None:
         recorder.record(written, events.transitions(previous, new_status["conditions"], applied))
+    if isinstance(error, Refused):
+        return CHILD_REFUSED
     return "invalid" if error else "updated"

@@ -44,7 +44,7 @@ from . import events, leader
 from .cache import Cache, CachedKube
 from .kube import Kube
 from .metrics import Metrics
-from .reconcile import REFUSED, STATUS_SPACING, Memos
+from .reconcile import CHILD_REFUSED, REFUSED, STATUS_SPACING, Memos
 from .reconcile import reconcile as reconcile_one
 
 log = logging.getLogger("kvoffload.operator")
@@ -156,6 +156,8 @@ class Runtime:
                 self._count(outcome)
                 if outcome == REFUSED:  # reconcile logged it and recorded an Event; try again later
                     self.metrics.status_refused.inc()
+                    self._retry(key)
+                elif outcome == CHILD_REFUSED:  # ConfigValid says why; the cause may go away (quota, other owner)
                     self._retry(key)
                 else:
                     self.backoff.pop(key, None)
