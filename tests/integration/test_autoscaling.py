@@ -81,7 +81,8 @@ def stack(cluster, namespace, keda, tmp_path) -> Iterator[tuple[StandInEngines, 
     name = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
     targets = tmp_path / "engines.json"
     engines = StandInEngines(cluster.client, namespace, name, targets)
-    gateway = FakeVllm(f'standin_gateway_pending_requests{{model="{name}"}} 0\n')
+    # The gateway's series carry the namespace they are for: a wakeQuery may select only its own (api/promql.py).
+    gateway = FakeVllm(f'standin_gateway_pending_requests{{namespace="{namespace}",model="{name}"}} 0\n')
     prom = Prometheus(tmp_path, [
         {"job_name": "engines", "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "1s"}]},
         {"job_name": "gateway", "static_configs": [{"targets": [gateway.url.split("//", 1)[1].split("/", 1)[0]]}]}])
@@ -200,7 +201,8 @@ def test_keda_scales_up_under_load_and_down_after_it(cluster, namespace, stack, 
 
 def test_keda_scales_to_zero_when_idle_and_wakes_on_demand(cluster, namespace, stack, tmp_path):
     engines, gateway, _ = stack
-    doc = manifest(namespace, minReplicas=0, wakeQuery='sum(standin_gateway_pending_requests{model="llama31-8b-autoscaled"})')
+    wake = f'sum(standin_gateway_pending_requests{{namespace="{namespace}",model="llama31-8b-autoscaled"}})'
+    doc = manifest(namespace, minReplicas=0, wakeQuery=wake)
     name = doc["metadata"]["name"]
     engines.kv_usage = 0.0  # an idle vLLM holds no KV blocks for running requests: every trigger is inactive
     server_side_apply(cluster, doc, tmp_path / "serve.yaml")
@@ -210,7 +212,7 @@ def test_keda_scales_to_zero_when_idle_and_wakes_on_demand(cluster, namespace, s
     cluster.wait_until(lambda: not engines.engines, timeout=60, message="no pod left")
 
     def pending(n: int) -> None:
-        gateway.body = f'standin_gateway_pending_requests{{model="{name}"}} {n}\n'
+        gateway.body = f'standin_gateway_pending_requests{{namespace="{namespace}",model="{name}"}} {n}\n'
 
     pending(3)  # demand that only the gateway sees: no vLLM runs
     t0 = time.monotonic()

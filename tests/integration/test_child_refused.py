@@ -1,5 +1,5 @@
-"""A child the operator may not write says why, on the real API server: nothing is retried silently and nothing
-another owner holds is taken over.
+"""What a tenant may not make the operator write, on the real API server: nothing is retried silently, nothing
+another owner holds is taken over, and no wakeQuery reads another namespace.
 
 - A ResourceQuota that allows no Services: the API server refuses the rendered Service (403 Forbidden, "exceeded
   quota"), which no parser can foresee. The resource says so (ConfigValid=False, ApplyRefused, naming the Service and
@@ -17,7 +17,7 @@ import copy
 import pytest
 
 from kvoffload.api import crd
-from kvtest import condition
+from kvtest import OperatorProcess, condition
 
 pytestmark = pytest.mark.cluster
 
@@ -92,3 +92,25 @@ def test_colliding_names_never_take_over_another_owners_objects(cluster, operato
     c = refused(cluster, namespace, "mine", "NameConflict")
     assert "no owner" in c["message"], c
     assert cluster.client.get("services", "mine", namespace)["spec"]["selector"] == {"app": "mine"}
+
+
+def test_a_wake_query_that_reads_another_namespace_is_refused(cluster, crd_installed, namespace):
+    """spec.autoscaling.wakeQuery runs against the admin's Prometheus: only selectors of its own namespace pass
+    (api/promql.py). The operator runs with autoscaler keda; KEDA itself is not needed to refuse."""
+    op = OperatorProcess(cluster.env, [namespace], {"resyncSeconds": 20, "autoscaler": "keda",
+                                                    "prometheusAddress": "http://127.0.0.1:9"})
+    try:
+        scaled = {**copy.deepcopy(SPEC), "autoscaling": {"minReplicas": 0, "maxReplicas": 2,
+                                                        "targets": {"waitingRequestsPerReplica": 4}}}
+        for name, query in (("peek", 'sum(vllm:num_requests_waiting{namespace="kube-system"})'),
+                            ("regex", 'sum(vllm:num_requests_waiting{namespace=~".+"})'),
+                            ("unscoped", f'sum(q{{namespace="{namespace}"}}) or sum(vllm:num_requests_waiting)')):
+            scaled["autoscaling"]["wakeQuery"] = query
+            cluster.client.create(kvs(name, scaled), namespace)
+            c = refused(cluster, namespace, name, "InvalidSpec")
+            assert c["message"].startswith("spec.autoscaling.wakeQuery: selector ") and \
+                f'must select namespace="{namespace}"' in c["message"], c
+            assert cluster.client.get_or_none("statefulsets", name, namespace) is None
+    finally:
+        op.stop()
+        print(op.output()[-3000:])

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import yaml
 
+from kvoffload.api import promql
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings, from_dict
 from kvoffload.controller import conditions, pipeline
@@ -18,6 +19,7 @@ from kvtest.specs import spec
 
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "autoscaling" / "llama31-8b.yaml").read_text())
 KEDA = Settings(autoscaler="keda", prometheus_address="http://prometheus.monitoring.svc:9090")
+WAKE = 'sum(gateway_queue{namespace="team-a",model="x"})'
 SCALED = {"autoscaling__maxReplicas": 4, "autoscaling__targets__waitingRequestsPerReplica": 4}
 
 
@@ -60,7 +62,7 @@ def test_spec_windows_win():
 
 
 def test_keda_renders_a_scaled_object_with_prometheus_triggers():
-    d = desired(spec(**SCALED, autoscaling__minReplicas=0, autoscaling__wakeQuery='sum(gateway_queue{model="x"})',
+    d = desired(spec(**SCALED, autoscaling__minReplicas=0, autoscaling__wakeQuery=WAKE,
                      autoscaling__targets__promptRecomputePercent=50), KEDA)
     assert not any(c["kind"] == "HorizontalPodAutoscaler" for c in d.children)
     so = child(d, "ScaledObject")
@@ -75,8 +77,37 @@ def test_keda_renders_a_scaled_object_with_prometheus_triggers():
         ("Value", {"serverAddress": KEDA.prometheus_address, "threshold": "50", "query":
                    f'100 * sum(rate(kvoffload_prompt_tokens_total{{{sel},origin="compute"}}[2m])) '
                    f"/ clamp_min(sum(rate(kvoffload_prompt_tokens_total{{{sel}}}[2m])), 1)"}),
-        ("AverageValue", {"serverAddress": KEDA.prometheus_address, "query": 'sum(gateway_queue{model="x"})',
+        ("AverageValue", {"serverAddress": KEDA.prometheus_address, "query": WAKE,
                           "threshold": "4", "activationThreshold": "0"})]
+
+
+@pytest.mark.parametrize("query,words", [
+    ('sum(gateway_queue{model="x"})', 'gateway_queue{model="x"} must select namespace="team-a"'),
+    ('sum(gateway_queue{namespace="team-b"})', 'must select namespace="team-a"'),
+    ('sum(gateway_queue{namespace=~"team-.*"})', 'must select namespace="team-a"'),
+    ('sum(gateway_queue{namespace!="team-b"})', 'must select namespace="team-a"'),
+    ('sum(q{namespace="team-a"}) or on() sum(vllm:num_requests_waiting)', "vllm:num_requests_waiting must select"),
+    ('{__name__=~".+"}', 'must select namespace="team-a"'),
+    ('sum(rate(q{namespace="team-a"}[5m])) + sum_over_time(sum(r)[5m:1m])', "r must select"),
+    ('q{namespace="team-a" or namespace="team-b"}', "uses `or` between matchers"),
+    ('sum(q{namespace="team-a"', "is not valid PromQL"),
+])
+def test_wake_query_reads_only_its_own_namespace(query, words):
+    with pytest.raises(ConfigError) as err:
+        desired(spec(**SCALED, autoscaling__minReplicas=0, autoscaling__wakeQuery=query), KEDA)
+    assert err.value.field == "spec.autoscaling.wakeQuery" and words in err.value.message, err.value
+
+
+def test_every_rendered_query_is_scoped_to_the_namespace():
+    """The operator's own triggers pass the check a tenant's wakeQuery must pass."""
+    d = desired(spec(**SCALED, autoscaling__minReplicas=0, autoscaling__wakeQuery=WAKE,
+                     autoscaling__targets__kvCacheUsagePercent=80, autoscaling__targets__promptRecomputePercent=50), KEDA)
+    triggers = child(d, "ScaledObject")["spec"]["triggers"]
+    assert len(triggers) == 4
+    for t in triggers:
+        promql.check_scoped(t["metadata"]["query"], "team-a", "query")
+        with pytest.raises(ConfigError):
+            promql.check_scoped(t["metadata"]["query"], "team-b", "query")
 
 
 @pytest.mark.parametrize("patch,field,words", [

@@ -408,7 +408,9 @@ def _autoscaling() -> Schema:
                                       "start-up to get back.", minimum=0, maximum=3600),
          "wakeQuery": _s("A PromQL expression for the demand that exists while no replica runs (for example requests queued in "
                          "your gateway for this model); a value above 0 starts the first replica, and it counts like "
-                         "waitingRequestsPerReplica. KEDA only; required with minReplicas 0.", minLength=1, maxLength=1024)},
+                         "waitingRequestsPerReplica. Every selector in it must carry namespace=\"<this resource's namespace>\" "
+                         "(the operator parses it and refuses anything else: the Prometheus is shared by every namespace). "
+                         "KEDA only; required with minReplicas 0.", minLength=1, maxLength=1024)},
         required=["maxReplicas", "targets"],
         rules=rules.at("spec.autoscaling"),
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..api import crd
+from ..api import crd, promql
 from ..api.settings import Settings
 from ..api.spec import AutoscalingSpec, Spec
 from ..planning.sizing import Budget
@@ -107,7 +107,9 @@ def keda_triggers(sel: str, a: AutoscalingSpec) -> list[tuple[str, dict[str, Any
 
 def scaled_object(meta: dict[str, Any], owner_name: str, namespace: str, a: AutoscalingSpec, budget: Budget,
                   settings: Settings) -> dict[str, Any]:
-    sel = f'namespace="{namespace}",{SERVE_LABEL}="{owner_name}"'
+    sel = f'{promql.NAMESPACE_LABEL}="{namespace}",{SERVE_LABEL}="{owner_name}"'
+    if a.wake_query:  # the tenant's PromQL reads the admin's Prometheus: its own namespace only
+        promql.check_scoped(a.wake_query, namespace, "spec.autoscaling.wakeQuery")
     triggers = [t for _, t in keda_triggers(sel, a)]
     for t in triggers:
         t["metadata"]["serverAddress"] = settings.prometheus_address
