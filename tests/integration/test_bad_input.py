@@ -186,6 +186,29 @@ CASES = [
     Case("flag api-key literal", {"spec.engine.extraArgs": ["--api-key=secret"]}, API, "spec.engine.extraArgs", "--api-key"),
     Case("env VLLM_API_KEY literal", {"spec.engine.env": [{"name": "VLLM_API_KEY", "value": "secret"}]}, API, "spec.engine.env",
          "VLLM_API_KEY"),
+    # --- a hostile tenant (issue 32): tokens, host devices, unguarded endpoints, flags that leave the pod's contract
+    Case("duplicate env name", {"spec.engine.env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}, API,
+         "spec.engine.env[1]", "Duplicate value"),
+    Case("env HF_TOKEN literal", {"spec.engine.env": [{"name": "HF_TOKEN", "value": "hf_x"}]}, API, "spec.engine.env",
+         "HF_TOKEN is managed by the operator: Hugging Face tokens come from spec.model.hfTokenSecret only"),
+    Case("env HF_TOKEN from another secret", {"spec.engine.env": [{"name": "HUGGING_FACE_HUB_TOKEN", "valueFrom": {
+         "secretKeyRef": {"name": "other", "key": "t"}}}]}, API, "spec.engine.env", "spec.model.hfTokenSecret only"),
+    Case("env VLLM_SERVER_DEV_MODE", {"spec.engine.env": [{"name": "VLLM_SERVER_DEV_MODE", "value": "1"}]}, API,
+         "spec.engine.env", "which the API key does not guard"),
+    Case("flag hf-token literal", {"spec.engine.extraArgs": ["--hf-token", "hf_x"]}, API, "spec.engine.extraArgs", "--hf-token"),
+    Case("flag allowed-local-media-path", {"spec.engine.extraArgs": ["--allowed-local-media-path=/"]}, API,
+         "spec.engine.extraArgs", "--allowed-local-media-path"),
+    Case("flag kv-events-config", {"spec.engine.extraArgs": ["--kv-events-config", "{}"]}, API, "spec.engine.extraArgs",
+         "--kv-events-config"),
+    Case("flag uds", {"spec.engine.extraArgs": ["--uds", "/tmp/s"]}, API, "spec.engine.extraArgs", "--uds"),
+    Case("flag grpc", {"spec.engine.extraArgs": ["--grpc"]}, API, "spec.engine.extraArgs", "--grpc"),
+    Case("flag ssl-keyfile", {"spec.engine.extraArgs": ["--ssl-keyfile", "/tmp/k"]}, API, "spec.engine.extraArgs", "--ssl-keyfile"),
+    Case("flag api-server-count", {"spec.engine.extraArgs": ["--api-server-count", "4"]}, API, "spec.engine.extraArgs",
+         "--api-server-count"),
+    Case("flag nnodes", {"spec.engine.extraArgs": ["--nnodes", "2"]}, API, "spec.engine.extraArgs", "--nnodes"),
+    Case("flag speculative-config", {"spec.engine.extraArgs": ["--speculative-config", "{}"]}, API, "spec.engine.extraArgs",
+         "--speculative-config"),
+    Case("flag hf-overrides", {"spec.engine.extraArgs": ["--hf-overrides", "{}"]}, API, "spec.engine.extraArgs", "--hf-overrides"),
     Case("apiKeySecretRef without name", {"spec.engine.apiKeySecretRef": {"key": "k"}}, API, "spec.engine.apiKeySecretRef.name",
          "Required value"),
     Case("networkPolicy namespace invalid", {"spec.networkPolicy": {"servingFrom": ["Team_A"]}}, API,
@@ -227,6 +250,16 @@ CASES = [
     Case("op unknown model", {"spec.model.name": "acme/secret-model-7b"}, OPERATOR, "spec.model.name", "not in the built-in catalog"),
     Case("op unknown model partial arch", {"spec.model.name": "acme/secret-model-7b", "spec.model.architecture": {"layers": 32}},
          OPERATOR, "spec.model.architecture.kvHeads"),
+    Case("op image not allowed", {"spec.engine.image": "evil.example/vllm:custom", "spec.engine.vllmVersion": "0.26.0",
+                                  "spec.engine.lmcacheVersion": "0.5.3"}, OPERATOR, "spec.engine.image",
+         "is not an image the cluster admin allows"),
+    Case("op image beside an allowed path", {"spec.engine.image": "registry.examplex/vllm:1", "spec.engine.vllmVersion": "0.26.0",
+                                             "spec.engine.lmcacheVersion": "0.5.3"}, OPERATOR, "spec.engine.image",
+         "allowlist (registry.example/*)"),
+    Case("op env NVIDIA_MOFED", {"spec.engine.env": [{"name": "NVIDIA_MOFED", "value": "enabled"}]}, OPERATOR,
+         "spec.engine.env", "NVIDIA_MOFED is managed by the operator: the NVIDIA container runtime reads NVIDIA_*"),
+    Case("op env NVIDIA_IMEX_CHANNELS", {"spec.engine.env": [{"name": "NVIDIA_IMEX_CHANNELS", "value": "all"}]}, OPERATOR,
+         "spec.engine.env", "allowedNvidiaEnv"),
     Case("op unknown image", {"spec.engine.image": "registry.example/vllm:custom"}, OPERATOR, "spec.engine.vllmVersion",
          "version table"),
     Case("op vllm too old", {"spec.engine.image": "registry.example/vllm:old", "spec.engine.vllmVersion": "0.5.0",
@@ -284,7 +317,8 @@ def ns(cluster, crd_installed):
 
 @pytest.fixture(scope="module")
 def operator(cluster, ns):
-    proc = OperatorProcess(cluster.env, [ns])
+    # The admin allows the mirror the image cases name (operator config allowedImages; evil.example stays refused).
+    proc = OperatorProcess(cluster.env, [ns], {"resyncSeconds": 20, "allowedImages": ["registry.example/*"]})
     yield proc
     proc.stop()
     print(proc.output()[-5000:])

@@ -18,6 +18,7 @@ from kvoffload.controller.probe import Reading
 from kvoffload.rendering import render
 from kvtest.specs import spec
 
+ALLOW = Settings(allowed_images=("x/y:1",))  # an image the admin allows whose pair the spec names
 PAIR = {"engine__image": "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", "engine__vllmVersion": "0.26.0",
         "engine__lmcacheVersion": "0.5.3"}
 
@@ -26,7 +27,7 @@ def desired(backend: str, **patch):
     s = spec(offload__backend=backend, **PAIR, **patch)
     if backend == "vllm-native":
         del s["offload"]["disk"]
-    return pipeline.desired("svc", "team-a", "uid-1", s, Settings())
+    return pipeline.desired("svc", "team-a", "uid-1", s, ALLOW)
 
 
 def pod(d):
@@ -62,14 +63,14 @@ def arg(args, flag):
 ])
 def test_refused_with_the_field_named(patch, field, words):
     with pytest.raises(ConfigError) as err:
-        parse(spec(**patch), Settings())
+        parse(spec(**patch), ALLOW)
     assert err.value.field == field and words in str(err.value)
 
 
 def test_native_needs_no_lmcache_in_the_image():
     s = spec(offload__backend="vllm-native", offload__disk=None, engine__image="vllm/vllm-openai:v0.26.0",
              engine__vllmVersion="0.26.0")
-    assert parse(s, Settings()).engine.lmcache_version == ""
+    assert parse(s, ALLOW).engine.lmcache_version == ""
 
 
 def test_vllm_container_memory_is_the_same_and_the_server_adds_its_own():

@@ -96,7 +96,8 @@ CASES: dict[str, tuple[dict, object]] = {
     "routing.replicas": ({"routing__enabled": True}, 2),
 }
 # spec.autoscaling is rendered with the operator setting autoscaler keda (scale to zero needs it).
-KEDA = Settings(autoscaler="keda", prometheus_address="http://prometheus.monitoring.svc:9090")
+MIRRORS = ("registry.example/*",)  # the admin allows the mirror spec.engine.image is tried with
+KEDA = Settings(autoscaler="keda", prometheus_address="http://prometheus.monitoring.svc:9090", allowed_images=MIRRORS)
 
 
 def base(backend: str, **patch) -> dict:
@@ -107,7 +108,7 @@ def output(s: dict) -> object:
     """What the operator does with spec `s`: the children it applies, the status it writes (nothing observed
     yet) and the node disk cleaner's verdict once the resource is gone; or the ConfigError it refuses it with."""
     try:
-        d = pipeline.desired("svc", "team-a", "uid-1", s, KEDA if s.get("autoscaling") else Settings())
+        d = pipeline.desired("svc", "team-a", "uid-1", s, KEDA if s.get("autoscaling") else Settings(allowed_images=MIRRORS))
     except ConfigError as err:
         return err
     body = {"metadata": {"name": "svc", "namespace": "team-a", "generation": 1}, "spec": s}
@@ -159,7 +160,8 @@ def test_each_value_tried_is_valid_somewhere(path):
 @pytest.mark.parametrize("backend", backends.NAMES)
 def test_network_policy_on_every_backend(backend):
     """The failure the property test found: a NetworkPolicy for the two backends without an LMCache config."""
-    d = pipeline.desired("svc", "team-a", "uid-1", base(backend, networkPolicy__servingFrom=["clients"]), Settings())
+    d = pipeline.desired("svc", "team-a", "uid-1", base(backend, networkPolicy__servingFrom=["clients"]),
+                         Settings(allowed_images=MIRRORS))
     policy = next(c for c in d.children if c["kind"] == "NetworkPolicy")
     assert policy["spec"]["podSelector"]["matchLabels"] == {"kvoffload.io/serve": "svc"}
     assert [r["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"] for r in policy["spec"]["ingress"]] == [

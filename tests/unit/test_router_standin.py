@@ -29,7 +29,7 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 def rendered() -> pipeline.Desired:
     """The real-node test's KVOffloadServe (kvtest.node.routed_spec), rendered."""
     body = node.routed_spec("routed", "stand-in", Path("/var/lib/kvoffload/t"))["spec"]
-    return pipeline.desired("routed", "ns", "uid-1", body, Settings())
+    return pipeline.desired("routed", "ns", "uid-1", body, Settings(allowed_images=("stand-in",)))
 
 
 def containers(d: pipeline.Desired, kind: str) -> dict[str, dict]:

@@ -195,6 +195,8 @@ def _engine() -> Schema:
                 "Extra environment variables for the vLLM container (Kubernetes EnvVar). Variables the operator manages are refused, "
                 "each with its reason: the operator's own wiring, which GPUs the container sees, and where weights, caches and "
                 "temporary files go: " + ", ".join(MANAGED_ENV) + " and any LMCACHE_* (put engine settings in spec.offload)."),
+                # A map keyed by name, as the pod spec's env is: the API server refuses a name set twice.
+                "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
                 "items": {"type": "object", "required": ["name"], "x-kubernetes-preserve-unknown-fields": True,
                           "properties": {"name": _s("Variable name.", minLength=1, maxLength=256),
                                          "value": _s("Variable value."),

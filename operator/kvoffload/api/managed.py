@@ -36,6 +36,10 @@ ENV: dict[str, str] = {
     "POD_NAME": "it expands the disk tier's subPathExpr: another value would mount another pod's directory",
     "POD_NAMESPACE": "it expands the disk tier's subPathExpr: another value would mount another pod's directory",
     "VLLM_API_KEY": "it comes from spec.engine.apiKeySecretRef only, never a literal in the pod spec",
+    **{name: "Hugging Face tokens come from spec.model.hfTokenSecret only, never a literal in the pod spec or a path to a file"
+       for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH")},
+    "VLLM_SERVER_DEV_MODE": "it serves vLLM's development endpoints (/collective_rpc, /sleep, /reset_prefix_cache, ...), "
+                            "which the API key does not guard (only /v1, /v2 and /inference are)",
     **images.ENGINE_ENV_WHY,
     **{name: _GPUS for name in (
         "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES",
@@ -54,6 +58,22 @@ ENV: dict[str, str] = {
 }
 ENV_PREFIX = "LMCACHE_"
 ENV_PREFIX_WHY = "LMCACHE_* configure LMCache, which the operator renders from spec.offload (put engine settings there)"
+
+
+# Families the operator owns unless the cluster admin allows a name (operator config allowedNvidiaEnv): the operator
+# refuses them, the API server cannot (it does not know the setting).
+ADMIN_PREFIXES: dict[str, str] = {
+    "NVIDIA_": "the NVIDIA container runtime reads NVIDIA_* to add host devices and libraries to the container "
+               "(NVIDIA_MOFED, NVIDIA_GDS, NVIDIA_GDRCOPY, NVIDIA_NVSWITCH, NVIDIA_IMEX_CHANNELS, ...): the cluster admin "
+               "decides (operator config allowedNvidiaEnv)",
+}
+
+
+def admin_env_why(name: str, allowed: tuple[str, ...]) -> str | None:
+    """Why a name of an admin-decided family is refused, or None when it is not one or the admin allowed it."""
+    if name in allowed:
+        return None
+    return next((why for prefix, why in ADMIN_PREFIXES.items() if name.startswith(prefix)), None)
 
 
 def env_why(name: str) -> str | None:

@@ -22,6 +22,14 @@ class Settings:
     # ({image: {vllm: "0.26.0", lmcache: "0.5.3"}}; no lmcache: a plain vLLM image, vllm-native only).
     # The operator renders for them as for the images it knows; EngineVerified checks the pods.
     image_versions: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Serving images a KVOffloadServe may name (spec.engine.image), beside the ones the operator knows, defaultImage
+    # and imageVersions' keys (always allowed): an exact reference ("registry.acme/vllm:0.26.0", "...@sha256:...")
+    # or every image below a registry path ("registry.acme/vllm/*"). An image is what runs in the pod, so it is
+    # the admin's decision: nothing else is accepted (engine/images.py allowed).
+    allowed_images: tuple[str, ...] = ()
+    # Names of the NVIDIA_* family (which the NVIDIA container runtime reads to add host devices and libraries to
+    # the container) that spec.engine.env may set; by default none (api/managed.py ENV_PREFIXES).
+    allowed_nvidia_env: tuple[str, ...] = ()
     # Image of the exporter sidecar (the operator image carries the exporter too).
     exporter_image: str = "ghcr.io/kvoffload/kvoffload:0.1.0"
     exporter_image_pull_policy: str = "IfNotPresent"
@@ -79,6 +87,7 @@ class Settings:
 
 
 _KEYS = {f.name: f for f in fields(Settings)}
+_LISTS = ("allowed_disk_roots", "allowed_images", "allowed_nvidia_env")
 
 
 def _camel(name: str) -> str:
@@ -94,7 +103,7 @@ def from_dict(data: dict[str, Any]) -> Settings:
         if key not in by_camel:
             raise ConfigError(f"operator config {key}", f"unknown setting; allowed: {', '.join(sorted(by_camel))}")
         name = by_camel[key]
-        kwargs[name] = tuple(value) if name == "allowed_disk_roots" else value
+        kwargs[name] = tuple(value) if name in _LISTS else value
         if name == "router_tolerations" and isinstance(value, list):
             kwargs[name] = tuple(value)
     for image, pair in (kwargs.get("image_versions") or {}).items():
@@ -108,6 +117,7 @@ def from_dict(data: dict[str, Any]) -> Settings:
         if isinstance(value, bool) or not isinstance(value, kind) or value < least:
             raise ConfigError(f"operator config {_camel(name)}", f"must be a number >= {least}, got {value!r}")
     _check_placement(kwargs)
+    _check_images(kwargs)
     autoscaler = kwargs.get("autoscaler", Settings.autoscaler)
     if autoscaler not in crd.AUTOSCALERS:
         raise ConfigError("operator config autoscaler", f"{autoscaler!r} is not allowed; allowed values: {', '.join(crd.AUTOSCALERS)}")
@@ -142,6 +152,18 @@ def _check_placement(kwargs: dict[str, Any]) -> None:
         if t.get("effect", "") not in TOLERATION_EFFECTS:
             raise ConfigError(f"{where}.effect", f"{t['effect']!r} is not allowed; allowed values: "
                                                  f"{', '.join(e or '(empty: all)' for e in TOLERATION_EFFECTS)}")
+
+
+def _check_images(kwargs: dict[str, Any]) -> None:
+    for i, entry in enumerate(kwargs.get("allowed_images", ())):
+        stem = entry[:-1] if isinstance(entry, str) and entry.endswith("/*") else entry
+        if not isinstance(entry, str) or not stem or "*" in stem or any(c.isspace() for c in entry):
+            raise ConfigError(f"operator config allowedImages[{i}]", f"{entry!r} must be an image reference "
+                                                                     "(registry/repository:tag or @digest) or a path "
+                                                                     "ending in /* (every image below it)")
+    for i, name in enumerate(kwargs.get("allowed_nvidia_env", ())):
+        if not isinstance(name, str) or not name.startswith("NVIDIA_"):
+            raise ConfigError(f"operator config allowedNvidiaEnv[{i}]", f"{name!r} must be a variable name starting NVIDIA_")
 
 
 def load(path: str | None = None) -> Settings:

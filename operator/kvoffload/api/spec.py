@@ -18,7 +18,7 @@ from kubernetes.utils.quantity import parse_quantity
 
 from ..engine import flags, images
 from ..engine import router as engine_router
-from . import crd, rules
+from . import crd, managed, rules
 from .errors import ConfigError
 from .quantity import to_bytes
 from .settings import Settings
@@ -330,9 +330,11 @@ def _model(r: _Reader) -> ModelSpec:
 def _engine(r: _Reader, settings: Settings) -> EngineSpec:
     image = _str(r, "engine.image") or settings.default_image
     backend = _declared(r.get("offload.backend"))
+    table = {**images.KNOWN_IMAGES, **images.declared(settings.image_versions)}
+    # The image is what runs in the pod: every env and flag guard below assumes it is one the admin allows.
+    images.check_allowed(image, (settings.default_image, *settings.allowed_images), table)
     pair = images.resolve(image, _str(r, "engine.vllmVersion"), _str(r, "engine.lmcacheVersion"),
-                          needs_lmcache=backend is None or backend["minLmcache"] is not None,
-                          table={**images.KNOWN_IMAGES, **images.declared(settings.image_versions)})
+                          needs_lmcache=backend is None or backend["minLmcache"] is not None, table=table)
     util = r.get("engine.gpuMemoryUtilization")
     if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
         raise ConfigError("spec.engine.gpuMemoryUtilization", f"{util!r} must be a number in (0, 1]")
@@ -342,13 +344,21 @@ def _engine(r: _Reader, settings: Settings) -> EngineSpec:
             raise ConfigError("spec.engine.extraArgs", f"{arg!r} must be a string of at most 1024 characters")
     flags.check_args(extra, pair.vllm)  # against the flag table of the image's vLLM version
     env = tuple(_list(r, "engine.env"))
+    seen: set[str] = set()
     for var in env:
         name = var.get("name", "") if isinstance(var, dict) else ""
         if not name or not isinstance(name, str) or len(name) > 256:
             raise ConfigError("spec.engine.env", "every entry needs a name (a string of at most 256 characters)")
         if not isinstance(var.get("value", ""), str) or not isinstance(var.get("valueFrom", {}), dict):
             raise ConfigError("spec.engine.env", f"{name}: value must be a string and valueFrom an object")
+        if name in seen:  # the CRD's list-map refuses it too; a pod spec with it fails server-side apply
+            raise ConfigError("spec.engine.env", f"{name} is set twice: each variable at most once")
+        seen.add(name)
     rules.ENV.check(r.spec)  # before the flag table's checks of the values: a managed name is refused whatever it says
+    for name in (v["name"] for v in env):
+        why = managed.admin_env_why(name, settings.allowed_nvidia_env)
+        if why:
+            raise ConfigError("spec.engine.env", f"{name} is managed by the operator: {why}")
     flags.check_env(env, pair.vllm)
     return EngineSpec(
         image=image, vllm_version=pair.vllm, lmcache_version=pair.lmcache,

@@ -52,12 +52,28 @@ REFUSED_DESTS: dict[str, str] = {
     "help": "vLLM prints help and exits: the pod would restart forever",
     "headless": "it starts no API server: the pod's probes and Service would never answer",
     "api_key": "a literal key would sit in the pod spec: use spec.engine.apiKeySecretRef (VLLM_API_KEY from a Secret)",
+    "hf_token": "a literal token would sit in the pod spec: use spec.model.hfTokenSecret (HF_TOKEN from a Secret)",
+    # What clients or the engine could reach beyond the pod's contract (docs/security.md "vLLM flags").
+    "allowed_local_media_path": "clients could read any file of the container below it through file:// media URLs",
+    "kv_events_config": MANAGED + " (the KV event publisher the router reads, spec.routing, on a port it manages)",
+    "uds": "vLLM would listen on a Unix socket instead of its port: the pod's probes and Service would never answer",
+    "enable_ssl_refresh": "TLS on vLLM's port breaks the pod's HTTP probes and the exporter's scrape: terminate TLS in front",
+    "api_server_count": "it changes the memory budget (each API server is a process the operator did not size)",
+    "nnodes": "multi-node serving: the pod is one node (spec.engine.tensorParallelSize GPUs)",
+    "node_rank": "multi-node serving: the pod is one node (spec.engine.tensorParallelSize GPUs)",
+    "master_addr": "multi-node serving: the pod is one node (spec.engine.tensorParallelSize GPUs)",
+    "master_port": "multi-node serving: the pod is one node (spec.engine.tensorParallelSize GPUs)",
+    "speculative_config": "it changes the memory budget (a draft model's weights and KV cache the operator did not size)",
+    "hf_overrides": "it changes the model's shape (layers, heads) the KV bytes per token and the memory budget come from",
 }
 REFUSED_DEST_PREFIXES: dict[str, str] = {
     "data_parallel_": "it changes the GPU count (data parallelism is spec.replicas: one pod per replica)",
     "kv_offloading_": "it changes the memory budget (a second KV offload path beside LMCache's tiers)",
     "offload_": "it changes the memory budget (weights offloaded into memory the operator did not size)",
     "cpu_offload_": "it changes the memory budget (weights in CPU memory the operator did not size)",
+    "grpc": "a gRPC server (--grpc, and 0.33's --grpc-port) that the pod's probes, Service, NetworkPolicy and API key "
+            "do not cover",
+    "ssl_": "TLS on vLLM's port breaks the pod's HTTP probes and the exporter's scrape: terminate TLS in front",
 }
 HYBRID = "LMCacheConnectorV1 does not support vLLM's hybrid KV cache manager"
 REFUSED_SPELLINGS: dict[str, str] = {  # the spellings that turn the hybrid manager back on: 0.26.0's, 0.33.0's

@@ -134,6 +134,33 @@ def declared(image_versions: dict[str, dict[str, str]]) -> dict[str, KnownImage]
             for image, pair in image_versions.items()}
 
 
+def upstream_vllm_images() -> set[str]:
+    """vLLM's own published images of the offered pairs' vLLM versions (no LMCache: backend vllm-native only)."""
+    return {f"vllm/vllm-openai:v{k.vllm}" for k in serving_images().values() if k.vllm}
+
+
+def allowed(image: str, allowlist: tuple[str, ...], table: dict[str, KnownImage]) -> bool:
+    """Whether `image` may run: an image in the operator's table (its own, and the admin's imageVersions), vLLM's
+    own image of an offered version, or an admin allowlist entry: the same reference, or a path ending in "/*" that
+    the image lies below (so that "registry.acme/vllm/*" takes "registry.acme/vllm/x:1" but not
+    "registry.acme/vllmx/y:1")."""
+    def below(entry: str) -> bool:
+        return entry.endswith("/*") and image.startswith(entry[:-1]) and len(image) > len(entry) - 1
+
+    return image in table or image in upstream_vllm_images() or any(image == e or below(e) for e in allowlist)
+
+
+def check_allowed(image: str, allowlist: tuple[str, ...], table: dict[str, KnownImage]) -> None:
+    if not allowed(image, allowlist, table):
+        known = {*table, *upstream_vllm_images()}
+        extra = [e for e in allowlist if e not in known]
+        raise ConfigError("spec.engine.image", f"{image!r} is not an image the cluster admin allows: the operator's "
+                                               f"known images ({', '.join(sorted(known))})"
+                                               + (f" and the allowlist ({', '.join(extra)})" if extra else "")
+                                               + "; the admin adds images with the operator config allowedImages "
+                                               "(or imageVersions)")
+
+
 def resolve(image: str, vllm: str | None, lmcache: str | None, *, needs_lmcache: bool = True,
             table: dict[str, KnownImage] = KNOWN_IMAGES) -> EnginePair:
     """The pair in `image`: explicit versions win, then the table; unknown images must say what they hold.
