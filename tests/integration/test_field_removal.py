@@ -32,7 +32,8 @@ BASE = {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen":
         "offload": {"cpu": {"size": "1Gi"}}}
 NO_PODS = {"replicas": 0}  # only the children matter here; the replicas row alone makes a pod
 DISK = {"offload": {"disk": {"path": "/mnt/nvme/lmcache", "size": "10Gi"}}}
-CONFIG = {"resyncSeconds": 20}  # what the operator below runs with, so the test renders as it does
+# What the operator below runs with, so the test renders as it does; its admin allows registry.local's images.
+CONFIG = {"resyncSeconds": 20, "allowedImages": ["registry.local/*"]}
 SETTINGS = from_dict(CONFIG)
 # A KEDA-only field is checked against this setting in the table test; the operator below (autoscaler hpa)
 # must refuse it instead, naming the field to change.
