@@ -121,7 +121,7 @@ FIELDS = [
         needs={**NO_PODS, "autoscaling": {**SCALE, "targets": {"kvCacheUsagePercent": 80}}}),
     Row("autoscaling.targets.kvCacheUsagePercent", 80, needs={**NO_PODS, "autoscaling": SCALE}),
     Row("autoscaling.targets.promptRecomputePercent", 20, needs={**NO_PODS, "autoscaling": SCALE}),
-    Row("autoscaling.wakeQuery", "sum(gateway_queued{model='m'})",
+    Row("autoscaling.wakeQuery", "sum(gateway_queued{namespace='ns',model='m'})",
         needs={**NO_PODS, "autoscaling": {**SCALE, "minReplicas": 0}}, instead={"minReplicas": 1},
         refused_by_hpa="spec.autoscaling.minReplicas"),
     # spec.routing: removing it prunes the router's Deployment, Service, ServiceAccount, Role and RoleBinding.
