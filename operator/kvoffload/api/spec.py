@@ -498,10 +498,10 @@ def _autoscaling(r: _Reader, settings: Settings) -> AutoscalingSpec | None:
         raise ConfigError("spec.autoscaling.minReplicas", f"0 (scale to zero) needs KEDA: the operator's setting autoscaler is "
                                                           f"{settings.autoscaler!r}, and a HorizontalPodAutoscaler cannot scale "
                                                           "to zero; allowed here: 1 to maxReplicas")
+    optional = lambda path: _int(r, f"autoscaling.{path}") if r.has(f"autoscaling.{path}") else None  # noqa: E731
     return AutoscalingSpec(min_replicas=lo, max_replicas=hi, targets=targets,
-                           scale_up_period=_int(r, "autoscaling.scaleUpPeriodSeconds") if r.has("autoscaling.scaleUpPeriodSeconds") else None,
-                           scale_down_window=_int(r, "autoscaling.scaleDownWindowSeconds") if r.has("autoscaling.scaleDownWindowSeconds") else None,
-                           wake_query=wake)
+                           scale_up_period=optional("scaleUpPeriodSeconds"),
+                           scale_down_window=optional("scaleDownWindowSeconds"), wake_query=wake)
 
 
 def _routing(r: _Reader, engine: EngineSpec) -> RoutingSpec | None:
