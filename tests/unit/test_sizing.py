@@ -225,7 +225,7 @@ def test_prefill_rate_scales_with_params_and_tp() -> None:
 
 
 def test_to_dict_is_json_with_camel_case() -> None:
-    d = plan(PlanInput(L31_8B, 32768, cpu_size=40 * GiB, disk_size=500 * GiB)).to_dict()
+    d = plan(PlanInput(L31_8B, 32768, concurrency=1, cpu_size=40 * GiB, disk_size=500 * GiB)).to_dict()
     assert json.loads(json.dumps(d)) == d
     assert d["kvBytesPerToken"] == 131072
     assert d["tiers"][1] == {"name": "cpu", "bytes": 40 * GiB, "bytesPerWorker": 40 * GiB, "tokens": 327680, "sequences": 10}

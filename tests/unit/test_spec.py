@@ -154,3 +154,23 @@ def test_storage_class_is_the_hostpath_free_alternative():
     s = parse(spec(offload__disk__path=None, offload__disk__storageClassName="local-nvme"), S)
     assert s.offload.disk.storage_class == "local-nvme" and s.offload.disk.path is None
     assert s.offload.disk.node_selector == {}
+
+
+@pytest.mark.parametrize("path", ["engine.maxModelLen", "engine.maxNumSeqs", "engine.tensorParallelSize",
+                                  "offload.chunkSize", "replicas", "metrics.port"])
+def test_integer_bounds_are_the_crd_schemas(path):
+    # The bounds come from the schema here too: a test that retyped them would agree with a parser that did.
+    node = crd.schema_at(path)
+    lo, hi = node.get("minimum", 0), node["maximum"]
+    section, _, leaf = path.rpartition(".")
+    key = f"{section}__{leaf}" if section else leaf
+    for bad in (lo - 1, hi + 1):
+        with pytest.raises(ConfigError) as exc:
+            parse(spec(**{key: bad}), S)
+        assert exc.value.field == f"spec.{path}" and f"[{lo}, {hi}]" in str(exc.value)
+
+
+def test_plan_input_concurrency_defaults_to_the_crds():
+    from kvoffload.planning.sizing import PlanInput
+
+    assert PlanInput.__dataclass_fields__["concurrency"].default == crd.default_at("engine.maxNumSeqs") == 256

@@ -205,7 +205,10 @@ class Spec:
     routing: RoutingSpec | None = None  # None: no router (spec.routing unset, or enabled false)
 
 
-def _int(r: _Reader, path: str, lo: int, hi: int) -> int:
+def _int(r: _Reader, path: str) -> int:
+    # The bounds are the CRD schema's (crd.py), declared there once: admission and this parser cannot disagree.
+    node = _node(path)
+    lo, hi = node.get("minimum", 0), node["maximum"]
     value = r.get(path)
     if value is None:
         raise ConfigError(f"spec.{path}", "is required")
@@ -314,7 +317,7 @@ def _model(r: _Reader) -> ModelSpec:
     name = r.get("model.name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_./-]{1,256}", name):
         raise ConfigError("spec.model.name", f"{name!r} must be a Hugging Face id or path (letters, digits, _ . / -)")
-    arch = {k: _int(r, f"model.architecture.{k}", 1, _node(f"model.architecture.{k}")["maximum"])
+    arch = {k: _int(r, f"model.architecture.{k}")
             for k in ("layers", "attentionHeads", "kvHeads", "headDim", "parameters") if r.has(f"model.architecture.{k}")}
     return ModelSpec(
         name=name,
@@ -362,10 +365,10 @@ def _engine(r: _Reader, settings: Settings) -> EngineSpec:
     flags.check_env(env, pair.vllm)
     return EngineSpec(
         image=image, vllm_version=pair.vllm, lmcache_version=pair.lmcache,
-        max_model_len=_int(r, "engine.maxModelLen", 16, 16777216),
+        max_model_len=_int(r, "engine.maxModelLen"),
         gpu_memory_utilization=float(util),
-        max_num_seqs=_int(r, "engine.maxNumSeqs", 1, 65536),
-        tensor_parallel_size=_int(r, "engine.tensorParallelSize", 1, 64),
+        max_num_seqs=_int(r, "engine.maxNumSeqs"),
+        tensor_parallel_size=_int(r, "engine.tensorParallelSize"),
         dtype=_enum(r, "engine.dtype"),
         extra_args=tuple(str(a) for a in extra),
         env=env,
@@ -425,7 +428,7 @@ def _offload(r: _Reader, settings: Settings) -> OffloadSpec:
             read_gbps=_figure(r, "offload.disk.readGbps", "diskReadGbps", settings.disk_read_gbps),
         )
     prefill = settings.prefill_tokens_per_second
-    return OffloadSpec(backend=backend, chunk_size=_int(r, "offload.chunkSize", 16, 8192), cpu_size=cpu,
+    return OffloadSpec(backend=backend, chunk_size=_int(r, "offload.chunkSize"), cpu_size=cpu,
                        eviction_policy=policy, disk=disk,
                        cpu_read_gbps=_figure(r, "offload.cpu.readGbps", "cpuReadGbps", settings.cpu_read_gbps),
                        prefill_tokens_per_second=None if not prefill else Figure(prefill, "operator setting prefillTokensPerSecond"))
@@ -439,7 +442,7 @@ def _resources(r: _Reader, settings: Settings) -> ResourcesSpec:
     cpu = r.get("resources.cpu")
     quantity_bytes(cpu, "spec.resources.cpu", allow_zero=False)  # validates the quantity
     if r.has("resources.headroomPercent"):
-        headroom = _int(r, "resources.headroomPercent", 0, 100)
+        headroom = _int(r, "resources.headroomPercent")
     else:
         headroom = settings.headroom_percent
         if isinstance(headroom, bool) or not isinstance(headroom, int) or not 0 <= headroom <= 100:
@@ -495,29 +498,27 @@ def _network_policy(r: _Reader) -> NetworkPolicySpec | None:
 def _autoscaling(r: _Reader, settings: Settings) -> AutoscalingSpec | None:
     if r.get("autoscaling", None) is None:
         return None
-    bound = lambda path: _int(r, f"autoscaling.{path}", _node(f"autoscaling.{path}").get("minimum", 0),  # noqa: E731
-                              _node(f"autoscaling.{path}")["maximum"])
-    lo, hi = bound("minReplicas"), bound("maxReplicas")
+    lo, hi = _int(r, "autoscaling.minReplicas"), _int(r, "autoscaling.maxReplicas")
     names = list(_node("autoscaling.targets")["properties"])
     if not isinstance(r.get("autoscaling.targets", None), dict):
         raise ConfigError("spec.autoscaling.targets", f"is required: an object with at least one of {', '.join(names)}")
-    targets = {n: bound(f"targets.{n}") for n in names if r.has(f"autoscaling.targets.{n}")}
+    targets = {n: _int(r, f"autoscaling.targets.{n}") for n in names if r.has(f"autoscaling.targets.{n}")}
     wake = _str(r, "autoscaling.wakeQuery")  # min/max, targets, wakeQuery and metrics: api/rules.py (AUTOSCALING_*)
     if lo == 0 and wake is not None and settings.autoscaler != "keda":
         raise ConfigError("spec.autoscaling.minReplicas", f"0 (scale to zero) needs KEDA: the operator's setting autoscaler is "
                                                           f"{settings.autoscaler!r}, and a HorizontalPodAutoscaler cannot scale "
                                                           "to zero; allowed here: 1 to maxReplicas")
+    optional = lambda path: _int(r, f"autoscaling.{path}") if r.has(f"autoscaling.{path}") else None  # noqa: E731
     return AutoscalingSpec(min_replicas=lo, max_replicas=hi, targets=targets,
-                           scale_up_period=bound("scaleUpPeriodSeconds") if r.has("autoscaling.scaleUpPeriodSeconds") else None,
-                           scale_down_window=bound("scaleDownWindowSeconds") if r.has("autoscaling.scaleDownWindowSeconds") else None,
-                           wake_query=wake)
+                           scale_up_period=optional("scaleUpPeriodSeconds"),
+                           scale_down_window=optional("scaleDownWindowSeconds"), wake_query=wake)
 
 
 def _routing(r: _Reader, engine: EngineSpec) -> RoutingSpec | None:
     if r.get("routing", None) is None:
         return None
     enabled, requested = _bool(r, "routing.enabled"), _enum(r, "routing.policy")
-    replicas = _int(r, "routing.replicas", _node("routing.replicas")["minimum"], _node("routing.replicas")["maximum"])
+    replicas = _int(r, "routing.replicas")
     found = engine_router.discovery(engine.vllm_version)
     if requested == "kv_aware" and not found.indexable:
         # The router would start, find no KV events to index and route on load alone: worse than cache_aware.
@@ -538,13 +539,13 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
     engine = _engine(r, settings)
     parsed = Spec(
         model=_model(r),
-        replicas=_int(r, "replicas", 0, 1000),
+        replicas=_int(r, "replicas"),
         engine=engine,
         offload=_offload(r, settings),
         resources=_resources(r, settings),
         scheduling=_scheduling(r),
         metrics_enabled=_bool(r, "metrics.enabled"),
-        metrics_port=_int(r, "metrics.port", 1024, 65535),
+        metrics_port=_int(r, "metrics.port"),
         network_policy=_network_policy(r),
         autoscaling=_autoscaling(r, settings),
         routing=_routing(r, engine),

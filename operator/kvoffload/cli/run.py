@@ -18,7 +18,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="serve the operator's own Prometheus metrics (reconciles by outcome, refused status writes, "
                         "dead tasks) on ADDR:PORT; '' for none")
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--peering", default=None, help="kopf peering name for several replicas (default: standalone)")
     p.add_argument("--leader-election", action="store_true",
                    help="several replicas: only the holder of a coordination.k8s.io Lease reconciles (default: standalone)")
     p.add_argument("--leader-election-namespace", default=None,
@@ -58,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
             identity=default_identity(),  # type: ignore[arg-type]  # kopf's Identity: a str NewType it does not export
             clusterwide=not namespaces,
             namespaces=namespaces,
-            standalone=args.peering is None,
-            peering_name=args.peering,
+            # High availability is our own Lease election (controller/leader.py); kopf's peering stays off.
+            standalone=True,
             liveness_endpoint=args.liveness or None,
         )
 

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import backends
+from ..api.crd import schema_at
 from ..api.errors import InputError, name_inputs
 from ..api.quantity import GiB, MiB, human, to_bytes
 from ..api.settings import Settings
@@ -120,7 +121,8 @@ class Bandwidths:
 class PlanInput:
     model: ModelArch
     max_model_len: int
-    concurrency: int = 1  # max concurrent sequences (vLLM --max-num-seqs)
+    # max concurrent sequences (vLLM --max-num-seqs); the default is the CRD's, declared once in crd.py
+    concurrency: int = schema_at("engine.maxNumSeqs")["default"]
     gpu_memory: int = 80 * GiB  # per GPU, bytes
     gpus: int | None = None  # GPUs per replica; None = tp
     tp: int = 1
