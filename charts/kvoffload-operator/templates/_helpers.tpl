@@ -110,40 +110,42 @@ wildcards, no Secrets (a Hugging Face token is referenced by name in the pod spe
 - apiGroups: ["kvoffload.io"]
   resources: ["kvoffloadserves/status"]
   verbs: ["patch"]
-# Children: server-side apply (PATCH; create for new objects), prune, list/watch into the cache.
+# Children: server-side apply (PATCH; create for new objects), prune, list/watch into the cache, and get: before
+# writing a child not yet its own the operator reads the live object (the cache holds only its own), to refuse a
+# name another owner holds (NameConflict). list already shows every such object, so get grants nothing more.
 - apiGroups: [""]
   resources: ["configmaps", "services"]
-  verbs: ["list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
-  verbs: ["list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # spec.routing: the router's Deployment, and its ServiceAccount bound to a Role that lists and watches pods in the
 # resource's namespace (the operator may grant that Role because it holds pods list/watch itself, below).
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["serviceaccounts"]
-  verbs: ["list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # spec.networkPolicy: one NetworkPolicy per KVOffloadServe that asks for it.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # spec.autoscaling: the HorizontalPodAutoscaler (or, with autoscaler keda, the ScaledObject whose HPA KEDA
 # makes and the operator reads into status.autoscaling), list/watch into the cache.
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]
-  verbs: ["list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 {{- if eq .Values.operator.config.autoscaler "keda" }}
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
-  verbs: ["list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 {{- end }}
 # Pods drive the Scheduled and Ready conditions (list/watch into the cache).
 - apiGroups: [""]
