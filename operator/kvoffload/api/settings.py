@@ -22,7 +22,8 @@ class Settings:
     # ({image: {vllm: "0.26.0", lmcache: "0.5.3"}}; no lmcache: a plain vLLM image, vllm-native only).
     # The operator renders for them as for the images it knows; EngineVerified checks the pods.
     image_versions: dict[str, dict[str, str]] = field(default_factory=dict)
-    # Image of the exporter sidecar (the operator image carries the exporter too).
+    # Image of the exporter sidecar and of the disk-tier init container: the operator's own image, which carries
+    # the `kvoffload` package (images/operator/Dockerfile; the chart fills in its own image when this is empty).
     exporter_image: str = "ghcr.io/kvoffload/kvoffload:0.1.0"
     exporter_image_pull_policy: str = "IfNotPresent"
     # Node label (key=value) that marks nodes with local NVMe for the disk tier.
@@ -72,6 +73,12 @@ class Settings:
     # placement); set them to keep routers on CPU nodes, or on a dedicated pool.
     router_node_selector: dict[str, str] = field(default_factory=dict)
     router_tolerations: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def kvoffload_image(self) -> str:
+        """The image that carries the `kvoffload` package (exporter_image): what runs the operator's own code in a
+        serving pod, the exporter and the disk-tier init container, never the tenant's spec.engine.image."""
+        return self.exporter_image
 
     def nvme_selector(self) -> dict[str, str]:
         key, _, value = self.nvme_node_label.partition("=")

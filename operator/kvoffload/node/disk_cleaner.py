@@ -176,19 +176,9 @@ class _Walk:
         msg = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         self.report.errors.append({"path": path, "error": msg})
 
-    def remove_tree(self, parent_fd: int, name: str, st: os.stat_result, rel: str, depth: int = 0) -> tuple[int, int, bool]:
-        """Remove directory `name` (listed as `st`) and everything in it. Returns (bytes, files, complete)."""
-        if st.st_dev != self.root_dev:
-            self.report.skipped.append({"path": rel, "reason": "another file system is mounted here; not crossing it"})
-            return 0, 0, False
-        if depth > MAX_DEPTH:
-            self.report.skipped.append({"path": rel, "reason": f"nested deeper than {MAX_DEPTH} directories; left for the admin"})
-            return 0, 0, False
-        try:
-            fd = _open_dir(parent_fd, name, st)
-        except OSError as exc:
-            self.error(rel, exc)
-            return 0, 0, False
+    def empty(self, fd: int, rel: str, depth: int = 0) -> tuple[int, int, bool]:
+        """Remove everything in the open directory `fd` (fd-relative, never following a link).
+        Returns (bytes, files, complete)."""
         freed = files = 0
         complete = True
         try:
@@ -215,6 +205,23 @@ class _Walk:
         except OSError as exc:
             self.error(rel, exc)
             complete = False
+        return freed, files, complete
+
+    def remove_tree(self, parent_fd: int, name: str, st: os.stat_result, rel: str, depth: int = 0) -> tuple[int, int, bool]:
+        """Remove directory `name` (listed as `st`) and everything in it. Returns (bytes, files, complete)."""
+        if st.st_dev != self.root_dev:
+            self.report.skipped.append({"path": rel, "reason": "another file system is mounted here; not crossing it"})
+            return 0, 0, False
+        if depth > MAX_DEPTH:
+            self.report.skipped.append({"path": rel, "reason": f"nested deeper than {MAX_DEPTH} directories; left for the admin"})
+            return 0, 0, False
+        try:
+            fd = _open_dir(parent_fd, name, st)
+        except OSError as exc:
+            self.error(rel, exc)
+            return 0, 0, False
+        try:
+            freed, files, complete = self.empty(fd, rel, depth)
         finally:
             os.close(fd)
         if complete and not self.dry_run:
