@@ -232,7 +232,8 @@ def watch(store: Incarnations, stop: threading.Event, api: Any, timeout_seconds:
     while not stop.is_set():
         try:
             if rv is None:
-                body = objs.list_cluster_custom_object(crd.GROUP, crd.VERSION, crd.PLURAL)
+                listed: Any = objs.list_cluster_custom_object(crd.GROUP, crd.VERSION, crd.PLURAL)
+                body: dict[str, Any] = listed
                 store.relisted(body.get("items") or [])
                 rv = body["metadata"]["resourceVersion"]
             stream = kwatch.Watch().stream(objs.list_cluster_custom_object, crd.GROUP, crd.VERSION, crd.PLURAL,
