@@ -241,7 +241,8 @@ class _Walk:
 
 def open_root(root: str) -> int:
     if not isinstance(root, str) or not root.startswith("/") or os.path.normpath(root) in ("/", "//"):
-        raise ConfigError("--root", f"{root!r} must be an absolute directory below / (the disk tier's spec.offload.disk.path)")
+        raise ConfigError("--root", f"{root!r} must be an absolute directory below / "
+                                    "(an allowed disk root, operator.config.allowedDiskRoots)")
     try:
         return os.open(root, _OPEN_DIR)
     except OSError as exc:
