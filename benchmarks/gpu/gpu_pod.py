@@ -279,7 +279,7 @@ class Pod:
             if name in self.run.memory_volumes:  # kubelet: a tmpfs of the sizeLimit
                 size = self.run.memory_volumes[name]
                 self._tmpfs(d, f"mode=0777{f',size={size}' if size else ''}")
-            # emptyDirs are 0777 (kubelet); a hostPath DirectoryOrCreate is 0755 root's until the init hands it over
+            # emptyDirs are 0777 (kubelet); the hostPath root is 0755 root's (the admin's), as kubelet's subPath parents
             os.chmod(d, 0o755 if name in self.run.host_path_volumes else 0o777)
         for c in self.run.containers:  # subPath directories, made by kubelet with the volume's mode
             for src, _ro in c.mounts.values():

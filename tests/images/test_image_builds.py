@@ -345,7 +345,7 @@ class PodmanPod:
             memory = v.get("emptyDir", {}).get("medium") == "Memory"
             d = (self.shm if memory else work) / v["name"]
             d.mkdir(parents=True)
-            d.chmod(0o755 if "hostPath" in v else 0o777)  # kubelet makes emptyDirs 0777; hostPath DirectoryOrCreate 0755 root
+            d.chmod(0o755 if "hostPath" in v else 0o777)  # kubelet makes emptyDirs 0777; the admin's root is 0755 root's
             self.volumes[v["name"]] = d
         # The pod's network namespace (no network), held by a sleeping container like a pod's pause container.
         images.podman("run", "-d", "--name", f"{self.name}-infra", *HARDENED, "--user", "65534:65534",
@@ -421,10 +421,15 @@ def test_the_rendered_server_pod_runs_on_the_standin_image(standin_image, operat
     try:
         pod.start(small_l1)
         # The init containers: the disk-tier directory handed to UID 1000, the image's real versions.
-        disk = tmp_path / "kv-disk" / ns / meta["name"] / fields["metadata.name"]
+        # The volume is the allowed root; the engine's subPath is <rel>/<ns>/<name>/<pod>, the init container's its parent.
+        (vllm,) = [c for c in spec["containers"] if c["name"] == "vllm"]
+        sub = next(m["subPathExpr"] for m in vllm["volumeMounts"] if m["name"] == "kv-disk")
+        disk = tmp_path / "kv-disk" / expand(sub, {"POD_NAMESPACE": ns, "POD_NAME": fields["metadata.name"]})
+        assert disk.relative_to(tmp_path / "kv-disk").parts[1:] == (ns, meta["name"], fields["metadata.name"])
         st = disk.stat()
         assert (st.st_uid, st.st_gid, oct(st.st_mode & 0o7777)) == (1000, 1000, "0o750")
-        assert "kvoffload: emptied /kvcache" in pod.logs["prepare-disk-tier"]
+        assert f"kvoffload: emptied {ns}/{meta['name']}/{fields['metadata.name']}" in pod.logs["prepare-disk-tier"]
+        assert (disk.parent / f".kvoffload-owner-{fields['metadata.name']}.json").stat().st_uid == 0  # the owner marker
         assert json.loads((tmp_path / "engine-info" / "versions.json").read_text()) == VERSIONS
         # Every container up: the rendered probes, run where the kubelet would run them.
         sidecar = next(c for c in spec["initContainers"] if c["name"] == "lmcache-server")

@@ -509,17 +509,26 @@ def test_scheduler_refuses_what_no_node_can_hold(cluster, ns, operator, case):
 
 
 def test_disk_cleaner_lists_live_serves_from_the_api(cluster, ns, operator_verdicts, tmp_path):
-    """`kvoffload clean-disk --kubeconfig`: stored serves (valid or not) are live; only a deleted one's directories go."""
+    """`kvoffload clean-disk --kubeconfig`: stored serves (valid or not) are live, by uid; only the directories of a
+    deleted incarnation (its owner marker's uid, not live) go, and only with the final policy Delete."""
     from kvoffload.cli.clean_disk import live_from_api
+    from kvoffload.node import disk_prepare, owner_marker
     from kvoffload.node.disk_cleaner import clean
 
     live = live_from_api(str(cluster.kubeconfig), in_cluster=False)
     stored = OPERATOR_CASES[0].name
-    assert live[(ns, stored)] == "Delete"
+    uid = cluster.client.get("kvs", stored, ns)["metadata"]["uid"]
+    assert live[(ns, stored)] == uid
     root = tmp_path / "kv"
-    for name in (stored, "deleted-long-ago"):
-        (root / ns / name / f"{name}-0").mkdir(parents=True)
-        (root / ns / name / f"{name}-0" / "chunk.pt").write_bytes(b"x" * 64)
-    report = clean(str(root), live, unknown_policy="Delete", min_age=0)
-    assert [r["path"] for r in report.removed] == [f"{ns}/deleted-long-ago/deleted-long-ago-0"] and report.bytes_freed == 64
-    assert (root / ns / stored / f"{stored}-0" / "chunk.pt").exists()
+    gone = str(uuid.uuid4())  # an earlier incarnation of the stored name, and a resource deleted long ago
+    for name, owner_uid in ((stored, uid), ("deleted-long-ago", gone), (stored, gone)):
+        parent = root / "lmcache" / ns / name
+        parent.mkdir(parents=True, exist_ok=True)
+        pod = f"{name}-{0 if owner_uid == uid or name != stored else 1}"
+        disk_prepare.prepare_pod_dir(str(parent), owner_marker.Owner(ns, name, pod, owner_uid), 1000, 1000)
+        (parent / pod / "chunk.pt").write_bytes(b"x" * 64)
+    report = clean(str(root), live, deleted={gone: "Delete"}, min_age=0)
+    assert sorted(r["path"] for r in report.removed) == [f"lmcache/{ns}/deleted-long-ago/deleted-long-ago-0",
+                                                         f"lmcache/{ns}/{stored}/{stored}-1"]
+    assert report.bytes_freed == 128
+    assert (root / "lmcache" / ns / stored / f"{stored}-0" / "chunk.pt").exists()

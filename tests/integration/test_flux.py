@@ -258,7 +258,10 @@ def test_field_removed_in_git_leaves_the_statefulset(cluster, setup):
     pod = template()
     assert pod.get("tolerations") == full["spec"]["scheduling"]["tolerations"]
     assert "VLLM_LOGGING_LEVEL" in vllm_env(pod)
-    assert any(v.get("hostPath", {}).get("path") == "/mnt/nvme/lmcache" for v in pod["volumes"])
+    # the volume is the allowed root /mnt/nvme; the spec's lmcache/ is the start of every mount's subPath
+    assert any(v.get("hostPath", {}).get("path") == "/mnt/nvme" for v in pod["volumes"])
+    assert all(m["subPathExpr"].startswith("lmcache/$(POD_NAMESPACE)/qwen") for c in pod["containers"]
+               for m in c.get("volumeMounts") or [] if m["name"] == "kv-disk")
 
     # One field at a time, so that no other change carries the removal along.
     spec = copy.deepcopy(full["spec"])

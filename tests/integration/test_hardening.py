@@ -286,9 +286,14 @@ SERVE_STUB = {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe",
 OLD = time.time() - 3600
 
 
-def _pod_dir(root: Path, ns: str, name: str, size: int) -> Path:
-    d = root / ns / name / f"{name}-0"
-    d.mkdir(parents=True)
+def _pod_dir(root: Path, ns: str, name: str, uid: str, size: int) -> Path:
+    """What kubelet and the init container leave: <root>/lmcache/<ns>/<name>/<name>-0, marked with `uid`."""
+    from kvoffload.node import disk_prepare, owner_marker
+
+    parent = root / "lmcache" / ns / name
+    parent.mkdir(parents=True, exist_ok=True)
+    disk_prepare.prepare_pod_dir(str(parent), owner_marker.Owner(ns, name, f"{name}-0", uid), 1000, 1000)
+    d = parent / f"{name}-0"
     (d / "chunk.pt").write_bytes(b"k" * size)
     os.utime(d, (OLD, OLD))
     return d
@@ -310,14 +315,14 @@ def test_janitor_with_its_own_rbac_on_the_real_api_server(cluster, namespace, cr
         cluster.client.apply(d)
     sa = f"{release}-kvoffload-operator-janitor"
     try:
-        # Least privilege: get/list KVOffloadServes, nothing else. can_i without a namespace asks about
+        # Least privilege: get/list/watch KVOffloadServes, nothing else. can_i without a namespace asks about
         # all namespaces (namespace "", as `kubectl auth can-i --all-namespaces` does).
         who = f"system:serviceaccount:{namespace}:{sa}"
         janitor = cluster.client.as_user(who)
         allowed = {(verb, res): janitor.can_i(verb, res)
                    for verb in ("get", "list", "watch", "delete", "patch") for res in ("kvoffloadserves.kvoffload.io", "secrets", "pods")}
-        assert {k for k, v in allowed.items() if v} == {("get", "kvoffloadserves.kvoffload.io"),
-                                                        ("list", "kvoffloadserves.kvoffload.io")}, allowed
+        assert {k for k, v in allowed.items() if v} == {(verb, "kvoffloadserves.kvoffload.io")
+                                                        for verb in ("get", "list", "watch")}, allowed
         # The DaemonSet runs on every NVMe-labelled node and on no other.
         nvme = {n["metadata"]["name"] for n in cluster.client.list("nodes", labels={"kvoffload.io/nvme": "true"})}
 
@@ -327,39 +332,43 @@ def test_janitor_with_its_own_rbac_on_the_real_api_server(cluster, namespace, cr
             return nodes if nodes == nvme else None
         cluster.wait_until(placed, timeout=90, message="a janitor pod on each NVMe node")
 
-        # Its logic with its own token: one live and one deleted resource, directories on a temp root.
+        # Its logic with its own token: one live and one deleted resource, directories on a temp root. A one-shot
+        # run watches nothing: a deletion it did not see has no recorded policy, so --unknown-policy decides.
         token = cluster.client.create_token(sa, namespace, seconds=600)
         kubeconfig = cluster.token_kubeconfig(tmp_path / "janitor.kubeconfig", token, namespace, "janitor")
-        for name in ("live", "gone"):
-            cluster.client.apply({**SERVE_STUB, "metadata": {"name": name, "namespace": namespace}})
-        root, state = tmp_path / "lmcache", tmp_path / "state.json"
-        live_dir, gone_dir = _pod_dir(root, namespace, "live", 100), _pod_dir(root, namespace, "gone", 4096)
-        learn = _clean(kubeconfig, root, state)
-        assert learn.returncode == 0, learn.stderr
-        assert json.loads(learn.stdout)["bytesFreed"] == 0 and gone_dir.exists()
-        assert f"{namespace}/gone" in json.loads(state.read_text())["policies"]
+        uids = {name: cluster.client.apply({**SERVE_STUB, "metadata": {"name": name, "namespace": namespace}})
+                ["metadata"]["uid"] for name in ("live", "gone")}
+        root, state = tmp_path / "nvme", tmp_path / "state.json"
+        live_dir = _pod_dir(root, namespace, "live", uids["live"], 100)
+        gone_dir = _pod_dir(root, namespace, "gone", uids["gone"], 4096)
+        both_live = _clean(kubeconfig, root, state, "--unknown-policy", "Delete")
+        assert both_live.returncode == 0, both_live.stderr
+        assert json.loads(both_live.stdout)["bytesFreed"] == 0 and gone_dir.exists()
 
         cluster.client.delete("kvs", "gone", namespace, wait=True)
-        dry = _clean(kubeconfig, root, state, "--dry-run")
+        kept = _clean(kubeconfig, root, state)  # no recorded policy: Retain, the default
+        assert kept.returncode == 0, kept.stderr
+        assert json.loads(kept.stdout)["bytesFreed"] == 0 and (gone_dir / "chunk.pt").exists()
+        dry = _clean(kubeconfig, root, state, "--unknown-policy", "Delete", "--dry-run")
         assert dry.returncode == 0, dry.stderr
         report = json.loads(dry.stdout)
         assert report["dryRun"] and report["bytesFreed"] == 4096
         assert gone_dir.exists() and (gone_dir / "chunk.pt").stat().st_size == 4096  # dry-run removes nothing
 
-        real = _clean(kubeconfig, root, state)
+        real = _clean(kubeconfig, root, state, "--unknown-policy", "Delete")
         assert real.returncode == 0, real.stderr
         assert json.loads(real.stdout)["bytesFreed"] == 4096
-        assert not (root / namespace / "gone").exists()
+        assert not (root / "lmcache" / namespace / "gone").exists()
         assert (live_dir / "chunk.pt").read_bytes() == b"k" * 100
 
         # A token without the ClusterRole cannot list: the janitor stops with an error, removes nothing.
         cluster.client.delete("clusterrolebinding", sa)
         cluster.wait_until(lambda: not janitor.can_i("list", "kvoffloadserves.kvoffload.io"),
                            timeout=30, message="the binding's removal seen by the authorizer")
-        _pod_dir(root, namespace, "gone", 10)
+        _pod_dir(root, namespace, "gone", uids["gone"], 10)
         denied = _clean(kubeconfig, root, state, "--unknown-policy", "Delete")
         assert denied.returncode == 2 and "403" in denied.stderr and "nothing was removed" in denied.stderr, denied.stderr
-        assert (root / namespace / "gone" / "gone-0" / "chunk.pt").exists()
+        assert (root / "lmcache" / namespace / "gone" / "gone-0" / "chunk.pt").exists()
     finally:
         for kind in ("clusterrolebinding", "clusterrole"):
             with contextlib.suppress(ApiError):  # best effort, as the `--ignore-not-found`, unchecked kubectl delete was

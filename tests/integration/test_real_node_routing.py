@@ -43,6 +43,7 @@ ROUTER_UID = 65532  # images/router/Dockerfile USER, the rendered runAsUser
 
 @pytest.fixture
 def disk_dir():
+    DISK_ROOT.mkdir(exist_ok=True)  # the admin's root (the hostPath volume, type Directory)
     d = DISK_ROOT / f"t-{uuid.uuid4().hex[:8]}"
     yield d
     shutil.rmtree(d, ignore_errors=True)

@@ -45,6 +45,7 @@ def wait_cond(demo, ns, name, type_, status, timeout=300):
 
 @pytest.fixture
 def disk_dir():
+    DISK_ROOT.mkdir(exist_ok=True)  # the admin's root (the hostPath volume, type Directory)
     d = DISK_ROOT / f"t-{uuid.uuid4().hex[:8]}"
     yield d
     shutil.rmtree(d, ignore_errors=True)

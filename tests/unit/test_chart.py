@@ -717,15 +717,17 @@ def test_janitor_least_privilege(helm):
     ds = _janitor(docs)
     pod = ds["spec"]["template"]["spec"]
     (c,) = pod["containers"]
-    # API: get/list KVOffloadServes, through its own ServiceAccount and ClusterRole.
+    # API: get/list/watch KVOffloadServes, through its own ServiceAccount and ClusterRole.
     role = [r for r in find(docs, "ClusterRole") if r["metadata"]["name"].endswith("-janitor")]
-    assert len(role) == 1 and _rules(role[0]) == {("kvoffload.io", "kvoffloadserves"): {"get", "list"}}
+    assert len(role) == 1 and _rules(role[0]) == {("kvoffload.io", "kvoffloadserves"): {"get", "list", "watch"}}
     (binding,) = [b for b in find(docs, "ClusterRoleBinding") if b["metadata"]["name"].endswith("-janitor")]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": "kvo-system"}]
     assert pod["serviceAccountName"] != one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"]
-    # Node: only the configured paths, each a hostPath below an allowed root; root with DAC_OVERRIDE only.
-    host = sorted(v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v)
-    assert host == ["/mnt/nvme/lmcache", "/var/lib/kvoffload/kv"]
+    # Node: exactly the allowed roots (which must exist: Directory) and its own state directory outside them;
+    # root with DAC_OVERRIDE only.
+    host = {v["hostPath"]["path"]: v["hostPath"]["type"] for v in pod["volumes"] if "hostPath" in v}
+    assert host == {"/mnt/nvme": "Directory", "/var/lib/kvoffload": "Directory",
+                    "/var/lib/kvoffload-janitor": "DirectoryOrCreate"}
     sc = c["securityContext"]
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
     assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True and sc["privileged"] is False
@@ -734,27 +736,40 @@ def test_janitor_least_privilege(helm):
     # The loop, dry-run and metrics on the pod IP.
     args = c["args"]
     assert args[:2] == ["clean-disk", "--in-cluster"] and "--dry-run" in args
-    assert {"--root=/host/mnt/nvme/lmcache", "--root=/host/var/lib/kvoffload/kv"} <= set(args)
+    assert {"--root=/host/mnt/nvme", "--root=/host/var/lib/kvoffload"} <= set(args)
+    assert "--state=/var/lib/kvoffload-janitor/state.json" in args
     assert "--metrics-listen=$(POD_IP):9401" in args and "--interval=600" in args
     assert c["ports"] == [{"name": "metrics", "containerPort": 9401, "protocol": "TCP"}]
 
 
 def test_janitor_cli_accepts_the_rendered_arguments(helm):
+    from kvoffload.cli import clean_disk
     from kvoffload.cli import main as cli_main
 
     (c,) = _janitor(helm.render("-f", values_file("janitor")))["spec"]["template"]["spec"]["containers"]
     args = cli_main.build_parser("clean-disk").parse_args(c["args"])
     assert args.in_cluster and args.dry_run and args.interval == 600 and args.min_age == 600
-    assert args.root == ["/host/mnt/nvme/lmcache", "/host/var/lib/kvoffload/kv"]
+    assert args.root == ["/host/mnt/nvme", "/host/var/lib/kvoffload"]
+    clean_disk.check_state_outside(args.state, args.root)  # the CLI's own check agrees
 
 
-@pytest.mark.parametrize("path", ["/etc/kv", "/mnt/nvme", "/mnt/nvme2/kv", "/mnt/nvme/../etc"])
-def test_janitor_refuses_paths_outside_the_allowed_roots(helm, path):
-    cp = helm("template", "kvo", CHART, "--set", "janitor.enabled=true", "--set", f"janitor.paths={{{path}}}", check=False)
-    assert cp.returncode != 0 and "janitor.paths" in cp.stderr, cp.stderr
+@pytest.mark.parametrize("path", ["/mnt/nvme", "/mnt/nvme/janitor", "/var/lib", "/var/lib/kvoffload/state"])
+def test_janitor_refuses_a_state_path_a_tenant_could_reach(helm, path):
+    cp = helm("template", "kvo", CHART, "--set", "janitor.enabled=true", "--set", f"janitor.statePath={path}", check=False)
+    assert cp.returncode != 0 and "janitor.statePath" in cp.stderr, cp.stderr
 
 
-def test_janitor_follows_the_nvme_label(helm):
-    ds = _janitor(helm.render("-f", values_file("janitor"), "-f", values_file("custom-roots"),
-                              "--set", "janitor.paths={/mnt/fast-nvme/kv}"))
-    assert ds["spec"]["template"]["spec"]["nodeSelector"] == {"node.example.com/local-nvme": "present"}
+def test_janitor_paths_are_gone_the_roots_are_the_one_setting(helm):
+    cp = helm("template", "kvo", CHART, "--set", "janitor.enabled=true", "--set", "janitor.paths={/mnt/nvme/x}", check=False)
+    assert cp.returncode != 0 and "paths" in cp.stderr, cp.stderr  # the schema refuses the removed key
+    cp = helm("template", "kvo", CHART, "--set", "janitor.enabled=true", "--set", "operator.config.allowedDiskRoots=null",
+              check=False)
+    assert cp.returncode != 0 and "allowedDiskRoots" in cp.stderr, cp.stderr
+
+
+def test_janitor_follows_the_nvme_label_and_the_roots(helm):
+    ds = _janitor(helm.render("-f", values_file("janitor"), "-f", values_file("custom-roots")))
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"node.example.com/local-nvme": "present"}
+    assert {a for a in pod["containers"][0]["args"] if a.startswith("--root")} == {"--root=/host/mnt/fast-nvme",
+                                                                                  "--root=/host/data/kvcache"}

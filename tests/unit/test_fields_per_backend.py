@@ -16,7 +16,7 @@ from kvoffload.api import crd
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
 from kvoffload.controller import conditions, pipeline
-from kvoffload.node import disk_cleaner
+from kvoffload.node import disk_cleaner, owner_marker
 from kvtest.specs import PAIR, spec
 
 NO_DISK = {"offload__disk": None}
@@ -115,7 +115,9 @@ def output(s: dict) -> object:
     status = conditions.status(body, d, None, conditions.Observed(None, []))
     for c in status["conditions"]:
         c.pop("lastTransitionTime", None)
-    cleaner = disk_cleaner.decide(("team-a", "svc"), {}, disk_cleaner.live_from_json([{"metadata": body["metadata"], "spec": s}]))
+    # deleted: its pod directory's owner marker names uid-1, and the watch's DELETED event recorded its final policy
+    owner = owner_marker.Owner("team-a", "svc", "svc-0", "uid-1")
+    cleaner = disk_cleaner.decide(owner, ("team-a", "svc"), {}, {"uid-1": disk_cleaner.policy_of({"spec": s})})
     return d.children, status, cleaner
 
 

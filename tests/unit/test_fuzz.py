@@ -180,17 +180,21 @@ def check_children(name: str, spec_dict: dict[str, Any], d: pipeline.Desired) ->
         assert math.isclose(lmcache["max_local_disk_size"] * tp, spec.offload.disk.size / GiB, rel_tol=1e-9, abs_tol=1e-6 * tp)
     else:
         assert "local_disk" not in lmcache and "max_local_disk_size" not in lmcache
-    # hostPath: only strictly below an allowed root, normalized, and always mounted per pod.
+    # hostPath: exactly an allowed root (never a tenant's path), and every mount a subPath below it: the tenant's
+    # part of the path, then the pod's own directory (the init container: its parent, <namespace>/<name>).
     volumes = {v["name"]: v for v in pod["volumes"]}
     for v in volumes.values():
         if "hostPath" in v:
             path = v["hostPath"]["path"]
-            assert posixpath.normpath(path) == path and path.startswith("/") and "//" not in path
-            assert any(path.startswith(root.rstrip("/") + "/") for root in SETTINGS.allowed_disk_roots), path
+            assert path in SETTINGS.allowed_disk_roots and v["hostPath"]["type"] == "Directory", v
+            assert spec.offload.disk is not None and spec.offload.disk.path is not None
+            rel = spec.offload.disk.path[len(path):].strip("/")
+            assert rel and posixpath.normpath(rel) == rel and not rel.startswith(".."), rel
             for c in containers:
                 for m in c.get("volumeMounts", []):
                     if m["name"] == v["name"]:
-                        assert m["subPathExpr"] == f"$(POD_NAMESPACE)/{name}/$(POD_NAME)", m
+                        own = f"{rel}/$(POD_NAMESPACE)/{name}" + ("" if c["name"] == "prepare-disk-tier" else "/$(POD_NAME)")
+                        assert m["subPathExpr"] == own, m
     for c in containers:
         assert {m["name"] for m in c.get("volumeMounts", [])} <= set(volumes)
     # Plain data: YAML and JSON round-trip.

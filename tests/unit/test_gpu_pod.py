@@ -70,10 +70,12 @@ def test_vllm_runs_the_rendered_command_with_only_the_model_changed(rendered):
 def test_every_mount_lands_on_its_volume_and_subpathexpr_is_expanded(rendered):
     r = rendered["workstation-llama31-8b"]
     run = pod(r)
-    disk = f"/d/node-dir/{r.namespace}/{r.name}/{r.name}-0"
+    # the hostPath volume is the allowed root (/mnt/nvme): the spec's lmcache/ is part of the subPath
+    disk = f"/d/node-dir/lmcache/{r.namespace}/{r.name}/{r.name}-0"
     by = {c.name: c.mounts for c in run.containers}
-    # the exporter reads the directory vLLM writes and the init container empties
-    assert by["vllm"]["/kvcache"] == (disk, False) and by["prepare-disk-tier"]["/kvcache"] == (disk, False)
+    # the exporter reads the directory vLLM writes and the init container makes, marks and empties (from its parent)
+    assert by["vllm"]["/kvcache"] == (disk, False)
+    assert by["prepare-disk-tier"] == {"/var/run/kvoffload/disk-parent": (disk.rsplit("/", 1)[0], False)}
     assert by["exporter"]["/kvcache"] == (disk, True) and run.disk_dir == disk
     assert run.multiproc_dir == "/w/pod/volumes/prometheus-multiproc"
     assert run.memory_volumes == {"dshm": gm.quantity(r.volumes["dshm"]["emptyDir"]["sizeLimit"])}
@@ -203,7 +205,7 @@ def test_pod_dry_run_lays_out_volumes_files_and_bundles(tmp_path, rendered):
             if m["type"] == "bind" and m["destination"] not in HOST.image_dirs:
                 assert Path(m["source"]).exists(), (name, m["destination"])
     assert (tmp_path / "pod" / "pod-files" / "resolv.conf").read_text() == "nameserver 127.0.0.1\n"
-    assert (tmp_path / "node-dir" / r.namespace / r.name / f"{r.name}-0").is_dir()
+    assert (tmp_path / "node-dir" / "lmcache" / r.namespace / r.name / f"{r.name}-0").is_dir()
     env = dict(e.split("=", 1) for e in p.box("exporter").spec["process"]["env"])
     assert env["PYTHONPATH"] == "/opt/kvimage/operator/site" and env["PATH"].startswith("/opt/kvimage/operator/bin:/opt/py/bin:")
 
@@ -407,7 +409,9 @@ def test_the_033_example_is_the_workstation_example_on_the_033_image(rendered):
     a, b = rendered["workstation-llama31-8b"], rendered["workstation-llama31-8b-vllm-0.33.0"]
     for x, y in zip(pod(a).containers, pod(b).containers, strict=True):
         assert dataclasses.replace(y, image=x.image) == x, x.name
-    assert {c.image for c in pod(b).containers if c.role != "exporter"} == {"ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6"}
+    # the exporter and the disk-tier init container run the operator image; everything else the serving image
+    assert {c.image for c in pod(b).containers if c.name not in ("exporter", "prepare-disk-tier")} == {
+        "ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6"}
 
 
 def test_the_bf16_example_is_the_workstation_example_with_a_bf16_cache(rendered):

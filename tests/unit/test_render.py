@@ -87,11 +87,16 @@ def test_pod_invariants(tp, disk):
     assert inits == (["prepare-disk-tier"] if disk else []) + ["report-engine-versions"]
     if disk:
         host = next(v for v in pod["volumes"] if v["name"] == "kv-disk")["hostPath"]
-        assert host["path"] == "/mnt/nvme/lmcache"
+        # The volume is exactly the admin's root; all the tenant chose is a subPath kubelet checks per component.
+        assert host == {"path": "/mnt/nvme", "type": "Directory"}
         mount = next(m for m in vllm["volumeMounts"] if m["name"] == "kv-disk")
-        assert mount["subPathExpr"] == "$(POD_NAMESPACE)/svc/$(POD_NAME)"
+        assert mount["subPathExpr"] == "lmcache/$(POD_NAMESPACE)/svc/$(POD_NAME)"
         assert pod["nodeSelector"] == {"kvoffload.io/nvme": "true"}
-        assert "find" in pod["initContainers"][0]["command"][-1]
+        prepare = pod["initContainers"][0]
+        assert prepare["image"] == Settings().kvoffload_image != vllm["image"]  # never the tenant's image as root
+        assert prepare["command"] == ["kvoffload"] and prepare["args"][0] == "prepare-disk-tier"
+        assert prepare["volumeMounts"] == [{"name": "kv-disk", "mountPath": render.DISK_PARENT_DIR,
+                                            "subPathExpr": "lmcache/$(POD_NAMESPACE)/svc"}]
     else:
         assert "nodeSelector" not in pod
     versions = pod["initContainers"][-1]

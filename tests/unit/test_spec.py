@@ -139,10 +139,18 @@ def test_vllms_own_do_not_track_stays_free():
 ])
 def test_disk_path_must_sit_strictly_below_an_allowed_root(path, ok):
     if ok:
-        assert check_disk_path(path, S.allowed_disk_roots) == path.rstrip("/")
+        assert check_disk_path(path, S.allowed_disk_roots)[0] == path.rstrip("/")
     else:
         with pytest.raises(ConfigError, match="spec.offload.disk.path"):
             check_disk_path(path, S.allowed_disk_roots)
+
+
+def test_the_volume_is_the_longest_allowed_root_and_the_rest_is_the_tenants():
+    roots = ("/mnt/nvme", "/mnt/nvme/fast", "/var/lib/kvoffload")
+    assert check_disk_path("/mnt/nvme/fast/kv/a", roots) == ("/mnt/nvme/fast/kv/a", "/mnt/nvme/fast")
+    assert check_disk_path("/mnt/nvme/fastx/kv", roots) == ("/mnt/nvme/fastx/kv", "/mnt/nvme")
+    disk = parse(spec(offload__disk={"path": "/mnt/nvme/lmcache/team", "size": "1Gi"}), S).offload.disk
+    assert disk is not None and (disk.root, disk.below_root) == ("/mnt/nvme", "lmcache/team")
 
 
 def test_no_allowed_roots_means_no_hostpath():

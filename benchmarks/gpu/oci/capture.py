@@ -138,6 +138,9 @@ def capture_rendered(c: Cluster, path: str, as_name: str, out: Path, timeout: fl
     sts = next(d for d in docs if d["kind"] == "StatefulSet")
     ns, pod = sts["metadata"]["namespace"], sts["metadata"]["name"] + "-0"
     c.client.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    for v in sts["spec"]["template"]["spec"].get("volumes", []):
+        if "hostPath" in v:  # the admin's root (type Directory): made here, as an admin makes it
+            Path(v["hostPath"]["path"]).mkdir(parents=True, exist_ok=True)
     for d in docs:
         c.client.apply(d)
     spec = sts["spec"]["template"]["spec"]

@@ -30,7 +30,8 @@ class Settings:
     # Names of the NVIDIA_* family (which the NVIDIA container runtime reads to add host devices and libraries to
     # the container) that spec.engine.env may set; by default none (api/managed.py ENV_PREFIXES).
     allowed_nvidia_env: tuple[str, ...] = ()
-    # Image of the exporter sidecar (the operator image carries the exporter too).
+    # Image of the exporter sidecar and of the disk-tier init container: the operator's own image, which carries
+    # the `kvoffload` package (images/operator/Dockerfile; the chart fills in its own image when this is empty).
     exporter_image: str = "ghcr.io/kvoffload/kvoffload:0.1.0"
     exporter_image_pull_policy: str = "IfNotPresent"
     # Node label (key=value) that marks nodes with local NVMe for the disk tier.
@@ -80,6 +81,12 @@ class Settings:
     # placement); set them to keep routers on CPU nodes, or on a dedicated pool.
     router_node_selector: dict[str, str] = field(default_factory=dict)
     router_tolerations: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def kvoffload_image(self) -> str:
+        """The image that carries the `kvoffload` package (exporter_image): what runs the operator's own code in a
+        serving pod, the exporter and the disk-tier init container, never the tenant's spec.engine.image."""
+        return self.exporter_image
 
     def nvme_selector(self) -> dict[str, str]:
         key, _, value = self.nvme_node_label.partition("=")

@@ -131,6 +131,16 @@ class DiskSpec:
     reclaim_policy: str
     node_selector: dict[str, str]
     read_gbps: Figure | None = None  # None: the planner's default
+    # The admin's allowed root that `path` lies under: the hostPath volume is exactly this directory, and
+    # everything the tenant chose below it is a subPath that kubelet opens component by component (O_NOFOLLOW).
+    root: str | None = None
+
+    @property
+    def below_root(self) -> str:
+        """The tenant's part of `path`, relative to `root` (at least one component: the root itself is refused)."""
+        if not self.path or not self.root:
+            return ""
+        return self.path[len(self.root):].strip("/")
 
 
 @dataclass(frozen=True)
@@ -376,8 +386,9 @@ def _engine(r: _Reader, settings: Settings) -> EngineSpec:
     )
 
 
-def check_disk_path(path: str, allowed_roots: tuple[str, ...]) -> str:
-    """A hostPath is host access: accept only a normalized absolute path strictly below an allowed root."""
+def check_disk_path(path: str, allowed_roots: tuple[str, ...]) -> tuple[str, str]:
+    """A hostPath is host access: accept only a normalized absolute path strictly below an allowed root.
+    Returns (path, root): the longest allowed root it lies under, which becomes the hostPath volume itself."""
     field_ = "spec.offload.disk.path"
     roots = ", ".join(allowed_roots) or "(none: the admin allowed no hostPath roots)"
     if not path.startswith("/"):
@@ -385,13 +396,17 @@ def check_disk_path(path: str, allowed_roots: tuple[str, ...]) -> str:
     if not rules.DISK_PATH_NORMALIZED.holds(path) or posixpath.normpath(path) != path.rstrip("/"):
         raise ConfigError(field_, rules.DISK_PATH_NORMALIZED.message)
     path = path.rstrip("/")
+    under = []
     for root in allowed_roots:
         root = posixpath.normpath(root)
         if path == root:
             raise ConfigError(field_, f"{path!r} is an allowed root itself; use a sub-directory such as {root}/lmcache")
         if path.startswith(root.rstrip("/") + "/"):
-            return path
-    raise ConfigError(field_, f"{path!r} is outside the allowed roots: {roots}")
+            under.append(root)
+    if not under:
+        raise ConfigError(field_, f"{path!r} is outside the allowed roots: {roots}")
+    # Nested roots: the longest one, so the volume is the most specific directory the admin made.
+    return path, max(under, key=len)
 
 
 def _figure(r: _Reader, path: str, setting: str, default: float) -> Figure:
@@ -419,8 +434,10 @@ def _offload(r: _Reader, settings: Settings) -> OffloadSpec:
         path, sc = _str(r, "offload.disk.path"), _str(r, "offload.disk.storageClassName")
         rules.DISK_ONE_OF.check(r.spec)
         node_selector = _str_map(r, "offload.disk.nodeSelector") or (settings.nvme_selector() if path else {})
+        path, root = check_disk_path(path, settings.allowed_disk_roots) if path is not None else (None, None)
         disk = DiskSpec(
-            path=check_disk_path(path, settings.allowed_disk_roots) if path is not None else None,
+            path=path,
+            root=root,
             storage_class=sc,
             size=_required_size(r, "offload.disk.size"),
             reclaim_policy=_enum(r, "offload.disk.reclaimPolicy"),

@@ -1,9 +1,11 @@
 """`kvoffload clean-disk`: remove this node's disk-tier directories of deleted KVOffloadServes.
 
-Run it on a node (a CronJob or DaemonSet with the disk root mounted, or by hand) with the live
-KVOffloadServes from a file (`kubectl get kvs -A -o json`) or from the API. Only directories of
-resources that no longer exist and whose reclaimPolicy was Delete are removed; `--state` remembers
-each resource's policy while it is live, so the next run knows it after the resource is gone.
+Run it on a node (the chart's DaemonSet with the allowed roots mounted, or by hand) with the live
+KVOffloadServes from a file (`kubectl get kvs -A -o json`) or from the API. Only pod directories of
+incarnations (metadata.uid, from the root-owned owner marker beside each) that no longer exist and whose
+final reclaimPolicy was Delete are removed. With --interval and the API it watches KVOffloadServes and records
+each deleted incarnation's final policy in --state at once; one-shot runs read that file, and an incarnation
+it does not name gets --unknown-policy.
 Exit status: 0 done, 1 some entries could not be removed (see the report), 2 bad input.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -21,20 +24,22 @@ from ..api import crd
 from ..api.errors import ConfigError
 from ..api.quantity import human
 from ..node.disk_cleaner import POLICIES, RETAIN, Report, live_from_json
-from ..node.janitor import JanitorMetrics, SweepConfig, loop, sweep
+from ..node.janitor import Incarnations, JanitorMetrics, Listed, Source, SweepConfig, loop, sweep, watch
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("clean-disk", help="remove disk-tier directories of deleted KVOffloadServes from this node",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", action="append", required=True, metavar="DIR",
-                   help="a disk-tier path on this node (spec.offload.disk.path, holding <namespace>/<name>/<pod>); repeatable")
+                   help="an allowed disk root on this node (operator.config.allowedDiskRoots, holding "
+                        "<rel>/<namespace>/<name>/<pod>); repeatable")
     live = p.add_mutually_exclusive_group(required=True)
     live.add_argument("--live-json", metavar="FILE", help="live KVOffloadServes: `kubectl get kvs -A -o json` output ('-' reads stdin)")
     live.add_argument("--kubeconfig", metavar="FILE", help="list the live KVOffloadServes from the API server with this kubeconfig")
     live.add_argument("--in-cluster", action="store_true", help="list them with the pod's service account (get/list kvoffloadserves)")
     p.add_argument("--state", metavar="FILE",
-                   help="JSON file that remembers each resource's reclaimPolicy between runs (read, then rewritten unless --dry-run)")
+                   help="JSON file of deleted incarnations' final reclaimPolicy (written by the watching janitor, read by "
+                        "one-shot runs); must lie outside every --root")
     p.add_argument("--unknown-policy", choices=POLICIES, default=RETAIN,
                    help="policy of a deleted resource that no earlier run saw (default: %(default)s, i.e. keep its files)")
     p.add_argument("--min-age", type=float, default=600, metavar="SECONDS",
@@ -59,15 +64,20 @@ def _read_json(path: str, what: str) -> Any:
         raise ConfigError(what, f"cannot read {path} as JSON: {exc}") from None
 
 
-def live_from_api(kubeconfig: str | None, in_cluster: bool) -> dict[tuple[str, str], str]:
-    """Every KVOffloadServe in the cluster. A failure raises: an unreadable live set must never read as 'none live'."""
+def _api(kubeconfig: str | None, in_cluster: bool) -> Any:
     from kubernetes import client, config
 
     if in_cluster:
         config.load_incluster_config()
-        api = client.ApiClient()
-    else:
-        api = config.new_client_from_config(config_file=kubeconfig)
+        return client.ApiClient()
+    return config.new_client_from_config(config_file=kubeconfig)
+
+
+def live_from_api(kubeconfig: str | None, in_cluster: bool) -> dict[tuple[str, str], str | None]:
+    """Every KVOffloadServe in the cluster. A failure raises: an unreadable live set must never read as 'none live'."""
+    from kubernetes import client
+
+    api = _api(kubeconfig, in_cluster)
     source = "--in-cluster" if in_cluster else "--kubeconfig"
     with api:
         try:
@@ -78,7 +88,7 @@ def live_from_api(kubeconfig: str | None, in_cluster: bool) -> dict[tuple[str, s
     return live_from_json(body, source)
 
 
-def _live(args: argparse.Namespace) -> dict[tuple[str, str], str]:
+def _live(args: argparse.Namespace) -> dict[tuple[str, str], str | None]:
     if args.live_json:
         return live_from_json(_read_json(args.live_json, "--live-json"))
     return live_from_api(args.kubeconfig, args.in_cluster)
@@ -94,7 +104,21 @@ def _serve_metrics(listen: str, metrics: JanitorMetrics) -> None:
     start_http_server(int(port), addr=host, registry=metrics.registry)
 
 
+def check_state_outside(state: str | None, roots: list[str]) -> None:
+    """A state file below a root is reachable by a tenant's spec path (kubelet would create a directory of
+    its name and every later sweep would fail): refuse it."""
+    if not state:
+        return
+    where = os.path.realpath(os.path.dirname(os.path.abspath(state)))
+    for root in roots:
+        real = os.path.realpath(root)
+        if where == real or where.startswith(real.rstrip("/") + "/"):
+            raise ConfigError("--state", f"{state} lies below --root {root}, where a tenant's spec.offload.disk.path "
+                                         "can reach it; keep it outside every root (the chart's janitor.statePath)")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_state_outside(args.state, args.root)
     cfg = SweepConfig(roots=tuple(args.root), state=args.state, unknown_policy=args.unknown_policy,
                       min_age=args.min_age, dry_run=args.dry_run)
     if args.interval > 0:
@@ -105,16 +129,27 @@ def run(args: argparse.Namespace) -> int:
         if args.metrics_listen:
             _serve_metrics(args.metrics_listen, metrics)
         stop = threading.Event()
+        source: Source
+        if args.live_json:
+            source = Listed(lambda: _live(args), args.state)
+        else:
+            store = Incarnations(args.state, dry_run=args.dry_run)
+            api = _api(args.kubeconfig, args.in_cluster)
+            threading.Thread(target=watch, args=(store, stop, api), name="watch", daemon=True).start()
+            for _ in range(600):  # the first sweep waits for the first listing (a minute at most)
+                if store.synced or stop.wait(0.1):
+                    break
+            source = store
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            loop(cfg, lambda: _live(args), metrics, args.interval, stop, lambda reports: _print(args, reports))
+            loop(cfg, source, metrics, args.interval, stop, lambda reports: _print(args, reports))
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return 0
     if args.metrics_listen:
         raise ConfigError("--metrics-listen", "needs --interval (a single run exits before anything scrapes it)")
-    reports = sweep(cfg, _live(args))
+    reports = sweep(cfg, Listed(lambda: _live(args), args.state).view())
     return _print(args, reports)
 
 

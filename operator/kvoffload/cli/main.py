@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "run": "kvoffload.cli.run",
     "exporter": "kvoffload.exporter.cli",
     "clean-disk": "kvoffload.cli.clean_disk",
+    "prepare-disk-tier": "kvoffload.cli.prepare_disk",
 }
 
 

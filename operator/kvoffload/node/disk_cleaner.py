@@ -1,23 +1,26 @@
 """Node-side cleaner for the disk tier: remove the per-pod directories of KVOffloadServes that are gone.
 
-Every serving pod writes LMCache's disk tier into `<path>/<namespace>/<name>/<pod>` on its node
-(a hostPath under an admin-allowed root). The init container empties that directory whenever a
-pod starts, but nothing runs on a node after the resource is deleted: its files stay there until
-this cleaner removes them. It removes `<root>/<ns>/<name>/<pod>` only when
-- `<ns>/<name>` is not a live KVOffloadServe, and
-- its reclaimPolicy was Delete: the policy of a deleted resource is what an earlier run saw while it
-  was live (the state file), else `unknown_policy` (Retain unless the admin says otherwise), and
-- the pod directory was not modified for `min_age` seconds (a resource deleted and re-created
-  under the same name between the listing and the removal keeps its fresh files), and
-- the entries look like ours: namespace and name are DNS labels, pods are `<name>-<ordinal>`.
+Every serving pod writes LMCache's disk tier into `<root>/<rel>/<namespace>/<name>/<pod>` on its node: `<root>` is
+an admin-allowed root (the hostPath volume), `<rel>` the tenant's part of spec.offload.disk.path. The init container
+empties the pod directory whenever a pod starts and writes a root-owned owner marker next to it
+(node/owner_marker.py: the resource's metadata.uid), but nothing runs on a node after the resource is deleted.
+This cleaner walks each root and removes `<...>/<namespace>/<name>/<pod>` only when
+- its marker's incarnation (uid) is not a live KVOffloadServe, and
+- that incarnation's reclaimPolicy was Delete: the policy in its final spec, recorded when the janitor's watch
+  saw it deleted (`deleted`, uid -> policy); an incarnation whose deletion was not seen (the janitor was down, or
+  one-shot runs) or a directory without a marker gets `unknown_policy` (Retain unless the admin says otherwise), and
+- the pod directory was not modified for `min_age` seconds.
+
+Where it looks: only directories owned by root (kubelet makes `<rel>/<namespace>/<name>` as root; pods own only
+their pod directories, as UID 1000), never through a link, never onto another file system, at most MAX_WALK deep.
+A directory holding root-owned markers is a `<namespace>/<name>` directory; the markers name their pods.
 
 It never follows a symbolic link and never leaves the root: every directory is opened relative to
 its parent's file descriptor with O_NOFOLLOW | O_DIRECTORY and checked to be the entry that was
 listed (same device and inode); files and links are unlinked relative to that descriptor, so a
 link inside a pod directory is removed itself and whatever it points to is never touched. A root
-that is itself a symbolic link is refused, and other file systems mounted below the root are not
-entered. Anything unexpected (a file where a directory should be, a link, a permission error) is
-left in place and reported. Dry-run mode reports what would go and the bytes it would free.
+that is itself a symbolic link is refused. Anything unexpected is left in place and reported.
+Dry-run mode reports what would go and the bytes it would free.
 
 Pure parts (deciding, reading the live set and the state) are separate from the I/O (the walk).
 """
@@ -30,19 +33,22 @@ import re
 import stat
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from ..api import crd
 from ..api.errors import ConfigError
+from . import owner_marker
 
 DELETE, RETAIN = "Delete", "Retain"
 POLICIES = (DELETE, RETAIN)
 Key = tuple[str, str]  # (namespace, name)
+Live = Mapping[Key, "str | None"]  # live KVOffloadServes: (namespace, name) -> metadata.uid (None: not known)
 
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _NAME = re.compile(crd.NAME_PATTERN.removeprefix("^").removesuffix("$"))
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 MAX_DEPTH = 32  # below a pod directory; LMCache writes a flat directory
+MAX_WALK = 64  # root-owned directories below a root: <rel> (the CRD bounds the path to 512 characters) + ns/name
 
 
 @dataclass
@@ -53,7 +59,7 @@ class Report:
     kept: list[dict[str, str]] = field(default_factory=list)  # {"path", "reason"}: ours, deliberately left
     skipped: list[dict[str, str]] = field(default_factory=list)  # {"path", "reason"}: not ours or not safe to enter
     errors: list[dict[str, str]] = field(default_factory=list)  # {"path", "error"}
-    present: set[Key] = field(default_factory=set)  # (namespace, name) directories still on disk afterwards
+    referenced: set[str] = field(default_factory=set)  # uids that owner markers on disk still name afterwards
 
     @property
     def bytes_freed(self) -> int:
@@ -67,31 +73,36 @@ class Report:
 # ----------------------------------------------------------------------------- pure parts
 
 
-def decide(key: Key, live: Mapping[Key, str], remembered: Mapping[Key, str], unknown_policy: str = RETAIN) -> tuple[bool, str]:
-    """(remove?, why) for the directories of one (namespace, name)."""
-    if key in live:
+def decide(owner: owner_marker.Owner | None, key: Key, live: Live, deleted: Mapping[str, str],
+           unknown_policy: str = RETAIN) -> tuple[bool, str]:
+    """(remove?, why) for one pod directory, by the incarnation its owner marker names."""
+    uid = owner.uid if owner else ""
+    if key in live and (not uid or live[key] in (None, uid)):
         return False, "the KVOffloadServe exists"
-    policy = remembered.get(key)
-    source = "last seen" if policy else "unknown, deleted before the cleaner saw it; --unknown-policy"
-    policy = policy or unknown_policy
+    if uid and uid in deleted:
+        policy, source = deleted[uid], f"the final spec of uid {uid}"
+    elif uid:
+        policy, source = unknown_policy, f"uid {uid} was deleted while the janitor was not watching; --unknown-policy"
+    else:
+        policy, source = unknown_policy, "no owner uid in its marker; --unknown-policy"
     if policy != DELETE:
         return False, f"deleted, reclaimPolicy {policy} ({source})"
     return True, f"deleted, reclaimPolicy {DELETE} ({source})"
 
 
-def _policy_of(item: Mapping[str, Any]) -> str:
+def policy_of(item: Mapping[str, Any]) -> str:
     disk = ((item.get("spec") or {}).get("offload") or {}).get("disk") or {}
     policy = disk.get("reclaimPolicy") or crd.default_at("offload.disk.reclaimPolicy")
     return policy if policy in POLICIES else RETAIN  # an unexpected value never deletes
 
 
-def live_from_json(data: Any, source: str = "--live-json") -> dict[Key, str]:
+def live_from_json(data: Any, source: str = "--live-json") -> dict[Key, str | None]:
     """The live set from `kubectl get kvs -A -o json` (a List), a list of KVOffloadServes, or a list of
-    {"namespace", "name", "reclaimPolicy"} entries. Anything else is an error, never an empty set."""
+    {"namespace", "name", "uid"?} entries. Anything else is an error, never an empty set."""
     items = data.get("items") if isinstance(data, dict) else data
     if not isinstance(items, list):
         raise ConfigError(source, "must be a JSON list, or an object with `items` (kubectl get kvs -A -o json)")
-    live: dict[Key, str] = {}
+    live: dict[Key, str | None] = {}
     for item in items:
         if not isinstance(item, dict):
             raise ConfigError(source, f"{item!r} is not an object")
@@ -99,33 +110,28 @@ def live_from_json(data: Any, source: str = "--live-json") -> dict[Key, str]:
             if item.get("kind", crd.KIND) != crd.KIND:
                 raise ConfigError(source, f"holds a {item.get('kind')}, not {crd.KIND}s")
             meta = item["metadata"] or {}
-            ns, name, policy = meta.get("namespace"), meta.get("name"), _policy_of(item)
+            ns, name, uid = meta.get("namespace"), meta.get("name"), meta.get("uid")
         else:
-            ns, name, policy = item.get("namespace"), item.get("name"), item.get("reclaimPolicy", DELETE)
-        if not isinstance(ns, str) or not isinstance(name, str) or not ns or not name or policy not in POLICIES:
-            raise ConfigError(source, f"entry {item!r} needs a namespace, a name and a reclaimPolicy of Delete or Retain")
-        live[(ns, name)] = policy
+            ns, name, uid = item.get("namespace"), item.get("name"), item.get("uid")
+        if not isinstance(ns, str) or not isinstance(name, str) or not ns or not name or not isinstance(uid, (str, type(None))):
+            raise ConfigError(source, f"entry {item!r} needs a namespace and a name (and a uid, if any, as a string)")
+        live[(ns, name)] = uid or None
     return live
 
 
-def load_state(data: Any) -> dict[Key, str]:
-    """Policies remembered from earlier runs: {"policies": {"<namespace>/<name>": "Delete"|"Retain"}}."""
-    policies = (data or {}).get("policies", {}) if isinstance(data, dict) else None
-    if not isinstance(policies, dict):
-        raise ConfigError("--state", "must be a JSON object with `policies`")
-    out: dict[Key, str] = {}
-    for key, policy in policies.items():
-        ns, _, name = str(key).partition("/")
-        if ns and name and policy in POLICIES:
-            out[(ns, name)] = policy
-    return out
+def load_state(data: Any) -> dict[str, str]:
+    """Final policies of deleted incarnations: {"deleted": {"<uid>": {"namespace", "name", "reclaimPolicy"}}}.
+    A state of the earlier format ({"policies": {"<ns>/<name>": ...}}, by name, not by incarnation) is not
+    trusted: it reads as empty, so those resources get --unknown-policy."""
+    deleted = (data or {}).get("deleted", {}) if isinstance(data, dict) else None
+    if not isinstance(deleted, dict):
+        raise ConfigError("--state", "must be a JSON object with `deleted`")
+    return {str(uid): entry["reclaimPolicy"] for uid, entry in deleted.items()
+            if isinstance(entry, dict) and entry.get("reclaimPolicy") in POLICIES}
 
 
-def next_state(remembered: Mapping[Key, str], live: Mapping[Key, str], present: Iterable[Key]) -> dict[str, Any]:
-    """Remember every live resource's policy; forget deleted ones whose directories are gone."""
-    still = set(present)
-    merged = {**{k: v for k, v in remembered.items() if k in still}, **live}
-    return {"policies": {f"{ns}/{name}": merged[(ns, name)] for ns, name in sorted(merged)}}
+def dump_state(deleted: Mapping[str, dict[str, str]]) -> dict[str, Any]:
+    return {"deleted": {uid: dict(deleted[uid]) for uid in sorted(deleted)}}
 
 
 def _pod_pattern(name: str) -> re.Pattern[str]:
@@ -176,19 +182,9 @@ class _Walk:
         msg = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         self.report.errors.append({"path": path, "error": msg})
 
-    def remove_tree(self, parent_fd: int, name: str, st: os.stat_result, rel: str, depth: int = 0) -> tuple[int, int, bool]:
-        """Remove directory `name` (listed as `st`) and everything in it. Returns (bytes, files, complete)."""
-        if st.st_dev != self.root_dev:
-            self.report.skipped.append({"path": rel, "reason": "another file system is mounted here; not crossing it"})
-            return 0, 0, False
-        if depth > MAX_DEPTH:
-            self.report.skipped.append({"path": rel, "reason": f"nested deeper than {MAX_DEPTH} directories; left for the admin"})
-            return 0, 0, False
-        try:
-            fd = _open_dir(parent_fd, name, st)
-        except OSError as exc:
-            self.error(rel, exc)
-            return 0, 0, False
+    def empty(self, fd: int, rel: str, depth: int = 0) -> tuple[int, int, bool]:
+        """Remove everything in the open directory `fd` (fd-relative, never following a link).
+        Returns (bytes, files, complete)."""
         freed = files = 0
         complete = True
         try:
@@ -215,6 +211,23 @@ class _Walk:
         except OSError as exc:
             self.error(rel, exc)
             complete = False
+        return freed, files, complete
+
+    def remove_tree(self, parent_fd: int, name: str, st: os.stat_result, rel: str, depth: int = 0) -> tuple[int, int, bool]:
+        """Remove directory `name` (listed as `st`) and everything in it. Returns (bytes, files, complete)."""
+        if st.st_dev != self.root_dev:
+            self.report.skipped.append({"path": rel, "reason": "another file system is mounted here; not crossing it"})
+            return 0, 0, False
+        if depth > MAX_DEPTH:
+            self.report.skipped.append({"path": rel, "reason": f"nested deeper than {MAX_DEPTH} directories; left for the admin"})
+            return 0, 0, False
+        try:
+            fd = _open_dir(parent_fd, name, st)
+        except OSError as exc:
+            self.error(rel, exc)
+            return 0, 0, False
+        try:
+            freed, files, complete = self.empty(fd, rel, depth)
         finally:
             os.close(fd)
         if complete and not self.dry_run:
@@ -226,25 +239,10 @@ class _Walk:
         return freed, files, complete
 
 
-def _subdirs(walk: _Walk, fd: int, rel: str, pattern: re.Pattern[str], what: str) -> Iterable[tuple[str, os.stat_result]]:
-    """Real directories below `fd` whose names match `pattern`; everything else is reported and left alone."""
-    for name, st in _entries(fd):
-        path = f"{rel}/{name}" if rel else name
-        if st is None:
-            continue
-        if not pattern.fullmatch(name):
-            walk.report.skipped.append({"path": path, "reason": f"not a {what} directory of kvoffload"})
-        elif not stat.S_ISDIR(st.st_mode):
-            walk.report.skipped.append({"path": path, "reason": f"expected a {what} directory, found {_what(st)}"})
-        elif st.st_dev != walk.root_dev:
-            walk.report.skipped.append({"path": path, "reason": "another file system is mounted here; not crossing it"})
-        else:
-            yield name, st
-
-
 def open_root(root: str) -> int:
     if not isinstance(root, str) or not root.startswith("/") or os.path.normpath(root) in ("/", "//"):
-        raise ConfigError("--root", f"{root!r} must be an absolute directory below / (the disk tier's spec.offload.disk.path)")
+        raise ConfigError("--root", f"{root!r} must be an absolute directory below / "
+                                    "(an allowed disk root, operator.config.allowedDiskRoots)")
     try:
         return os.open(root, _OPEN_DIR)
     except OSError as exc:
@@ -253,84 +251,112 @@ def open_root(root: str) -> int:
         raise ConfigError("--root", f"{root}: {exc.strerror}") from None
 
 
-def clean(root: str, live: Mapping[Key, str], *, remembered: Mapping[Key, str] | None = None,
-          unknown_policy: str = RETAIN, dry_run: bool = False, min_age: float = 600.0, now: float | None = None) -> Report:
-    """Remove `<root>/<ns>/<name>/<pod>` of deleted KVOffloadServes whose reclaimPolicy is Delete (see the module doc)."""
+def clean(root: str, live: Live, *, deleted: Mapping[str, str] | None = None, unknown_policy: str = RETAIN,
+          dry_run: bool = False, min_age: float = 600.0, now: float | None = None) -> Report:
+    """Remove pod directories of deleted incarnations whose reclaimPolicy is Delete below `root` (the module doc)."""
     if unknown_policy not in POLICIES:
         raise ConfigError("--unknown-policy", f"{unknown_policy!r} must be Delete or Retain")
-    remembered = remembered or {}
-    now = time.time() if now is None else now
     report = Report(root=root, dry_run=dry_run)
     root_fd = open_root(root)
     try:
         walk = _Walk(report, os.fstat(root_fd).st_dev, dry_run)
-        for ns, ns_st in _subdirs(walk, root_fd, "", _NAMESPACE, "namespace"):
-            try:
-                ns_fd = _open_dir(root_fd, ns, ns_st)
-            except OSError as exc:
-                walk.error(ns, exc)
-                continue
-            try:
-                emptied = _clean_namespace(walk, ns_fd, ns, live, remembered, unknown_policy, min_age, now)
-            finally:
-                os.close(ns_fd)
-            if emptied and not dry_run:
-                try:
-                    os.rmdir(ns, dir_fd=root_fd)
-                except OSError as exc:
-                    if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                        walk.error(ns, exc)
+        _Sweep(walk, live, deleted or {}, unknown_policy, min_age, time.time() if now is None else now).visit(root_fd, ())
     finally:
         os.close(root_fd)
     return report
 
 
-def _clean_namespace(walk: _Walk, ns_fd: int, ns: str, live: Mapping[Key, str], remembered: Mapping[Key, str],
-                     unknown_policy: str, min_age: float, now: float) -> bool:
-    """Clean one namespace directory; True when something was removed and nothing of ours is left in it."""
-    report, removed_any, left_any = walk.report, False, False
-    for name, name_st in _subdirs(walk, ns_fd, ns, _NAME, "KVOffloadServe"):
-        rel = f"{ns}/{name}"
-        remove, why = decide((ns, name), live, remembered, unknown_policy)
-        if not remove:
-            report.kept.append({"path": rel, "reason": why})
-            report.present.add((ns, name))
-            left_any = True
-            continue
-        try:
-            name_fd = _open_dir(ns_fd, name, name_st)
-        except OSError as exc:
-            walk.error(rel, exc)
-            report.present.add((ns, name))
-            left_any = True
-            continue
-        complete = True
-        try:
-            for pod, pod_st in _subdirs(walk, name_fd, rel, _pod_pattern(name), "pod"):
-                pod_rel = f"{rel}/{pod}"
-                age = now - pod_st.st_mtime
-                if age < min_age:
-                    report.kept.append({"path": pod_rel, "reason": f"modified {age:.0f}s ago, less than --min-age {min_age:g}s"})
-                    complete = False
+NAME_EMPTIED, NAMESPACE_TRY = 2, 1  # what visit() asks of its caller: remove me (and try my parent), or try me
+
+
+@dataclass
+class _Sweep:
+    walk: _Walk
+    live: Live
+    deleted: Mapping[str, str]
+    unknown_policy: str
+    min_age: float
+    now: float
+
+    def visit(self, fd: int, parts: tuple[str, ...]) -> int:
+        """Clean the root-owned directory `fd` (at `parts` below the root) and what lies below it.
+        Returns NAME_EMPTIED for a `<namespace>/<name>` directory the sweep emptied, NAMESPACE_TRY for the
+        directory above one it removed, else 0: only those two levels go, the tenant's `<rel>` may be shared."""
+        entries = [(n, st) for n, st in _entries(fd) if st is not None]
+        pods = {p for n, st in entries
+                if (p := owner_marker.pod_of(n)) and stat.S_ISREG(st.st_mode) and st.st_uid == 0}
+        result = 0
+        if pods and len(parts) >= 2:
+            result = NAME_EMPTIED if self.incarnations(fd, parts, pods, dict(entries)) else 0
+        for name, st in entries:
+            if (name in pods or not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_dev != self.walk.root_dev
+                    or len(parts) >= MAX_WALK):
+                continue  # pods' own directories (UID 1000's), files, links, other file systems: never walked
+            rel = "/".join((*parts, name))
+            try:
+                child = _open_dir(fd, name, st)
+            except OSError as exc:
+                self.walk.error(rel, exc)
+                continue
+            try:
+                asks = self.visit(child, (*parts, name))
+            finally:
+                os.close(child)
+            if not asks or self.walk.dry_run:
+                continue
+            try:
+                os.rmdir(name, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    self.walk.error(rel, exc)
+                continue
+            if asks == NAME_EMPTIED and not result:
+                result = NAMESPACE_TRY
+        return result
+
+    def incarnations(self, fd: int, parts: tuple[str, ...], pods: set[str], entries: dict[str, os.stat_result]) -> bool:
+        """One `<namespace>/<name>` directory: decide on each marked pod directory by its owner's uid.
+        True when nothing is left in it afterwards (not in dry-run)."""
+        ns, name = parts[-2], parts[-1]
+        rel, report = "/".join(parts), self.walk.report
+        if not _NAMESPACE.fullmatch(ns) or not _NAME.fullmatch(name):
+            report.skipped.append({"path": rel, "reason": "not a <namespace>/<name> directory of kvoffload"})
+            return False
+        pod_name = _pod_pattern(name)
+        for pod in sorted(pods):
+            pod_rel = f"{rel}/{pod}"
+            owner = owner_marker.read(fd, ns, name, pod)
+            if owner is None or not pod_name.fullmatch(pod):
+                report.skipped.append({"path": pod_rel, "reason": "its owner marker is not one kvoffload wrote; left"})
+                continue
+            remove, why = decide(owner, (ns, name), self.live, self.deleted, self.unknown_policy)
+            st = entries.get(pod)
+            if not remove:
+                report.kept.append({"path": pod_rel, "reason": why})
+                if owner.uid:
+                    report.referenced.add(owner.uid)
+                continue
+            if st is not None and not stat.S_ISDIR(st.st_mode):
+                report.skipped.append({"path": pod_rel, "reason": f"expected a pod directory, found {_what(st)}"})
+                continue
+            if st is not None:
+                age = self.now - st.st_mtime
+                if age < self.min_age:
+                    report.kept.append({"path": pod_rel, "reason": f"modified {age:.0f}s ago, less than --min-age "
+                                                                   f"{self.min_age:g}s"})
+                    report.referenced.add(owner.uid)
                     continue
-                freed, files, ok = walk.remove_tree(name_fd, pod, pod_st, pod_rel)
-                complete = complete and ok
+                if owner_marker.read(fd, ns, name, pod) != owner:  # a new incarnation's pod took it meanwhile
+                    report.kept.append({"path": pod_rel, "reason": "its owner changed while the janitor looked"})
+                    continue
+                freed, files, ok = self.walk.remove_tree(fd, pod, st, pod_rel)
                 if ok or files:  # a partial removal still freed something; its errors are reported
                     report.removed.append({"path": pod_rel, "bytes": freed, "files": files, "complete": ok, "reason": why})
-            leftovers = [n for n, st in _entries(name_fd) if st is not None]
-        finally:
-            os.close(name_fd)
-        if walk.dry_run:
-            report.present.add((ns, name))
-            removed_any = True
-            continue
-        if complete and not leftovers:
-            try:
-                os.rmdir(name, dir_fd=ns_fd)
-                removed_any = True
-                continue
-            except OSError as exc:
-                walk.error(rel, exc)
-        report.present.add((ns, name))
-        left_any = True
-    return removed_any and not left_any and not walk.dry_run
+                if not ok:
+                    report.referenced.add(owner.uid)
+                    continue
+            if not self.walk.dry_run:
+                owner_marker.remove(fd, pod)
+        if self.walk.dry_run:
+            return False
+        return not any(st is not None for _, st in _entries(fd))

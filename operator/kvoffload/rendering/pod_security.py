@@ -10,9 +10,10 @@ ephemeral-storage request:
 - /tmp.
 
 A pod with a hostPath disk tier is refused at "baseline" and "restricted" whatever its security
-context (hostPath volumes are "privileged"-only). Its init container runs as root with only
-CHOWN, DAC_OVERRIDE and FOWNER to empty the pod's node directory and hand it to the serving user:
-kubelet creates that directory root-owned, and the engine does not run as root.
+context (hostPath volumes are "privileged"-only). Its init container (the operator's image, `kvoffload
+prepare-disk-tier`) runs as root with only CHOWN, DAC_OVERRIDE and FOWNER to create, mark and empty the pod's
+node directory and hand it to the serving user: kubelet creates its parents root-owned, and the engine does not
+run as root.
 """
 
 from __future__ import annotations
@@ -70,13 +71,6 @@ def disk_init_security_context(spec: Spec) -> dict[str, Any]:
                 "capabilities": {"drop": ["ALL"], "add": list(HOSTPATH_INIT_CAPS)},
                 "seccompProfile": {"type": "RuntimeDefault"}}
     return restricted(readOnlyRootFilesystem=True, runAsNonRoot=True, runAsUser=SERVING_UID, runAsGroup=SERVING_GID)
-
-
-def disk_init_handover(spec: Spec) -> str:
-    """Shell run after the directory is emptied: hand a hostPath directory to the serving user (group-readable for the exporter)."""
-    if not uses_host_path(spec):
-        return ""
-    return f'chown {SERVING_UID}:{SERVING_GID} "$d"; chmod 0750 "$d"; '
 
 
 def engine_env(spec: Spec) -> list[dict[str, Any]]:

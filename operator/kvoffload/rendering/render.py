@@ -188,28 +188,47 @@ def vllm_argv(container: dict[str, Any]) -> list[str]:
     return container["command"][3:] + container["args"]
 
 
+# Where the hostPath init container sees <root>/<rel>/<namespace>/<name>, the parent of the pod's directory.
+DISK_PARENT_DIR = "/var/run/kvoffload/disk-parent"
+
+
+def _disk_sub_path(owner: Owner, spec: Spec, *, pod: bool = True) -> str:
+    """Everything below the admin's root: the tenant's part of the path, then namespace/name(/pod). kubelet
+    opens each of these components with O_NOFOLLOW and refuses one that leaves the volume (the root)."""
+    assert spec.offload.disk is not None
+    tail = f"$(POD_NAMESPACE)/{owner.name}" + ("/$(POD_NAME)" if pod else "")
+    return f"{spec.offload.disk.below_root}/{tail}"
+
+
 def _disk_mount(owner: Owner, spec: Spec, *, read_only: bool) -> dict[str, Any]:
     # readOnly is omitempty in the API: only ever write `true`, or the live object never matches.
     mount: dict[str, Any] = {"name": "kv-disk", "mountPath": DISK_DIR, **({"readOnly": True} if read_only else {})}
     if spec.offload.disk and spec.offload.disk.path:
-        # Each pod gets <path>/<namespace>/<name>/<pod>; kubelet refuses a subPath that escapes the volume.
-        mount["subPathExpr"] = f"$(POD_NAMESPACE)/{owner.name}/$(POD_NAME)"
+        # Each pod gets <root>/<rel>/<namespace>/<name>/<pod>; kubelet refuses a subPath that escapes the volume.
+        mount["subPathExpr"] = _disk_sub_path(owner, spec)
     return mount
 
 
-def _disk_init_container(owner: Owner, spec: Spec) -> dict[str, Any]:
+def _disk_init_container(owner: Owner, spec: Spec, settings: Settings) -> dict[str, Any]:
     # LMCache 0.5.6 starts with an empty index and never counts old files: empty the directory
-    # first or the disk fills past its budget after every restart.
-    script = ('set -eu; d="' + DISK_DIR + '"; '
-              'find "$d" -xdev -mindepth 1 -delete; ' + pod_security.disk_init_handover(spec) +
-              'echo "kvoffload: emptied $d ($POD_NAMESPACE/' + owner.name + '/$POD_NAME)"')
+    # first or the disk fills past its budget after every restart. The operator's own image (it carries
+    # `kvoffload`), never the tenant's: this container is the only one that runs as root.
+    if pod_security.uses_host_path(spec):
+        args = ["prepare-disk-tier", "--parent", DISK_PARENT_DIR, "--namespace", "$(POD_NAMESPACE)",
+                "--name", owner.name, "--pod", "$(POD_NAME)", *(["--owner-uid", owner.uid] if owner.uid else []),
+                "--chown", f"{pod_security.SERVING_UID}:{pod_security.SERVING_GID}"]
+        mount = {"name": "kv-disk", "mountPath": DISK_PARENT_DIR, "subPathExpr": _disk_sub_path(owner, spec, pod=False)}
+    else:
+        args, mount = ["prepare-disk-tier", "--dir", DISK_DIR], _disk_mount(owner, spec, read_only=False)
     return {
         "name": "prepare-disk-tier",
-        "image": spec.engine.image,
-        "command": ["/bin/sh", "-c", script],
+        "image": settings.kvoffload_image,
+        "imagePullPolicy": settings.exporter_image_pull_policy,
+        "command": ["kvoffload"],
+        "args": args,
         "env": _pod_env(),
         "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
-        "volumeMounts": [_disk_mount(owner, spec, read_only=False)],
+        "volumeMounts": [mount],
         "securityContext": pod_security.disk_init_security_context(spec),
     }
 
@@ -278,7 +297,9 @@ def _volumes(owner: Owner, spec: Spec, budget: Budget, config: bool) -> list[dic
         volumes.append({"name": "engine-info", "emptyDir": {"sizeLimit": "1Mi"}})
     disk = spec.offload.disk
     if disk and disk.path:
-        volumes.append({"name": "kv-disk", "hostPath": {"path": disk.path, "type": "DirectoryOrCreate"}})
+        # Exactly the admin's root, which must exist (Directory): a missing root means the NVMe is not mounted,
+        # and DirectoryOrCreate would put the cache on the node's root file system instead.
+        volumes.append({"name": "kv-disk", "hostPath": {"path": disk.root, "type": "Directory"}})
     elif disk:
         volumes.append({"name": "kv-disk", "ephemeral": {"volumeClaimTemplate": {
             "metadata": {"labels": selector_labels(owner)},
@@ -302,7 +323,7 @@ def statefulset(owner: Owner, spec: Spec, budget: Budget, settings: Settings, co
         "containers": containers,
         "volumes": _volumes(owner, spec, budget, config),
     }
-    init = ([_disk_init_container(owner, spec)] if spec.offload.disk else []) + (
+    init = ([_disk_init_container(owner, spec, settings)] if spec.offload.disk else []) + (
         [_versions_init_container(spec)] if spec.metrics_enabled else []) + _sidecars(owner, spec, budget, backend)
     if init:
         pod["initContainers"] = init
