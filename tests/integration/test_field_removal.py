@@ -119,7 +119,7 @@ FIELDS = [
     Row("autoscaling.targets.waitingRequestsPerReplica", 8,
         needs={**NO_PODS, "autoscaling": {**SCALE, "targets": {"kvCacheUsagePercent": 80}}}),
     Row("autoscaling.targets.kvCacheUsagePercent", 80, needs={**NO_PODS, "autoscaling": SCALE}),
-    Row("autoscaling.targets.promptRecomputePercent", 20, needs={**NO_PODS, "autoscaling": SCALE}),
+    Row("autoscaling.targets.queueTimeP90Milliseconds", 20, needs={**NO_PODS, "autoscaling": SCALE}),
     Row("autoscaling.wakeQuery", "sum(gateway_queued{model='m'})",
         needs={**NO_PODS, "autoscaling": {**SCALE, "minReplicas": 0}}, instead={"minReplicas": 1},
         refused_by_hpa="spec.autoscaling.minReplicas"),

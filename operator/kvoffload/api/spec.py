@@ -488,7 +488,7 @@ def _autoscaling(r: _Reader, settings: Settings) -> AutoscalingSpec | None:
     bound = lambda path: _int(r, f"autoscaling.{path}", _node(f"autoscaling.{path}").get("minimum", 0),  # noqa: E731
                               _node(f"autoscaling.{path}")["maximum"])
     lo, hi = bound("minReplicas"), bound("maxReplicas")
-    names = list(_node("autoscaling.targets")["properties"])
+    names = [n for n in _node("autoscaling.targets")["properties"] if n not in crd.REMOVED_TARGETS]  # refused: rules.py
     if not isinstance(r.get("autoscaling.targets", None), dict):
         raise ConfigError("spec.autoscaling.targets", f"is required: an object with at least one of {', '.join(names)}")
     targets = {n: bound(f"targets.{n}") for n in names if r.has(f"autoscaling.targets.{n}")}
