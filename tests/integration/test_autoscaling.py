@@ -77,7 +77,7 @@ def keda(cluster, crd_installed, tmp_path_factory) -> Iterator[Keda]:
 @pytest.fixture
 def stack(cluster, namespace, keda, tmp_path) -> Iterator[tuple[StandInEngines, FakeVllm, OperatorProcess]]:
     """Prometheus scraping the stand-in engines of `llama31-8b-autoscaled` and a stand-in gateway, and the
-    operator with autoscaler keda."""
+    operator with autoscaler auto, which picks KEDA (its CRDs are served and prometheusAddress is set)."""
     name = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
     targets = tmp_path / "engines.json"
     engines = StandInEngines(cluster.client, namespace, name, targets)
@@ -86,11 +86,12 @@ def stack(cluster, namespace, keda, tmp_path) -> Iterator[tuple[StandInEngines, 
         {"job_name": "engines", "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "1s"}]},
         {"job_name": "gateway", "static_configs": [{"targets": [gateway.url.split("//", 1)[1].split("/", 1)[0]]}]}])
     sentinel(cluster.client, namespace)
-    op = OperatorProcess(cluster.env, [namespace], {"resyncSeconds": 20, "autoscaler": "keda",
+    op = OperatorProcess(cluster.env, [namespace], {"resyncSeconds": 20, "autoscaler": "auto",
                                                     "prometheusAddress": prom.url, "probeExporters": False},
                          log_path=tmp_path / "operator.log")
     try:
         op.wait_started()
+        assert "autoscaler auto: keda" in op.output()
         yield engines, gateway, op
     finally:
         op.stop()
@@ -144,6 +145,8 @@ def test_keda_scales_up_under_load_and_down_after_it(cluster, namespace, stack, 
     cluster.wait_until(lambda: c.get_or_none("horizontalpodautoscalers", f"keda-hpa-{name}", namespace), timeout=60,
                        message="KEDA's HorizontalPodAutoscaler")
     cluster.wait_until(lambda: ready_pods(cluster, namespace, name) == 1, timeout=60, message="1 replica ready")
+    ready = condition(c.get("kvs", name, namespace), "AutoscalingReady")
+    assert (ready["status"], ready["reason"]) == ("True", "KedaServed"), ready
 
     engines.waiting = 14  # 14 queued / 4 per replica -> 4 replicas (max 4), at most doubling per 5 s
     t0 = time.monotonic()
@@ -235,8 +238,8 @@ def test_keda_scales_to_zero_when_idle_and_wakes_on_demand(cluster, namespace, s
 
 
 def test_plain_hpa_is_admitted_and_status_says_why_it_cannot_scale(cluster, namespace, crd_installed, tmp_path):
-    """Autoscaler hpa (clusters with their own metrics adapter): the API server admits the rendered
-    HorizontalPodAutoscaler; here no adapter serves its Pods metrics, and status says so."""
+    """Autoscaler auto without KEDA's CRD or a prometheusAddress resolves to hpa: the API server admits the rendered
+    HorizontalPodAutoscaler; here no adapter serves its Pods metrics, and AutoscalingReady and status say so."""
     sentinel(cluster.client, namespace)
     op = OperatorProcess(cluster.env, [namespace], {"resyncSeconds": 20}, log_path=tmp_path / "operator.log")
     try:
@@ -249,8 +252,14 @@ def test_plain_hpa_is_admitted_and_status_says_why_it_cannot_scale(cluster, name
                                  message="the operator's HorizontalPodAutoscaler")
         assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe", "name": name}
         assert [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]] == [
-            "vllm_num_requests_waiting", "vllm_kv_cache_usage_perc", "kvoffload_prompt_recompute_ratio"]
+            "vllm_num_requests_waiting", "vllm_kv_cache_usage_perc", "vllm_request_queue_time_p90_milliseconds"]
         assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == DOWN_WINDOW
+        assert "autoscaler auto: hpa" in op.output()
+        # No APIService serves custom.metrics.k8s.io here (the operator read discovery at start): said at once,
+        # with the fix, before the HPA controller's own FailedGetPodsMetric.
+        ready = cluster.wait_until(lambda: (lambda cond: cond if cond.get("reason") == "NoCustomMetricsAdapter" else None)(
+            condition(c.get("kvs", name, namespace), "AutoscalingReady")), timeout=60, message="AutoscalingReady")
+        assert ready["status"] == "False" and "install a custom-metrics adapter" in ready["message"], ready
 
         def reason() -> str:
             st = (c.get("kvoffloadserves", name, namespace).get("status") or {}).get("autoscaling") or {}
@@ -280,9 +289,11 @@ def test_the_api_server_refuses_bad_autoscaling(cluster, namespace, crd_installe
     assert message in str(err.value) and "spec.autoscaling" in str(err.value)
 
 
-def test_the_api_server_refuses_recompute_target_without_metrics(cluster, namespace, crd_installed):
+def test_the_api_server_refuses_the_recompute_target_saying_why(cluster, namespace, crd_installed):
+    """promptRecomputePercent is no longer a target: refused with why and what to use instead."""
     doc = manifest(namespace)
-    doc["spec"]["metrics"] = {"enabled": False}
+    doc["spec"]["autoscaling"]["targets"] = {"promptRecomputePercent": 60}
     with pytest.raises(ApiError) as err:
         cluster.client.create(doc, namespace, dry_run=True)
-    assert "promptRecomputePercent needs spec.metrics.enabled" in str(err.value)
+    assert "promptRecomputePercent is no longer a target" in str(err.value), err.value
+    assert "does not fall as replicas are added" in str(err.value) and "queueTimeP90Milliseconds" in str(err.value)
