@@ -181,3 +181,9 @@ def test_autoscaling_ready_without_autoscaling():
 def test_auto_picks_keda_where_it_is_served_and_has_a_prometheus(served, address, chosen):
     assert resolve_autoscaler(Settings(prometheus_address=address), served).autoscaler == chosen
     assert resolve_autoscaler(Settings(autoscaler="hpa", prometheus_address=address), served).autoscaler == "hpa"
+
+
+def test_the_docs_print_the_adapter_rules_the_operator_renders():
+    text = (ROOT / "docs" / "autoscaling.md").read_text()
+    block = text.split("## `autoscaler: hpa`: the metrics adapter's rules", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    assert yaml.safe_load(block)["rules"] == [t.adapter_rule() for t in autoscaling.TARGETS.values()]

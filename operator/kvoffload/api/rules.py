@@ -163,7 +163,7 @@ RECOMPUTE_REMOVED_WHY = (
     "the share of prompt tokens recomputed measures the cache, not the load: it does not fall as replicas are "
     "added (each new replica starts with empty tiers and sees the same prompts), so an autoscaler on it only grows. "
     "Use queueTimeP90Milliseconds or waitingRequestsPerReplica; the share stays the exporter's "
-    "kvoffload_prompt_tokens_total{origin=\"compute\"} and a line of `kubectl kvs why`")
+    "kvoffload_prompt_tokens_total{origin=\"compute\"} (the Grafana dashboard plots it)")
 # Listed before AUTOSCALING_TARGETS: a spec whose only target was this one hears why first. A stored object that
 # still has it stays updatable while its targets are unchanged (the API server ratchets unchanged fields' rules).
 AUTOSCALING_RECOMPUTE_REMOVED = Rule(
