@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import yaml
@@ -161,5 +159,5 @@ def resolve_autoscaler(settings: Settings, keda_served: bool) -> Settings:
     ScaledObject is served and its triggers have a Prometheus to query, else the HPA. hpa and keda stay as set."""
     if settings.autoscaler != "auto":
         return settings
-    return dataclasses.replace(settings, autoscaler="keda" if keda_served and settings.prometheus_address else "hpa")
+    return replace(settings, autoscaler="keda" if keda_served and settings.prometheus_address else "hpa")
 

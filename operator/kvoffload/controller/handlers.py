@@ -148,10 +148,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: objec
     kube = Kube(load_api_client())
     await _wait_for_crd(kube)
     namespaces = [ns for ns in os.environ.get(NAMESPACES_ENV, "").split(",") if ns]
-    settings = load()
-    if _autoscaler is not None:
-        settings = dataclasses.replace(settings, autoscaler=_autoscaler)
-    memo.runtime = Runtime(kube, settings, namespaces=namespaces or None, child_kinds=tuple(_watched))
+    config = load()
+    if _autoscaler is not None:  # what watch_optional_kinds resolved `auto` to
+        config = dataclasses.replace(config, autoscaler=_autoscaler)
+    memo.runtime = Runtime(kube, config, namespaces=namespaces or None, child_kinds=tuple(_watched))
     if os.environ.get(METRICS_ENV):
         memo.runtime.metrics.serve(os.environ[METRICS_ENV])
     lease = leader.config_from_env()  # `run --leader-election`: act only while holding the Lease

@@ -47,8 +47,9 @@ CHILD_KINDS = (("v1", "ConfigMap"), ("v1", "Service"), *routing.KINDS[:3], ("app
 
 def child_kinds(settings: Settings) -> tuple[tuple[str, str], ...]:
     """The kinds the operator owns with these settings: KEDA's ScaledObject only where the cluster has KEDA
-    (with auto, it may: handlers.watch_optional_kinds watches it where served and resolves auto)."""
-    return CHILD_KINDS + ((autoscaling.SCALED_OBJECT,) if settings.autoscaler in ("keda", "auto") else ())
+    (auto with a prometheusAddress may pick KEDA: handlers.watch_optional_kinds watches it where served)."""
+    maybe_keda = settings.autoscaler == "keda" or (settings.autoscaler == "auto" and bool(settings.prometheus_address))
+    return CHILD_KINDS + ((autoscaling.SCALED_OBJECT,) if maybe_keda else ())
 
 
 @dataclass(frozen=True)
