@@ -297,3 +297,50 @@ def test_the_api_server_refuses_the_recompute_target_saying_why(cluster, namespa
         cluster.client.create(doc, namespace, dry_run=True)
     assert "promptRecomputePercent is no longer a target" in str(err.value), err.value
     assert "does not fall as replicas are added" in str(err.value) and "queueTimeP90Milliseconds" in str(err.value)
+
+
+def test_a_stored_object_with_the_recompute_target_stays_updatable_until_its_targets_change(cluster, namespace):
+    """Objects stored before promptRecomputePercent was refused: on the real API server, the CRD's CEL rules ratchet
+    (unchanged fields are not re-judged), so such an object keeps taking other updates, and an edit of its targets
+    hears why. A copy of the CRD in a group of its own stands for "the CRD before and after the upgrade"."""
+    group = "ratchet.kvtest.io"
+    new = yaml.safe_load((ROOT / "crds" / "kvoffload.io_kvoffloadserves.yaml").read_text())
+    new["metadata"]["name"] = f"{new['spec']['names']['plural']}.{group}"
+    new["spec"]["group"] = group
+    new["spec"]["names"].pop("shortNames", None)
+    new["spec"]["names"].pop("categories", None)
+    old = copy.deepcopy(new)
+    targets = old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "autoscaling"]["properties"]["targets"]
+    targets["x-kubernetes-validations"] = [r for r in targets["x-kubernetes-validations"]
+                                           if "promptRecomputePercent" not in r["rule"]]
+    c = cluster.client
+    c.apply(old)
+    try:
+        cluster.wait_until(lambda: any(cnd["type"] == "Established" and cnd["status"] == "True" for cnd in (
+            c.get("crd", new["metadata"]["name"]).get("status") or {}).get("conditions", [])), timeout=60,
+            message="the copied CRD established")
+        doc = manifest(namespace)
+        doc["apiVersion"] = f"{group}/v1alpha1"
+        doc["spec"]["autoscaling"]["targets"] = {"waitingRequestsPerReplica": 4, "promptRecomputePercent": 60}
+        cluster.wait_until(lambda: c.create(doc, namespace) or True, timeout=30, message="stored under the old CRD")
+        c.apply(new)  # the upgrade: the rule that refuses the target
+
+        def refused_create() -> bool:
+            other = copy.deepcopy(doc)
+            other["metadata"]["name"] = "fresh"
+            try:
+                c.create(other, namespace, dry_run=True)
+            except ApiError as exc:
+                return "no longer a target" in str(exc)
+            return False
+
+        cluster.wait_until(refused_create, timeout=30, message="the new CRD's rule in force")
+        name, plural = doc["metadata"]["name"], f"{new['spec']['names']['plural']}.{group}"
+        c.patch(plural, name, {"metadata": {"labels": {"team": "a"}}, "spec": {"autoscaling": {"maxReplicas": 3}}},
+                namespace)  # accepted: the targets are unchanged
+        with pytest.raises(ApiError) as err:
+            c.patch(plural, name, {"spec": {"autoscaling": {"targets": {"waitingRequestsPerReplica": 5}}}}, namespace)
+        assert "promptRecomputePercent is no longer a target" in str(err.value), err.value
+    finally:
+        c.delete("crd", new["metadata"]["name"], wait=True, missing_ok=True)
