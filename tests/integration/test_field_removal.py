@@ -132,10 +132,13 @@ FIELDS = [
 
 
 def optional_paths(schema: dict[str, Any], prefix: str = "") -> list[str]:
-    """Every optional field of the schema, dotted (fields inside an optional object included)."""
+    """Every optional field of the schema, dotted (fields inside an optional object included); not the removed
+    ones (crd.REMOVED_TARGETS: in the schema only to be refused)."""
     out = []
     for name, sub in (schema.get("properties") or {}).items():
         path = prefix + name
+        if path in {f"autoscaling.targets.{t}" for t in crd.REMOVED_TARGETS}:
+            continue
         if name not in schema.get("required", []):
             out.append(path)
         if sub.get("type") == "object":
