@@ -77,7 +77,7 @@ def keda(cluster, crd_installed, tmp_path_factory) -> Iterator[Keda]:
 @pytest.fixture
 def stack(cluster, namespace, keda, tmp_path) -> Iterator[tuple[StandInEngines, FakeVllm, OperatorProcess]]:
     """Prometheus scraping the stand-in engines of `llama31-8b-autoscaled` and a stand-in gateway, and the
-    operator with autoscaler keda."""
+    operator with autoscaler auto, which picks KEDA (its CRDs are served and prometheusAddress is set)."""
     name = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
     targets = tmp_path / "engines.json"
     engines = StandInEngines(cluster.client, namespace, name, targets)
@@ -87,11 +87,12 @@ def stack(cluster, namespace, keda, tmp_path) -> Iterator[tuple[StandInEngines, 
         {"job_name": "engines", "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "1s"}]},
         {"job_name": "gateway", "static_configs": [{"targets": [gateway.url.split("//", 1)[1].split("/", 1)[0]]}]}])
     sentinel(cluster.client, namespace)
-    op = OperatorProcess(cluster.env, [namespace], {"resyncSeconds": 20, "autoscaler": "keda",
+    op = OperatorProcess(cluster.env, [namespace], {"resyncSeconds": 20, "autoscaler": "auto",
                                                     "prometheusAddress": prom.url, "probeExporters": False},
                          log_path=tmp_path / "operator.log")
     try:
         op.wait_started()
+        assert "autoscaler auto: keda" in op.output()
         yield engines, gateway, op
     finally:
         op.stop()
@@ -145,6 +146,8 @@ def test_keda_scales_up_under_load_and_down_after_it(cluster, namespace, stack, 
     cluster.wait_until(lambda: c.get_or_none("horizontalpodautoscalers", f"keda-hpa-{name}", namespace), timeout=60,
                        message="KEDA's HorizontalPodAutoscaler")
     cluster.wait_until(lambda: ready_pods(cluster, namespace, name) == 1, timeout=60, message="1 replica ready")
+    ready = condition(c.get("kvs", name, namespace), "AutoscalingReady")
+    assert (ready["status"], ready["reason"]) == ("True", "KedaServed"), ready
 
     engines.waiting = 14  # 14 queued / 4 per replica -> 4 replicas (max 4), at most doubling per 5 s
     t0 = time.monotonic()
@@ -237,8 +240,8 @@ def test_keda_scales_to_zero_when_idle_and_wakes_on_demand(cluster, namespace, s
 
 
 def test_plain_hpa_is_admitted_and_status_says_why_it_cannot_scale(cluster, namespace, crd_installed, tmp_path):
-    """Autoscaler hpa (clusters with their own metrics adapter): the API server admits the rendered
-    HorizontalPodAutoscaler; here no adapter serves its Pods metrics, and status says so."""
+    """Autoscaler auto without KEDA's CRD or a prometheusAddress resolves to hpa: the API server admits the rendered
+    HorizontalPodAutoscaler; here no adapter serves its Pods metrics, and AutoscalingReady and status say so."""
     sentinel(cluster.client, namespace)
     op = OperatorProcess(cluster.env, [namespace], {"resyncSeconds": 20}, log_path=tmp_path / "operator.log")
     try:
@@ -251,8 +254,14 @@ def test_plain_hpa_is_admitted_and_status_says_why_it_cannot_scale(cluster, name
                                  message="the operator's HorizontalPodAutoscaler")
         assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe", "name": name}
         assert [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]] == [
-            "vllm_num_requests_waiting", "vllm_kv_cache_usage_perc", "kvoffload_prompt_recompute_ratio"]
+            "vllm_num_requests_waiting", "vllm_kv_cache_usage_perc", "vllm_request_queue_time_p90_milliseconds"]
         assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == DOWN_WINDOW
+        assert "autoscaler auto: hpa" in op.output()
+        # No APIService serves custom.metrics.k8s.io here (the operator read discovery at start): said at once,
+        # with the fix, before the HPA controller's own FailedGetPodsMetric.
+        ready = cluster.wait_until(lambda: (lambda cond: cond if cond.get("reason") == "NoCustomMetricsAdapter" else None)(
+            condition(c.get("kvs", name, namespace), "AutoscalingReady")), timeout=60, message="AutoscalingReady")
+        assert ready["status"] == "False" and "install a custom-metrics adapter" in ready["message"], ready
 
         def reason() -> str:
             st = (c.get("kvoffloadserves", name, namespace).get("status") or {}).get("autoscaling") or {}
@@ -282,9 +291,58 @@ def test_the_api_server_refuses_bad_autoscaling(cluster, namespace, crd_installe
     assert message in str(err.value) and "spec.autoscaling" in str(err.value)
 
 
-def test_the_api_server_refuses_recompute_target_without_metrics(cluster, namespace, crd_installed):
+def test_the_api_server_refuses_the_recompute_target_saying_why(cluster, namespace, crd_installed):
+    """promptRecomputePercent is no longer a target: refused with why and what to use instead."""
     doc = manifest(namespace)
-    doc["spec"]["metrics"] = {"enabled": False}
+    doc["spec"]["autoscaling"]["targets"] = {"promptRecomputePercent": 60}
     with pytest.raises(ApiError) as err:
         cluster.client.create(doc, namespace, dry_run=True)
-    assert "promptRecomputePercent needs spec.metrics.enabled" in str(err.value)
+    assert "promptRecomputePercent is no longer a target" in str(err.value), err.value
+    assert "does not fall as replicas are added" in str(err.value) and "queueTimeP90Milliseconds" in str(err.value)
+
+
+def test_a_stored_object_with_the_recompute_target_stays_updatable_until_its_targets_change(cluster, namespace):
+    """Objects stored before promptRecomputePercent was refused: on the real API server, the CRD's CEL rules ratchet
+    (unchanged fields are not re-judged), so such an object keeps taking other updates, and an edit of its targets
+    hears why. A copy of the CRD in a group of its own stands for "the CRD before and after the upgrade"."""
+    group = "ratchet.kvtest.io"
+    new = yaml.safe_load((ROOT / "crds" / "kvoffload.io_kvoffloadserves.yaml").read_text())
+    new["metadata"]["name"] = f"{new['spec']['names']['plural']}.{group}"
+    new["spec"]["group"] = group
+    new["spec"]["names"].pop("shortNames", None)
+    new["spec"]["names"].pop("categories", None)
+    old = copy.deepcopy(new)
+    targets = old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "autoscaling"]["properties"]["targets"]
+    targets["x-kubernetes-validations"] = [r for r in targets["x-kubernetes-validations"]
+                                           if "promptRecomputePercent" not in r["rule"]]
+    c = cluster.client
+    c.apply(old)
+    try:
+        cluster.wait_until(lambda: any(cnd["type"] == "Established" and cnd["status"] == "True" for cnd in (
+            c.get("crd", new["metadata"]["name"]).get("status") or {}).get("conditions", [])), timeout=60,
+            message="the copied CRD established")
+        doc = manifest(namespace)
+        doc["apiVersion"] = f"{group}/v1alpha1"
+        doc["spec"]["autoscaling"]["targets"] = {"waitingRequestsPerReplica": 4, "promptRecomputePercent": 60}
+        cluster.wait_until(lambda: c.create(doc, namespace) or True, timeout=30, message="stored under the old CRD")
+        c.apply(new)  # the upgrade: the rule that refuses the target
+
+        def refused_create() -> bool:
+            other = copy.deepcopy(doc)
+            other["metadata"]["name"] = "fresh"
+            try:
+                c.create(other, namespace, dry_run=True)
+            except ApiError as exc:
+                return "no longer a target" in str(exc)
+            return False
+
+        cluster.wait_until(refused_create, timeout=30, message="the new CRD's rule in force")
+        name, plural = doc["metadata"]["name"], f"{new['spec']['names']['plural']}.{group}"
+        c.patch(plural, name, {"metadata": {"labels": {"team": "a"}}, "spec": {"autoscaling": {"maxReplicas": 3}}},
+                namespace)  # accepted: the targets are unchanged
+        with pytest.raises(ApiError) as err:
+            c.patch(plural, name, {"spec": {"autoscaling": {"targets": {"waitingRequestsPerReplica": 5}}}}, namespace)
+        assert "promptRecomputePercent is no longer a target" in str(err.value), err.value
+    finally:
+        c.delete("crd", new["metadata"]["name"], wait=True, missing_ok=True)

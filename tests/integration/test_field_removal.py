@@ -120,7 +120,7 @@ FIELDS = [
     Row("autoscaling.targets.waitingRequestsPerReplica", 8,
         needs={**NO_PODS, "autoscaling": {**SCALE, "targets": {"kvCacheUsagePercent": 80}}}),
     Row("autoscaling.targets.kvCacheUsagePercent", 80, needs={**NO_PODS, "autoscaling": SCALE}),
-    Row("autoscaling.targets.promptRecomputePercent", 20, needs={**NO_PODS, "autoscaling": SCALE}),
+    Row("autoscaling.targets.queueTimeP90Milliseconds", 20, needs={**NO_PODS, "autoscaling": SCALE}),
     Row("autoscaling.wakeQuery", "sum(gateway_queued{namespace='ns',model='m'})",
         needs={**NO_PODS, "autoscaling": {**SCALE, "minReplicas": 0}}, instead={"minReplicas": 1},
         refused_by_hpa="spec.autoscaling.minReplicas"),
@@ -133,10 +133,13 @@ FIELDS = [
 
 
 def optional_paths(schema: dict[str, Any], prefix: str = "") -> list[str]:
-    """Every optional field of the schema, dotted (fields inside an optional object included)."""
+    """Every optional field of the schema, dotted (fields inside an optional object included); not the removed
+    ones (crd.REMOVED_TARGETS: in the schema only to be refused)."""
     out = []
     for name, sub in (schema.get("properties") or {}).items():
         path = prefix + name
+        if path in {f"autoscaling.targets.{t}" for t in crd.REMOVED_TARGETS}:
+            continue
         if name not in schema.get("required", []):
             out.append(path)
         if sub.get("type") == "object":

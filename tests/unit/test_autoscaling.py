@@ -11,8 +11,8 @@ import yaml
 
 from kvoffload.api import promql
 from kvoffload.api.errors import ConfigError
-from kvoffload.api.settings import Settings, from_dict
-from kvoffload.controller import conditions, pipeline
+from kvoffload.api.settings import Settings, from_dict, resolve_autoscaler
+from kvoffload.controller import conditions, discovery, pipeline
 from kvoffload.rendering import autoscaling
 from kvtest import ROOT
 from kvtest.specs import spec
@@ -40,7 +40,8 @@ def test_example_renders_an_hpa_whose_windows_are_the_startup_budget():
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe", "name": "svc"}
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 4)
     assert [(m["pods"]["metric"]["name"], m["pods"]["target"]["averageValue"]) for m in hpa["spec"]["metrics"]] == [
-        ("vllm_num_requests_waiting", "4"), ("vllm_kv_cache_usage_perc", "850m"), ("kvoffload_prompt_recompute_ratio", "600m")]
+        ("vllm_num_requests_waiting", "4"), ("vllm_kv_cache_usage_perc", "850m"),
+        ("vllm_request_queue_time_p90_milliseconds", "2000")]
     b = hpa["spec"]["behavior"]
     assert b["scaleUp"]["policies"] == [{"type": "Percent", "value": 100, "periodSeconds": startup}]
     assert b["scaleUp"]["stabilizationWindowSeconds"] == 0
@@ -63,7 +64,7 @@ def test_spec_windows_win():
 
 def test_keda_renders_a_scaled_object_with_prometheus_triggers():
     d = desired(spec(**SCALED, autoscaling__minReplicas=0, autoscaling__wakeQuery=WAKE,
-                     autoscaling__targets__promptRecomputePercent=50), KEDA)
+                     autoscaling__targets__queueTimeP90Milliseconds=500), KEDA)
     assert not any(c["kind"] == "HorizontalPodAutoscaler" for c in d.children)
     so = child(d, "ScaledObject")
     assert so["apiVersion"] == "keda.sh/v1alpha1"
@@ -74,9 +75,9 @@ def test_keda_renders_a_scaled_object_with_prometheus_triggers():
     assert [(t["metricType"], t["metadata"]) for t in s["triggers"]] == [
         ("AverageValue", {"serverAddress": KEDA.prometheus_address, "query": f"sum(vllm:num_requests_waiting{{{sel}}})",
                           "threshold": "4"}),
-        ("Value", {"serverAddress": KEDA.prometheus_address, "threshold": "50", "query":
-                   f'100 * sum(rate(kvoffload_prompt_tokens_total{{{sel},origin="compute"}}[2m])) '
-                   f"/ clamp_min(sum(rate(kvoffload_prompt_tokens_total{{{sel}}}[2m])), 1)"}),
+        ("Value", {"serverAddress": KEDA.prometheus_address, "threshold": "500", "query":
+                   "(1000 * histogram_quantile(0.9, sum by (le) "
+                   f"(rate(vllm:request_queue_time_seconds_bucket{{{sel}}}[2m]))) >= 0) or vector(0)"}),
         ("AverageValue", {"serverAddress": KEDA.prometheus_address, "query": WAKE,
                           "threshold": "4", "activationThreshold": "0"})]
 
@@ -118,8 +119,10 @@ def test_every_rendered_query_is_scoped_to_the_namespace():
     ({"autoscaling__minReplicas": 0}, "spec.autoscaling.wakeQuery", "required with minReplicas 0"),
     ({"autoscaling__wakeQuery": "up"}, "spec.autoscaling.wakeQuery", "only then"),
     ({"autoscaling__minReplicas": 0, "autoscaling__wakeQuery": "up"}, "spec.autoscaling.minReplicas", "needs KEDA"),
-    ({"autoscaling__targets__promptRecomputePercent": 50, "metrics__enabled": False},
-     "spec.autoscaling.targets.promptRecomputePercent", "spec.metrics.enabled"),
+    ({"autoscaling__targets__promptRecomputePercent": 50},
+     "spec.autoscaling.targets.promptRecomputePercent", "does not fall as replicas are added"),
+    ({"autoscaling__targets__waitingRequestsPerReplica": None, "autoscaling__targets__promptRecomputePercent": 50},
+     "spec.autoscaling.targets.promptRecomputePercent", "Use queueTimeP90Milliseconds"),
     ({"autoscaling__scaleUpPeriodSeconds": 0}, "spec.autoscaling.scaleUpPeriodSeconds", "[1, 1800]"),
 ])
 def test_bad_autoscaling_names_the_field(patch, field, words):
@@ -169,3 +172,49 @@ def test_status_says_why_a_plain_hpa_cannot_scale():
     assert st["autoscaler"] == "hpa" and st["reason"] == "FailedGetPodsMetric"
     assert "ScalingActive=False: unable to get metric vllm_num_requests_waiting" in st["message"]
     assert conditions.autoscaler_status(d, "svc", None)["reason"] == "AutoscalerNotFound"
+
+
+# AutoscalingReady: a pure function of what discovery read (controller/discovery.py reads it on the real API server,
+# tests/integration/test_autoscaling.py).
+ADAPTER_METRICS = frozenset({"pods/vllm_num_requests_waiting", "pods/vllm_kv_cache_usage_perc"})
+
+
+def apis(custom=discovery.Api(discovery.NOT_REGISTERED), external=discovery.Api(discovery.NOT_REGISTERED),
+         keda=discovery.Api(discovery.NOT_REGISTERED)) -> discovery.AutoscalingApis:
+    return discovery.AutoscalingApis(custom, external, keda)
+
+
+@pytest.mark.parametrize("settings,read,status,reason,words", [
+    (Settings(), None, "Unknown", "DiscoveryPending", "not read"),
+    (Settings(), apis(), "False", "NoCustomMetricsAdapter", "install a custom-metrics adapter"),
+    (Settings(), apis(custom=discovery.Api(discovery.UNAVAILABLE, detail="service unavailable")), "False",
+     "CustomMetricsUnavailable", "service unavailable"),
+    (Settings(), apis(custom=discovery.Api(discovery.SERVED, frozenset({"pods/vllm_kv_cache_usage_perc"}))), "False",
+     "MetricsNotServed", "vllm_num_requests_waiting"),
+    (Settings(), apis(custom=discovery.Api(discovery.SERVED, ADAPTER_METRICS)), "True", "MetricsServed", "every metric"),
+    (KEDA, apis(), "False", "KedaNotInstalled", "install KEDA"),
+    (KEDA, apis(keda=discovery.Api(discovery.SERVED, frozenset({"scaledobjects"}))), "False", "KedaMetricsUnavailable",
+     "keda-operator-metrics-apiserver"),
+    (KEDA, apis(keda=discovery.Api(discovery.SERVED, frozenset({"scaledobjects"})),
+                external=discovery.Api(discovery.SERVED)), "True", "KedaServed", "served"),
+])
+def test_autoscaling_ready_names_what_is_missing(settings, read, status, reason, words):
+    c = conditions.autoscaling_ready(desired(spec(**SCALED), settings), read)
+    assert (c.status, c.reason) == (status, reason) and words in c.message, c
+
+
+def test_autoscaling_ready_without_autoscaling():
+    assert conditions.autoscaling_ready(desired(spec()), apis()).reason == "NotConfigured"
+
+
+@pytest.mark.parametrize("served,address,chosen", [(True, "http://p:9090", "keda"), (False, "http://p:9090", "hpa"),
+                                                   (True, "", "hpa")])
+def test_auto_picks_keda_where_it_is_served_and_has_a_prometheus(served, address, chosen):
+    assert resolve_autoscaler(Settings(prometheus_address=address), served).autoscaler == chosen
+    assert resolve_autoscaler(Settings(autoscaler="hpa", prometheus_address=address), served).autoscaler == "hpa"
+
+
+def test_the_docs_print_the_adapter_rules_the_operator_renders():
+    text = (ROOT / "docs" / "autoscaling.md").read_text()
+    block = text.split("## `autoscaler: hpa`: the metrics adapter's rules", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    assert yaml.safe_load(block)["rules"] == [t.adapter_rule() for t in autoscaling.TARGETS.values()]

@@ -439,6 +439,10 @@ def test_keda_autoscaler_adds_scaledobjects_only(helm):
                                                 ("keda.sh", "scaledobjects"): {"get", "list", "watch", "create", "patch", "delete"}}
     config = yaml.safe_load(next(c for c in find(docs, "ConfigMap") if "config.yaml" in c.get("data", {}))["data"]["config.yaml"])
     assert (config["autoscaler"], config["prometheusAddress"]) == ("keda", "http://prometheus.monitoring.svc:9090")
+    # auto (the default) may pick KEDA only with a Prometheus for its triggers: the grant follows.
+    assert ("keda.sh", "scaledobjects") not in _rules(one(helm.render(), "ClusterRole"))
+    auto = helm.render("--set", "operator.config.prometheusAddress=http://prometheus.monitoring.svc:9090")
+    assert ("keda.sh", "scaledobjects") in _rules(one(auto, "ClusterRole"))
     cp = helm("template", "kvo", CHART, "--set", "operator.config.autoscaler=argo", check=False)
     assert cp.returncode != 0 and "autoscaler" in cp.stderr
 

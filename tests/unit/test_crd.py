@@ -54,7 +54,7 @@ def test_chart_crd_equals_plain_crd_once_helm_renders_it():
 # spec.autoscaling with every field: scale to zero (wakeQuery) needs the operator setting autoscaler keda.
 AUTOSCALED_SPEC = {**FULL_SPEC, "autoscaling": {
     "minReplicas": 0, "maxReplicas": 4, "scaleUpPeriodSeconds": 60, "scaleDownWindowSeconds": 600, "wakeQuery": "sum(queued)",
-    "targets": {"waitingRequestsPerReplica": 4, "kvCacheUsagePercent": 85, "promptRecomputePercent": 60}}}
+    "targets": {"waitingRequestsPerReplica": 4, "kvCacheUsagePercent": 85, "queueTimeP90Milliseconds": 2000}}}
 KEDA = Settings(autoscaler="keda", prometheus_address="http://prometheus.monitoring.svc:9090")
 
 

@@ -86,7 +86,7 @@ CASES: dict[str, tuple[dict, object]] = {
     "autoscaling.targets.waitingRequestsPerReplica": ({**SCALED, "autoscaling__targets__waitingRequestsPerReplica": None,
                                                        "autoscaling__targets__kvCacheUsagePercent": 80}, 4),
     "autoscaling.targets.kvCacheUsagePercent": (SCALED, 80),
-    "autoscaling.targets.promptRecomputePercent": (SCALED, 50),
+    "autoscaling.targets.queueTimeP90Milliseconds": (SCALED, 500),
     "autoscaling.scaleUpPeriodSeconds": (SCALED, 60),
     "autoscaling.scaleDownWindowSeconds": (SCALED, 600),
     "autoscaling.wakeQuery": ({**SCALED, "autoscaling__minReplicas": 0, "autoscaling__wakeQuery": "sum(a{namespace=\"team-a\"})"},

@@ -7,6 +7,7 @@
    EngineVerified: The pods run the vLLM / LMCache pair the operator rendered for (kvoffload_engine_info).
    DiskTierReady: The disk tier's per-pod directories are prepared (emptied) on their nodes.
    RouterReady: The router in front of the replicas (spec.routing) is available and routes to them.
+   AutoscalingReady: The autoscaler spec.autoscaling renders can read its metrics: the API server serves what it needs (discovery, read at start and on every resync).
    Reconciling: True while a valid spec is not yet Ready (kstatus, read by Helm --wait and Flux); its reason is Ready's.
    Stalled: True while the spec cannot be acted on (kstatus); its reason is ConfigValid's.
 {{- end }}

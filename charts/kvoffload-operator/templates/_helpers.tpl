@@ -137,12 +137,15 @@ wildcards, no Secrets (a Hugging Face token is referenced by name in the pod spe
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# spec.autoscaling: the HorizontalPodAutoscaler (or, with autoscaler keda, the ScaledObject whose HPA KEDA
-# makes and the operator reads into status.autoscaling), list/watch into the cache.
+# spec.autoscaling: the HorizontalPodAutoscaler (or, with autoscaler keda or auto, the ScaledObject whose HPA
+# KEDA makes and the operator reads into status.autoscaling), list/watch into the cache. What is served (custom
+# and external metrics APIs, keda.sh) is read from discovery, which needs no rule (system:discovery).
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-{{- if eq .Values.operator.config.autoscaler "keda" }}
+{{- /* auto picks KEDA only with a prometheusAddress (settings.resolve_autoscaler): grant it only then */}}
+{{- $c := .Values.operator.config }}
+{{- if or (eq $c.autoscaler "keda") (and (eq $c.autoscaler "auto") $c.prometheusAddress) }}
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]

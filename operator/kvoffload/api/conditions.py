@@ -75,6 +75,18 @@ CONDITIONS: tuple[ConditionType, ...] = (
         "NotConfigured": "spec.routing is not set (or enabled is false): clients call the serving Service",
         "RouterAvailable": "every router pod is ready and runs the newest template",
         "RouterNotReady": "router pods are starting, rolling out, or wait for a ready serving pod (/readiness)"}),
+    ConditionType("AutoscalingReady", "The autoscaler spec.autoscaling renders can read its metrics: the API server serves "
+                                      "what it needs (discovery, read at start and on every resync).", {
+        **_COMMON,
+        "NotConfigured": "spec.autoscaling is not set: spec.replicas is yours",
+        "MetricsServed": "autoscaler hpa: the custom metrics API is served and lists every Pods metric the targets read",
+        "NoCustomMetricsAdapter": "autoscaler hpa: no APIService serves custom.metrics.k8s.io, so the HPA sits at <unknown>",
+        "CustomMetricsUnavailable": "autoscaler hpa: the custom metrics APIService is registered but its server is not Available",
+        "MetricsNotServed": "autoscaler hpa: the metrics adapter serves no Pods metric of that name (its rules lack one)",
+        "KedaServed": "autoscaler keda: ScaledObjects and the external metrics API (KEDA's metrics server) are served",
+        "KedaNotInstalled": "autoscaler keda: the API server serves no keda.sh/v1alpha1 ScaledObject",
+        "KedaMetricsUnavailable": "autoscaler keda: the external metrics API that KEDA's HPA reads is not served",
+        "DiscoveryPending": "the operator has not read the API server's discovery yet"}),
     ConditionType("Reconciling", "True while a valid spec is not yet Ready (kstatus, read by Helm --wait and Flux); its reason is "
                                  "Ready's.", {
         PENDING: _COMMON[PENDING],

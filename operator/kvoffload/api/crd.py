@@ -377,7 +377,8 @@ def _metrics() -> Schema:
     )
 
 
-AUTOSCALERS = ("hpa", "keda")  # the operator setting `autoscaler`: what spec.autoscaling renders
+REMOVED_TARGETS = ("promptRecomputePercent",)  # kept in the schema only to be refused with why (rules.py)
+AUTOSCALERS = ("auto", "hpa", "keda")  # the operator setting `autoscaler`: what spec.autoscaling renders (settings.py)
 
 
 def _autoscaling() -> Schema:
@@ -396,10 +397,13 @@ def _autoscaling() -> Schema:
                                               minimum=1, maximum=100000),
               "kvCacheUsagePercent": _i(f"GPU KV-cache usage in percent (vllm:kv_cache_usage_perc x 100), {per}.",
                                         minimum=1, maximum=100),
+              "queueTimeP90Milliseconds": _i(
+                  "90th percentile, over the last 2 minutes, of the time requests waited in vLLM's queue before their "
+                  "prefill started, in ms (histogram_quantile over vllm:request_queue_time_seconds), for the whole "
+                  "service: it falls as replicas are added because each replica's queue is shorter.",
+                  minimum=1, maximum=600000),
               "promptRecomputePercent": _i(
-                  "Share of prompt tokens, in percent over the last 2 minutes, that neither the GPU prefix cache nor the "
-                  "offload tiers served, so vLLM recomputed them (the exporter's kvoffload_prompt_tokens_total{origin=\"compute\"}); "
-                  "above it the working set has outgrown the tiers. Needs spec.metrics.enabled.", minimum=1, maximum=100)},
+                  "Removed as a target (refused): " + rules.RECOMPUTE_REMOVED_WHY, minimum=1, maximum=100)},
              rules=rules.at("spec.autoscaling.targets")),
          "scaleUpPeriodSeconds": _i("Replicas at most double per this many seconds, so that load queued while new engines start "
                                     "does not add still more. Default: the engine's start-up budget (startupSeconds), at most 1800.",
@@ -523,7 +527,7 @@ def status_schema() -> Schema:
              "serverMemoryLimit": _s("Memory limit of the LMCache server container: its request + the L1, which it "
                                      "faults in itself when it sees a GPU (backend lmcache-server).")}),
          "autoscaling": _o("What the autoscaler wants and why (spec.autoscaling), read from its HorizontalPodAutoscaler.", {
-             "autoscaler": _s("hpa or keda (the operator setting)."),
+             "autoscaler": _s("hpa or keda (the operator setting, auto resolved when the operator started)."),
              "horizontalPodAutoscaler": _s("Name of the HorizontalPodAutoscaler (KEDA's is keda-hpa-<name>)."),
              "currentReplicas": _i("Replicas the autoscaler last saw.", format="int32"),
              "desiredReplicas": _i("Replicas the autoscaler wants.", format="int32"),
@@ -616,8 +620,11 @@ def default_at(path: str) -> Any:
 
 
 def leaf_paths(node: Schema | None = None, prefix: str = "") -> set[str]:
-    """Every leaf field of the spec, as dotted paths; pass-through Kubernetes types count as leaves."""
+    """Every leaf field of the spec, as dotted paths; pass-through Kubernetes types count as leaves. A removed
+    field (REMOVED_TARGETS: in the schema only to be refused with why) is not one you can set."""
     node = spec_schema() if node is None else node
+    if prefix in {f"autoscaling.targets.{t}" for t in REMOVED_TARGETS}:
+        return set()
     props = node.get("properties")
     if node.get("type") != "object" or not props or node.get("x-kubernetes-preserve-unknown-fields"):
         return {prefix}

@@ -158,7 +158,21 @@ MEMORY_HOLDS_CPU_TIER = Rule(
 )
 
 # --- spec.autoscaling
-_TARGETS = ("waitingRequestsPerReplica", "kvCacheUsagePercent", "promptRecomputePercent")
+_TARGETS = ("waitingRequestsPerReplica", "kvCacheUsagePercent", "queueTimeP90Milliseconds")
+RECOMPUTE_REMOVED_WHY = (
+    "the share of prompt tokens recomputed measures the cache, not the load: it does not fall as replicas are "
+    "added (each new replica starts with empty tiers and sees the same prompts), so an autoscaler on it only grows. "
+    "Use queueTimeP90Milliseconds or waitingRequestsPerReplica; the share stays the exporter's "
+    "kvoffload_prompt_tokens_total{origin=\"compute\"} (the Grafana dashboard plots it)")
+# Listed before AUTOSCALING_TARGETS: a spec whose only target was this one hears why first. A stored object that
+# still has it stays updatable while its targets are unchanged (the API server ratchets unchanged fields' rules).
+AUTOSCALING_RECOMPUTE_REMOVED = Rule(
+    at="spec.autoscaling.targets",
+    cel="!has(self.promptRecomputePercent)",
+    field=".promptRecomputePercent",
+    message="spec.autoscaling.targets.promptRecomputePercent is no longer a target: " + RECOMPUTE_REMOVED_WHY,
+    holds=lambda t: get(t, "promptRecomputePercent") is None,
+)
 AUTOSCALING_TARGETS = Rule(
     at="spec.autoscaling.targets",
     cel=" || ".join(f"has(self.{t})" for t in _TARGETS),
@@ -179,18 +193,9 @@ AUTOSCALING_WAKE = Rule(
             "with no replica running, nothing else says when to start one",
     holds=lambda a: (get(a, "minReplicas") == 0) == (get(a, "wakeQuery") is not None),
 )
-AUTOSCALING_NEEDS_METRICS = Rule(
-    at="spec",
-    cel="!has(self.autoscaling) || !has(self.autoscaling.targets.promptRecomputePercent) "
-        "|| !has(self.metrics) || !has(self.metrics.enabled) || self.metrics.enabled",
-    field=".autoscaling.targets.promptRecomputePercent",
-    message="spec.autoscaling.targets.promptRecomputePercent needs spec.metrics.enabled: it is read from the exporter",
-    holds=lambda s: get(s, "autoscaling.targets.promptRecomputePercent") is None or get(s, "metrics.enabled") is not False,
-)
-
 # What a backend cannot honour is declared by the backend (backends/, Backend.refuses; crd.backend_refusals).
 RULES: tuple[Rule, ...] = (ENV, *METRICS_PORTS, KV_HEADS, DISK_PATH_NORMALIZED, DISK_ONE_OF, NODE_SELECTORS, MEMORY_HOLDS_CPU_TIER,
-                           AUTOSCALING_TARGETS, AUTOSCALING_MIN_MAX, AUTOSCALING_WAKE, AUTOSCALING_NEEDS_METRICS)
+                           AUTOSCALING_RECOMPUTE_REMOVED, AUTOSCALING_TARGETS, AUTOSCALING_MIN_MAX, AUTOSCALING_WAKE)
 
 
 def at(path: str) -> list[dict[str, str]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import yaml
@@ -68,8 +68,10 @@ class Settings:
     # exporters' metrics port when probe_exporters is on.
     operator_namespace: str = ""
     # What spec.autoscaling renders: hpa (a HorizontalPodAutoscaler on Pods metrics, for clusters that run a
-    # custom-metrics adapter) or keda (a KEDA ScaledObject with Prometheus triggers; scale to zero).
-    autoscaler: str = "hpa"
+    # custom-metrics adapter), keda (a KEDA ScaledObject with Prometheus triggers; scale to zero), or auto: keda
+    # where the API server serves KEDA's ScaledObject when the operator starts and prometheusAddress is set, else
+    # hpa (resolve_autoscaler). The AutoscalingReady condition says what the chosen one lacks.
+    autoscaler: str = "auto"
     # The Prometheus that KEDA's triggers query (autoscaler keda), e.g. http://prometheus.monitoring.svc:9090.
     prometheus_address: str = ""
     # spec.routing: the router's image (vLLM's router, vllm-router on PyPI; the operator renders its flags for
@@ -179,3 +181,12 @@ def load(path: str | None = None) -> Settings:
         return Settings()
     with open(path, encoding="utf-8") as fh:
         return from_dict(yaml.safe_load(fh) or {})
+
+
+def resolve_autoscaler(settings: Settings, keda_served: bool) -> Settings:
+    """`auto` made concrete, once, when the operator starts (kopf fixes the watched kinds then): KEDA where its
+    ScaledObject is served and its triggers have a Prometheus to query, else the HPA. hpa and keda stay as set."""
+    if settings.autoscaler != "auto":
+        return settings
+    return replace(settings, autoscaler="keda" if keda_served and settings.prometheus_address else "hpa")
+

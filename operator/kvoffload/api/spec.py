@@ -516,7 +516,7 @@ def _autoscaling(r: _Reader, settings: Settings) -> AutoscalingSpec | None:
     if r.get("autoscaling", None) is None:
         return None
     lo, hi = _int(r, "autoscaling.minReplicas"), _int(r, "autoscaling.maxReplicas")
-    names = list(_node("autoscaling.targets")["properties"])
+    names = [n for n in _node("autoscaling.targets")["properties"] if n not in crd.REMOVED_TARGETS]  # refused: rules.py
     if not isinstance(r.get("autoscaling.targets", None), dict):
         raise ConfigError("spec.autoscaling.targets", f"is required: an object with at least one of {', '.join(names)}")
     targets = {n: _int(r, f"autoscaling.targets.{n}") for n in names if r.has(f"autoscaling.targets.{n}")}

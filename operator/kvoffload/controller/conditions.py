@@ -25,6 +25,7 @@ from ..engine import versions as engine_versions
 from ..planning import routing as plan_routing
 from ..rendering import autoscaling, render
 from ..rendering import routing as render_routing
+from .discovery import NOT_REGISTERED, SERVED, AutoscalingApis
 from .pipeline import Desired
 from .probe import Probes, Reading
 
@@ -58,6 +59,7 @@ class Observed:
     probes: Probes | None = None  # running pod -> its exporter's answer, or an error; None: not probed
     hpa: dict[str, Any] | None = None  # the HorizontalPodAutoscaler that decides (ours or KEDA's), with spec.autoscaling
     router: dict[str, Any] | None = None  # the router's Deployment, with spec.routing
+    apis: AutoscalingApis | None = None  # what the API server serves for autoscaling (discovery.py); None: not read yet
 
 
 def now_iso(clock: datetime | None = None) -> str:
@@ -297,7 +299,8 @@ def evaluate(desired: Desired | None, error: ConfigError | None, obs: Observed) 
         return [ready, valid,
                 Cond("Scheduled", "Unknown", why, "no children created or changed while the spec is invalid"
                      if why == INVALID_SPEC else "not evaluated while a child cannot be written"),
-                *(Cond(t, "Unknown", why, msg) for t in ("OffloadActive", "EngineVerified", "DiskTierReady", "RouterReady")),
+                *(Cond(t, "Unknown", why, msg) for t in ("OffloadActive", "EngineVerified", "DiskTierReady", "RouterReady",
+                                                                 "AutoscalingReady")),
                 *progress(ready, valid)]
     replicas = desired.spec.replicas
     scheduled = _scheduled(replicas, obs.pods)
@@ -307,7 +310,44 @@ def evaluate(desired: Desired | None, error: ConfigError | None, obs: Observed) 
     warnings = "; ".join(desired.budget.warnings)
     valid = Cond("ConfigValid", "True", "Valid", "spec is valid" + (f"; warnings: {warnings}" if warnings else ""))
     return [ready, valid, scheduled, _offload(desired, ready, obs.pods, obs.probes), _engine(desired, obs.probes),
-            _disk(desired, obs.pods), router, *progress(ready, valid)]
+            _disk(desired, obs.pods), router, autoscaling_ready(desired, obs.apis), *progress(ready, valid)]
+
+
+_ADAPTER_FIX = ("install a custom-metrics adapter with the rules in docs/autoscaling.md (prometheus-adapter), or "
+                "install KEDA and set the operator's autoscaler to auto or keda (then restart the operator)")
+
+
+def autoscaling_ready(desired: Desired, apis: AutoscalingApis | None) -> Cond:
+    """AutoscalingReady: can the autoscaler that desired.autoscaler names read its metrics (pure, from discovery)."""
+    t = "AutoscalingReady"
+    a = desired.spec.autoscaling
+    if a is None:
+        return Cond(t, "True", "NotConfigured", "spec.autoscaling is not set")
+    if apis is None:
+        return Cond(t, "Unknown", "DiscoveryPending", "the operator has not read the API server's discovery yet")
+    if desired.autoscaler == "keda":
+        if apis.keda.state != SERVED or "scaledobjects" not in apis.keda.resources:
+            return Cond(t, "False", "KedaNotInstalled", "the operator's autoscaler is keda but the API server serves no "
+                        "keda.sh/v1alpha1 ScaledObject: install KEDA (its CRDs and operator) and restart the operator")
+        em = apis.external_metrics
+        if em.state != SERVED:
+            why = em.state + (f" ({em.detail})" if em.detail else "")
+            return Cond(t, "False", "KedaMetricsUnavailable", f"KEDA's HorizontalPodAutoscaler reads external.metrics.k8s.io, "
+                        f"which is {why}: is KEDA's metrics server (keda-operator-metrics-apiserver) running and its "
+                        "APIService v1beta1.external.metrics.k8s.io Available?")
+        return Cond(t, "True", "KedaServed", "KEDA's ScaledObject and the external metrics API are served")
+    cm = apis.custom_metrics
+    if cm.state == NOT_REGISTERED:
+        return Cond(t, "False", "NoCustomMetricsAdapter", "the operator's autoscaler is hpa but no APIService serves "
+                    f"custom.metrics.k8s.io/v1beta1, so the HorizontalPodAutoscaler cannot read its Pods metrics: {_ADAPTER_FIX}")
+    if cm.state != SERVED:
+        return Cond(t, "False", "CustomMetricsUnavailable", "the APIService v1beta1.custom.metrics.k8s.io is registered "
+                    f"but not Available ({cm.detail or cm.state}): check the adapter's pods and Service")
+    missing = [m for m in (autoscaling.TARGETS[f].adapter_metric for f in a.targets) if f"pods/{m}" not in cm.resources]
+    if missing:
+        return Cond(t, "False", "MetricsNotServed", f"the custom metrics adapter serves no Pods metric {', '.join(missing)}: "
+                    "add its rule (docs/autoscaling.md, autoscaler hpa) and make Prometheus scrape vLLM's /metrics")
+    return Cond(t, "True", "MetricsServed", "the custom metrics API serves every metric the targets read")
 
 
 def initial(body: dict[str, Any], clock: datetime | None = None) -> dict[str, Any]:
@@ -396,7 +436,7 @@ def autoscaler_status(desired: Desired, name: str, hpa: dict[str, Any] | None) -
     """status.autoscaling: what the HorizontalPodAutoscaler wants and why, from its status (pure)."""
     a = desired.spec.autoscaling
     assert a is not None
-    keda = any(c["kind"] == autoscaling.SCALED_OBJECT[1] for c in desired.children)
+    keda = desired.autoscaler == "keda"
     targets = list(a.targets) + (["wakeQuery"] if a.wake_query else [])
     out: dict[str, Any] = {"autoscaler": "keda" if keda else "hpa"}
     if hpa is None:

@@ -12,6 +12,7 @@ annotation on any object. The liveness probe fails once a task of the Runtime di
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -22,8 +23,8 @@ import kopf
 import urllib3
 
 from ..api import crd
-from ..api.settings import Settings, load
-from ..rendering import render
+from ..api.settings import Settings, load, resolve_autoscaler
+from ..rendering import autoscaling, render
 from . import leader
 from .cache import CR_API_VERSION, KINDS, kinds
 from .kube import ApiError, Kube, collection, load_api_client
@@ -88,6 +89,8 @@ async def _wait_for_crd(kube: Kube) -> None:
 
 # The child kinds kopf watches: render.CHILD_KINDS, and those `watch_optional_kinds` added.
 _watched: list[tuple[str, str]] = list(render.CHILD_KINDS)
+# The autoscaler `watch_optional_kinds` resolved (settings.resolve_autoscaler): `auto` becomes hpa or keda once.
+_autoscaler: str | None = None
 
 
 async def watch_optional_kinds(kube: Kube, settings: Settings) -> tuple[tuple[str, str], ...]:
@@ -106,6 +109,14 @@ async def watch_optional_kinds(kube: Kube, settings: Settings) -> tuple[tuple[st
             delay = next(delays)
             log.warning("discovery of %s failed (retry in %.0fs): %s", optional, delay, exc)
             await asyncio.sleep(delay)
+    global _autoscaler
+    _autoscaler = resolve_autoscaler(settings, autoscaling.SCALED_OBJECT in served).autoscaler
+    if settings.autoscaler == "auto":
+        log.info("autoscaler auto: %s (KEDA's ScaledObject %s, prometheusAddress %s)", _autoscaler,
+                 "served" if autoscaling.SCALED_OBJECT in served else "not served",
+                 "set" if settings.prometheus_address else "not set")
+        if _autoscaler == "hpa":
+            return ()  # nothing optional to watch: the HPA is a CHILD_KIND
     for api_version, kind in served:
         _register(api_version, kind)
         _watched.append((api_version, kind))
@@ -137,7 +148,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: objec
     kube = Kube(load_api_client())
     await _wait_for_crd(kube)
     namespaces = [ns for ns in os.environ.get(NAMESPACES_ENV, "").split(",") if ns]
-    memo.runtime = Runtime(kube, load(), namespaces=namespaces or None, child_kinds=tuple(_watched))
+    config = load()
+    if _autoscaler is not None:  # what watch_optional_kinds resolved `auto` to
+        config = dataclasses.replace(config, autoscaler=_autoscaler)
+    memo.runtime = Runtime(kube, config, namespaces=namespaces or None, child_kinds=tuple(_watched))
     if os.environ.get(METRICS_ENV):
         memo.runtime.metrics.serve(os.environ[METRICS_ENV])
     lease = leader.config_from_env()  # `run --leader-election`: act only while holding the Lease

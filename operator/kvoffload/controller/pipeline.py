@@ -46,6 +46,7 @@ class Desired:
     budget: sizing.Budget
     children: list[dict[str, Any]]  # as rendered (the goldens, `kvoffload render`)
     applied: list[dict[str, Any]] = field(default_factory=list)  # as applied: each stamped with its hash
+    autoscaler: str = ""  # with spec.autoscaling: what renders it, "hpa" or "keda" (decided here, not read back)
 
 
 def bandwidths(spec: Spec) -> sizing.Bandwidths:
@@ -110,7 +111,9 @@ def desired(name: str, namespace: str, uid: str, spec_dict: dict[str, Any], sett
     budget = plan_for(spec)
     owner = render.Owner(name=name, namespace=namespace, uid=uid)
     children = render.children(owner, spec, budget, settings)
-    return Desired(spec=spec, budget=budget, children=children, applied=[stamped(c) for c in children])
+    scaler = ("keda" if settings.autoscaler == "keda" else "hpa") if spec.autoscaling else ""
+    return Desired(spec=spec, budget=budget, children=children, applied=[stamped(c) for c in children],
+                   autoscaler=scaler)
 
 
 class DesiredCache:

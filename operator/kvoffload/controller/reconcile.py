@@ -17,6 +17,7 @@ from ..api.errors import ConfigError
 from ..api.settings import Settings
 from ..rendering import autoscaling, render
 from . import conditions, events, pipeline, probe
+from .discovery import AutoscalingApis, Discovered
 from .kube import ApiError, Kube, collection
 
 log = logging.getLogger("kvoffload.reconcile")
@@ -239,22 +240,25 @@ def _refused_status(body: dict[str, Any], exc: StatusRefused, recorder: events.R
 
 def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: datetime | None = None,
               recorder: events.Recorder | None = None, memos: Memos | None = None,
-              child_kinds: tuple[tuple[str, str], ...] | None = None) -> str:
+              child_kinds: tuple[tuple[str, str], ...] | None = None, discovered: Discovered | None = None) -> str:
     """Bring one KVOffloadServe's children and status in line with its spec. Returns a short outcome
     (REFUSED, with an error logged and a Warning Event, when the API server refused the status).
-    `child_kinds`: the kinds the operator watches (default: every kind `settings` render)."""
+    `child_kinds`: the kinds the operator watches (default: every kind `settings` render). `discovered`: what the
+    API server serves for autoscaling, as the Runtime last read it (AutoscalingReady)."""
     body = kube.get(cr_path(namespace, name))
     if body is None or body["metadata"].get("deletionTimestamp"):
         return "gone"  # children go through garbage collection (ownerReferences)
     try:
         return _reconcile(kube, body, settings, clock, recorder, memos or Memos(),
-                          render.child_kinds(settings) if child_kinds is None else child_kinds)
+                          render.child_kinds(settings) if child_kinds is None else child_kinds,
+                          discovered.apis if discovered else None)
     except StatusRefused as exc:
         return _refused_status(body, exc, recorder)
 
 
 def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: datetime | None,
-               recorder: events.Recorder | None, memos: Memos, child_kinds: tuple[tuple[str, str], ...]) -> str:
+               recorder: events.Recorder | None, memos: Memos, child_kinds: tuple[tuple[str, str], ...],
+               apis: AutoscalingApis | None) -> str:
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     if not (body.get("status") or {}).get("conditions"):
         # First sight: say "working on it" before the slow part, so no reader takes silence for success.
@@ -285,7 +289,8 @@ def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: date
             probes = probe.probe_exporters(pods, desired.spec.metrics_port)
     hpa = live.get((*autoscaling.HPA, autoscaling.name(name, settings))) if desired and desired.spec.autoscaling else None
     router = live.get(("apps/v1", "Deployment", render.names(name)["router"])) if desired and desired.spec.routing else None
-    new_status = conditions.status(body, desired, error, conditions.Observed(sts, pods, probes, hpa, router), clock)
+    new_status = conditions.status(body, desired, error, conditions.Observed(sts, pods, probes, hpa, router, apis),
+                                   clock)
     previous = (body.get("status") or {}).get("conditions")
     if new_status == (body.get("status") or {}):
         if applied and recorder is not None:  # drift repaired: children changed, status did not

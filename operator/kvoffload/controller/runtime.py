@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ..api import crd
 from ..api.settings import Settings
 from ..rendering import render
-from . import events, leader
+from . import discovery, events, leader
 from .cache import Cache, CachedKube
 from .kube import Kube
 from .metrics import Metrics
@@ -63,11 +63,13 @@ class Runtime:
                  namespaces: list[str] | None = None, workers: int = WORKERS,
                  child_kinds: tuple[tuple[str, str], ...] = render.CHILD_KINDS) -> None:
         """`child_kinds`: the kinds kopf watches (handlers.watch_optional_kinds), cached and the only ones reconciled."""
+        self.discovered = discovery.Discovered()  # refreshed on the resync timer (_discover_forever)
         if reconcile is None:
             # One Events recorder, and so one token bucket, for the whole operator (posts go to the API server, not the cache).
             assert kube is not None
             recorder = events.recorder(settings, lambda ns, body: kube.request("POST", f"/api/v1/namespaces/{ns}/events", body))
-            reconcile = functools.partial(reconcile_one, recorder=recorder, memos=Memos(), child_kinds=child_kinds)
+            reconcile = functools.partial(reconcile_one, recorder=recorder, memos=Memos(), child_kinds=child_kinds,
+                                          discovered=self.discovered)
         self.settings, self.reconcile, self.workers = settings, reconcile, workers
         self.cache = Cache(namespaces, self._kicked, child_kinds=child_kinds)
         self.kube = CachedKube(kube, self.cache) if kube is not None else None
@@ -91,6 +93,8 @@ class Runtime:
         """Start the resync loop and, given a Lease, the election (acting only while leading). The
         workers start once the caches are filled (`filled`)."""
         self._spawn(self._resync_forever(self.settings.resync_seconds), "resync")
+        if self.kube is not None:
+            self._spawn(self._discover_forever(self.settings.resync_seconds), "autoscaling discovery")
         self._spawn(self._report_forever(REPORT_SECONDS), "report")
         if lease is not None:
             self.leading = False
@@ -227,6 +231,17 @@ class Runtime:
             await asyncio.sleep(interval)
             log.info("resync %d resources", len(self.known()))
             self._kick_known(RESYNC)
+
+    async def _discover_forever(self, interval: float) -> None:
+        """What the API server serves for autoscaling (discovery.py): now, then every resync period. A change
+        (KEDA or an adapter installed, an APIService gone) re-evaluates every resource's AutoscalingReady."""
+        assert self.kube is not None
+        get = functools.partial(self.kube.request, "GET")
+        while True:
+            if await asyncio.to_thread(self.discovered.refresh, get):
+                log.info("autoscaling discovery: %s", self.discovered.apis)
+                self._kick_known(CHANGE)
+            await asyncio.sleep(interval)
 
     async def _report_forever(self, interval: float) -> None:
         """One log line when the totals moved: reconciles by outcome since start (the scale benchmark reads it)."""

@@ -19,35 +19,61 @@ from ..planning.sizing import Budget
 HPA = ("autoscaling/v2", "HorizontalPodAutoscaler")
 SCALED_OBJECT = ("keda.sh/v1alpha1", "ScaledObject")
 KEDA_POLLING_SECONDS = 15  # KEDA's default; it only decides 0 <-> 1 (the HPA decides the rest every sync period)
-RATE_WINDOW = "2m"  # promptRecomputePercent is a rate over this window
+# queueTimeP90Milliseconds is a quantile of the requests queued over this window: long enough to hold a few
+# requests at low load, short against the scale-up period (the windows come from the start-up budget).
+RATE_WINDOW = "2m"
 # The series labels the queries select a resource's pods by: what the chart's PodMonitor / ServiceMonitor
 # give (namespace, and the pod label kvoffload.io/serve as a target label).
 SERVE_LABEL = "kvoffload_io_serve"
+QUEUE_TIME = "vllm:request_queue_time_seconds_bucket"  # vLLM's histogram (0.26 and 0.33: tests/fixtures)
+
+
+def _p90_ms(buckets: str, by: str) -> str:
+    """The 90th percentile of vLLM's queue time in ms. With no request in the window every bucket's rate is 0 and
+    histogram_quantile gives NaN, which no autoscaler can compare: `>= 0` drops NaN and `or` reads it as 0 ms."""
+    return f"1000 * histogram_quantile(0.9, sum by ({by}) (rate({buckets}[{RATE_WINDOW}])))"
 
 
 @dataclass(frozen=True)
 class Target:
-    """One spec.autoscaling.targets field: what the HPA (through a metrics adapter) and KEDA (through PromQL) read."""
+    """One spec.autoscaling.targets field: what the HPA (through a metrics adapter) and KEDA (through PromQL) read.
+    Each falls as replicas are added at the same load (docs/autoscaling.md says why for each)."""
     field: str
-    adapter_metric: str  # the Pods metric a custom-metrics adapter must serve (docs/autoscaling.md has its rule)
-    unit_scale: int  # spec value / unit_scale = the metric's own value (percent -> ratio)
+    adapter_metric: str  # the Pods metric a custom-metrics adapter must serve (adapter_rule)
+    unit_scale: int  # spec value / unit_scale = the adapter metric's own value (percent -> ratio)
     per_replica: bool  # KEDA: AverageValue (the sum over pods / replicas) or Value (one figure for the service)
     what: str  # for status and `kubectl kvs why`
 
     def query(self, sel: str) -> str:
+        """KEDA's trigger query: in the target's unit, for the whole service (`sel` selects its pods)."""
         return {"waitingRequestsPerReplica": f"sum(vllm:num_requests_waiting{{{sel}}})",
                 "kvCacheUsagePercent": f"100 * sum(vllm:kv_cache_usage_perc{{{sel}}})",
-                "promptRecomputePercent": (
-                    f'100 * sum(rate(kvoffload_prompt_tokens_total{{{sel},origin="compute"}}[{RATE_WINDOW}])) '
-                    f"/ clamp_min(sum(rate(kvoffload_prompt_tokens_total{{{sel}}}[{RATE_WINDOW}])), 1)")}[self.field]
+                "queueTimeP90Milliseconds": f"({_p90_ms(f'{QUEUE_TIME}{{{sel}}}', 'le')} >= 0) or vector(0)",
+                }[self.field]
+
+    def adapter_rule(self) -> dict[str, Any]:
+        """The prometheus-adapter rule that serves `adapter_metric` per pod (docs/autoscaling.md prints these)."""
+        series, query = {
+            "waitingRequestsPerReplica": ("vllm:num_requests_waiting",
+                                          "sum(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)"),
+            "kvCacheUsagePercent": ("vllm:kv_cache_usage_perc", "max(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)"),
+            # Per pod; an idle pod's NaN is dropped (no sample: the HPA averages over the pods that have one).
+            "queueTimeP90Milliseconds": (QUEUE_TIME, _p90_ms("<<.Series>>{<<.LabelMatchers>>}", "le, <<.GroupBy>>")
+                                         + " >= 0"),
+        }[self.field]
+        return {"seriesQuery": f'{series}{{namespace!="",pod!=""}}',
+                "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
+                "name": {"as": self.adapter_metric}, "metricsQuery": query}
 
 
 TARGETS = {t.field: t for t in (
     Target("waitingRequestsPerReplica", "vllm_num_requests_waiting", 1, True, "waiting requests per replica"),
     Target("kvCacheUsagePercent", "vllm_kv_cache_usage_perc", 100, True, "GPU KV-cache usage % per replica"),
-    Target("promptRecomputePercent", "kvoffload_prompt_recompute_ratio", 100, False, "prompt tokens recomputed %"),
+    Target("queueTimeP90Milliseconds", "vllm_request_queue_time_p90_milliseconds", 1, False,
+           "90th percentile of the time requests wait in vLLM's queue, ms"),
 )}
-assert list(TARGETS) == list(crd.schema_at("autoscaling.targets")["properties"]), "one Target per CRD field"
+assert list(TARGETS) == [t for t in crd.schema_at("autoscaling.targets")["properties"] if t not in crd.REMOVED_TARGETS], \
+    "one Target per CRD field"
 
 
 def name(owner_name: str, settings: Settings) -> str:

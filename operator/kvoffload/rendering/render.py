@@ -46,8 +46,10 @@ CHILD_KINDS = (("v1", "ConfigMap"), ("v1", "Service"), *routing.KINDS[:3], ("app
 
 
 def child_kinds(settings: Settings) -> tuple[tuple[str, str], ...]:
-    """The kinds the operator owns with these settings: KEDA's ScaledObject only where the cluster has KEDA."""
-    return CHILD_KINDS + ((autoscaling.SCALED_OBJECT,) if settings.autoscaler == "keda" else ())
+    """The kinds the operator owns with these settings: KEDA's ScaledObject only where the cluster has KEDA
+    (auto with a prometheusAddress may pick KEDA: handlers.watch_optional_kinds watches it where served)."""
+    maybe_keda = settings.autoscaler == "keda" or (settings.autoscaler == "auto" and bool(settings.prometheus_address))
+    return CHILD_KINDS + ((autoscaling.SCALED_OBJECT,) if maybe_keda else ())
 
 
 @dataclass(frozen=True)
