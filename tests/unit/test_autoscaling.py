@@ -102,7 +102,8 @@ def test_wake_query_reads_only_its_own_namespace(query, words):
 def test_every_rendered_query_is_scoped_to_the_namespace():
     """The operator's own triggers pass the check a tenant's wakeQuery must pass."""
     d = desired(spec(**SCALED, autoscaling__minReplicas=0, autoscaling__wakeQuery=WAKE,
-                     autoscaling__targets__kvCacheUsagePercent=80, autoscaling__targets__promptRecomputePercent=50), KEDA)
+                     autoscaling__targets__kvCacheUsagePercent=80,
+                     autoscaling__targets__queueTimeP90Milliseconds=500), KEDA)
     triggers = child(d, "ScaledObject")["spec"]["triggers"]
     assert len(triggers) == 4
     for t in triggers:
