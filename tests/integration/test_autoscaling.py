@@ -202,6 +202,46 @@ def test_keda_scales_up_under_load_and_down_after_it(cluster, namespace, stack, 
     assert DOWN_WINDOW - HPA_SYNC <= down <= DOWN_WINDOW + 2 * HPA_SYNC + 20, f"scaled down after {down:.0f} s"
 
 
+def test_keda_scales_on_the_queue_time_p90_which_falls_as_replicas_are_added(cluster, namespace, stack, tmp_path):
+    """queueTimeP90Milliseconds alone, through KEDA's Prometheus trigger (metric type Value, the whole service) and
+    the HPA controller: the same queueing work spread over more replicas waits less, so the p90 that took the
+    resource from 1 to 4 replicas falls below its target at 4 with the load unchanged; with no requests it reads 0
+    (not NaN) and the resource goes back to 1."""
+    engines, _, op = stack
+    doc = manifest(namespace, targets={"queueTimeP90Milliseconds": 500})
+    name = doc["metadata"]["name"]
+    server_side_apply(cluster, doc, tmp_path / "serve.yaml")
+    c = cluster.client
+    cluster.wait_until(lambda: ready_pods(cluster, namespace, name) == 1, timeout=60, message="1 replica ready")
+
+    def queue_ms() -> float | None:
+        st = (c.get("kvoffloadserves", name, namespace).get("status") or {}).get("autoscaling") or {}
+        m = next((m for m in st.get("metrics") or [] if m["target"] == "queueTimeP90Milliseconds"), {})
+        return None if m.get("current") in (None, "unknown") else float(m["current"])
+
+    # 1.5 s of waiting on one engine: vLLM's bucket (1.0, 1.5], p90 1450 ms against 500 -> ceil(2.9) = 3 and more
+    # while the window still holds the first requests; max 4.
+    engines.queue_seconds = 1.5
+    t0 = time.monotonic()
+    cluster.wait_until(lambda: replicas(cluster, namespace, name) == 4, timeout=150, interval=0.5,
+                       message=f"scaled to 4 on the queue time; operator log tail:\n{op.output()[-1500:]}")
+    _timing("queue time p90 1450 ms / 500: 1 -> 4 replicas (spec.replicas)", time.monotonic() - t0)
+    # The same work on 4 engines waits 0.375 s each (bucket (0.3, 0.5], p90 480 ms): once the window holds only
+    # those, the signal is under its target and the HPA keeps 4 (ratio 0.96, within its 10 % tolerance).
+    cluster.wait_until(lambda: (v := queue_ms()) is not None and v < 500, timeout=int(autoscaling.RATE_WINDOW[:-1]) * 60
+                       + 3 * HPA_SYNC + 30, interval=1, message="the queue time p90 under 500 ms at 4 replicas")
+    assert replicas(cluster, namespace, name) == 4
+    _timing("queue time p90 falls under its target at 4 replicas, load unchanged", time.monotonic() - t0)
+
+    engines.queue_seconds = 0  # no requests: every bucket's rate 0, the query's `or vector(0)` reads 0 ms
+    t1 = time.monotonic()
+    cluster.wait_until(lambda: replicas(cluster, namespace, name) == 1, timeout=int(autoscaling.RATE_WINDOW[:-1]) * 60
+                       + DOWN_WINDOW + 3 * HPA_SYNC + 60, interval=1, message="scaled back to 1")
+    _timing(f"no requests: 4 -> 1 replicas (rate window {autoscaling.RATE_WINDOW}, down window {DOWN_WINDOW} s)",
+            time.monotonic() - t1)
+    assert queue_ms() in (0.0, None)
+
+
 def test_keda_scales_to_zero_when_idle_and_wakes_on_demand(cluster, namespace, stack, tmp_path):
     engines, gateway, _ = stack
     wake = f'sum(standin_gateway_pending_requests{{namespace="{namespace}",model="llama31-8b-autoscaled"}})'
