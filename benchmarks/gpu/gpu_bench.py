@@ -405,6 +405,98 @@ class Engine:
             time.sleep(0.1)
 
 
+# vLLM's series the autoscaling targets read (rendering/autoscaling.py), kept from each sampled page.
+SERIES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+          "vllm:request_queue_time_seconds", "vllm:prompt_tokens_by_source_total", "vllm:prefix_cache_hits_total",
+          "vllm:external_prefix_cache_hits_total")
+
+
+def _series_name(line: str) -> str:
+    """The metric an exposition line is about ('# TYPE name counter', 'name{...} 1')."""
+    words = line.split(maxsplit=3)
+    return words[2] if line.startswith("#") and len(words) > 2 else line
+
+
+class PageSampler(threading.Thread):
+    """vLLM's /metrics every `period` s while a load runs, cut to SERIES: (unix time, exposition text) pairs that a
+    real Prometheus ingests afterwards (promtool tsdb create-blocks-from openmetrics) to evaluate the queries."""
+
+    def __init__(self, port: int, period: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.port, self.period, self.halt = port, period, threading.Event()
+        self.pages: list[tuple[float, str]] = []
+
+    def run(self) -> None:
+        while not self.halt.wait(self.period):
+            try:
+                text = vllm_page(self.port)
+            except (OSError, RuntimeError):
+                continue
+            keep = [ln for ln in text.splitlines() if _series_name(ln).startswith(SERIES)]
+            self.pages.append((time.time(), "\n".join(keep)))
+
+
+def load_phase(eng: Engine, prompts: list[list[int]], concurrency: int) -> dict[str, Any]:
+    """`prompts` with `concurrency` requests in flight (max_tokens 1: each latency is a time to first token, queueing
+    included), and the engine's token sources over the phase."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    before = sources(gpu_counters.Page(vllm_page(eng.port)))
+    t0 = time.perf_counter()
+
+    def one(ids: list[int]) -> tuple[float, float, int]:
+        start = time.perf_counter()
+        status, body = http_req(eng.port, "POST", "/v1/completions",
+                                {"model": eng.model, "prompt": ids, "max_tokens": 1, "temperature": 0},
+                                timeout=REQUEST_TIMEOUT_S)
+        if status != 200:
+            raise RuntimeError(f"completion: HTTP {status}: {body[:300]}")
+        return round(start - t0, 4), round(time.perf_counter() - start, 5), status
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        rows = list(pool.map(one, prompts))
+    wall = time.perf_counter() - t0
+    time.sleep(STATS_WAIT_S)
+    after = sources(gpu_counters.Page(vllm_page(eng.port)))
+    ttft = sorted(r[1] for r in rows)
+    return {"concurrency": concurrency, "requests": len(prompts), "tokens": len(prompts[0]), "wall_s": round(wall, 3),
+            "ttft_s": [r[1] for r in rows], "started_s": [r[0] for r in rows],
+            "ttft_mean_s": round(sum(ttft) / len(ttft), 5), "ttft_p50_s": ttft[len(ttft) // 2],
+            "ttft_p95_s": ttft[min(len(ttft) - 1, math.ceil(0.95 * len(ttft)) - 1)],
+            **{k: after[k] - before[k] for k in after}}
+
+
+def run_load(eng: Engine, spec: str, tokens: int, seed: int, out_dir: Path, tag: str) -> dict[str, Any]:
+    """--load C:N,...: each step N cold prompts at C in flight; after the first step, a reset of the GPU prefix cache
+    and its prompts again (hits from the offload tiers, or recomputed); then 5 s idle. vLLM's pages over all of it
+    go to out_dir/series/<tag>.jsonl."""
+    steps = [tuple(int(x) for x in part.split(":")) for part in spec.split(",")]
+    sampler = PageSampler(eng.port)
+    sampler.start()
+    res: dict[str, Any] = {"steps": []}
+    try:
+        for k, (conc, n) in enumerate(steps):
+            prompts = [prompt(seed + 7919 * (k + 1) + i, tokens) for i in range(n)]
+            step = {"cold": load_phase(eng, prompts, conc), "t_end": time.time()}
+            if k == 0:
+                step["reset"] = eng.reset_prefix_cache()
+                step["again"] = load_phase(eng, prompts, conc)
+            res["steps"].append(step)
+            log(f"{tag}: load {conc}x{n}: cold mean {step['cold']['ttft_mean_s']:.3f}s p95 {step['cold']['ttft_p95_s']:.3f}s"
+                + (f"; again mean {step['again']['ttft_mean_s']:.3f}s, external {step['again']['external_kv_transfer']:.0f}"
+                   f" of {n * tokens} tokens" if "again" in step else ""))
+        time.sleep(5)
+    finally:
+        sampler.halt.set()
+        sampler.join(5)
+        (out_dir / "series").mkdir(parents=True, exist_ok=True)
+        with open(out_dir / "series" / f"{tag}.jsonl", "w") as f:
+            for ts, text in sampler.pages:
+                f.write(json.dumps({"t": round(ts, 3), "page": text}) + "\n")
+        res["pages"] = len(sampler.pages)
+    return res
+
+
 def reset_succeeded(body: str) -> bool:
     """vLLM's answer to POST /reset_prefix_cache: {"success": bool} (0.26.0); an empty body (older
     vLLM, no verdict) counts as success."""
@@ -578,6 +670,12 @@ def drop_page_cache() -> bool:
 
 # ---------------------------------------------------------------- one engine run
 
+def engine_additions(args: argparse.Namespace) -> dict[str, Any]:
+    """What a measurement adds to the rendered vLLM (gpu_manifests.engine_args; each a listed change)."""
+    return {"extra_args": [w for a in args.engine_arg for w in a.split()],
+            "kv_extra": json.loads(args.kv_extra) if args.kv_extra else None}
+
+
 def overrides_for(kind: str, args: argparse.Namespace) -> tuple[dict[str, Any] | None, dict[str, str]]:
     """The disk run's LMCache overrides and every run's extra engine env."""
     extra = dict(kv.split("=", 1) for kv in args.engine_env)
@@ -603,7 +701,8 @@ class HostTarget:
         self.connector = kind != "baseline"
         overrides, extra = overrides_for(kind, args)
         self.run = run = gpu_manifests.localize(rendered, self.layout, connector=self.connector, model_config=cfg,
-                                                lmcache_overrides=overrides, extra_env=extra)
+                                                lmcache_overrides=overrides, extra_env=extra,
+                                                **engine_additions(args))
         self.port, self.exporter_port, self.multiproc_dir = self.layout.port, self.layout.exporter_port, run.multiproc_dir
         self.lmcache = run.lmcache
         self.status_url = gpu_manifests.flag(run.exporter_argv or [], "--lmcache-server-url") if run.sidecars else None
@@ -739,6 +838,8 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
                 phases.setdefault("after_reset", []).append({**eng.complete(p), **reset})
                 log(f"{tag}: rep {r}: " + ", ".join(f"{k} {v[-1]['ttft_s']:.3f}s (LMCache retrieved {v[-1]['lmcache_retrieved_tokens']}, "
                                                     f"load skipped {v[-1]['lmcache_load_skipped_lines']}x)" for k, v in phases.items()))
+            if args.load:
+                res["load"] = run_load(eng, args.load, args.load_tokens, seed, Path(args.out), tag)
         else:
             per_prompt = n * kv_bpt
             cpu_total = float((target.lmcache or {}).get("max_local_cpu_size", 5.0)) * 2**30 * rendered.tp
@@ -942,6 +1043,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stats-wait-s", type=float, default=0.3, help="wait after a response before reading counters")
     ap.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment for every engine (recorded as a change)")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="ARGS",
+                    help="vLLM arguments added to the rendered ones (split on spaces; recorded as a change)")
+    ap.add_argument("--kv-extra", metavar="JSON",
+                    help="merged into the rendered --kv-transfer-config's kv_connector_extra_config (recorded)")
+    ap.add_argument("--load", metavar="C:N[,C:N...]",
+                    help="after the phases: for each C:N, N cold requests of --load-tokens with C in flight "
+                         "(then, after the first, the same prompts again as hits), vLLM's /metrics sampled")
+    ap.add_argument("--load-tokens", type=int, default=8192)
     ap.add_argument("--tag-suffix", default="", help="appended to run names (e.g. -v1runner)")
     ap.add_argument("--lmcache-overrides", help="JSON merged into the rendered LMCache config (recorded as a change)")
     ap.add_argument("--runtime", choices=("host", "crun"), default="host",

@@ -315,8 +315,28 @@ def vllm_argv(c: Container) -> tuple[list[str], str | None]:
     return cmd + list(c.args), None
 
 
+def engine_args(args: list[str], extra_args: list[str] | None, kv_extra: dict[str, Any] | None,
+                changes: list[str]) -> list[str]:
+    """vLLM's arguments with a measurement's additions, each listed in `changes`: `kv_extra` merged into the
+    --kv-transfer-config's kv_connector_extra_config (e.g. LMCache's lazy store), `extra_args` appended."""
+    out = list(args)
+    if kv_extra:
+        if "--kv-transfer-config" not in out:
+            raise ManifestError("--kv-extra: the rendered vLLM has no --kv-transfer-config (the baseline drops it)")
+        i = out.index("--kv-transfer-config") + 1
+        cfg = json.loads(out[i])
+        cfg["kv_connector_extra_config"] = {**(cfg.get("kv_connector_extra_config") or {}), **kv_extra}
+        out[i] = json.dumps(cfg, separators=(",", ":"))
+        changes.append(f"--kv-transfer-config kv_connector_extra_config += {json.dumps(kv_extra, sort_keys=True)}")
+    if extra_args:
+        out += extra_args
+        changes.append(f"vLLM arguments added: {' '.join(extra_args)}")
+    return out
+
+
 def localize(r: Rendered, layout: Layout, *, connector: bool = True, model_config: dict[str, Any] | None = None,
-             lmcache_overrides: dict[str, Any] | None = None, extra_env: dict[str, str] | None = None) -> LocalRun:
+             lmcache_overrides: dict[str, Any] | None = None, extra_env: dict[str, str] | None = None,
+             extra_args: list[str] | None = None, kv_extra: dict[str, Any] | None = None) -> LocalRun:
     dirs = _volume_dirs(r, layout)
     fields = _field_values(r)
     changes: list[str] = []
@@ -372,6 +392,7 @@ def localize(r: Rendered, layout: Layout, *, connector: bool = True, model_confi
         out += ["--host", "127.0.0.1"]
     if "--port" not in out:
         out += ["--port", str(layout.port)]
+    out = engine_args(out, extra_args, kv_extra if connector else None, changes)
     out += ["--load-format", "dummy", "--skip-tokenizer-init"]
     engine_argv = [layout.python, *VLLM_ENTRY, "serve", *out]
     changes.append("vllm -> python -m vllm.entrypoints.cli.main")
@@ -512,7 +533,8 @@ def _mounts_of(c: Container, env: dict[str, str], dirs: dict[str, str]) -> dict[
 def containerize(r: Rendered, root: str, disk_root: str, *, connector: bool = True,
                  model_config: dict[str, Any] | None = None, lmcache_overrides: dict[str, Any] | None = None,
                  extra_env: dict[str, str] | None = None, serving_env: dict[str, str] | None = None,
-                 kept: dict[str, str] | None = None) -> PodRun:
+                 kept: dict[str, str] | None = None, extra_args: list[str] | None = None,
+                 kv_extra: dict[str, Any] | None = None) -> PodRun:
     """The rendered pod's containers for a container runtime. Changes, each listed in `changes`:
     the model -> a directory in the models volume holding config.json, + --load-format dummy
     --skip-tokenizer-init; downward-API values of the first pod (POD_IP: loopback); the
@@ -573,6 +595,7 @@ def containerize(r: Rendered, root: str, disk_root: str, *, connector: bool = Tr
             continue
         args.append(rest[i])
         i += 1
+    args = engine_args(args, extra_args, kv_extra if connector else None, changes)
     argv += ["vllm", "serve", *args, "--load-format", "dummy", "--skip-tokenizer-init"]
     env = {**main.env, "VLLM_SERVER_DEV_MODE": "1", **(extra_env or {})}
     changes.append("env VLLM_SERVER_DEV_MODE=1 (POST /reset_prefix_cache)")

@@ -89,12 +89,16 @@ def host_facts() -> gpu_oci.Host:
 
 def stand_in(image: str) -> str:
     """The directory under IMAGES standing in for an image: operator/ for the operator image; for a serving image
-    serving/ when it holds the default pair (the host's torch + wheels) and serving-<tag>/ for another pair
-    (its own torch: `dev.sh install 0.33.0-0.5.6`)."""
+    serving/ when it holds the default pair (the host's torch + wheels) and serving-<vllm>-<lmcache>/ for another
+    pair (its own torch: `dev.sh install 0.33.0-0.5.6`). vLLM's official image (backend vllm-native) stands on the
+    serving image of its vLLM version: the same vLLM, LMCache unused."""
     if "kvoffload/kvoffload" in image:
         return "operator"
-    tag = image.rpartition(":")[2] if ":" in image.rpartition("/")[2] else ""
-    return "serving" if tag in ("", images.DEFAULT_IMAGE.rpartition(":")[2]) else f"serving-{tag}"
+    pairs = {i: f"{k.vllm}-{k.lmcache}" for i, k in images.serving_images().items()}
+    pairs.update({f"vllm/vllm-openai:v{k.vllm}": f"{k.vllm}-{k.lmcache}" for k in images.serving_images().values()})
+    default = pairs[images.DEFAULT_IMAGE]
+    pair = pairs.get(image, default)
+    return "serving" if pair == default else f"serving-{pair}"
 
 
 def image_env(image: str, python: str) -> dict[str, str]:
@@ -393,7 +397,8 @@ class PodTarget:
         overrides, extra = bench.overrides_for(kind, args)
         self.run = run = gm.containerize(rendered, work, self.disk_root, connector=self.connector, model_config=cfg,
                                          lmcache_overrides=overrides, extra_env=extra, serving_env=serving_env,
-                                         kept={v: f"{args.work}/kept-{v}" for v in args.keep_volume})
+                                         kept={v: f"{args.work}/kept-{v}" for v in args.keep_volume},
+                                         **bench.engine_additions(args))
         self.logdir = Path(args.out) / "logs"
         template = json.loads(Path(args.oci_template).read_text()) if args.oci_template else None
         specs = {} if template else load_specs(args.oci_dir, dict(a.split("=", 1) for a in args.oci_alias))

@@ -24,6 +24,8 @@ SCALED = {"autoscaling__maxReplicas": 4, "autoscaling__targets__waitingRequestsP
 
 # field -> (what the base spec needs for the field to matter, the field's value). Every leaf of the CRD is here
 # (test_every_field_is_tried), so a new field is tried on every backend from its first commit.
+CUSTOM_IMAGE = {"engine__image": "registry.example/vllm-lmcache:custom", "engine__vllmVersion": "0.26.0",
+                "engine__lmcacheVersion": "0.5.3"}
 CASES: dict[str, tuple[dict, object]] = {
     "model.name": ({}, "Qwen/Qwen2.5-7B-Instruct"),
     "model.servedName": ({}, "chat"),
@@ -39,8 +41,9 @@ CASES: dict[str, tuple[dict, object]] = {
     "model.architecture.parameters": ({}, 9_000_000_000),
     "replicas": ({}, 3),
     "engine.image": ({}, "registry.example/vllm-lmcache:custom"),
-    "engine.vllmVersion": ({}, "0.26.1"),
-    "engine.lmcacheVersion": ({}, "0.5.4"),
+    # Versions say what an image the operator does not know holds (a known image's are its table's).
+    "engine.vllmVersion": (CUSTOM_IMAGE, "0.26.1"),
+    "engine.lmcacheVersion": (CUSTOM_IMAGE, "0.5.4"),
     "engine.maxModelLen": ({}, 16384),
     "engine.gpuMemoryUtilization": ({}, 0.85),
     "engine.maxNumSeqs": ({}, 64),

@@ -470,3 +470,35 @@ def test_driver_runs_the_server_and_native_backends_against_stand_ins(tmp_path):
     assert nat["phases"]["after_reset"][0]["offload_load_bytes"] == 63 * 64
     checks = {(c["metric"], c["labels"]): c for c in nat["checks"]}
     assert checks[("kvoffload_offload_transfer_bytes_total", "direction=load")]["ok"] and not moved(nat["disagreements"])
+
+
+def test_driver_adds_engine_arguments_and_a_load_with_vllms_pages_sampled(tmp_path):
+    """--kv-extra (LMCache's lazy store) and --engine-arg reach the rendered vLLM and are listed as changes; --load
+    runs the cold prompts at its concurrency, then (first step) the same prompts again from the store; the sampled
+    pages hold the series the autoscaling queries read."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fixtures" / "fake_vllm"), str(ROOT / "operator")])}
+    rendered = tmp_path / "server.yaml"
+    rendered.write_text(render(SERVER))
+    o = tmp_path / "out"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "gpu_bench.py"), "--rendered", str(rendered),
+                    "--out", str(o), "--work", str(tmp_path / "work"), "--disk-root", str(tmp_path / "disk"),
+                    "--runs", "connector", "--tag-suffix=-lazy", "--no-smoke", "--no-probe", "--reps", "1",
+                    "--prompt-tokens", "64", "--rescan-wait", "2", "--start-timeout", "30", "--quiet-s", "0.3",
+                    "--stats-wait-s", "0.05", "--kv-extra", '{"lmcache.mp.lazy_offload": true}',
+                    "--engine-arg", "--num-gpu-blocks-override 512", "--load", "4:8,2:4", "--load-tokens", "32"],
+                   env=env, check=True, timeout=240, capture_output=True)
+    run = json.loads((o / "results.json").read_text())["runs"]["connector-tp1-lazy"]
+    assert "error" not in run, run.get("error")
+    argv = run["argv"]
+    kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector_extra_config"]["lmcache.mp.lazy_offload"] is True
+    assert kv["kv_connector_extra_config"]["lmcache.mp.port"]  # the rendered keys are kept
+    assert argv[argv.index("--num-gpu-blocks-override") + 1] == "512"
+    assert any("lazy_offload" in c for c in run["changes"]) and any("num-gpu-blocks-override" in c for c in run["changes"])
+    first, second = run["load"]["steps"]
+    assert (first["cold"]["concurrency"], first["cold"]["requests"], len(first["cold"]["ttft_s"])) == (4, 8, 8)
+    assert first["cold"]["local_compute"] == 8 * 32 and first["again"]["external_kv_transfer"] == 8 * 31
+    assert "again" not in second and second["cold"]["requests"] == 4
+    pages = [json.loads(line) for line in (o / "series" / "connector-tp1-lazy.jsonl").read_text().splitlines()]
+    assert len(pages) == run["load"]["pages"] > 0
+    assert all("vllm:prompt_tokens_by_source_total" in p["page"] and "cache_config_info" not in p["page"] for p in pages)

@@ -30,6 +30,8 @@ PODS = {"workstation-llama31-8b": ROOT / "examples" / "workstation-llama31-8b.ya
         "server-llama31-8b": ROOT / "examples" / "server-llama31-8b.yaml",
         "native-llama31-8b": ROOT / "benchmarks" / "gpu" / "native-llama31-8b.yaml",
         "workstation-llama31-8b-vllm-0.33.0": ROOT / "benchmarks" / "gpu" / "workstation-llama31-8b-vllm-0.33.0.yaml",
+        "server-llama31-8b-vllm-0.33.0": ROOT / "benchmarks" / "gpu" / "server-llama31-8b-vllm-0.33.0.yaml",
+        "native-llama31-8b-vllm-0.33.0": ROOT / "benchmarks" / "gpu" / "native-llama31-8b-vllm-0.33.0.yaml",
         "workstation-llama31-8b-bf16": ROOT / "benchmarks" / "gpu" / "workstation-llama31-8b-bf16.yaml"}
 HOST = gpu_oci.Host(image_dirs=("/usr", "/opt", "/etc"),
                     devices=(gpu_oci.Device("/dev/nvidia0", 195, 0), gpu_oci.Device("/dev/nvidiactl", 195, 255),
@@ -401,17 +403,29 @@ def test_kubelets_oom_score_adj():
 
 # ------------------------------------------------------------------ the second pair (vLLM 0.33.0 + LMCache 0.5.6)
 
-def test_the_033_example_is_the_workstation_example_on_the_033_image(rendered):
-    """Its KVOffloadServe differs in spec.engine.image alone; its pod in the image and LMCache's version stamp, so
-    the lmcache capture (of the default pair's pod) fits it container for container."""
-    new, old = (yaml.safe_load(PODS[n].read_text()) for n in ("workstation-llama31-8b-vllm-0.33.0", "workstation-llama31-8b"))
-    assert new["spec"]["engine"].pop("image") == "ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6" and new == old
-    a, b = rendered["workstation-llama31-8b"], rendered["workstation-llama31-8b-vllm-0.33.0"]
+@pytest.mark.parametrize("base,image", [
+    ("workstation-llama31-8b", "ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6"),
+    ("server-llama31-8b", "ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6"),
+    ("native-llama31-8b", "vllm/vllm-openai:v0.33.0")])
+def test_each_033_example_is_its_backends_example_on_the_033_image(rendered, base, image):
+    """Its KVOffloadServe differs in spec.engine.image (and vllmVersion) alone; its pod's containers have the
+    captured pod's names, mounts and limits, so the backend's capture (of the default pair's pod) fits it
+    container for container; gpu_pod runs each on the 0.33.0 pair's stand-in image."""
+    new, old = (yaml.safe_load(PODS[n].read_text()) for n in (f"{base}-vllm-0.33.0", base))
+    assert new["spec"]["engine"].pop("image") == image
+    old["spec"]["engine"].pop("image", None)  # the workstation example takes the default image
+    for key, version in (("vllmVersion", "0.33.0"), ("lmcacheVersion", "0.5.6")):  # declared or not: the pair's
+        assert new["spec"]["engine"].pop(key, version) == version
+        old["spec"]["engine"].pop(key, None)
+    assert new == old
+    a, b = rendered[base], rendered[f"{base}-vllm-0.33.0"]
     for x, y in zip(pod(a).containers, pod(b).containers, strict=True):
-        assert dataclasses.replace(y, image=x.image) == x, x.name
+        assert (y.name, y.mounts, y.memory_limit, y.security) == (x.name, x.mounts, x.memory_limit, x.security), x.name
+        if base == "workstation-llama31-8b":  # the in-process connector: the image alone differs
+            assert dataclasses.replace(y, image=x.image) == x, x.name
     # the exporter and the disk-tier init container run the operator image; everything else the serving image
-    assert {c.image for c in pod(b).containers if c.name not in ("exporter", "prepare-disk-tier")} == {
-        "ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6"}
+    assert {c.image for c in pod(b).containers if c.name not in ("exporter", "prepare-disk-tier")} == {image}
+    assert {gpu_pod.stand_in(c.image) for c in pod(b).containers if c.image == image} == {"serving-0.33.0-0.5.6"}
 
 
 def test_the_bf16_example_is_the_workstation_example_with_a_bf16_cache(rendered):

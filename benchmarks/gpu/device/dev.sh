@@ -14,6 +14,9 @@
 #   bash <bundle>/dev/dev.sh plan-rest TOTAL_S   the runs the captures had not had (vllm-native, the server's read-only
 #                                            sidecar, the disk tier alone); each bench's directory comes back as one $OUT/NAME.tar.xz
 #   bash <bundle>/dev/dev.sh plan-layerwise TOTAL_S  issue 21: the cold-request cost with LMCache's layer-wise store (bf16 cache)
+#   bash <bundle>/dev/dev.sh plan034 TOTAL_S     issue 34 (0.33.0-0.5.6): the check, then lmcache-server eager, lazy and
+#                                            no connector under load; plan034-rest: vllm-native, the disk tier, the
+#                                            server at 32K; plan-load (default pair): the server and no connector under load
 #   bash <bundle>/dev/dev.sh plan033 TOTAL_S [RUNS]  vLLM 0.33.0 + LMCache 0.5.6: check, then its rendered example under
 #                                            crun (RUNS: connector,baseline by default)
 set -u -o pipefail
@@ -95,6 +98,43 @@ plan|plan033)
     done
   fi
   echo "$1 done, $(left) s left" ;;
+plan034|plan034-rest|plan-load)
+  # Issue 34 on vLLM 0.33.0 + LMCache 0.5.6 (plan034, plan034-rest) and issue 36's signals on the default pair
+  # (plan-load). The load runs: 8,192-token prompts on a GPU tier cut to 4,352 blocks (--num-gpu-blocks-override:
+  # 16 requests in flight overflow it, so blocks are evicted while requests run, the case a lazy store must keep
+  # up with), --load 16:32,8:16 (vLLM's pages sampled: the autoscaling queries run on them afterwards). Each bench's
+  # directory comes back as $OUT/NAME.tar.xz.
+  end=$(( $(date +%s) + $2 )); R=$G/rendered; O=$G/oci; out=/root/out; mkdir -p $out
+  left() { echo $(( end - $(date +%s) )); }
+  b() { local name=$1 first=$2; shift 2; [ "$(left)" -gt "$first" ] || { echo "skipped (left $(left) s): $name"; return; }
+        bash $G/dev/dev.sh bench --budget-s "$(left)" --run-estimate-s "$first" --request-timeout 100 --out $out/$name "$@"
+        tar -C $out -cJf "${OUT:-/root}/$name.tar.xz" $name; echo "$name done, $(left) s left"; }
+  LOAD=(--prompt-tokens 8192 --engine-arg "--num-gpu-blocks-override 4352" --load 16:32,8:16)
+  LAZY='{"lmcache.mp.lazy_offload": true, "lmcache.mp.lazy_offload_policy": "EVICTION_AWARE"}'
+  case "$1" in
+  plan034)
+    mkdir -p $out/check033
+    bash $G/dev/dev.sh check 0.33.0-0.5.6 > $out/check033/check.log 2>&1 || { cat $out/check033/check.log; echo "check failed: no bench"; exit 1; }
+    tar -C $out -cJf "${OUT:-/root}/check033.tar.xz" check033
+    S=$R/server-llama31-8b-vllm-0.33.0.yaml
+    b server033-eager-load 170 --rendered $S --oci $O/lmcache-server --runs connector --tag-suffix=-server033-eager-load \
+        --rescan-wait 20 "${LOAD[@]}"
+    b server033-lazy-load 170 --rendered $S --oci $O/lmcache-server --runs connector --tag-suffix=-server033-lazy-load \
+        --rescan-wait 20 --kv-extra "$LAZY" "${LOAD[@]}"
+    b server033-base-load 130 --rendered $S --oci $O/lmcache-server --runs baseline --tag-suffix=-server033-load "${LOAD[@]}" ;;
+  plan034-rest)
+    b native033 150 --rendered $R/native-llama31-8b-vllm-0.33.0.yaml --oci $O/vllm-native --runs connector \
+        --tag-suffix=-native033
+    b disk033 150 --rendered $R/workstation-llama31-8b-vllm-0.33.0.yaml --oci $O/lmcache --runs disk --tag-suffix=-disk033
+    b server033 130 --rendered $R/server-llama31-8b-vllm-0.33.0.yaml --oci $O/lmcache-server --runs connector \
+        --tag-suffix=-server033 --rescan-wait 20 ;;
+  plan-load)
+    b server026-eager-load 170 --rendered $R/server-llama31-8b.yaml --oci $O/lmcache-server --runs connector \
+        --tag-suffix=-server026-eager-load --rescan-wait 20 "${LOAD[@]}"
+    b server026-base-load 130 --rendered $R/server-llama31-8b.yaml --oci $O/lmcache-server --runs baseline \
+        --tag-suffix=-server026-load "${LOAD[@]}" ;;
+  esac
+  echo "$1 done, $(left) s left" ;;
 plan-layerwise)
   # Issue 21's cold-request cost: does LMCache 0.5.3's layer-wise store (which overlaps the forward pass; its GPU
   # connector refuses vLLM 0.26.0's fp8 cache) bring it to <= 3 %? The workstation example with a bf16 cache
@@ -124,5 +164,5 @@ plan-rest)
   b disk 150 --rendered $R/workstation-llama31-8b.yaml --oci $O/lmcache --runs disk --tag-suffix=-disk-oci
   echo "plan-rest done, $(left) s left" ;;
 *)
-  echo "usage: dev.sh install [PAIR] | check PAIR | bench ARGS... | plan TOTAL_S | plan-rest TOTAL_S | plan-layerwise TOTAL_S | plan033 TOTAL_S [RUNS]" >&2; exit 2 ;;
+  echo "usage: dev.sh install [PAIR] | check PAIR | bench ARGS... | plan TOTAL_S | plan-rest TOTAL_S | plan-layerwise TOTAL_S | plan033 TOTAL_S [RUNS] | plan034|plan034-rest|plan-load TOTAL_S" >&2; exit 2 ;;
 esac

@@ -41,10 +41,10 @@ render "$SRC/examples/workstation-llama31-8b.yaml" workstation-llama31-8b.yaml
 render "$SRC/examples/server-llama31-8b.yaml" server-llama31-8b.yaml
 render "$SRC/benchmarks/gpu/native-llama31-8b.yaml" native-llama31-8b.yaml
 render "$SRC/benchmarks/gpu/workstation-llama31-8b-bf16.yaml" workstation-llama31-8b-bf16.yaml
-for f in "$SRC"/benchmarks/gpu/workstation-llama31-8b-vllm-*.yaml; do render "$f" "$(basename "$f")"; done
-# What the pair's rendering changes against the default pair's, whose pod the lmcache capture is of.
-for f in "$tmp"/rendered/workstation-llama31-8b-vllm-*.yaml; do
-  diff "$tmp/rendered/workstation-llama31-8b.yaml" "$f" > "${f%.yaml}.diff-from-default.txt" || true
+for f in "$SRC"/benchmarks/gpu/*-vllm-*.yaml; do render "$f" "$(basename "$f")"; done
+# What the pair's rendering changes against the default pair's, whose pod its backend's capture is of.
+for f in "$tmp"/rendered/*-vllm-*.yaml; do
+  diff "$tmp/rendered/$(basename "${f%-vllm-*}").yaml" "$f" > "${f%.yaml}.diff-from-default.txt" || true
   echo "rendered $(basename "$f"): differs from the default pair's rendering in" \
        "$(grep -c '^>' "${f%.yaml}.diff-from-default.txt") lines: $(grep '^>' "${f%.yaml}.diff-from-default.txt" | sed 's/^> *//' | sort -u | tr '\n' ';')"
 done

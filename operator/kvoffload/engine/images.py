@@ -163,9 +163,15 @@ def check_allowed(image: str, allowlist: tuple[str, ...], table: dict[str, Known
 
 def resolve(image: str, vllm: str | None, lmcache: str | None, *, needs_lmcache: bool = True,
             table: dict[str, KnownImage] = KNOWN_IMAGES) -> EnginePair:
-    """The pair in `image`: explicit versions win, then the table; unknown images must say what they hold.
+    """The pair in `image`: the table's for a known image (a declared version must agree with it: the flag and
+    key tables are chosen by version), else what the spec declares; unknown images must say what they hold.
     Without `needs_lmcache` (backend vllm-native) an image without LMCache is fine: lmcache is then ""."""
     known = table.get(image)
+    for field, said, holds in (("vllmVersion", vllm, known and known.vllm), ("lmcacheVersion", lmcache,
+                                                                             known and known.lmcache)):
+        if said and holds and said != holds:
+            raise ConfigError(f"spec.engine.{field}", f"{said} contradicts image {image!r}, which holds {holds} "
+                                                      f"(the operator's version table): leave it out or set {holds}")
     vllm = vllm or (known.vllm if known else None)
     lmcache = lmcache or (known.lmcache if known else None)
     if not needs_lmcache and vllm is not None and lmcache is None:
