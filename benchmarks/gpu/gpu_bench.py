@@ -477,7 +477,8 @@ def run_load(eng: Engine, spec: str, tokens: int, seed: int, out_dir: Path, tag:
     try:
         for k, (conc, n) in enumerate(steps):
             prompts = [prompt(seed + 7919 * (k + 1) + i, tokens) for i in range(n)]
-            step = {"cold": load_phase(eng, prompts, conc), "t_end": time.time()}
+            t_start = time.time()
+            step = {"cold": load_phase(eng, prompts, conc), "t_start": t_start, "t_end": time.time()}
             if k == 0:
                 step["reset"] = eng.reset_prefix_cache()
                 step["again"] = load_phase(eng, prompts, conc)
