@@ -467,19 +467,19 @@ def load_phase(eng: Engine, prompts: list[list[int]], concurrency: int) -> dict[
 
 
 def run_load(eng: Engine, spec: str, tokens: int, seed: int, out_dir: Path, tag: str) -> dict[str, Any]:
-    """--load C:N,...: each step N cold prompts at C in flight; after the first step, a reset of the GPU prefix cache
-    and its prompts again (hits from the offload tiers, or recomputed); then 5 s idle. vLLM's pages over all of it
-    go to out_dir/series/<tag>.jsonl."""
-    steps = [tuple(int(x) for x in part.split(":")) for part in spec.split(",")]
+    """--load C:N[:again],...: each step N cold prompts at C in flight; after a step marked `again`, a reset of the GPU
+    prefix cache and its prompts again (hits from the offload tiers, or recomputed); then 5 s idle. vLLM's pages
+    over all of it go to out_dir/series/<tag>.jsonl."""
+    steps = [(int(c), int(n), rest == ["again"]) for c, n, *rest in (part.split(":") for part in spec.split(","))]
     sampler = PageSampler(eng.port)
     sampler.start()
     res: dict[str, Any] = {"steps": []}
     try:
-        for k, (conc, n) in enumerate(steps):
+        for k, (conc, n, again) in enumerate(steps):
             prompts = [prompt(seed + 7919 * (k + 1) + i, tokens) for i in range(n)]
             t_start = time.time()
             step = {"cold": load_phase(eng, prompts, conc), "t_start": t_start, "t_end": time.time()}
-            if k == 0:
+            if again:
                 step["reset"] = eng.reset_prefix_cache()
                 step["again"] = load_phase(eng, prompts, conc)
             res["steps"].append(step)
@@ -1048,9 +1048,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="vLLM arguments added to the rendered ones (split on spaces; recorded as a change)")
     ap.add_argument("--kv-extra", metavar="JSON",
                     help="merged into the rendered --kv-transfer-config's kv_connector_extra_config (recorded)")
-    ap.add_argument("--load", metavar="C:N[,C:N...]",
+    ap.add_argument("--load", metavar="C:N[:again][,...]",
                     help="after the phases: for each C:N, N cold requests of --load-tokens with C in flight "
-                         "(then, after the first, the same prompts again as hits), vLLM's /metrics sampled")
+                         "(with :again, then the same prompts again as hits), vLLM's /metrics sampled")
     ap.add_argument("--load-tokens", type=int, default=8192)
     ap.add_argument("--tag-suffix", default="", help="appended to run names (e.g. -v1runner)")
     ap.add_argument("--lmcache-overrides", help="JSON merged into the rendered LMCache config (recorded as a change)")

@@ -40,17 +40,19 @@ def test_the_backfilled_pages_give_each_query_the_load_put_in(tmp_path):
                 counts = [c + (4 if wait <= le else 0) for c, le in zip(counts, [*BOUNDS, float("inf")])]
             pages.append({"t": round(start + i / 2, 3), "page": page(waiting, usage, counts)})
         if conc:
-            steps.append({"cold": {"concurrency": conc}, "t_start": start + 130, "t_end": start + 199})
+            steps.append({"cold": {"concurrency": conc, "requests": 400}, "t_start": start + 130, "t_end": start + 199})
     run = tmp_path / "run"
     (run / "series").mkdir(parents=True)
     (run / "results.json").write_text(json.dumps({"runs": {"connector-tp1-x": {"load": {"steps": steps}}}}))
     (run / "series" / "connector-tp1-x.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pages))
     targets = {"waitingRequestsPerReplica": 4, "kvCacheUsagePercent": 85, "queueTimeP90Milliseconds": 500}
-    rows = {r["target"]: r for r in autoscaling_eval.evaluate(run, targets, tmp_path / "work")}
-    w, kv, q = rows["waitingRequestsPerReplica"], rows["kvCacheUsagePercent"], rows["queueTimeP90Milliseconds"]
-    assert (w["median_at_16"], w["median_at_8"], w["replicas_at_16"], w["replicas_at_8"]) == (8, 2, 2, 1)
-    assert (kv["median_at_16"], kv["median_at_8"]) == (pytest.approx(90), pytest.approx(50))
+    rows = autoscaling_eval.evaluate(run, targets, tmp_path / "work")
+    got = {(r["target"], r["step"]): r for r in rows}
+    w = [got[("waitingRequestsPerReplica", k)] for k in (0, 1, "after")]
+    assert [r["at_end"] for r in w] == [8, 2, 0] and [r["replicas"] for r in w[:2]] == [2, 1]
+    assert [got[("kvCacheUsagePercent", k)]["median"] for k in (0, 1)] == [pytest.approx(90), pytest.approx(50)]
     # 0.9 s lies in (0.8, 1.0]: p90 = 0.8 + 0.9 x 0.2 = 0.98 s; 0.4 s in (0.3, 0.5]: 0.48 s
-    assert (q["median_at_16"], q["median_at_8"]) == (pytest.approx(980), pytest.approx(480))
-    assert (q["replicas_at_16"], q["after"]) == (2, 0)  # ceil(980 / 500); idle reads 0, not NaN
-    assert "| connector-tp1-x | queueTimeP90Milliseconds (500) |" in autoscaling_eval.report(list(rows.values()))
+    q = [got[("queueTimeP90Milliseconds", k)] for k in (0, 1, "after")]
+    assert [r["at_end"] for r in q] == [pytest.approx(980), pytest.approx(480), 0]  # idle reads 0, not NaN
+    assert q[0]["replicas"] == 2  # ceil(980 / 500)
+    assert "| connector-tp1-x | queueTimeP90Milliseconds (500) |" in autoscaling_eval.report(rows)

@@ -474,7 +474,7 @@ def test_driver_runs_the_server_and_native_backends_against_stand_ins(tmp_path):
 
 def test_driver_adds_engine_arguments_and_a_load_with_vllms_pages_sampled(tmp_path):
     """--kv-extra (LMCache's lazy store) and --engine-arg reach the rendered vLLM and are listed as changes; --load
-    runs the cold prompts at its concurrency, then (first step) the same prompts again from the store; the sampled
+    runs the cold prompts at its concurrency, then (a step marked again) the same prompts again from the store; the sampled
     pages hold the series the autoscaling queries read."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fixtures" / "fake_vllm"), str(ROOT / "operator")])}
     rendered = tmp_path / "server.yaml"
@@ -485,7 +485,7 @@ def test_driver_adds_engine_arguments_and_a_load_with_vllms_pages_sampled(tmp_pa
                     "--runs", "connector", "--tag-suffix=-lazy", "--no-smoke", "--no-probe", "--reps", "1",
                     "--prompt-tokens", "64", "--rescan-wait", "2", "--start-timeout", "30", "--quiet-s", "0.3",
                     "--stats-wait-s", "0.05", "--kv-extra", '{"lmcache.mp.lazy_offload": true}',
-                    "--engine-arg", "--num-gpu-blocks-override 512", "--load", "4:8,2:4", "--load-tokens", "32"],
+                    "--engine-arg", "--num-gpu-blocks-override 512", "--load", "4:8:again,2:4", "--load-tokens", "32"],
                    env=env, check=True, timeout=240, capture_output=True)
     run = json.loads((o / "results.json").read_text())["runs"]["connector-tp1-lazy"]
     assert "error" not in run, run.get("error")
