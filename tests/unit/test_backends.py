@@ -8,11 +8,13 @@ import sys
 
 import pytest
 
+from kvoffload import backends
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.quantity import GiB, gib, to_bytes
 from kvoffload.api.settings import Settings
 from kvoffload.api.spec import parse
 from kvoffload.backends import lmcache_server
+from kvoffload.cli import generate
 from kvoffload.controller import conditions, pipeline
 from kvoffload.controller.probe import Reading
 from kvoffload.rendering import render
@@ -181,3 +183,16 @@ def test_plan_cli_backend():
     assert "a 32 GiB or 64 GiB tier pins no more than its size for this model" in native
     bad = subprocess.run(run + ["--backend", "vllm-native", "--disk-size", "100Gi"], capture_output=True, text=True)
     assert bad.returncode != 0 and "--disk-size" in bad.stderr and "--backend vllm-native" in bad.stderr
+
+
+def test_the_generated_part_of_the_backends_doc_sits_between_its_markers():
+    """docs/backends.md: `make generate` rewrites only what lies between the markers (the prose around it is
+    hand-written), and refuses a file that lost them rather than appending a second table."""
+    doc = f"prose\n{generate.BACKENDS_BEGIN}\nstale\n{generate.BACKENDS_END}\nmore prose\n"
+    out = generate.backends_doc(doc)
+    assert out.startswith("prose\n") and out.endswith("\nmore prose\n") and "stale" not in out
+    assert generate.backends_doc(out) == out
+    for b in backends.REGISTRY.values():
+        assert f"`{b.name}`" in out and all(f"`{path}`" in out for path in b.refuses)
+    with pytest.raises(SystemExit, match="markers"):
+        generate.backends_doc("prose only\n")
