@@ -18,7 +18,7 @@ from kvoffload.cli import generate
 from kvoffload.controller import conditions, pipeline
 from kvoffload.controller.probe import Reading
 from kvoffload.rendering import render
-from kvtest.specs import spec
+from kvtest.specs import SERVER_REQUEST, spec
 
 ALLOW = Settings(allowed_images=("x/y:1",))  # an image the admin allows whose pair the spec names
 PAIR = {"engine__image": "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", "engine__vllmVersion": "0.26.0",
@@ -80,8 +80,9 @@ def test_vllm_container_memory_is_the_same_and_the_server_adds_its_own():
     # The L1 is requested by vLLM's container in both LMCache modes; the server's limit holds it too
     # (LMCache faults it in from the server when the server sees a GPU), its request does not.
     assert server.budget.memory_limit == inproc.budget.memory_limit
-    assert server.budget.server_memory == 3 * GiB and inproc.budget.server_memory == 0 == native.budget.server_memory
-    assert server.budget.server_memory_limit == 3 * GiB + 40 * GiB
+    assert server.budget.server_memory == SERVER_REQUEST
+    assert inproc.budget.server_memory == 0 == native.budget.server_memory
+    assert server.budget.server_memory_limit == SERVER_REQUEST + 40 * GiB
     assert inproc.budget.server_memory_limit == 0 == native.budget.server_memory_limit
     # The server's L1 is a /dev/shm segment: the volume grows by the CPU tier, never the container twice.
     assert server.budget.shm == inproc.budget.shm + 40 * GiB
