@@ -98,32 +98,31 @@ class VllmSeen(Protocol):
 
 @dataclass(frozen=True)
 class Source:
-    """One input the exporter reads. A backend lists its sources (Backend.sources); the exporter has one reader per
-    source and reads only the backend's, so it needs no backend's name."""
-    name: str
+    """One input the exporter reads. A backend lists its own (Backend.sources): the exporter reads those, and the GPU
+    benchmark checks their figures, without knowing any backend by name."""
     label: str  # kvoffload_source_up{source=...}: whose health the reads count in
     what: str  # where it is read (docs/backends.md)
     figures: tuple[str, ...]  # the kvoffload_* samples taken from it (docs/backends.md; test_exporter_backends.py)
 
 
 # Every backend reads vLLM's page: hits, lookups and prompt-token origins are what the engine really served.
-VLLM = Source("vllm", "vllm", "vLLM's /metrics on 127.0.0.1", (
+VLLM = Source("vllm", "vLLM's /metrics on 127.0.0.1", (
     'kvoffload_tier_capacity_bytes{tier="gpu"}', 'kvoffload_tier_used_bytes{tier="gpu"}',
     'kvoffload_tier_hit_tokens_total{tier="gpu"}', 'kvoffload_tier_requested_tokens_total{tier="gpu"}',
     'kvoffload_tier_hit_tokens_total{tier="external"}', 'kvoffload_tier_requested_tokens_total{tier="external"}',
     'kvoffload_prompt_tokens_total{origin="gpu"}', 'kvoffload_prompt_tokens_total{origin="external"}',
     'kvoffload_prompt_tokens_total{origin="compute"}'))
 LMCACHE_METRICS = Source(
-    "lmcache", "lmcache", "LMCache's prometheus multiprocess files (lmcache:*), or the same families on vLLM's page", (
+    "lmcache", "LMCache's prometheus multiprocess files (lmcache:*), or the same families on vLLM's page", (
         'kvoffload_tier_used_bytes{tier="cpu"}', 'kvoffload_tier_used_bytes{tier="disk"}',
         'kvoffload_tier_stored_tokens_total{tier="external"}', 'kvoffload_tier_evictions_total{tier="cpu"}',
         "kvoffload_external_hits_unloaded_tokens"))
 # The LMCache server is LMCache to the source labels, however it is read.
-SERVER_STATUS = Source("server-status", "lmcache", "the LMCache server's GET /status on 127.0.0.1", (
+SERVER_STATUS = Source("lmcache", "the LMCache server's GET /status on 127.0.0.1", (
     'kvoffload_tier_capacity_bytes{tier="cpu"}', 'kvoffload_tier_used_bytes{tier="cpu"}',
     "kvoffload_lmcache_server_engines"))
 # Part of vLLM's page (read with it, counted in its health), listed apart because only native offloading has them.
-VLLM_OFFLOAD = Source("vllm-offload", "vllm", "vLLM's own offload counters on its /metrics (vllm:kv_offload_*)", (
+VLLM_OFFLOAD = Source("vllm", "vLLM's own offload counters on its /metrics (vllm:kv_offload_*)", (
     'kvoffload_offload_transfer_bytes_total{direction="store"}',
     'kvoffload_offload_transfer_bytes_total{direction="load"}'))
 
