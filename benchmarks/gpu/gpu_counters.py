@@ -19,6 +19,9 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvoffload import backends
+from kvoffload.backends.base import LMCACHE_METRICS, SERVER_STATUS, VLLM_OFFLOAD
+
 GiB = 2**30
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -103,10 +106,12 @@ def _server_figures(doc: dict[str, Any] | None) -> tuple[float | None, float | N
 
 def engine_figures(read: EngineRead, *, kv_bytes_per_token: int, lmcache_config: dict[str, Any] | None,
                    tp: int, connector: bool, served: bool,
-                   backend: str = "lmcache") -> dict[tuple[str, str], tuple[float | None, str]]:
+                   backend: str = backends.DEFAULT) -> dict[tuple[str, str], tuple[float | None, str]]:
     """(metric, labels) -> (engine value, where it comes from), for one engine read. A label of the
-    form "k=v" is taken as is; any other is the tier label's value."""
+    form "k=v" is taken as is; any other is the tier label's value. Which figures: the sources the
+    backend declares (Backend.sources), the ones its exporter reads."""
     v, lm = Page(read.vllm), Page(read.lmcache)
+    sources = backends.get(backend, "--backend").sources
     out: dict[tuple[str, str], tuple[float | None, str]] = {}
     tokens = _gpu_tokens(v)
     cap_gpu = None if tokens is None else tokens * kv_bytes_per_token
@@ -117,26 +122,22 @@ def engine_figures(read: EngineRead, *, kv_bytes_per_token: int, lmcache_config:
     out[("kvoffload_tier_hit_tokens_total", "gpu")] = (v.sum("vllm:prefix_cache_hits_total"), "vllm:prefix_cache_hits_total")
     out[("kvoffload_tier_requested_tokens_total", "gpu")] = (v.sum("vllm:prefix_cache_queries_total"),
                                                              "vllm:prefix_cache_queries_total")
-    if connector and backend == "lmcache-server":
+    if connector:
+        out[("kvoffload_tier_hit_tokens_total", "external")] = (v.sum("vllm:external_prefix_cache_hits_total"),
+                                                                "vllm:external_prefix_cache_hits_total")
+        out[("kvoffload_tier_requested_tokens_total", "external")] = (
+            v.sum("vllm:external_prefix_cache_queries_total"), "vllm:external_prefix_cache_queries_total")
+    if connector and SERVER_STATUS in sources:
         total, used, engines = _server_figures(read.server)
         out[("kvoffload_tier_capacity_bytes", "cpu")] = (total, "server /status l1_manager.memory_total_bytes")
         out[("kvoffload_tier_used_bytes", "cpu")] = (used, "server /status l1_manager.memory_used_bytes")
         out[("kvoffload_lmcache_server_engines", "")] = (engines, "server /status registered_gpu_ids + non_cuda ids")
-    if connector and backend == "vllm-native":
+    if connector and VLLM_OFFLOAD in sources:
         out[("kvoffload_offload_transfer_bytes_total", "direction=store")] = (
             v.sum("vllm:kv_offload_store_bytes_total"), "vllm:kv_offload_store_bytes_total")
         out[("kvoffload_offload_transfer_bytes_total", "direction=load")] = (
             v.sum("vllm:kv_offload_load_bytes_total"), "vllm:kv_offload_load_bytes_total")
-    if connector and backend != "lmcache":
-        out[("kvoffload_tier_hit_tokens_total", "external")] = (v.sum("vllm:external_prefix_cache_hits_total"),
-                                                                "vllm:external_prefix_cache_hits_total")
-        out[("kvoffload_tier_requested_tokens_total", "external")] = (
-            v.sum("vllm:external_prefix_cache_queries_total"), "vllm:external_prefix_cache_queries_total")
-    if connector and backend == "lmcache":
-        out[("kvoffload_tier_hit_tokens_total", "external")] = (v.sum("vllm:external_prefix_cache_hits_total"),
-                                                                "vllm:external_prefix_cache_hits_total")
-        out[("kvoffload_tier_requested_tokens_total", "external")] = (
-            v.sum("vllm:external_prefix_cache_queries_total"), "vllm:external_prefix_cache_queries_total")
+    if connector and LMCACHE_METRICS in sources:
         cfg = lmcache_config or {}
         if cfg.get("local_cpu", True):
             out[("kvoffload_tier_capacity_bytes", "cpu")] = (float(cfg.get("max_local_cpu_size", 5.0)) * GiB * tp,
@@ -155,7 +156,8 @@ def engine_figures(read: EngineRead, *, kv_bytes_per_token: int, lmcache_config:
         out[("kvoffload_disk_free_bytes", "")] = (None if read.disk_free is None else float(read.disk_free),
                                                   "statvfs f_bavail x f_frsize")
         stored = lm.sum("lmcache:local_storage_usage")
-        if backend == "lmcache":  # otherwise the exporter counts files older than vLLM: not an engine figure
+        # Without LMCache's metrics the exporter counts files older than vLLM: not an engine figure.
+        if LMCACHE_METRICS in sources:
             out[("kvoffload_disk_orphaned_bytes", "")] = (
                 None if stored is None else float(max(0, read.disk_bytes - stored)),
                 "disk dir bytes - sum lmcache:local_storage_usage (floor 0)")
@@ -180,7 +182,7 @@ def _exporter_value(page: Page, metric: str, tier: str) -> float | None:
 
 def compare(exporter_text: str, before: EngineRead, after: EngineRead, *, kv_bytes_per_token: int,
             lmcache_config: dict[str, Any] | None, tp: int, connector: bool, served: bool,
-            backend: str = "lmcache") -> list[Check]:
+            backend: str = backends.DEFAULT) -> list[Check]:
     """One Check per kvoffload_* figure: the exporter's value vs the engine's two reads around it."""
     page = Page(exporter_text)
     kw = dict(kv_bytes_per_token=kv_bytes_per_token, lmcache_config=lmcache_config, tp=tp, connector=connector,

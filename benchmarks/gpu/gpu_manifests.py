@@ -34,6 +34,8 @@ from typing import Any
 
 import yaml
 
+from kvoffload import backends
+
 _UNITS = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 CONNECTOR_FLAG = "--kv-transfer-config"
 # Flags (with their value) that turn offloading on, per how the operator renders it; the baseline drops them.
@@ -94,8 +96,8 @@ class Rendered:
 
     @property
     def backend(self) -> str:
-        """spec.offload.backend, as the exporter sidecar is told (--backend); lmcache without one."""
-        return (flag(self.exporter.args, "--backend") if self.exporter else None) or "lmcache"
+        """spec.offload.backend, as the exporter sidecar is told (--backend); the exporter's default without one."""
+        return (flag(self.exporter.args, "--backend") if self.exporter else None) or backends.DEFAULT
 
     def lmcache_config(self) -> dict[str, Any] | None:
         """The LMCache YAML the vLLM container would read (LMCACHE_CONFIG_FILE), parsed."""

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from typing import Any
 
+from kvoffload import backends
+
 GiB = 2**30
 PHASES = (("cold", "cold (first time)"), ("gpu", "again: prefix in GPU memory"),
           ("after_reset", "after POST /reset_prefix_cache"))
@@ -167,13 +169,16 @@ def token_check(run: dict[str, Any]) -> str:
 
 def cold_cost_rows(runs: dict[str, Any], baseline: str) -> list[str]:
     """What storing into LMCache adds to a cold request, per LMCache setting (connector runs) against
-    the same engine without the connector; and whether the reload stayed as fast."""
+    the same engine without the connector; and whether the reload stayed as fast. Only for a backend whose
+    tiers live in the vLLM process (Backend.in_process): its config file takes the overrides and vLLM's log
+    holds its store lines. A run without a backend predates the others: the default's."""
     base = med(runs.get(baseline, {}).get("phases", {}).get("cold"))
     lines = ["| run | LMCache overrides | cold | vs no connector | LMCache store per request (copy / put) | after reset (reload) "
              "| tokens |", "|---|---|---|---|---|---|---|"]
     for tag, r in runs.items():
         ph = r.get("phases", {})
-        if r.get("kind") != "connector" or not ph.get("cold") or r.get("backend") != "lmcache":
+        in_process = backends.get(r.get("backend", backends.DEFAULT)).in_process
+        if r.get("kind") != "connector" or not ph.get("cold") or not in_process:
             continue
         cold = med(ph["cold"])
         over = next((c.split("overrides ", 1)[1] for c in r.get("changes", []) if c.startswith("LMCache config overrides")), "-")

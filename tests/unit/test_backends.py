@@ -8,15 +8,17 @@ import sys
 
 import pytest
 
+from kvoffload import backends
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.quantity import GiB, gib, to_bytes
 from kvoffload.api.settings import Settings
 from kvoffload.api.spec import parse
 from kvoffload.backends import lmcache_server
+from kvoffload.cli import generate
 from kvoffload.controller import conditions, pipeline
 from kvoffload.controller.probe import Reading
 from kvoffload.rendering import render
-from kvtest.specs import spec
+from kvtest.specs import SERVER_REQUEST, spec
 
 ALLOW = Settings(allowed_images=("x/y:1",))  # an image the admin allows whose pair the spec names
 PAIR = {"engine__image": "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", "engine__vllmVersion": "0.26.0",
@@ -78,8 +80,9 @@ def test_vllm_container_memory_is_the_same_and_the_server_adds_its_own():
     # The L1 is requested by vLLM's container in both LMCache modes; the server's limit holds it too
     # (LMCache faults it in from the server when the server sees a GPU), its request does not.
     assert server.budget.memory_limit == inproc.budget.memory_limit
-    assert server.budget.server_memory == 3 * GiB and inproc.budget.server_memory == 0 == native.budget.server_memory
-    assert server.budget.server_memory_limit == 3 * GiB + 40 * GiB
+    assert server.budget.server_memory == SERVER_REQUEST
+    assert inproc.budget.server_memory == 0 == native.budget.server_memory
+    assert server.budget.server_memory_limit == SERVER_REQUEST + 40 * GiB
     assert inproc.budget.server_memory_limit == 0 == native.budget.server_memory_limit
     # The server's L1 is a /dev/shm segment: the volume grows by the CPU tier, never the container twice.
     assert server.budget.shm == inproc.budget.shm + 40 * GiB
@@ -181,3 +184,16 @@ def test_plan_cli_backend():
     assert "a 32 GiB or 64 GiB tier pins no more than its size for this model" in native
     bad = subprocess.run(run + ["--backend", "vllm-native", "--disk-size", "100Gi"], capture_output=True, text=True)
     assert bad.returncode != 0 and "--disk-size" in bad.stderr and "--backend vllm-native" in bad.stderr
+
+
+def test_the_generated_part_of_the_backends_doc_sits_between_its_markers():
+    """docs/backends.md: `make generate` rewrites only what lies between the markers (the prose around it is
+    hand-written), and refuses a file that lost them rather than appending a second table."""
+    doc = f"prose\n{generate.BACKENDS_BEGIN}\nstale\n{generate.BACKENDS_END}\nmore prose\n"
+    out = generate.backends_doc(doc)
+    assert out.startswith("prose\n") and out.endswith("\nmore prose\n") and "stale" not in out
+    assert generate.backends_doc(out) == out
+    for b in backends.REGISTRY.values():
+        assert f"`{b.name}`" in out and all(f"`{path}`" in out for path in b.refuses)
+    with pytest.raises(SystemExit, match="markers"):
+        generate.backends_doc("prose only\n")

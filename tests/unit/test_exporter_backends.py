@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvoffload import backends
 from kvoffload.api.fetch import SourceError
 from kvoffload.backends.lmcache_server import offload_active as server_active
 from kvoffload.backends.vllm_native import offload_active as native_active
@@ -98,3 +99,18 @@ def test_native_backend_scrape():
     assert got[("kvoffload_offload_active", ())] == 1
     assert ("kvoffload_source_up", (("source", "lmcache"),)) not in got  # no LMCache to read
     assert ("kvoffload_tier_used_bytes", (("tier", "cpu"),)) not in got  # vLLM exports no fill level
+
+
+@pytest.mark.parametrize("backend", backends.NAMES)
+def test_every_figure_a_backend_declares_is_served(backend):
+    """Backend.sources says which kvoffload_* samples each source gives (docs/backends.md is generated from it):
+    a scrape of the real pages and the server's /status serves every one, and kvoffload_source_up names its sources."""
+    pages = {"lmcache": VLLM, "lmcache-server": VLLM, "vllm-native": NATIVE}
+    with FakeVllm(pages[backend]) as vllm, FakeVllm(json.dumps(CONNECTED)) as server:
+        got = samples(TierCollector(ExporterConfig(vllm_metrics_url=vllm.url, backend=backend, kv_bytes_per_token=131072,
+                                                   server_status_url=server.url, unloaded_grace_s=0)))
+    served = {name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}" if labels else "") for name, labels in got}
+    sources = backends.get(backend).sources
+    assert {f for s in sources for f in s.figures} <= served
+    assert {s.label for s in sources} == {dict(labels)["source"] for name, labels in got
+                                          if name == "kvoffload_source_up"}

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from kvtest import ROOT
+from kvtest.specs import SERVER_REQUEST
 
 sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 import gpu_counters  # noqa: E402
@@ -375,8 +376,8 @@ def test_the_server_sidecar_runs_before_vllm_as_rendered():
     assert "--no-l1-use-lazy" in sc.argv
     assert json.loads(gm.flag(sc.argv, "--l2-adapter"))["base_path"] == LAYOUT.disk_dir  # /kvcache -> the disk dir
     assert sc.probe[0] == "py" and "http://127.0.0.1:8081/healthcheck" in sc.probe[-1]
-    # The server's own 3 GiB + the 40 GiB L1, which LMCache faults in from the server when it sees a GPU.
-    assert sc.memory_limit == (3 + 40) * 2**30
+    # The server's own request + the 40 GiB L1, which LMCache faults in from the server when it sees a GPU.
+    assert sc.memory_limit == SERVER_REQUEST + 40 * 2**30
     base = gm.localize(r, LAYOUT, connector=False)
     assert base.sidecars == [] and "--kv-transfer-config" not in base.engine_argv
 

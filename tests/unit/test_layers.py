@@ -8,8 +8,11 @@ import sys
 from pathlib import Path
 
 import kvoffload
+from kvtest import ROOT
 
 PACKAGE = Path(kvoffload.__file__).parent
+# What uses the package from outside it and must ask the backends' registry as the package does.
+BENCHMARKS = sorted((ROOT / "benchmarks").rglob("*.py"))
 # Each folder and the folders it may import from (besides itself).
 MAY_IMPORT = {
     "api": {"engine"},
@@ -69,6 +72,38 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     assert imported_layers(bad) == {"controller"}
 
 
+def backend_modules_imported(path: Path) -> set[str]:
+    """The backend modules (backends/<name>.py, neither the registry nor base.py) a module imports by name."""
+    modules = {p.stem for p in (PACKAGE / "backends").glob("*.py")} - {"__init__", "base"}
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.level == 2 or (node.module or "").startswith("kvoffload.")):
+            parts = (node.module or "").split(".")[0 if node.level else 1:]
+            if parts[:1] == ["backends"]:
+                out |= set(parts[1:2]) | ({a.name for a in node.names} if len(parts) == 1 else set())
+        elif isinstance(node, ast.Import):
+            out |= {a.name.split(".")[2] for a in node.names if a.name.startswith("kvoffload.backends.")}
+    return out & modules
+
+
+def test_only_the_registry_and_the_interface_of_the_backends_are_imported():
+    """Outside backends/ a backend is reached through the registry (backends.get) and the interface (backends.base):
+    importing one backend's module is knowing that backend by name."""
+    wrong = {}
+    for path in [p for p in sorted(PACKAGE.glob("*/*.py")) if p.parent.name != "backends"] + BENCHMARKS:
+        if found := backend_modules_imported(path):
+            wrong[str(path.relative_to(ROOT))] = sorted(found)
+    assert not wrong, f"imports of one backend's module: {wrong}"
+
+
+def test_the_checker_sees_a_backend_module_imported(tmp_path):
+    bad = tmp_path / "exporter" / "x.py"
+    bad.parent.mkdir()
+    bad.write_text("from .. import backends\nfrom ..backends.base import Seen\nfrom ..backends import vllm_native, base\n"
+                   "from ..backends.lmcache import unloaded_tokens\nimport kvoffload.backends.lmcache_server\n")
+    assert backend_modules_imported(bad) == {"lmcache", "vllm_native", "lmcache_server"}
+
+
 def test_exporter_starts_small():
     """The sidecar (64Mi request) imports the backends' registry, never the kubernetes client or the operator."""
     code = ("import sys, kvoffload.exporter.cli; "
@@ -79,18 +114,16 @@ def test_exporter_starts_small():
 
 
 def test_no_backend_is_compared_by_name_outside_its_module():
-    """Everything a backend does differently lives in its module (backends/): elsewhere a `backend == "..."`
-    (or `in`, `!=`) would be a second place to change when a backend is added."""
+    """Everything a backend does differently lives in its module (backends/): elsewhere, the benchmarks included, a
+    `backend == "..."` (or `in`, `!=`) would be a second place to change when a backend is added."""
     from kvoffload import backends
 
     found = []
-    for path in sorted(PACKAGE.glob("*/*.py")):
-        if path.parent.name == "backends":
-            continue
+    for path in [p for p in sorted(PACKAGE.glob("*/*.py")) if p.parent.name != "backends"] + BENCHMARKS:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare):
                 sides = [node.left, *node.comparators]
                 named = any(isinstance(s, ast.Constant) and s.value in backends.NAMES for s in sides)
                 if named and "backend" in ast.unparse(node):
-                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not found, found

@@ -97,6 +97,37 @@ class VllmSeen(Protocol):
 
 
 @dataclass(frozen=True)
+class Source:
+    """One input the exporter reads. A backend lists its own (Backend.sources): the exporter reads those, and the GPU
+    benchmark checks their figures, without knowing any backend by name."""
+    label: str  # kvoffload_source_up{source=...}: whose health the reads count in
+    what: str  # where it is read (docs/backends.md)
+    figures: tuple[str, ...]  # the kvoffload_* samples taken from it (docs/backends.md; test_exporter_backends.py)
+
+
+# Every backend reads vLLM's page: hits, lookups and prompt-token origins are what the engine really served.
+VLLM = Source("vllm", "vLLM's /metrics on 127.0.0.1", (
+    'kvoffload_tier_capacity_bytes{tier="gpu"}', 'kvoffload_tier_used_bytes{tier="gpu"}',
+    'kvoffload_tier_hit_tokens_total{tier="gpu"}', 'kvoffload_tier_requested_tokens_total{tier="gpu"}',
+    'kvoffload_tier_hit_tokens_total{tier="external"}', 'kvoffload_tier_requested_tokens_total{tier="external"}',
+    'kvoffload_prompt_tokens_total{origin="gpu"}', 'kvoffload_prompt_tokens_total{origin="external"}',
+    'kvoffload_prompt_tokens_total{origin="compute"}'))
+LMCACHE_METRICS = Source(
+    "lmcache", "LMCache's prometheus multiprocess files (lmcache:*), or the same families on vLLM's page", (
+        'kvoffload_tier_used_bytes{tier="cpu"}', 'kvoffload_tier_used_bytes{tier="disk"}',
+        'kvoffload_tier_stored_tokens_total{tier="external"}', 'kvoffload_tier_evictions_total{tier="cpu"}',
+        "kvoffload_external_hits_unloaded_tokens"))
+# The LMCache server is LMCache to the source labels, however it is read.
+SERVER_STATUS = Source("lmcache", "the LMCache server's GET /status on 127.0.0.1", (
+    'kvoffload_tier_capacity_bytes{tier="cpu"}', 'kvoffload_tier_used_bytes{tier="cpu"}',
+    "kvoffload_lmcache_server_engines"))
+# Part of vLLM's page (read with it, counted in its health), listed apart because only native offloading has them.
+VLLM_OFFLOAD = Source("vllm", "vLLM's own offload counters on its /metrics (vllm:kv_offload_*)", (
+    'kvoffload_offload_transfer_bytes_total{direction="store"}',
+    'kvoffload_offload_transfer_bytes_total{direction="load"}'))
+
+
+@dataclass(frozen=True)
 class Seen:
     """One exporter look at a pod's sources; None: that source is down or not read by this backend."""
     vllm: VllmSeen | None
@@ -130,9 +161,9 @@ class Backend(ABC):
     refuses: Mapping[str, Refusal] = {}  # spec path (without "spec.") -> why this backend cannot honour it
     in_process: bool = False  # the tiers live in the vLLM process (its config, its disk mount)
     stages: bool = True  # pinned staging buffers per worker (planning's staging term)
-    # What the exporter reads: vllm (its /metrics), lmcache (its metrics), server-status (the LMCache server).
-    sources: tuple[str, ...] = ("vllm",)
+    sources: tuple[Source, ...] = (VLLM,)  # what the exporter reads
     proof: str = ""  # what proves offloading, beyond vLLM asking its KV connector (kvoffload_offload_active)
+    unloaded_help: str = ""  # kvoffload_external_hits_unloaded_tokens' help, where unloaded_tokens judges
     reasons: Reasons
 
     @property
@@ -188,6 +219,11 @@ class Backend(ABC):
     @abstractmethod
     def offload_active(self, seen: Seen) -> bool:
         """The proof-of-offload rule over one look (kvoffload_offload_active)."""
+
+    def unloaded_tokens(self, seen: Seen) -> float | None:
+        """Prompt tokens vLLM counted as loaded through its KV connector that this backend did not load
+        (kvoffload_external_hits_unloaded_tokens); None: not judged (a source is down, or the backend cannot tell)."""
+        return None
 
     def offload_active_help(self) -> str:
         return (f"1 if KV offloading (backend {self.name}) is proven at work, else 0. Rule: vLLM's /metrics was read AND "

@@ -11,7 +11,20 @@ import yaml
 from ..api.quantity import gib, human
 from ..engine import images
 from ..engine.images import EnginePair
-from .base import CONFIG_DIR, DISK_DIR, MULTIPROC_DIR, Backend, BudgetView, MemoryTerm, Reasons, Refusal, Seen, Sizing
+from .base import (
+    CONFIG_DIR,
+    DISK_DIR,
+    LMCACHE_METRICS,
+    MULTIPROC_DIR,
+    VLLM,
+    Backend,
+    BudgetView,
+    MemoryTerm,
+    Reasons,
+    Refusal,
+    Seen,
+    Sizing,
+)
 
 if TYPE_CHECKING:
     from ..api.spec import Spec
@@ -30,6 +43,16 @@ OFFLOAD_ACTIVE_HELP = (
     "vllm:external_prefix_cache_hits_total > 0, lmcache:num_retrieve_requests_total > 0 (LMCache "
     "really loaded; see kvoffload_external_hits_unloaded_tokens). 0 before the first request "
     "(not yet proven); 0 while vLLM serves traffic means offloading is not wired or not loading."
+)
+
+UNLOADED_HELP = (
+    "Prompt tokens vLLM counted as loaded from its KV connector (vllm:external_prefix_cache_hits_total) "
+    "while LMCache has retrieved nothing since it started (lmcache:num_retrieve_requests_total summed "
+    "over TP workers is 0), once this has lasted the exporter's --unloaded-grace-seconds (LMCache "
+    "publishes its counters every 10 s). vLLM skipped these tokens' prefill without their KV being "
+    "loaded: answers are wrong. Seen with vLLM 0.26.0's V2 model runner and LMCache 0.5.3 (the operator "
+    "renders VLLM_USE_V2_MODEL_RUNNER=0 for that pair). 0 otherwise; absent while vLLM or LMCache "
+    "cannot be read."
 )
 
 
@@ -78,8 +101,9 @@ class LMCache(Backend):
     min_vllm, min_lmcache = images.MIN_VLLM, images.MIN_LMCACHE  # LMCacheConnectorV1 with the config file
     refuses = {"resources.serverBaseline": Refusal("there is no LMCache server: LMCache runs inside the vLLM process")}
     in_process = True
-    sources = ("vllm", "lmcache")
+    sources = (VLLM, LMCACHE_METRICS)
     proof = "LMCache's metrics are present (the connector is LMCache and its engine started)"
+    unloaded_help = UNLOADED_HELP
     reasons = Reasons(
         "LMCacheConnectorV1", "LMCacheActive", "NoLMCacheActivity",
         "vLLM asks LMCache for prompt tokens and LMCache's metrics are present",
@@ -112,6 +136,9 @@ class LMCache(Backend):
 
     def offload_active(self, seen: Seen) -> bool:
         return offload_active(seen.vllm, seen.lmcache)
+
+    def unloaded_tokens(self, seen: Seen) -> float | None:
+        return unloaded_tokens(seen.vllm, seen.lmcache)
 
     def offload_active_help(self) -> str:
         return OFFLOAD_ACTIVE_HELP

@@ -22,7 +22,19 @@ from typing import TYPE_CHECKING, Any
 # declared with the pod's other ports in api/managed.py, which spec.metrics.port may not reuse.
 from ..api.managed import SERVER_HTTP_PORT, SERVER_ZMQ_PORT
 from ..api.quantity import format_bytes, gib
-from .base import DISK_DIR, Backend, BudgetView, MemoryTerm, Reasons, Refusal, Seen, Sidecar, Sizing
+from .base import (
+    DISK_DIR,
+    SERVER_STATUS,
+    VLLM,
+    Backend,
+    BudgetView,
+    MemoryTerm,
+    Reasons,
+    Refusal,
+    Seen,
+    Sidecar,
+    Sizing,
+)
 
 if TYPE_CHECKING:
     from ..api.spec import Spec
@@ -74,7 +86,7 @@ class LMCacheServer(Backend):
     # shared-memory transfer (checked in the installed sources of that pair; older pairs were not checked).
     min_vllm, min_lmcache = (0, 26, 0), (0, 5, 3)
     refuses = {"offload.cpu.evictionPolicy": Refusal("the only policy the LMCache server offers", allowed=("LRU",))}
-    sources = ("vllm", "server-status")
+    sources = (VLLM, SERVER_STATUS)
     proof = ("the LMCache server's /status is healthy and lists at least one registered engine "
              "(vLLM's workers registered their KV caches with it over ZMQ)")
     reasons = Reasons(

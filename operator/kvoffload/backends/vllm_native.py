@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..api.quantity import gib, human
-from .base import Backend, BudgetView, MemoryTerm, ModelShape, Reasons, Refusal, Seen, Sizing
+from .base import VLLM, VLLM_OFFLOAD, Backend, BudgetView, MemoryTerm, ModelShape, Reasons, Refusal, Seen, Sizing
 
 if TYPE_CHECKING:
     from ..api.spec import Spec
@@ -92,6 +92,7 @@ class VllmNative(Backend):
         "resources.serverBaseline": Refusal("there is no LMCache server"),
     }
     stages = False
+    sources = (VLLM, VLLM_OFFLOAD)
     proof = ("vLLM's native offload counters are on its page (vllm:kv_offload_store_bytes_total: "
              "the OffloadingConnector is the one configured)")
     reasons = Reasons(

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from .. import backends
 from ..api.errors import ConfigError
+from ..backends.base import SERVER_STATUS
 from .capacity import TierCapacity, load_capacity
 from .collector import ExporterConfig, TierCollector
 from .disk_tier import DiskTierMonitor
@@ -81,7 +82,7 @@ def build(args: argparse.Namespace) -> tuple[CollectorRegistry, TierCollector, t
         raise ConfigError("--scrape-timeout", "must be > 0 seconds")
     if not args.disk_rescan_interval > 0:
         raise ConfigError("--disk-rescan-interval", "must be > 0 seconds")
-    if "server-status" in backends.get(args.backend, "--backend").sources and not args.lmcache_server_url:
+    if SERVER_STATUS in backends.get(args.backend, "--backend").sources and not args.lmcache_server_url:
         raise ConfigError("--lmcache-server-url", f"is required with --backend {args.backend}")
     for name in ("cpu_capacity_bytes", "disk_capacity_bytes"):
         if getattr(args, name) is not None and getattr(args, name) < 0:

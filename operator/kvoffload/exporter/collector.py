@@ -19,8 +19,7 @@ from prometheus_client.registry import Collector
 
 from .. import backends
 from ..api.fetch import SourceError, fetch_text
-from ..backends.base import Seen
-from ..backends.lmcache import unloaded_tokens
+from ..backends.base import LMCACHE_METRICS, SERVER_STATUS, VLLM, Seen
 from ..engine import versions as engine_versions
 from .capacity import TierCapacity
 from .disk_tier import DiskScan, DiskTierMonitor
@@ -30,18 +29,6 @@ from .sources import SourceHealth
 from .vllm_metrics import VllmSnapshot, parse_vllm
 
 T = TypeVar("T")  # what one source reads
-
-UNLOADED_HELP = (
-    "Prompt tokens vLLM counted as loaded from its KV connector (vllm:external_prefix_cache_hits_total) "
-    "while LMCache has retrieved nothing since it started (lmcache:num_retrieve_requests_total summed "
-    "over TP workers is 0), once this has lasted the exporter's --unloaded-grace-seconds (LMCache "
-    "publishes its counters every 10 s). vLLM skipped these tokens' prefill without their KV being "
-    "loaded: answers are wrong. Seen with vLLM 0.26.0's V2 model runner and LMCache 0.5.3 (the operator "
-    "renders VLLM_USE_V2_MODEL_RUNNER=0 for that pair). 0 otherwise; absent while vLLM or LMCache "
-    "cannot be read."
-)
-
-_SOURCE_LABEL = {"server-status": "lmcache"}  # Backend.sources -> the source label of kvoffload_source_up
 
 # vllm:prompt_tokens_by_source{source=...} -> the `origin` label of kvoffload_prompt_tokens_total.
 PROMPT_ORIGINS = {"local_cache_hit": "gpu", "external_kv_transfer": "external", "local_compute": "compute"}
@@ -73,8 +60,7 @@ class TierCollector(Collector):
         self._lock = threading.Lock()
         self._unloaded_since: float | None = None  # when hits without a retrieve were first seen
         self.backend = backends.get(config.backend, "--backend")
-        # The LMCache server is LMCache to the source labels (source="lmcache"), however it is read.
-        self.health = {name: SourceHealth(name) for name in dict.fromkeys(_SOURCE_LABEL.get(s, s) for s in self.backend.sources)}
+        self.health = {s.label: SourceHealth(s.label) for s in self.backend.sources}
         if disk is not None:
             self.health["disk"] = disk.health
         if config.engine_versions_file is not None:
@@ -91,14 +77,16 @@ class TierCollector(Collector):
     def _look(self) -> list[Metric]:
         vllm = self._look_vllm()
         sources = self.backend.sources
-        lmc = self._look_lmcache(vllm) if "lmcache" in sources else None
-        server = self._look_server() if "server-status" in sources else None
+        lmc = self._look_lmcache(vllm) if LMCACHE_METRICS in sources else None
+        server = self._look_server() if SERVER_STATUS in sources else None
         disk = self.disk.latest if self.disk is not None else None
         if vllm is not None and vllm.process_start is not None and self.disk is not None and self.backend.in_process:
             self.disk.cutoff = vllm.process_start  # files older than vLLM were left by an earlier pod
-        active = self.backend.offload_active(Seen(vllm, lmc, server))
+        seen = Seen(vllm, lmc, server)
+        active = self.backend.offload_active(seen)
+        unloaded = self._settled(self.backend.unloaded_tokens(seen))
         engine = self._look_engine()
-        families = _families(self.config, vllm, lmc, disk, active, self._settled(unloaded_tokens(vllm, lmc)), self.health, server)
+        families = _families(self.config, vllm, lmc, disk, active, unloaded, self.health, server)
         return families + ([engine_info(engine)] if engine is not None else [])
 
     def _observe(self, source: str, read: Callable[[], T]) -> T | None:
@@ -116,7 +104,7 @@ class TierCollector(Collector):
             if not self.config.server_status_url:
                 raise SourceError("no --lmcache-server-url")
             return fetch_status(self.config.server_status_url, self.config.scrape_timeout)
-        return self._observe("lmcache", read)
+        return self._observe(SERVER_STATUS.label, read)
 
     def _settled(self, unloaded: float | None) -> float | None:
         """`unloaded` once it has lasted unloaded_grace_s (LMCache's counters lag vLLM's), else 0."""
@@ -130,7 +118,8 @@ class TierCollector(Collector):
             return unloaded if now - self._unloaded_since >= self.config.unloaded_grace_s else 0.0
 
     def _look_vllm(self) -> VllmSnapshot | None:
-        return self._observe("vllm", lambda: parse_vllm(fetch_text(self.config.vllm_metrics_url, self.config.scrape_timeout)))
+        url, timeout = self.config.vllm_metrics_url, self.config.scrape_timeout
+        return self._observe(VLLM.label, lambda: parse_vllm(fetch_text(url, timeout)))
 
     def _look_lmcache(self, vllm: VllmSnapshot | None) -> LmcacheSnapshot | None:
         def read() -> LmcacheSnapshot:
@@ -139,7 +128,7 @@ class TierCollector(Collector):
             if vllm is not None:
                 return parse_lmcache(vllm.lmcache_families)
             raise SourceError("no --multiproc-dir and vLLM unreachable")
-        return self._observe("lmcache", read)
+        return self._observe(LMCACHE_METRICS.label, read)
 
     def _look_engine(self) -> engine_versions.EngineVersions | None:
         # A few bytes, read at every scrape: no state to keep, and a rewritten file is seen at once.
@@ -285,10 +274,11 @@ def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSna
                               value=disk.finished_at),
         ]
 
-    help_ = backends.get(config.backend).offload_active_help()
-    families.append(GaugeMetricFamily("kvoffload_offload_active", help_, value=int(active)))
+    backend = backends.get(config.backend)
+    families.append(GaugeMetricFamily("kvoffload_offload_active", backend.offload_active_help(), value=int(active)))
     if unloaded is not None:
-        families.append(GaugeMetricFamily("kvoffload_external_hits_unloaded_tokens", UNLOADED_HELP, value=unloaded))
+        families.append(GaugeMetricFamily("kvoffload_external_hits_unloaded_tokens", backend.unloaded_help,
+                                          value=unloaded))
     errors = CounterMetricFamily(
         "kvoffload_scrape_errors",
         "Failed reads of a source: vllm and lmcache per scrape, disk per background rescan.",

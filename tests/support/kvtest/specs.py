@@ -18,14 +18,21 @@ from typing import Any
 import yaml
 
 from kvoffload.api import crd
+from kvoffload.api.quantity import to_bytes
 from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
 from kvoffload.engine import images
+from kvoffload.planning.sizing import MemoryDefaults
 from kvoffload.rendering import render
 
 from .paths import ROOT
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+# The LMCache server container's memory request when the spec does not set resources.serverBaseline: its process (the
+# operator's serverBaseline setting, declared once in api/settings.py) + headroom (headroomPercent, at least 1 GiB).
+SERVER_BASELINE = to_bytes(Settings().server_baseline, "serverBaseline")
+SERVER_REQUEST = SERVER_BASELINE + max(MemoryDefaults().headroom_min,
+                                       -(-SERVER_BASELINE * Settings().headroom_percent // 100))
 BASE: dict[str, Any] = {
     "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
     "engine": {"maxModelLen": 32768},
