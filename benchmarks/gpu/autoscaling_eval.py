@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import math
 import statistics
 import subprocess
@@ -67,9 +68,11 @@ def evaluate(run_dir: Path, targets: dict[str, float], work: Path) -> list[dict[
     rows = []
     for tag, run in results.items():
         series = run_dir / "series" / f"{tag}.jsonl"
-        if "load" not in run or not series.exists():
+        packed = series.with_suffix(".jsonl.xz")  # as kept in the repository
+        if "load" not in run or not (series.exists() or packed.exists()):
             continue
-        pages = [json.loads(line) for line in series.read_text().splitlines() if line.strip()]
+        text = series.read_text() if series.exists() else lzma.decompress(packed.read_bytes()).decode()
+        pages = [json.loads(line) for line in text.splitlines() if line.strip()]
         serve = tag.replace(".", "-")
         d = work / serve
         d.mkdir(parents=True)

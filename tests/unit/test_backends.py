@@ -97,6 +97,23 @@ def test_vllm_container_memory_is_the_same_and_the_server_adds_its_own():
     assert native32.budget.memory_limit < inproc32.budget.memory_limit
 
 
+PAIR_033 = {"engine__image": "ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6"}
+
+
+def test_lmcache_056s_server_gets_the_measured_floor_and_a_smaller_explicit_one_is_refused():
+    """LMCache 0.5.6's server process was OOM-killed at the 2 GiB default on an H200 (docs/benchmarks.md): its
+    default rises to the floor, 0.5.3's stays the setting, and an explicit baseline under the floor is refused."""
+    s = spec(offload__backend="lmcache-server", **PAIR_033)
+    old, new = desired("lmcache-server"), pipeline.desired("svc", "team-a", "uid-1", s, ALLOW)
+    assert new.budget.server_memory == old.budget.server_memory + 2 * GiB == SERVER_REQUEST + 2 * GiB
+    assert new.budget.server_memory_limit == old.budget.server_memory_limit + 2 * GiB
+    assert parse(spec(offload__backend="lmcache-server", resources__serverBaseline="6Gi", **PAIR_033),
+                 ALLOW).resources.server_baseline == 6 * GiB
+    with pytest.raises(ConfigError) as err:
+        parse(spec(offload__backend="lmcache-server", resources__serverBaseline="3Gi", **PAIR_033), ALLOW)
+    assert err.value.field == "spec.resources.serverBaseline" and "at least 4Gi" in str(err.value)
+
+
 def test_native_tier_counts_whole_vllm_blocks():
     d = desired("vllm-native")  # chunkSize is LMCache's (refused with vllm-native, below); vLLM offloads 16-token blocks
     cpu = d.budget.tier("cpu")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import posixpath
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any
 
@@ -573,6 +573,13 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
     assert backend is not None  # _enum held the backend to the declared names
     images.check_backend(parsed.offload.backend, backend["minVllm"], backend["minLmcache"],
                          images.EnginePair(parsed.engine.vllm_version, parsed.engine.lmcache_version))
+    floor = images.server_baseline_floor(parsed.engine.lmcache_version)
+    if floor and parsed.resources.server_baseline < to_bytes(floor, "SERVER_BASELINE_FLOOR"):
+        if r.has("resources.serverBaseline"):  # only lmcache-server takes the field (the others refuse it)
+            raise ConfigError("spec.resources.serverBaseline", f"below {floor}, what LMCache "
+                              f"{parsed.engine.lmcache_version}'s server process needs beside its CPU tier (its server "
+                              f"was OOM-killed at 2Gi on an H200: docs/benchmarks.md); set at least {floor}")
+        parsed = replace(parsed, resources=replace(parsed.resources, server_baseline=to_bytes(floor, "floor")))
     if parsed.offload.disk and parsed.offload.disk.node_selector:
         # Only the operator knows the default NVMe label a hostPath disk tier selects.
         for key, value in parsed.offload.disk.node_selector.items():

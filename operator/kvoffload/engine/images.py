@@ -134,6 +134,20 @@ def declared(image_versions: dict[str, dict[str, str]]) -> dict[str, KnownImage]
             for image, pair in image_versions.items()}
 
 
+# The LMCache server process's host memory beside its L1, by LMCache version (backend lmcache-server), measured on an
+# H200 (docs/benchmarks.md, "lmcache-server under load"): 0.5.3's peaked at 0.41 GiB anonymous; 0.5.6's reached
+# 2.81 GiB and was OOM-killed at a 2 GiB serverBaseline (+ 1 GiB headroom). From a listed version on, a smaller
+# default is raised to the floor and a smaller explicit spec.resources.serverBaseline is refused.
+SERVER_BASELINE_FLOOR = {"0.5.6": "4Gi"}
+
+
+def server_baseline_floor(lmcache: str) -> str | None:
+    """The floor of the highest SERVER_BASELINE_FLOOR version at or below `lmcache` (None: none applies)."""
+    have = _version(lmcache, "spec.engine.lmcacheVersion") if lmcache else ()
+    at = [v for v in SERVER_BASELINE_FLOOR if _version(v, "SERVER_BASELINE_FLOOR") <= have]
+    return SERVER_BASELINE_FLOOR[max(at, key=lambda v: _version(v, ""))] if at else None
+
+
 def upstream_vllm_images() -> set[str]:
     """vLLM's own published images of the offered pairs' vLLM versions (no LMCache: backend vllm-native only)."""
     return {f"vllm/vllm-openai:v{k.vllm}" for k in serving_images().values() if k.vllm}
