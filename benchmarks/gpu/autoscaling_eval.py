@@ -98,7 +98,7 @@ def evaluate(run_dir: Path, targets: dict[str, float], work: Path) -> list[dict[
                 for k, st in enumerate(steps):
                     a, b = st["t_start"], st["t_end"]
                     vals = [v for t, v in points if a <= t <= b and not math.isnan(v)]
-                    end = [v for t, v in points if t <= b + 1 and not math.isnan(v)]
+                    end = [v for t, v in points if t <= b and not math.isnan(v)]
                     rows.append({"run": tag, "target": field, "want": want, "query": q, "step": k,
                                  "load": f"{st['cold']['concurrency']} in flight, {st['cold']['requests']} requests",
                                  "seconds": round(b - a, 1), "at_end": end[-1] if end else None,
