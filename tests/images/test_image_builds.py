@@ -421,9 +421,10 @@ def test_the_rendered_server_pod_runs_on_the_standin_image(standin_image, operat
     try:
         pod.start(small_l1)
         # The init containers: the disk-tier directory handed to UID 1000, the image's real versions.
-        # The volume is the allowed root; the engine's subPath is <rel>/<ns>/<name>/<pod>, the init container's its parent.
-        (vllm,) = [c for c in spec["containers"] if c["name"] == "vllm"]
-        sub = next(m["subPathExpr"] for m in vllm["volumeMounts"] if m["name"] == "kv-disk")
+        # The volume is the allowed root; the subPath of the container holding the disk tier (the LMCache server
+        # here) is <rel>/<ns>/<name>/<pod>, the init container's its parent.
+        sub = next(m["subPathExpr"] for c in spec["initContainers"] + spec["containers"] if c["name"] != "prepare-disk-tier"
+                   for m in c.get("volumeMounts") or [] if m["name"] == "kv-disk")
         disk = tmp_path / "kv-disk" / expand(sub, {"POD_NAMESPACE": ns, "POD_NAME": fields["metadata.name"]})
         assert disk.relative_to(tmp_path / "kv-disk").parts[1:] == (ns, meta["name"], fields["metadata.name"])
         st = disk.stat()

@@ -67,8 +67,9 @@ FIELDS = [
     Row("replicas", 0, needs={}),
     Row("engine.image", "registry.local/vllm:custom",
         needs={**NO_PODS, "engine": {"vllmVersion": "0.26.0", "lmcacheVersion": "0.5.3"}}),
-    Row("engine.vllmVersion", "0.29.0"),
-    Row("engine.lmcacheVersion", "0.5.6"),
+    # On a known image a declared version must be the image's own (engine/images.py resolve): a check, nothing moves.
+    Row("engine.vllmVersion", "0.26.0", renders=False),
+    Row("engine.lmcacheVersion", "0.5.3", renders=False),
     Row("engine.gpuMemoryUtilization", 0.8),
     Row("engine.maxNumSeqs", 64),
     Row("engine.tensorParallelSize", 2),
