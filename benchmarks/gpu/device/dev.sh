@@ -104,7 +104,7 @@ plan034|plan034-rest|plan-load)
   # 16 requests in flight overflow it, so blocks are evicted while requests run, the case a lazy store must keep
   # up with), --load 16:32,8:16 (vLLM's pages sampled: the autoscaling queries run on them afterwards). Each bench's
   # directory comes back as $OUT/NAME.tar.xz.
-  end=$(( $(date +%s) + $2 )); R=$G/rendered; O=$G/oci; out=/root/out; mkdir -p $out
+  end=$(( $(date +%s) + $2 )); R=$G/rendered; O=$G/oci; out=/root/kvout; mkdir -p $out  # not $OUT: each call empties that
   left() { echo $(( end - $(date +%s) )); }
   # A bench an earlier call of this warm machine finished is skipped: a second call goes on where the first stopped.
   b() { local name=$1 first=$2; shift 2; [ -f $out/$name.done ] && { echo "$name: done in an earlier call"; return; }
