@@ -63,6 +63,8 @@ TESTS = Path(__file__).parent
 LATE = {"flux": 1, "keda": 2, "engine": 3}  # kvtest.background.LOCKS
 LATE_PATHS = {TESTS / "integration" / "test_flux.py": "flux", TESTS / "integration" / "test_gitops.py": "flux",
               TESTS / "integration" / "test_autoscaling.py": "keda", TESTS / "engine": "engine", TESTS / "images": "engine"}
+# Fixtures that wait for a background build, for modules outside those paths (test_routing_cluster.py's engine_python)
+LATE_FIXTURES = {"gitops_tools": "flux", "engine_python": "engine"}
 
 
 def _late(item) -> int:
@@ -70,7 +72,7 @@ def _late(item) -> int:
     for where, build in LATE_PATHS.items():
         if path == where or where in path.parents:
             return LATE[build]
-    return LATE["flux"] if "gitops_tools" in item.fixturenames else 0
+    return max((LATE[build] for name, build in LATE_FIXTURES.items() if name in item.fixturenames), default=0)
 
 
 def pytest_collection_modifyitems(config, items):

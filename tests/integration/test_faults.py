@@ -8,10 +8,14 @@ After every fault the same invariants are checked (`assert_converged`): every KV
 its generation, exactly the expected children (ConfigMap, two Services, StatefulSet, PDB), each with
 exactly one controller ownerReference to a KVOffloadServe that exists, nothing orphaned, the expected
 pods, and no finalizer or kopf bookkeeping on any resource.
+
+Every random choice (kill points, restart moments, which resources change) comes from one seed per run, printed
+when the module starts and in each test's captured output: KVO_FAULT_SEED=<seed> replays a run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import random
@@ -40,6 +44,27 @@ SPEC = {"replicas": 1, "model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": 
 def expected_children(name: str) -> set[tuple[str, str]]:
     return {("ConfigMap", f"{name}-lmcache"), ("Service", name), ("Service", f"{name}-pods"),
             ("StatefulSet", name), ("PodDisruptionBudget", name)}
+
+
+# ------------------------------------------------------------------------------ the run's seed
+@pytest.fixture(scope="module")
+def seed(request) -> int:
+    """A fresh seed per run (KVO_FAULT_SEED pins it), shown at once: a failing run is replayed with it."""
+    value = int(os.environ.get("KVO_FAULT_SEED") or random.SystemRandom().randrange(1_000_000))
+    plugins = request.config.pluginmanager
+    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:  # on the terminal even when output is captured and all pass
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(f"test_faults: KVO_FAULT_SEED={value}")
+    return value
+
+
+@pytest.fixture
+def rng(seed, request) -> random.Random:
+    """The test's own stream from the run's seed (keyed by its name), so a test replays the same way alone or among
+    the others. Printed again: it lands in a failing test's captured output."""
+    print(f"KVO_FAULT_SEED={seed}")
+    return random.Random(f"{seed}-{request.node.name}")
 
 
 # ------------------------------------------------------------------------------ a private cluster
@@ -182,16 +207,21 @@ def problems(c: kvtest.Cluster, ns: str, want: dict[str, dict[str, Any]] | None 
 
 
 def wait_converged(c: kvtest.Cluster, ns: str, want: dict[str, dict[str, Any]] | None, timeout: float) -> list[str]:
-    """Poll `problems` until it is empty or `timeout` passes; return what is still wrong ([] = converged)."""
-    t0 = time.monotonic()
-    while True:
+    """Wait until `problems` is empty or `timeout` passes; return what is still wrong ([] = converged)."""
+    last: list[str] = []
+
+    def converged() -> bool:
+        nonlocal last
         try:
             last = problems(c, ns, want)
         except Exception as exc:  # noqa: BLE001 - the API may be restarting
             last = [f"{type(exc).__name__}: {exc}"]
-        if not last or time.monotonic() - t0 > timeout:
-            return last
-        time.sleep(1)
+        return not last
+
+    # A timeout is an answer here, not an error: the callers look at what is left (pods only: heal the scheduler).
+    with contextlib.suppress(TimeoutError):
+        kvtest.wait_until(converged, timeout=timeout, interval=1, message="the operator converges")
+    return last
 
 
 def assert_converged(c: kvtest.Cluster, ns: str, want: dict[str, dict[str, Any]] | None, timeout: float) -> float:
@@ -222,11 +252,8 @@ UPDATE_PER_ROUND = 2  # spec changes that roll the StatefulSet
 DELETE_ROUNDS = (3, 7)  # rounds that also delete a resource (garbage collection while the operator is down)
 
 
-def test_sigkill_mid_rollout_ten_times(private_cluster, tmp_path):
+def test_sigkill_mid_rollout_ten_times(private_cluster, tmp_path, seed, rng):
     """Kill -9 the operator at random points of a rollout, 10 times, restarting it each time."""
-    seed = int(os.environ.get("KVO_FAULT_SEED", time.time_ns() % 100_000))
-    rng = random.Random(seed)
-    print(f"KVO_FAULT_SEED={seed}")
     c = private_cluster
     ns = c.client.namespace(f"faults-kill-{seed}")
     want: dict[str, dict[str, Any]] = {}
@@ -249,7 +276,7 @@ def test_sigkill_mid_rollout_ten_times(private_cluster, tmp_path):
         # StatefulSet and its PDB, during a status write, or while pods roll.
         wait_log(op, "apply ", timeout=60)
         delay = rng.uniform(0, 2.5)
-        time.sleep(delay)
+        time.sleep(delay)  # deliberate: the kill point itself, a random moment of the rollout (no condition to await)
         applies = op.output().count("apply ")
         op.kill()
         kill_points.append((round(delay, 2), applies))
@@ -263,7 +290,7 @@ def test_sigkill_mid_rollout_ten_times(private_cluster, tmp_path):
 
 
 @pytest.mark.parametrize("component", ["kube-apiserver", "etcd"])
-def test_control_plane_restart_mid_rollout(private_cluster, tmp_path, component):
+def test_control_plane_restart_mid_rollout(private_cluster, tmp_path, rng, component):
     """Restart kube-apiserver (or etcd) while the operator rolls out; the same operator process recovers."""
     c = private_cluster
     ns = c.client.namespace(f"faults-{component}-{time.time_ns() % 100_000}")
@@ -274,7 +301,7 @@ def test_control_plane_restart_mid_rollout(private_cluster, tmp_path, component)
             create(c, ns, f"before-{i}")
             want[f"before-{i}"] = {}
         wait_log(op, "apply ", timeout=60)
-        time.sleep(random.uniform(0.5, 2))
+        time.sleep(rng.uniform(0.5, 2))  # deliberate: restart at a random moment of the rollout, not after a condition
         # etcd is stopped with SIGTERM: the local etcd runs with --unsafe-no-fsync, so a SIGKILL can lose
         # writes it already acknowledged (seen: a pod binding), which a real etcd (fsync) never does.
         # kube-apiserver keeps no state of its own: SIGKILL.
@@ -325,7 +352,7 @@ def etcd_delete(c: kvtest.Cluster, key: str) -> int:
     return int(body.get("deleted", 0))
 
 
-def test_caches_cannot_serve_stale_decisions_after_an_apiserver_restart(private_cluster, tmp_path):
+def test_caches_cannot_serve_stale_decisions_after_an_apiserver_restart(private_cluster, tmp_path, rng):
     """The operator reads children, pods and KVOffloadServes from watch-fed caches. kube-apiserver is
     SIGKILLed mid-rollout, and while it is down a ConfigMap of a resource that will not change again is
     deleted straight from etcd (the restarted API server's history has no DELETE for it: only a fresh
@@ -341,9 +368,11 @@ def test_caches_cannot_serve_stale_decisions_after_an_apiserver_restart(private_
             want[f"r-{i}"] = {}
         # The victim's children must exist before the restart (its ConfigMap is what gets lost).
         kvtest.wait_until(lambda: c.client.exists("configmap", "r-0-lmcache", ns), timeout=60, message="r-0's ConfigMap")
-        time.sleep(random.uniform(0, 1))  # the others are mid-rollout
+        time.sleep(rng.uniform(0, 1))  # deliberate: a random moment while the others are mid-rollout
         c.stop_component("kube-apiserver", signal.SIGKILL)
         assert etcd_delete(c, f"/registry/configmaps/{ns}/r-0-lmcache") == 1
+        # Deliberate downtime (as c.restart's downtime=5 above): the operator's watches break and its writes fail while
+        # the API server is away, which is the fault; nothing to wait for but the time.
         time.sleep(3)
         healthy_after = c.start_component("kube-apiserver")
         print(f"kube-apiserver healthy {healthy_after:.1f}s after its restart")

@@ -186,12 +186,18 @@ def removal(row: Row) -> list[dict[str, Any]]:
     return ops
 
 
+def _item_key(i: int, item: Any) -> Any:
+    """A list item's place: its name where it has one (containers, volumes, env: server-side apply merges those
+    lists by name, so an item's index moves when one before it goes), else its index."""
+    return ("name", item["name"]) if isinstance(item, dict) and isinstance(item.get("name"), str) else i
+
+
 def leaves(obj: Any, path: tuple = ()) -> dict[tuple, Any]:
-    """Every leaf of an object by its path (list items by index; an empty map or list is a leaf)."""
+    """Every leaf of an object by its path (list items by name or index; an empty map or list is a leaf)."""
     if isinstance(obj, dict) and obj:
         return {p: v for k, sub in obj.items() for p, v in leaves(sub, (*path, k)).items()}
     if isinstance(obj, list) and obj:
-        return {p: v for i, sub in enumerate(obj) for p, v in leaves(sub, (*path, i)).items()}
+        return {p: v for i, sub in enumerate(obj) for p, v in leaves(sub, (*path, _item_key(i, sub))).items()}
     return {path: obj}
 
 
@@ -199,6 +205,11 @@ def has_path(obj: Any, path: tuple) -> bool:
     for key in path:
         if isinstance(obj, dict) and key in obj:
             obj = obj[key]
+        elif isinstance(obj, list) and isinstance(key, tuple):
+            found = [x for x in obj if isinstance(x, dict) and x.get("name") == key[1]]
+            if not found:
+                return False
+            obj = found[0]
         elif isinstance(obj, list) and isinstance(key, int) and key < len(obj):
             obj = obj[key]
         else:

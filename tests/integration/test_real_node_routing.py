@@ -14,13 +14,17 @@ capabilities, no new privileges, seccomp, read-only root); it watches the API se
 (the `kubernetes` Service) and discovers exactly the serving pods; RouterReady and Ready; real requests sent to the
 router's Service ClusterIP (198.19.0.x, routed to the bridge on the host) reach both serving pods and come back 200;
 with cache_aware, every request on one document reaches the replica that served it first (the workload of
-kvtest.router_workload, run against the same router as a host process in tests/unit/test_router_standin.py).
+kvtest.router_workload, run against the same router as a host process in tests/unit/test_router_standin.py). Then a
+replica added the way an autoscaler adds one (the HPA controller, KEDA's included, writes the resource's scale
+subresource) becomes Ready on the node, the router discovers it, and it takes the new document that arrives while
+the others are busy.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import shutil
+import threading
 import time
 import urllib.request
 import uuid
@@ -83,6 +87,7 @@ def test_the_rendered_router_pod_routes_to_the_serving_pods_on_the_real_node(dem
         obj = wait_cond(demo, node_ns, NAME, "Ready", "True", timeout=600)
         print(f"KVOffloadServe {NAME} with its router Ready in {time.monotonic() - t0:.0f}s")
         check_router(demo, node_ns, obj, body, router_image)
+        scale_out(demo, node_ns, body)
     except BaseException:
         print_router(demo, node_ns)
         raise
@@ -185,3 +190,39 @@ def check_router(demo, node_ns: str, obj: dict, body: dict, router_image: str) -
     # Nothing left the bridge on the way (the guard's counters: kvtest.node).
     dropped = {k: v for k, v in node.guard_counters().items() if v}
     assert not dropped, (dropped, node.guard_log()[-20:])
+
+
+def scale_out(demo, node_ns: str, body: dict) -> None:
+    c, model, grown = demo.client, body["spec"]["model"]["name"], REPLICAS + 1
+    t0 = time.monotonic()
+    c.patch("kvoffloadserves", NAME, {"spec": {"replicas": grown}}, node_ns, subresource="scale")
+
+    def ready() -> list[dict] | None:
+        pods = c.list("pods", node_ns, labels={"kvoffload.io/serve": NAME})
+        up = [p for p in pods if any(x["type"] == "Ready" and x["status"] == "True"
+                                     for x in (p.get("status") or {}).get("conditions") or [])]
+        return up if len(up) == grown else None
+
+    serving = demo.wait_until(ready, timeout=300, interval=1, message=f"{grown} serving pods Ready")
+    print(f"scale subresource {REPLICAS} -> {grown}: the new pod Ready after {time.monotonic() - t0:.0f}s")
+    assert {p["spec"]["nodeName"] for p in serving} == {node.NAME}
+    (rpod,) = c.list("pods", node_ns, labels={"kvoffload.io/router": NAME})
+    want = {f"http://{p['status']['podIP']}:8000" for p in serving}
+    demo.wait_until(lambda: rw.workers(f"http://{rpod['status']['podIP']}:8000") == want, timeout=60, interval=1,
+                    message=f"the router's workers are the {grown} pods")
+    print(f"the router routes to the new pod {time.monotonic() - t0:.0f}s after the scale write")
+    # Three new documents, each held in flight while the next arrives: a cache_aware miss goes to the least
+    # loaded replica, so the third lands on the one replica that is idle, whichever that is; all three answer.
+    router = f"http://{c.get('services', f'{NAME}-router', node_ns)['spec']['clusterIP']}:8000"
+    docs = rw.documents(grown, 300, uuid.uuid4().hex[:6])
+    answers: list[dict] = []
+    threads = [threading.Thread(target=lambda d=d: answers.append(rw.complete(router, model, f"{d} question 0",
+                                                                              hold_s=6.0)), daemon=True) for d in docs]
+    for k, t in enumerate(threads):
+        t.start()
+        demo.wait_until(lambda k=k: sum(x["in_flight"] for x in rw.counts(sorted(want))) == k + 1, timeout=5,
+                        interval=0.05, message=f"request {k + 1} in flight")
+    for t in threads:
+        t.join(timeout=60)
+    served = sorted(a[rw.STAND_IN]["replica"] for a in answers)
+    assert served == sorted(p["metadata"]["name"] for p in serving), served  # the new pod took one

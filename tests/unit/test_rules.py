@@ -102,6 +102,40 @@ def test_cross_field_rules_refuse_with_the_crds_message(rule, patch):
     assert (err.value.field, err.value.message) == (rule.path, rule.message)
 
 
+# The tests above build their expected messages from the tables the parser reads (managed.ENV, managed.PORTS,
+# rules.*.message), so a wrong or empty entry there would pass them. The key refusals, written out by hand:
+LITERAL_REFUSALS = [
+    ({"engine__env": [{"name": "CUDA_VISIBLE_DEVICES", "value": "all"}]}, "spec.engine.env",
+     "CUDA_VISIBLE_DEVICES is managed by the operator: the operator decides which GPUs the container sees: the device "
+     "plugin hands it the spec.resources.gpuResourceName GPUs it requested (spec.engine.tensorParallelSize), and this "
+     "variable would show it others or hide its own."),
+    ({"engine__env": [{"name": "A", "value": "1"}, {"name": "HOME", "value": "/x"},
+                      {"name": "LMCACHE_CHUNK_SIZE", "value": "8"}]}, "spec.engine.env",
+     "HOME is managed by the operator: the operator decides where the engine's weights, caches and temporary files go: "
+     "on the pod's volumes, sized and counted in its ephemeral-storage request (status.budget.weights), as the root "
+     "file system is read-only. LMCACHE_* configure LMCache, which the operator renders from spec.offload (put engine "
+     "settings there)."),
+    ({"metrics": {"port": 8000}}, "spec.metrics.port",
+     "8000 is the vllm container's port (vLLM's OpenAI API and /metrics): pick another port for the exporter"),
+    ({"metrics": {"port": 5555}}, "spec.metrics.port",
+     "5555 is the lmcache-server container's ZMQ port (vLLM's LMCacheMPConnector talks to it): pick another port for "
+     "the exporter"),
+    ({"model__architecture": {"attentionHeads": 32, "kvHeads": 3}}, "spec.model.architecture.kvHeads",
+     "kvHeads must divide attentionHeads"),
+    ({"resources__memory": "8Gi"}, "spec.resources.memory",
+     "must hold at least the CPU tier (spec.offload.cpu.size): pinned memory is allocated in full"),
+    ({"offload__disk__storageClassName": "nvme"}, "spec.offload.disk",
+     "set exactly one of spec.offload.disk.path (hostPath) or spec.offload.disk.storageClassName (ephemeral volume)"),
+]
+
+
+@pytest.mark.parametrize("patch, field, message", LITERAL_REFUSALS, ids=[field for _, field, _ in LITERAL_REFUSALS])
+def test_key_refusals_read_as_written(patch, field, message):
+    with pytest.raises(ConfigError) as err:
+        parse(spec(**patch), S)
+    assert (err.value.field, err.value.message) == (field, message)
+
+
 def test_extra_args_may_not_move_the_weights():
     """--download-dir would put the weights beside the volume sized for them: refused like HF_HOME."""
     with pytest.raises(ConfigError) as err:

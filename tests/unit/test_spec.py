@@ -178,6 +178,19 @@ def test_integer_bounds_are_the_crd_schemas(path):
         assert exc.value.field == f"spec.{path}" and f"[{lo}, {hi}]" in str(exc.value)
 
 
+@pytest.mark.parametrize("key, bad, message", [
+    ("replicas", -1, "-1 must be an integer in [0, 1000]"),
+    ("engine__tensorParallelSize", 65, "65 must be an integer in [1, 64]"),
+    ("metrics__port", 80, "80 must be an integer in [1024, 65535]"),
+])
+def test_integer_bounds_read_as_written(key, bad, message):
+    """The test above reads its bounds from the schema the parser reads: these few are written out, so a schema
+    whose bounds went wrong (or vanished) fails here."""
+    with pytest.raises(ConfigError) as exc:
+        parse(spec(**{key: bad}), S)
+    assert exc.value.message == message
+
+
 def test_plan_input_concurrency_defaults_to_the_crds():
     from kvoffload.planning.sizing import PlanInput
 
