@@ -64,7 +64,9 @@ def hpa_desired(target: str, value: float, replicas: int, want: float) -> int:
 
 
 def evaluate(run_dir: Path, targets: dict[str, float], work: Path) -> list[dict[str, Any]]:
-    results = json.loads((run_dir / "results.json").read_text())["runs"]
+    path = run_dir / "results.json"  # or results.json.xz, as kept in the repository
+    text = path.read_text() if path.exists() else lzma.decompress(path.with_suffix(".json.xz").read_bytes()).decode()
+    results = json.loads(text)["runs"]
     rows = []
     for tag, run in results.items():
         series = run_dir / "series" / f"{tag}.jsonl"
