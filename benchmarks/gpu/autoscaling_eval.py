@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "tests" / "support")]
 from kvoffload.rendering import autoscaling  # noqa: E402
+from kvtest.keda import hpa_replicas  # noqa: E402
 from kvtest.prometheus import Prometheus  # noqa: E402
 
 NAMESPACE = "bench"
@@ -57,10 +57,8 @@ def openmetrics(pages: list[dict[str, Any]], serve: str) -> str:
 
 
 def hpa_desired(target: str, value: float, replicas: int, want: float) -> int:
-    """kube-controller-manager's count for one KEDA trigger: AverageValue divides the service's value by the
-    replicas, Value takes it whole; within 10 % of the target it holds."""
-    ratio = (value / replicas if autoscaling.TARGETS[target].per_replica else value) / want
-    return replicas if abs(ratio - 1) <= 0.1 else max(1, math.ceil(ratio * replicas))
+    """The HPA's count for one KEDA trigger, at least the example's minReplicas 1."""
+    return max(1, hpa_replicas(autoscaling.TARGETS[target].per_replica, value, replicas, want))
 
 
 def evaluate(run_dir: Path, targets: dict[str, float], work: Path) -> list[dict[str, Any]]:
@@ -81,11 +79,7 @@ def evaluate(run_dir: Path, targets: dict[str, float], work: Path) -> list[dict[
         (d / "input.om").write_text(openmetrics(pages, serve))
         subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", str(d / "input.om"), str(d / "tsdb")],
                        check=True, capture_output=True)
-        prom = Prometheus(d, [])
-        try:
-            deadline = time.monotonic() + 30
-            while not prom.api.ready() and time.monotonic() < deadline:
-                time.sleep(0.2)
+        with Prometheus(d, []) as prom:  # it returns once Prometheus is ready, the backfilled blocks loaded
             t0, t1 = pages[0]["t"], pages[-1]["t"]
             sel = f'namespace="{NAMESPACE}",{autoscaling.SERVE_LABEL}="{serve}"'
             steps = run["load"]["steps"]
@@ -108,8 +102,6 @@ def evaluate(run_dir: Path, targets: dict[str, float], work: Path) -> list[dict[
                                  "replicas": hpa_desired(field, statistics.median(vals), 1, want) if vals else None})
                 rows.append({"run": tag, "target": field, "want": want, "query": q, "step": "after",
                              "load": "idle", "at_end": points[-1][1] if points else None})
-        finally:
-            prom.stop()
     return rows
 
 

@@ -46,6 +46,7 @@ import sys
 import tarfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -439,8 +440,6 @@ class PageSampler(threading.Thread):
 def load_phase(eng: Engine, prompts: list[list[int]], concurrency: int) -> dict[str, Any]:
     """`prompts` with `concurrency` requests in flight (max_tokens 1: each latency is a time to first token, queueing
     included), and the engine's token sources over the phase."""
-    from concurrent.futures import ThreadPoolExecutor
-
     before = sources(gpu_counters.Page(vllm_page(eng.port)))
     t0 = time.perf_counter()
 

@@ -12,13 +12,13 @@ predicts no queue time or queue length (it sizes tiers, not traffic), so the cro
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvoffload.rendering import autoscaling
+from kvtest.keda import hpa_replicas
 from kvtest.prometheus import PROMETHEUS, PromAPI, Prometheus
 from kvtest.vllm_replay import VllmReplay
 
@@ -74,14 +74,8 @@ def keda_value(api: PromAPI, field: str, serve: str) -> float:
 
 
 def hpa_desired(field: str, value: float, replicas: int) -> int:
-    """kube-controller-manager's replica count for one KEDA trigger: AverageValue divides the service's sum by the
-    target; Value scales the current replicas by value / target (both within the HPA's 10 % tolerance)."""
-    target = TARGETS[field]
-    if autoscaling.TARGETS[field].per_replica:
-        ratio = value / replicas / target
-    else:
-        ratio = value / target
-    return replicas if abs(ratio - 1) <= 0.1 else math.ceil(ratio * replicas)
+    """The HPA's replica count for one KEDA trigger at this test's target for `field`."""
+    return hpa_replicas(autoscaling.TARGETS[field].per_replica, value, replicas, TARGETS[field])
 
 
 def test_keda_queries_rise_with_load_and_fall_as_replicas_are_added(prom):

@@ -574,12 +574,13 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
     images.check_backend(parsed.offload.backend, backend["minVllm"], backend["minLmcache"],
                          images.EnginePair(parsed.engine.vllm_version, parsed.engine.lmcache_version))
     floor = images.server_baseline_floor(parsed.engine.lmcache_version)
-    if floor and parsed.resources.server_baseline < to_bytes(floor, "SERVER_BASELINE_FLOOR"):
+    floor_bytes = to_bytes(floor, "SERVER_BASELINE_FLOOR") if floor else 0
+    if parsed.resources.server_baseline < floor_bytes:
         if r.has("resources.serverBaseline"):  # only lmcache-server takes the field (the others refuse it)
             raise ConfigError("spec.resources.serverBaseline", f"below {floor}, what LMCache "
                               f"{parsed.engine.lmcache_version}'s server process needs beside its CPU tier (its server "
                               f"was OOM-killed at 2Gi on an H200: docs/benchmarks.md); set at least {floor}")
-        parsed = replace(parsed, resources=replace(parsed.resources, server_baseline=to_bytes(floor, "floor")))
+        parsed = replace(parsed, resources=replace(parsed.resources, server_baseline=floor_bytes))
     if parsed.offload.disk and parsed.offload.disk.node_selector:
         # Only the operator knows the default NVMe label a hostPath disk tier selects.
         for key, value in parsed.offload.disk.node_selector.items():

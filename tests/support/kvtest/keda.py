@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import ipaddress
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -157,3 +158,11 @@ class Keda:
         if self.apiserver_args is not None:
             self.cluster.restart("kube-apiserver", args=self.apiserver_args)
             self.apiserver_args = None
+
+
+def hpa_replicas(per_replica: bool, value: float, replicas: int, target: float) -> int:
+    """kube-controller-manager's replica count for one KEDA trigger (a test oracle): AverageValue (`per_replica`)
+    divides the service's value by the replicas, Value takes it whole; within the HPA's 10 % tolerance of the
+    target it holds, else it scales the current replicas by the ratio."""
+    ratio = (value / replicas if per_replica else value) / target
+    return replicas if abs(ratio - 1) <= 0.1 else math.ceil(ratio * replicas)

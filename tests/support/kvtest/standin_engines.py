@@ -42,7 +42,7 @@ class StandInEngines:
                  "# TYPE vllm:kv_cache_usage_perc gauge", f"vllm:kv_cache_usage_perc{{{MODEL}}} {self.kv_usage}",
                  "# TYPE vllm:prompt_tokens_by_source_total counter"]
         lines += [f'vllm:prompt_tokens_by_source_total{{{MODEL},source="{s}"}} {v}' for s, v in self.prompt_tokens.items()]
-        counts = self._queued.setdefault(pod, [0.0] * (len(QUEUE_BUCKETS) + 2))
+        counts = self._counts(pod)
         lines.append("# TYPE vllm:request_queue_time_seconds histogram")
         lines += [f'vllm:request_queue_time_seconds_bucket{{{MODEL},le="{le}"}} {c}'
                   for le, c in zip([*map(str, QUEUE_BUCKETS), "+Inf"], counts)]
@@ -50,13 +50,17 @@ class StandInEngines:
                   f"vllm:request_queue_time_seconds_sum{{{MODEL}}} {counts[-1]}"]
         return "\n".join(lines) + "\n"
 
+    def _counts(self, pod: str) -> list[float]:
+        """`pod`'s queue-time histogram: a count per bucket, +Inf (the total count), then the sum."""
+        return self._queued.setdefault(pod, [0.0] * (len(QUEUE_BUCKETS) + 2))
+
     def _observe(self) -> None:
         """One tick's requests on each engine, each having waited queue_seconds / engines."""
         if self.queue_seconds <= 0:
             return
         wait = self.queue_seconds / max(1, len(self.engines))
         for pod in self.engines:
-            counts = self._queued.setdefault(pod, [0.0] * (len(QUEUE_BUCKETS) + 2))
+            counts = self._counts(pod)
             for i, le in enumerate([*QUEUE_BUCKETS, float("inf")]):
                 counts[i] += REQUESTS_PER_TICK if wait <= le else 0
             counts[-1] += REQUESTS_PER_TICK * wait
