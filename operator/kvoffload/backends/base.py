@@ -56,6 +56,7 @@ class Sizing:
     kv_bytes_per_token_per_gpu: int
     staging_per_worker: int
     server_baseline: int
+    vllm: tuple[int, ...]  # the image's vLLM version: what it allocates changes between minors
 
 
 class TierView(Protocol):

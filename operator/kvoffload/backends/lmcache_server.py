@@ -39,6 +39,7 @@ from .base import (
 if TYPE_CHECKING:
     from ..api.spec import Spec
 
+SERVER_SHM_NAME = "lmcache_l1_pool_kvoffload"  # one server per pod, so one name: the pod's own /dev/shm
 SERVER_TRANSFER_MODE = "engine_driven"  # the server has no GPU: vLLM's workers copy KV into its /dev/shm L1
 MP_KV_TRANSFER_CONFIG = json.dumps({
     "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
@@ -59,6 +60,11 @@ def server_args(spec: Spec, budget: BudgetView) -> list[str]:
             # transfer off; KV then travels pickled over ZMQ (H200: ~144 MB/s stores, and a retrieve
             # over 4 GiB fails msgpack's limit, hanging vLLM for mq_timeout and killing its engine).
             "--no-l1-use-lazy",
+            # The L1's /dev/shm segment, named: LMCache 0.5.3 names one itself when the flag is absent, 0.5.6
+            # disables it (`--shm-name ""` is its default), and KV then travels pickled over ZMQ the same way
+            # (H200, 3 Dec 2026: "Creating EngineDrivenContextPickle", a 32K prompt's store over msgpack's 4 GiB
+            # limit, and the server OOM-killed under load). LMCache prefixes the name with lmcache_l1_pool_.
+            "--shm-name", SERVER_SHM_NAME,
             "--supported-transfer-mode", SERVER_TRANSFER_MODE,
             "--http-host", "127.0.0.1", "--http-port", str(SERVER_HTTP_PORT),
             "--instance-id", "$(POD_NAME)"]

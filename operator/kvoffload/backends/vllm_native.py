@@ -7,7 +7,8 @@ over TP ranks), stored in whole vLLM KV blocks (16 tokens), no staging buffers, 
 attention layer) of num_blocks × page bytes, num_blocks = cpu_bytes // (tp × per-worker KV bytes of
 one block over all layers), and torch's CachingHostAllocator rounds every pinned allocation up to a
 power of two: the cpu_tier term charges what is pinned (native_pinned), e.g. 64 GiB for a 40 GiB
-tier of a 32-layer model (1.25 GiB tensors → 2 GiB). Models with both sliding-window and full layers
+tier of a 32-layer model (1.25 GiB tensors → 2 GiB). vLLM 0.33.0 keeps the tier in one /dev/shm region
+instead (SHARED_REGION_FROM): the tier's size, in the pod's /dev/shm volume. Models with both sliding-window and full layers
 keep vLLM's hybrid KV cache manager with this connector (it supports HMA), which shares tensors
 between layer groups; their tensor count is not modelled, so they are charged the bound: 2 × the
 tier (a power-of-two ceiling is < 2 × its argument)."""
@@ -69,6 +70,25 @@ def native_pinned(model: ModelShape, tp: int, size: int, per_gpu_bpt: int) -> Na
     return NativePinned(model.layers, num_blocks, tensor, allocated, per_worker, per_worker * tp, exact)
 
 
+# From vLLM 0.33.0 on (the offered pair after 0.26.0), CPUOffloadingSpec keeps the whole tier in one mmap'd
+# /dev/shm region (SharedOffloadRegion, vllm/v1/kv_offload/cpu/spec.py create_worker) of num_chunks page-aligned
+# chunks, and refuses to start when /dev/shm has less free space ("Insufficient space in /dev/shm for CPU KV
+# offload shared region": H200, 3 Dec 2026, with the 2 GiB NCCL share). The pod's /dev/shm must hold it.
+SHARED_REGION_FROM = (0, 33, 0)
+PAGE = 4096  # mmap.PAGESIZE on x86_64: SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
+
+
+def shared_region_bytes(s: Sizing) -> int:
+    """vLLM >= 0.33.0: num_chunks × the chunk (every rank's copy of one 16-token block, all layers) rounded up
+    to a page, num_chunks = cpu_bytes // that (CPUOffloadingSpec.__init__, blocks_per_chunk 1)."""
+    chunk = -(-s.kv_bytes_per_token_per_gpu * NATIVE_BLOCK_TOKENS * s.tp // PAGE) * PAGE
+    return native_cpu_bytes(s.cpu_size) // chunk * chunk
+
+
+def _shared(s: Sizing) -> bool:
+    return s.vllm >= SHARED_REGION_FROM and s.cpu_size > 0
+
+
 def _pinned(s: Sizing) -> NativePinned:
     return native_pinned(s.model, s.tp, s.cpu_size, s.kv_bytes_per_token_per_gpu)
 
@@ -105,6 +125,10 @@ class VllmNative(Backend):
         return NATIVE_BLOCK_TOKENS
 
     def cpu_tier(self, s: Sizing) -> MemoryTerm:
+        if _shared(s):
+            return MemoryTerm("cpu_tier", shared_region_bytes(s),
+                              f"vLLM native CPU tier (OffloadingConnector): one /dev/shm region of {human(s.cpu_size)} "
+                              "in page-aligned 16-token blocks, charged to the vLLM container")
         p = _pinned(s)
         if not p.exact:
             note = (f"vLLM native CPU tier (OffloadingConnector): {human(p.total)}, the bound for a {human(s.cpu_size)} tier: "
@@ -119,7 +143,7 @@ class VllmNative(Backend):
     def warnings(self, s: Sizing) -> list[str]:
         """When vLLM pins noticeably more than the tier, with the nearest sizes that do not."""
         p = _pinned(s)
-        if not p.total > s.cpu_size * 1.05:
+        if _shared(s) or not p.total > s.cpu_size * 1.05:
             return []
         if not p.exact:
             return [f"{{cpu_size}} {human(s.cpu_size)} with {{backend}} vllm-native: this model's hybrid layers make vLLM's "
@@ -128,6 +152,9 @@ class VllmNative(Backend):
         return [f"{{cpu_size}} {human(s.cpu_size)} with {{backend}} vllm-native pins {human(p.total)}: each worker's "
                 f"{p.tensors} per-layer tensors of {human(p.tensor_bytes)} round up to a power of two "
                 f"({human(p.allocated_bytes)}); a {human(low)} or {human(high)} tier pins no more than its size for this model"]
+
+    def shm_extra(self, s: Sizing) -> int:
+        return shared_region_bytes(s) if _shared(s) else 0
 
     def vllm_args(self, spec: Spec, budget: BudgetView) -> list[str]:
         # GiB over all TP ranks (vLLM's CacheConfig.kv_offloading_size): OffloadingConnector, CPU tier only.

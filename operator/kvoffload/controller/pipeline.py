@@ -79,6 +79,7 @@ def plan_input(spec: Spec) -> sizing.PlanInput:
         disk_size=spec.offload.disk.size if spec.offload.disk else 0,
         chunk_size=spec.offload.chunk_size,
         backend=spec.offload.backend,
+        vllm_version=spec.engine.vllm_version,
         memory=sizing.MemoryDefaults(engine_baseline=r.engine_baseline, per_worker_overhead=r.per_worker_overhead,
                                      staging_per_worker=r.staging_per_worker, server_baseline=r.server_baseline, shm=r.shm,
                                      headroom_percent=r.headroom_percent),

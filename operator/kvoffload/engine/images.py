@@ -36,9 +36,10 @@ class KnownImage:
 # its image compiles LMCache 0.5.6, the newest, from source against that torch; it has run on a GPU
 # once (the CPU tier only, 1 Dec 2026), so it is not the default yet.
 SERVING_REPOSITORY = "ghcr.io/kvoffload/vllm-lmcache"
-DEFAULT_IMAGE = f"{SERVING_REPOSITORY}:0.26.0-0.5.3"
+DEFAULT_PAIR = EnginePair(vllm="0.26.0", lmcache="0.5.3")
+DEFAULT_IMAGE = f"{SERVING_REPOSITORY}:{DEFAULT_PAIR.vllm}-{DEFAULT_PAIR.lmcache}"
 KNOWN_IMAGES: dict[str, KnownImage] = {
-    DEFAULT_IMAGE: KnownImage(vllm="0.26.0", lmcache="0.5.3", why="built by images/serving/Dockerfile"),
+    DEFAULT_IMAGE: KnownImage(vllm=DEFAULT_PAIR.vllm, lmcache=DEFAULT_PAIR.lmcache, why="built by images/serving/Dockerfile"),
     f"{SERVING_REPOSITORY}:0.33.0-0.5.6": KnownImage(
         vllm="0.33.0", lmcache="0.5.6", lmcache_from="source",
         why="built by images/serving/Dockerfile with LMCACHE_FROM=source (LMCache compiled against vLLM 0.33.0's torch 2.14.0)"),
@@ -120,7 +121,7 @@ MIN_VLLM = (0, 10, 0)
 MIN_LMCACHE = (0, 3, 0)
 
 
-def _version(text: str, field: str) -> tuple[int, ...]:
+def version_tuple(text: str, field: str) -> tuple[int, ...]:
     try:
         return tuple(int(p) for p in text.split("."))
     except ValueError:
@@ -143,9 +144,9 @@ SERVER_BASELINE_FLOOR = {"0.5.6": "4Gi"}
 
 def server_baseline_floor(lmcache: str) -> str | None:
     """The floor of the highest SERVER_BASELINE_FLOOR version at or below `lmcache` (None: none applies)."""
-    have = _version(lmcache, "spec.engine.lmcacheVersion") if lmcache else ()
-    at = [v for v in SERVER_BASELINE_FLOOR if _version(v, "SERVER_BASELINE_FLOOR") <= have]
-    return SERVER_BASELINE_FLOOR[max(at, key=lambda v: _version(v, ""))] if at else None
+    have = version_tuple(lmcache, "spec.engine.lmcacheVersion") if lmcache else ()
+    at = [v for v in SERVER_BASELINE_FLOOR if version_tuple(v, "SERVER_BASELINE_FLOOR") <= have]
+    return SERVER_BASELINE_FLOOR[max(at, key=lambda v: version_tuple(v, ""))] if at else None
 
 
 def upstream_vllm_images() -> set[str]:
@@ -189,7 +190,7 @@ def resolve(image: str, vllm: str | None, lmcache: str | None, *, needs_lmcache:
     vllm = vllm or (known.vllm if known else None)
     lmcache = lmcache or (known.lmcache if known else None)
     if not needs_lmcache and vllm is not None and lmcache is None:
-        if _version(vllm, "spec.engine.vllmVersion") < MIN_VLLM:
+        if version_tuple(vllm, "spec.engine.vllmVersion") < MIN_VLLM:
             raise ConfigError("spec.engine.vllmVersion", f"vLLM {vllm} is too old; need >= {'.'.join(map(str, MIN_VLLM))}")
         return EnginePair(vllm=vllm, lmcache="")
     if vllm is None or lmcache is None:
@@ -200,9 +201,9 @@ def resolve(image: str, vllm: str | None, lmcache: str | None, *, needs_lmcache:
         raise ConfigError(missing, f"image {image!r} is not in the operator's version table "
                                    f"({', '.join(sorted(table))}); set spec.engine.vllmVersion and spec.engine.lmcacheVersion "
                                    "(or the admin lists it in the operator config imageVersions)")
-    if _version(vllm, "spec.engine.vllmVersion") < MIN_VLLM:
+    if version_tuple(vllm, "spec.engine.vllmVersion") < MIN_VLLM:
         raise ConfigError("spec.engine.vllmVersion", f"vLLM {vllm} predates LMCacheConnectorV1; need >= {'.'.join(map(str, MIN_VLLM))}")
-    if _version(lmcache, "spec.engine.lmcacheVersion") < MIN_LMCACHE:
+    if version_tuple(lmcache, "spec.engine.lmcacheVersion") < MIN_LMCACHE:
         raise ConfigError("spec.engine.lmcacheVersion", f"LMCache {lmcache} is too old; need >= {'.'.join(map(str, MIN_LMCACHE))}")
     return EnginePair(vllm=vllm, lmcache=lmcache)
 
@@ -210,10 +211,10 @@ def resolve(image: str, vllm: str | None, lmcache: str | None, *, needs_lmcache:
 def check_backend(backend: str, need_vllm: str, need_lmcache: str | None, pair: EnginePair) -> None:
     """Refuse a backend the image's pair does not have (each backend declares its minimum pair, checked in the
     installed sources of the default pair; older pairs are refused rather than guessed at), naming both versions."""
-    min_vllm = _version(need_vllm, "spec.offload.backend")
-    min_lmcache = None if need_lmcache is None else _version(need_lmcache, "spec.offload.backend")
-    v = _version(pair.vllm, "spec.engine.vllmVersion")
-    lmc = _version(pair.lmcache, "spec.engine.lmcacheVersion") if pair.lmcache else (0,)
+    min_vllm = version_tuple(need_vllm, "spec.offload.backend")
+    min_lmcache = None if need_lmcache is None else version_tuple(need_lmcache, "spec.offload.backend")
+    v = version_tuple(pair.vllm, "spec.engine.vllmVersion")
+    lmc = version_tuple(pair.lmcache, "spec.engine.lmcacheVersion") if pair.lmcache else (0,)
     need = " and ".join(f"{name} >= {'.'.join(map(str, low))}" for name, low in (("vLLM", min_vllm), ("LMCache", min_lmcache)) if low)
     if (min_vllm and v < min_vllm) or (min_lmcache and lmc < min_lmcache):
         raise ConfigError("spec.offload.backend", f"{backend} needs {need}; the image holds vLLM {pair.vllm} and "

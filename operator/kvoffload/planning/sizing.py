@@ -63,6 +63,7 @@ from ..api.errors import InputError, name_inputs
 from ..api.quantity import GiB, MiB, human, to_bytes
 from ..api.settings import Settings
 from ..backends.base import MemoryTerm, Sizing
+from ..engine import images
 from .catalog import ModelArch
 
 # The defaults are the operator's settings (api/settings.py, the one table the chart's values mirror).
@@ -133,6 +134,7 @@ class PlanInput:
     disk_size: int = 0  # bytes per replica
     chunk_size: int = 256  # LMCache chunk_size, tokens
     backend: str = backends.DEFAULT  # spec.offload.backend: a name in backends.REGISTRY
+    vllm_version: str = images.DEFAULT_PAIR.vllm  # the image's vLLM (spec.engine.vllmVersion)
     activation_reserve: int = 2 * GiB  # per GPU: activations, CUDA context, graphs
     memory: MemoryDefaults = field(default_factory=MemoryDefaults)
     bandwidths: Bandwidths = field(default_factory=Bandwidths)
@@ -444,7 +446,8 @@ def plan(inp: PlanInput) -> Budget:
     backend = backends.REGISTRY[inp.backend]
     s = Sizing(model=m, tp=tp, cpu_size=inp.cpu_size, disk_size=inp.disk_size, chunk_size=inp.chunk_size,
                kv_bytes_per_token_per_gpu=per_gpu_bpt, staging_per_worker=inp.memory.staging_per_worker,
-               server_baseline=inp.memory.server_baseline)
+               server_baseline=inp.memory.server_baseline,
+               vllm=images.version_tuple(inp.vllm_version, "engine.vllmVersion"))
     unit = backend.unit(s)
     tiers = (gpu, _offload_tier("cpu", inp.cpu_size, inp, per_gpu_bpt, unit), _offload_tier("disk", inp.disk_size, inp, per_gpu_bpt, unit))
     terms, total, shm = _memory(inp, offload, s)
