@@ -258,27 +258,28 @@ def test_scaled_objects_are_watched_only_with_autoscaler_keda_and_only_where_ser
     spec.autoscaling naming the field instead of failing on a 404."""
     registry = kopf.OperatorRegistry()
     monkeypatch.setattr(handlers, "_watched", list(render.CHILD_KINDS))
-    monkeypatch.setattr(handlers, "_autoscaler", None)
     monkeypatch.setattr(kopf._core.intents.registries, "_default_registry", registry)
     so = Resource(group="keda.sh", version="v1alpha1", plural="scaledobjects", kind="ScaledObject", namespaced=True)
     keda = Settings(autoscaler="keda", prometheus_address="http://127.0.0.1:9090")
     served = Discovery({"keda.sh/v1alpha1": ["scaledobjects", "scaledobjects/status"]})
 
-    assert asyncio.run(handlers.watch_optional_kinds(served, Settings())) == () and served.asked == []  # hpa: nothing to ask
-    assert asyncio.run(handlers.watch_optional_kinds(Discovery({}), keda)) == (autoscaling.SCALED_OBJECT,)
+    assert asyncio.run(handlers.watch_optional_kinds(served, Settings())).missing == () and served.asked == []  # hpa
+    assert asyncio.run(handlers.watch_optional_kinds(Discovery({}), keda)).missing == (autoscaling.SCALED_OBJECT,)
     assert handlers._watched == list(render.CHILD_KINDS) and not registry._indexing.has_handlers(resource=so)
     children = pipeline.desired("a", "ns", "u", {**SPEC, "autoscaling": SCALE}, keda).applied
     with pytest.raises(ConfigError) as err:  # before any request (no kube): nothing is half-applied
         reconcile.sync_children(None, "ns", "a", "u", children, kinds=tuple(handlers._watched))  # type: ignore[arg-type]
     assert err.value.field == "spec.autoscaling" and "install KEDA" in err.value.message
 
-    assert asyncio.run(handlers.watch_optional_kinds(served, keda)) == ()
+    assert asyncio.run(handlers.watch_optional_kinds(served, keda)) == handlers.Watched(keda)
     assert handlers._watched == [*render.CHILD_KINDS, autoscaling.SCALED_OBJECT]
     # auto with a Prometheus: KEDA where served (then watched), else the HPA with nothing missing.
     auto = Settings(prometheus_address="http://127.0.0.1:9090")
-    assert asyncio.run(handlers.watch_optional_kinds(Discovery({}), auto)) == () and handlers._autoscaler == "hpa"
+    watched = asyncio.run(handlers.watch_optional_kinds(Discovery({}), auto))
+    assert watched.missing == () and watched.settings.autoscaler == "hpa"
     monkeypatch.setattr(handlers, "_watched", list(render.CHILD_KINDS))
-    assert asyncio.run(handlers.watch_optional_kinds(served, auto)) == () and handlers._autoscaler == "keda"
+    watched = asyncio.run(handlers.watch_optional_kinds(served, auto))
+    assert watched.missing == () and watched.settings.autoscaler == "keda"
     assert handlers._watched == [*render.CHILD_KINDS, autoscaling.SCALED_OBJECT]
     assert registry._indexing.has_handlers(resource=so) and registry._watching.has_handlers(resource=so)
     settings = kopf.OperatorSettings()
