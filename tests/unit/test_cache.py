@@ -13,7 +13,7 @@ from kopf._cogs.structs.references import Resource
 
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
-from kvoffload.controller import cache, handlers, pipeline, reconcile, runtime
+from kvoffload.controller import cache, handlers, leader, pipeline, reconcile, runtime
 from kvoffload.controller.kube import ApiError, Kube, collection
 from kvoffload.controller.reconcile import cr_path
 from kvoffload.rendering import autoscaling, render
@@ -291,3 +291,37 @@ def test_scaled_objects_are_watched_only_with_autoscaler_keda_and_only_where_ser
     rt.cache.by_kind["ScaledObject"].apply_event("ADDED", {**obj("ScaledObject", "a", 3), "apiVersion": "keda.sh/v1alpha1"})
     assert [o["metadata"]["name"] for o in rt.kube.list(path, f"{OWNER}=a")] == ["a"]  # type: ignore[union-attr]
     assert rt.kube.inner.asked == []  # type: ignore[union-attr]  # from the cache: no LIST per reconcile
+
+
+def test_the_startup_handler_takes_what_run_decided_from_the_memo(monkeypatch):
+    """handlers.configure builds the Runtime from the one handlers.Decided in kopf's memo: no environment read."""
+    made: dict[str, Any] = {}
+
+    class FakeRuntime:
+        def __init__(self, kube: object, settings: Settings, **kw: Any) -> None:
+            made.update(settings=settings, **kw)
+            self.metrics = self
+
+        def serve(self, listen: str) -> None:
+            made["listen"] = listen
+
+        def start(self, lease: object, lease_kube: object) -> None:
+            made.update(lease=lease, lease_kube=lease_kube)
+
+    async def served(kube: object) -> None:
+        pass
+
+    monkeypatch.setattr(handlers, "_wait_for_crd", served)
+    monkeypatch.setattr(handlers, "load_api_client", lambda: None)
+    monkeypatch.setattr(handlers, "Kube", lambda client, timeout=None: ("kube", timeout))
+    monkeypatch.setattr(handlers, "Runtime", FakeRuntime)
+    keda = Settings(autoscaler="keda", prometheus_address="http://127.0.0.1:9090")
+    lease = leader.LeaseConfig(namespace="ops", name="l", identity="me")
+    memo = kopf.Memo(decided=handlers.Decided(keda, ("a", "b"), "127.0.0.1:9101", lease))
+    asyncio.run(handlers.configure(settings=kopf.OperatorSettings(), memo=memo))
+    assert made["settings"] is keda and made["namespaces"] == ["a", "b"] and made["listen"] == "127.0.0.1:9101"
+    assert made["lease"] is lease and made["lease_kube"] == ("kube", 5)
+    made.clear()
+    memo = kopf.Memo(decided=handlers.Decided(Settings()))  # every namespace, no metrics, standalone
+    asyncio.run(handlers.configure(settings=kopf.OperatorSettings(), memo=memo))
+    assert made["namespaces"] is None and "listen" not in made and made["lease"] is None and made["lease_kube"] is None

@@ -32,8 +32,7 @@ def run(args: argparse.Namespace) -> int:
     if logging.getLogger().level > logging.DEBUG:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one "handler succeeded" line per pod event
     from ..api.settings import load
-    from ..controller import handlers  # registers the handlers
-    from ..controller import leader
+    from ..controller import handlers, leader  # handlers: registers the handlers
     from ..controller.kube import Kube, load_api_client
 
     settings = load(args.operator_config)  # a bad operator config stops here, naming the setting
