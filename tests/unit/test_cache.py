@@ -13,7 +13,7 @@ from kopf._cogs.structs.references import Resource
 
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
-from kvoffload.controller import cache, handlers, pipeline, reconcile, runtime
+from kvoffload.controller import cache, handlers, leader, pipeline, reconcile, runtime
 from kvoffload.controller.kube import ApiError, Kube, collection
 from kvoffload.controller.reconcile import cr_path
 from kvoffload.rendering import autoscaling, render
@@ -258,27 +258,28 @@ def test_scaled_objects_are_watched_only_with_autoscaler_keda_and_only_where_ser
     spec.autoscaling naming the field instead of failing on a 404."""
     registry = kopf.OperatorRegistry()
     monkeypatch.setattr(handlers, "_watched", list(render.CHILD_KINDS))
-    monkeypatch.setattr(handlers, "_autoscaler", None)
     monkeypatch.setattr(kopf._core.intents.registries, "_default_registry", registry)
     so = Resource(group="keda.sh", version="v1alpha1", plural="scaledobjects", kind="ScaledObject", namespaced=True)
     keda = Settings(autoscaler="keda", prometheus_address="http://127.0.0.1:9090")
     served = Discovery({"keda.sh/v1alpha1": ["scaledobjects", "scaledobjects/status"]})
 
-    assert asyncio.run(handlers.watch_optional_kinds(served, Settings())) == () and served.asked == []  # hpa: nothing to ask
-    assert asyncio.run(handlers.watch_optional_kinds(Discovery({}), keda)) == (autoscaling.SCALED_OBJECT,)
+    assert asyncio.run(handlers.watch_optional_kinds(served, Settings())).missing == () and served.asked == []  # hpa
+    assert asyncio.run(handlers.watch_optional_kinds(Discovery({}), keda)).missing == (autoscaling.SCALED_OBJECT,)
     assert handlers._watched == list(render.CHILD_KINDS) and not registry._indexing.has_handlers(resource=so)
     children = pipeline.desired("a", "ns", "u", {**SPEC, "autoscaling": SCALE}, keda).applied
     with pytest.raises(ConfigError) as err:  # before any request (no kube): nothing is half-applied
         reconcile.sync_children(None, "ns", "a", "u", children, kinds=tuple(handlers._watched))  # type: ignore[arg-type]
     assert err.value.field == "spec.autoscaling" and "install KEDA" in err.value.message
 
-    assert asyncio.run(handlers.watch_optional_kinds(served, keda)) == ()
+    assert asyncio.run(handlers.watch_optional_kinds(served, keda)) == handlers.Watched(keda)
     assert handlers._watched == [*render.CHILD_KINDS, autoscaling.SCALED_OBJECT]
     # auto with a Prometheus: KEDA where served (then watched), else the HPA with nothing missing.
     auto = Settings(prometheus_address="http://127.0.0.1:9090")
-    assert asyncio.run(handlers.watch_optional_kinds(Discovery({}), auto)) == () and handlers._autoscaler == "hpa"
+    watched = asyncio.run(handlers.watch_optional_kinds(Discovery({}), auto))
+    assert watched.missing == () and watched.settings.autoscaler == "hpa"
     monkeypatch.setattr(handlers, "_watched", list(render.CHILD_KINDS))
-    assert asyncio.run(handlers.watch_optional_kinds(served, auto)) == () and handlers._autoscaler == "keda"
+    watched = asyncio.run(handlers.watch_optional_kinds(served, auto))
+    assert watched.missing == () and watched.settings.autoscaler == "keda"
     assert handlers._watched == [*render.CHILD_KINDS, autoscaling.SCALED_OBJECT]
     assert registry._indexing.has_handlers(resource=so) and registry._watching.has_handlers(resource=so)
     settings = kopf.OperatorSettings()
@@ -290,3 +291,37 @@ def test_scaled_objects_are_watched_only_with_autoscaler_keda_and_only_where_ser
     rt.cache.by_kind["ScaledObject"].apply_event("ADDED", {**obj("ScaledObject", "a", 3), "apiVersion": "keda.sh/v1alpha1"})
     assert [o["metadata"]["name"] for o in rt.kube.list(path, f"{OWNER}=a")] == ["a"]  # type: ignore[union-attr]
     assert rt.kube.inner.asked == []  # type: ignore[union-attr]  # from the cache: no LIST per reconcile
+
+
+def test_the_startup_handler_takes_what_run_decided_from_the_memo(monkeypatch):
+    """handlers.configure builds the Runtime from the one handlers.Decided in kopf's memo: no environment read."""
+    made: dict[str, Any] = {}
+
+    class FakeRuntime:
+        def __init__(self, kube: object, settings: Settings, **kw: Any) -> None:
+            made.update(settings=settings, **kw)
+            self.metrics = self
+
+        def serve(self, listen: str) -> None:
+            made["listen"] = listen
+
+        def start(self, lease: object, lease_kube: object) -> None:
+            made.update(lease=lease, lease_kube=lease_kube)
+
+    async def served(kube: object) -> None:
+        pass
+
+    monkeypatch.setattr(handlers, "_wait_for_crd", served)
+    monkeypatch.setattr(handlers, "load_api_client", lambda: None)
+    monkeypatch.setattr(handlers, "Kube", lambda client, timeout=None: ("kube", timeout))
+    monkeypatch.setattr(handlers, "Runtime", FakeRuntime)
+    keda = Settings(autoscaler="keda", prometheus_address="http://127.0.0.1:9090")
+    lease = leader.LeaseConfig(namespace="ops", name="l", identity="me")
+    memo = kopf.Memo(decided=handlers.Decided(keda, ("a", "b"), "127.0.0.1:9101", lease))
+    asyncio.run(handlers.configure(settings=kopf.OperatorSettings(), memo=memo))
+    assert made["settings"] is keda and made["namespaces"] == ["a", "b"] and made["listen"] == "127.0.0.1:9101"
+    assert made["lease"] is lease and made["lease_kube"] == ("kube", 5)
+    made.clear()
+    memo = kopf.Memo(decided=handlers.Decided(Settings()))  # every namespace, no metrics, standalone
+    asyncio.run(handlers.configure(settings=kopf.OperatorSettings(), memo=memo))
+    assert made["namespaces"] is None and "listen" not in made and made["lease"] is None and made["lease_kube"] is None

@@ -87,15 +87,16 @@ def test_released_lease_is_free_for_anyone():
     assert leader.should_hold(out, "someone-else", NOW)
 
 
-def test_config_from_env(monkeypatch):
-    monkeypatch.delenv(leader.ENV, raising=False)
-    assert leader.config_from_env() is None
-    monkeypatch.setenv(leader.ENV, "ops/my-lease")
-    cfg = leader.config_from_env()
-    assert (cfg.namespace, cfg.name) == ("ops", "my-lease")
+def test_lease_config(monkeypatch):
+    cfg = leader.lease_config("ops", "my-lease", ["a", "b"], "me")
+    assert (cfg.namespace, cfg.name, cfg.identity) == ("ops", "my-lease", "me")
     assert cfg.path == "/apis/coordination.k8s.io/v1/namespaces/ops/leases/my-lease"
-    assert cfg.identity != leader.config_from_env().identity  # unique per process start
     assert cfg.renew_deadline < cfg.lease_seconds
+    monkeypatch.setattr(leader, "_SA_NAMESPACE", "/nonexistent/namespace")  # not in a pod
+    cfg = leader.lease_config(None, None, ["team"], "me")
+    assert (cfg.namespace, cfg.name) == ("team", leader.DEFAULT_LEASE_NAME)
+    assert leader.lease_config(None, None, [], "me").namespace == "default"
+    assert leader.default_identity() != leader.default_identity()  # unique per process start
 
 
 def test_default_namespace():

@@ -243,6 +243,17 @@ def _conds(st: dict) -> dict:
     return {c["type"]: c for c in st["conditions"]}
 
 
+def test_the_tree_budget_is_decided_once_and_rendered_as_decided():
+    """status.routing.maxTreeSize comes from Desired (what the pipeline decided), not from the rendered args."""
+    d = desired(spec(**ROUTED))
+    assert d.max_tree_size == plan_routing.max_tree_size(d.budget)
+    (router,) = [c for c in d.children if c["kind"] == "Deployment"]
+    args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-tree-size") + 1] == str(d.max_tree_size)
+    assert routing.max_tree_size(RoutingSpec("kv_aware", "kv_aware", 1), d.budget) is None
+    assert routing.max_tree_size(None, d.budget) is None and desired(spec()).max_tree_size is None
+
+
 def test_ready_waits_for_the_router_and_status_names_it():
     s = spec(**ROUTED)
     d = desired(s)

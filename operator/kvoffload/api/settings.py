@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -176,7 +175,6 @@ def _check_images(kwargs: dict[str, Any]) -> None:
 
 
 def load(path: str | None = None) -> Settings:
-    path = path or os.environ.get("KVOFFLOAD_CONFIG")
     if not path:
         return Settings()
     with open(path, encoding="utf-8") as fh:

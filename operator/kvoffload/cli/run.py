@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,37 +28,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import kopf
 
-    if args.operator_config:
-        os.environ["KVOFFLOAD_CONFIG"] = args.operator_config
-    namespaces = [] if args.all_namespaces else args.namespace
-    os.environ["KVOFFLOAD_NAMESPACES"] = ",".join(namespaces)  # controller.handlers.NAMESPACES_ENV
-    os.environ["KVOFFLOAD_METRICS_LISTEN"] = args.metrics_listen  # controller.handlers.METRICS_ENV
-    if args.leader_election:
-        from ..controller import leader
-
-        lease_ns = args.leader_election_namespace or leader.default_namespace(namespaces)
-        os.environ[leader.ENV] = f"{lease_ns}/{args.lease_name or leader.DEFAULT_LEASE_NAME}"
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if logging.getLogger().level > logging.DEBUG:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one "handler succeeded" line per pod event
     from ..api.settings import load
-    from ..controller import handlers  # registers the handlers
+    from ..controller import handlers, leader  # handlers: registers the handlers
     from ..controller.kube import Kube, load_api_client
-    from ..controller.leader import default_identity
 
-    settings = load()  # a bad operator config stops here, naming the setting
+    settings = load(args.operator_config)  # a bad operator config stops here, naming the setting
+    namespaces = [] if args.all_namespaces else args.namespace
+    identity = leader.default_identity()
+    lease = (leader.lease_config(args.leader_election_namespace, args.lease_name, namespaces, identity)
+             if args.leader_election else None)
 
     async def operate() -> None:
-        await handlers.watch_optional_kinds(Kube(load_api_client()), settings)  # before kopf fixes what it watches
+        watched = await handlers.watch_optional_kinds(Kube(load_api_client()), settings)  # before kopf fixes its kinds
+        decided = handlers.Decided(settings=watched.settings, namespaces=tuple(namespaces),
+                                   metrics_listen=args.metrics_listen, lease=lease)
         await kopf.operator(
             # kopf's own default asks getpass.getuser(), which fails as a UID with no passwd entry (the
             # image runs as 65532 with none): give it the pod name + pid instead.
-            identity=default_identity(),  # type: ignore[arg-type]  # kopf's Identity: a str NewType it does not export
+            identity=identity,  # type: ignore[arg-type]  # kopf's Identity: a str NewType it does not export
             clusterwide=not namespaces,
             namespaces=namespaces,
-            # High availability is our own Lease election (controller/leader.py); kopf's peering stays off.
+            # High availability is our Lease election (controller/leader.py), the only one: kopf's peering is off.
             standalone=True,
             liveness_endpoint=args.liveness or None,
+            memo=kopf.Memo(decided=decided),  # handlers.configure reads it: the one way run's decisions reach them
         )
 
     asyncio.run(operate())

@@ -421,9 +421,8 @@ def routing_status(desired: Desired, name: str, deployment: dict[str, Any] | Non
     out: dict[str, Any] = {"policy": routing.policy, "deployment": render_routing.name(name),
                            "readyReplicas": ((deployment or {}).get("status") or {}).get("readyReplicas") or 0,
                            "credits": plan_routing.credits(desired.budget)}
-    rendered = next(c for c in desired.children if c["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-    if "--max-tree-size" in rendered:  # cache_aware: the budget as rendered (it depends on an operator setting)
-        out["maxTreeSize"] = int(rendered[rendered.index("--max-tree-size") + 1])
+    if desired.max_tree_size is not None:  # cache_aware: the tree budget the router was rendered with
+        out["maxTreeSize"] = desired.max_tree_size
     return out
 
 

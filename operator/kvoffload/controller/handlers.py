@@ -7,32 +7,42 @@ owner, and an event handler handles deletions and relists (cache.py). kopf holds
 until each kind has been listed and indexed, so the first one to run tells the Runtime its caches are
 filled. Only index and event handlers: kopf adds no finalizer and writes no progress or diff-base
 annotation on any object. The liveness probe fails once a task of the Runtime died.
+
+What `kvoffload run` decided (settings with the autoscaler resolved, namespaces, metrics address, Lease)
+reaches the handlers once, as one `Decided` in kopf's memo (`kopf.operator(memo=kopf.Memo(decided=...))`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
-import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import kopf
 import urllib3
 
 from ..api import crd
-from ..api.settings import Settings, load, resolve_autoscaler
+from ..api.settings import Settings, resolve_autoscaler
 from ..rendering import autoscaling, render
 from . import leader
 from .cache import CR_API_VERSION, KINDS, kinds
 from .kube import ApiError, Kube, collection, load_api_client
 from .runtime import Runtime
 
-NAMESPACES_ENV = "KVOFFLOAD_NAMESPACES"  # comma-separated; empty: every namespace. Set by `kvoffload run`.
-METRICS_ENV = "KVOFFLOAD_METRICS_LISTEN"  # ADDR:PORT of the operator's /metrics; empty: none. Set by `kvoffload run`.
 log = logging.getLogger("kvoffload.operator")
+
+
+@dataclass(frozen=True)
+class Decided:
+    """What `kvoffload run` decided before kopf starts, handed to the startup handler in kopf's memo."""
+
+    settings: Settings  # the operator config, autoscaler `auto` resolved (watch_optional_kinds)
+    namespaces: tuple[str, ...] = ()  # empty: every namespace
+    metrics_listen: str = ""  # ADDR:PORT of the operator's /metrics; empty: none
+    lease: leader.LeaseConfig | None = None  # leader election on this Lease; None: standalone
 
 
 class Forever:
@@ -87,18 +97,23 @@ async def _wait_for_crd(kube: Kube) -> None:
         await asyncio.sleep(1)
 
 
-# The child kinds kopf watches: render.CHILD_KINDS, and those `watch_optional_kinds` added.
+# The child kinds kopf watches: render.CHILD_KINDS, and those `watch_optional_kinds` registered handlers for.
 _watched: list[tuple[str, str]] = list(render.CHILD_KINDS)
-# The autoscaler `watch_optional_kinds` resolved (settings.resolve_autoscaler): `auto` becomes hpa or keda once.
-_autoscaler: str | None = None
 
 
-async def watch_optional_kinds(kube: Kube, settings: Settings) -> tuple[tuple[str, str], ...]:
+@dataclass(frozen=True)
+class Watched:
+    settings: Settings  # autoscaler `auto` resolved to hpa or keda (settings.resolve_autoscaler)
+    missing: tuple[tuple[str, str], ...] = ()  # optional kinds `settings` render that the API server does not serve
+
+
+async def watch_optional_kinds(kube: Kube, settings: Settings) -> Watched:
     """Before kopf starts (its watched kinds are fixed then; kopf takes no handlers later): watch the child kinds
     beyond render.CHILD_KINDS that `settings` render (KEDA's ScaledObject with autoscaler keda) where the API
     server serves them. One it does not serve is not watched, and the operator runs on: a KVOffloadServe that
     would render it is refused (ConfigValid False naming spec.autoscaling, reconcile.sync_children) until KEDA is
-    installed and the operator restarted. Returns the kinds not served. Retries while the API server is down."""
+    installed and the operator restarted. Returns the settings with `auto` resolved and the kinds not served.
+    Retries while the API server is down."""
     optional = [k for k in render.child_kinds(settings) if k not in _watched]
     delays = iter(Forever())
     while True:
@@ -109,14 +124,13 @@ async def watch_optional_kinds(kube: Kube, settings: Settings) -> tuple[tuple[st
             delay = next(delays)
             log.warning("discovery of %s failed (retry in %.0fs): %s", optional, delay, exc)
             await asyncio.sleep(delay)
-    global _autoscaler
-    _autoscaler = resolve_autoscaler(settings, autoscaling.SCALED_OBJECT in served).autoscaler
+    resolved = resolve_autoscaler(settings, autoscaling.SCALED_OBJECT in served)
     if settings.autoscaler == "auto":
-        log.info("autoscaler auto: %s (KEDA's ScaledObject %s, prometheusAddress %s)", _autoscaler,
+        log.info("autoscaler auto: %s (KEDA's ScaledObject %s, prometheusAddress %s)", resolved.autoscaler,
                  "served" if autoscaling.SCALED_OBJECT in served else "not served",
                  "set" if settings.prometheus_address else "not set")
-        if _autoscaler == "hpa":
-            return ()  # nothing optional to watch: the HPA is a CHILD_KIND
+        if resolved.autoscaler == "hpa":
+            return Watched(resolved)  # nothing optional to watch: the HPA is a CHILD_KIND
     for api_version, kind in served:
         _register(api_version, kind)
         _watched.append((api_version, kind))
@@ -124,7 +138,7 @@ async def watch_optional_kinds(kube: Kube, settings: Settings) -> tuple[tuple[st
     for api_version, kind in missing:
         log.warning("the API server serves no %s %s (is KEDA installed?): not watched; KVOffloadServes with "
                     "spec.autoscaling are refused until it is and the operator is restarted", api_version, kind)
-    return missing
+    return Watched(resolved, missing)
 
 
 def tune(settings: kopf.OperatorSettings) -> None:
@@ -147,14 +161,12 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: objec
     tune(settings)
     kube = Kube(load_api_client())
     await _wait_for_crd(kube)
-    namespaces = [ns for ns in os.environ.get(NAMESPACES_ENV, "").split(",") if ns]
-    config = load()
-    if _autoscaler is not None:  # what watch_optional_kinds resolved `auto` to
-        config = dataclasses.replace(config, autoscaler=_autoscaler)
-    memo.runtime = Runtime(kube, config, namespaces=namespaces or None, child_kinds=tuple(_watched))
-    if os.environ.get(METRICS_ENV):
-        memo.runtime.metrics.serve(os.environ[METRICS_ENV])
-    lease = leader.config_from_env()  # `run --leader-election`: act only while holding the Lease
+    decided: Decided = memo.decided  # from `kvoffload run`: kopf.operator(memo=kopf.Memo(decided=...))
+    memo.runtime = Runtime(kube, decided.settings, namespaces=list(decided.namespaces) or None,
+                           child_kinds=tuple(_watched))
+    if decided.metrics_listen:
+        memo.runtime.metrics.serve(decided.metrics_listen)
+    lease = decided.lease  # `run --leader-election`: act only while holding the Lease
     memo.runtime.start(lease, Kube(load_api_client(), timeout=5) if lease else None)
 
 

@@ -28,7 +28,6 @@ from .kube import ApiError, Kube
 
 log = logging.getLogger("kvoffload.leader")
 
-ENV = "KVOFFLOAD_LEADER_LEASE"  # "<namespace>/<name>"; set by `kvoffload run --leader-election`
 DEFAULT_LEASE_NAME = "kvoffload-operator"
 _SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
@@ -62,12 +61,10 @@ def default_namespace(watched: list[str]) -> str:
         return watched[0] if len(watched) == 1 else "default"
 
 
-def config_from_env() -> LeaseConfig | None:
-    value = os.environ.get(ENV, "")
-    if not value:
-        return None
-    namespace, _, name = value.partition("/")
-    return LeaseConfig(namespace=namespace, name=name or DEFAULT_LEASE_NAME, identity=default_identity())
+def lease_config(namespace: str | None, name: str | None, watched: list[str], identity: str) -> LeaseConfig:
+    """The Lease `kvoffload run --leader-election` holds: the namespace and name given, else the defaults."""
+    return LeaseConfig(namespace=namespace or default_namespace(watched), name=name or DEFAULT_LEASE_NAME,
+                       identity=identity)
 
 
 # ---------------------------------------------------------------------------- pure decisions

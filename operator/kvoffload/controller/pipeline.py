@@ -17,6 +17,7 @@ from ..api.settings import Settings
 from ..api.spec import PLAN_FIELDS, Spec, parse
 from ..planning import catalog, sizing
 from ..rendering import render
+from ..rendering import routing as render_routing
 
 WEIGHT_DTYPE = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16"}
 _ARCH_KW = {"layers": "layers", "attentionHeads": "attention_heads", "kvHeads": "kv_heads", "headDim": "head_dim",
@@ -47,6 +48,7 @@ class Desired:
     children: list[dict[str, Any]]  # as rendered (the goldens, `kvoffload render`)
     applied: list[dict[str, Any]] = field(default_factory=list)  # as applied: each stamped with its hash
     autoscaler: str = ""  # with spec.autoscaling: what renders it, "hpa" or "keda" (decided here, not read back)
+    max_tree_size: int | None = None  # cache_aware routing: the router's --max-tree-size (decided here, not read back)
 
 
 def bandwidths(spec: Spec) -> sizing.Bandwidths:
@@ -114,7 +116,7 @@ def desired(name: str, namespace: str, uid: str, spec_dict: dict[str, Any], sett
     children = render.children(owner, spec, budget, settings)
     scaler = ("keda" if settings.autoscaler == "keda" else "hpa") if spec.autoscaling else ""
     return Desired(spec=spec, budget=budget, children=children, applied=[stamped(c) for c in children],
-                   autoscaler=scaler)
+                   autoscaler=scaler, max_tree_size=render_routing.max_tree_size(spec.routing, budget))
 
 
 class DesiredCache:

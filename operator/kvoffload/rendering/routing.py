@@ -53,6 +53,11 @@ def kv_events_args(spec: Spec) -> list[str]:
     return ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
 
 
+def max_tree_size(routing: RoutingSpec | None, budget: Budget) -> int | None:
+    """The tree budget the router is given (--max-tree-size): cache_aware's only; None for every other policy."""
+    return plan_routing.max_tree_size(budget) if routing is not None and routing.policy == "cache_aware" else None
+
+
 def policy_args(routing: RoutingSpec, budget: Budget) -> list[str]:
     """--policy and the figures that policy is given: kv_aware's tier credits; cache_aware's tree budget, trimmed to
     every second (the router's shortest interval: its default, 120 s, lets a tree grow far past its budget between
@@ -63,8 +68,8 @@ def policy_args(routing: RoutingSpec, budget: Budget) -> list[str]:
         # No tier of ours is "external" (a remote KV store): nothing should be credited as one.
         for tier, flag in engine_router.CREDIT_FLAGS.items():
             args += [flag, repr(credits.get(tier, 0.0))]
-    elif routing.policy == "cache_aware":
-        args += ["--max-tree-size", str(plan_routing.max_tree_size(budget)),
+    elif (tree := max_tree_size(routing, budget)) is not None:  # cache_aware
+        args += ["--max-tree-size", str(tree),
                  "--eviction-interval-secs", str(engine_router.MIN_EVICTION_INTERVAL_S)]
     return args
 
