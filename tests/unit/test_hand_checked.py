@@ -185,3 +185,40 @@ def test_server_llama31_8b_plan():
     # --max-tree-size: the disk tier is slower than recompute, so it does not count: max(GPU 900,648, CPU 327,680)
     # = 900,648 tokens × 8 = 7,205,184.
     assert routing.max_tree_size(b) == 7205184
+
+
+# --- tp8-llama33-70b: backend lmcache, TP 8, CPU 640Gi, disk 2Ti, maxModelLen 131072, 141Gi GPUs ----------------------
+# Llama-3.3-70B: 80 layers, 8 KV heads (1 per GPU at TP 8), head_dim 8192 / 64 = 128, bf16, 70,553,706,496 parameters.
+# KV bytes per token per GPU = 2 × 80 × 1 × 128 × 2 = 40,960 B; per replica × 8 = 327,680 B.
+
+def test_tp8_llama33_70b_vllm_container():
+    d = desired("tp8-llama33-70b")
+    # 4Gi + 8 × 2Gi + CPU tier 640Gi + staging 8 × 1Gi + /dev/shm (1Gi + 8 × 1Gi = 9Gi) = 677Gi = 693,248Mi;
+    # + 10% (69,324.8Mi) = 762,572.8Mi → 762,573Mi.
+    assert memory(container(d, "vllm")) == ("762573Mi", "762573Mi")
+    assert shm_limit(d) == "9Gi"
+    config = next(c for c in d.children if c["kind"] == "ConfigMap" and "max_local_cpu_size" in str(c.get("data")))
+    text = "".join(config["data"].values())
+    # per worker, as GiB: 640Gi / 8 = 80.0; 2Ti = 2,048Gi / 8 = 256.0
+    assert "max_local_cpu_size: 80.0" in text and "max_local_disk_size: 256.0" in text
+
+
+def test_tp8_llama33_70b_plan():
+    b = desired("tp8-llama33-70b").budget
+    assert (b.kv_bytes_per_token, b.kv_bytes_per_token_per_gpu) == (327680, 40960)
+    # GPU, per GPU: 136,257,837,465 − ceil(70,553,706,496 × 2 / 8) = 17,638,426,624 − 2Gi = 116,471,927,193 B;
+    # / 40,960 = 2,843,552 tokens; / (40,960 × 131,072) = 21 seqs.
+    assert (b.tier("gpu").tokens, b.tier("gpu").sequences) == (2843552, 21)
+    # CPU: 80Gi per worker / (256 × 40,960 = 10,485,760) = 8,192 chunks = 2,097,152 tokens;
+    # disk: 256Gi / 10,485,760 = 26,214.4 → 26,214 chunks = 6,710,784 tokens.
+    assert (b.tier("cpu").tokens, b.tier("disk").tokens) == (2097152, 6710784)
+    cpu, disk = b.reload
+    # prefill: 23,719.067 × 8,030,261,248 / 70,553,706,496 × TP 8 = 21,597.20 tokens/s; 131,072 tokens: 6.068935 s.
+    assert cpu.recompute_s == pytest.approx(6.068935, abs=1e-6)
+    # CPU: 131,072 × 327,680 = 42,949,672,960 B / 8 ranks / 54.847573715916525e9 = 0.0978842 s: 1 − 0.0978842 / 6.068935
+    # = 0.98387 → 0.9839. Disk: 42,949,672,960 / 0.9384999892678052e9 = 45.7642 s > 6.07 s: slower, credit 0.
+    assert cpu.reload_s == pytest.approx(0.0978842, abs=1e-7)
+    assert disk.reload_s == pytest.approx(45.7642, abs=1e-4) and disk.slower_than_recompute
+    assert routing.credits(b) == {"cpu": 0.9839, "disk": 0.0}
+    # max(GPU 2,843,552, CPU 2,097,152) = 2,843,552 tokens × 8 = 22,748,416 (the slower disk tier does not count).
+    assert routing.max_tree_size(b) == 22748416
