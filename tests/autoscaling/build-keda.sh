@@ -11,19 +11,18 @@ set -euo pipefail
 
 KEDA_VERSION="${KEDA_VERSION:-v2.21.0}"
 PATCH=loopback1  # bump when the adapter patch changes
-CACHE="${KVO_CACHE:-$HOME/.cache/kvoffload}"
+# shellcheck source=tests/support/cached-build.sh
+source "$(dirname "$0")/../support/cached-build.sh"
 OUT="$CACHE/keda-$KEDA_VERSION-$PATCH"
 WORK="$CACHE/src/keda-$KEDA_VERSION"
 export GOFLAGS="${GOFLAGS:--buildvcs=false}" CGO_ENABLED=0
 log() { echo "[keda $(date +%T)] $*" >&2; }
 if [ "${1:-}" = --check ]; then
-  [ -x "$OUT/keda" ] && [ -x "$OUT/keda-adapter" ] && echo "$OUT"
+  cached_built "$OUT/keda" "$OUT/keda-adapter" && echo "$OUT"
   exit
 fi
-mkdir -p "$CACHE"
-exec 9>"$CACHE/keda.lock"
-flock 9
-if [ ! -x "$OUT/keda" ] || [ ! -x "$OUT/keda-adapter" ]; then
+cached_build_lock keda
+if ! cached_built "$OUT/keda" "$OUT/keda-adapter"; then
   start=$(date +%s)
   log "building KEDA $KEDA_VERSION (go mod tidy + go build, several minutes)"
   if ! grep -qs "github.com/kedacore/keda/v2 $KEDA_VERSION" "$WORK/go.mod" || [ ! -s "$WORK/go.sum" ]; then

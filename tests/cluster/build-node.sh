@@ -8,16 +8,17 @@ set -euo pipefail
 
 # shellcheck source=tests/cluster/k8s-module.sh
 source "$(dirname "$0")/k8s-module.sh"
+# shellcheck source=tests/support/cached-build.sh
+source "$(dirname "$0")/../support/cached-build.sh"
 CONTAINERD_VERSION="${CONTAINERD_VERSION:-v2.4.2}"
 CNI_VERSION="${CNI_VERSION:-v1.10.0}"
 BIN="$CACHE/node-k8s-v$K8S_VERSION-containerd-$CONTAINERD_VERSION-cni-$CNI_VERSION"
 WORK="$CACHE/src-node"
 mkdir -p "$BIN" "$WORK"
-exec 9>"$CACHE/node.lock"
-flock 9
+cached_build_lock node
 
 build_kubelet() {
-  [ -x "$BIN/kubelet" ] && [ -x "$BIN/kube-proxy" ] && return
+  cached_built "$BIN/kubelet" "$BIN/kube-proxy" && return
   log "kubelet, kube-proxy v$K8S_VERSION"
   local cmds=(k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy)
   k8s_module "$WORK/k8s-$K8S_VERSION" "${cmds[@]}"
@@ -25,7 +26,7 @@ build_kubelet() {
 }
 
 build_containerd() {
-  [ -x "$BIN/containerd" ] && [ -x "$BIN/ctr" ] && [ -x "$BIN/containerd-shim-runc-v2" ] && return
+  cached_built "$BIN/containerd" "$BIN/ctr" "$BIN/containerd-shim-runc-v2" && return
   log "containerd $CONTAINERD_VERSION"
   local d="$WORK/containerd-$CONTAINERD_VERSION" m=github.com/containerd/containerd/v2
   rm -rf "$d"; mkdir -p "$d"; cd "$d"
@@ -39,7 +40,7 @@ build_containerd() {
 }
 
 build_cni() {
-  [ -x "$BIN/cni/bridge" ] && [ -x "$BIN/cni/host-local" ] && [ -x "$BIN/cni/loopback" ] && [ -x "$BIN/cni/portmap" ] && return
+  cached_built "$BIN"/cni/{bridge,host-local,loopback,portmap} && return
   log "CNI plugins $CNI_VERSION"
   local m=github.com/containernetworking/plugins
   mkdir -p "$BIN/cni"
@@ -49,7 +50,7 @@ build_cni() {
 }
 
 build_pause() {
-  [ -x "$BIN/pause/pause" ] && return
+  cached_built "$BIN/pause/pause" && return
   log "pause (k8s.io/kubernetes@v$K8S_VERSION build/pause/linux/pause.c)"
   local src
   src=$(go mod download -json "k8s.io/kubernetes@v$K8S_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["Dir"])')

@@ -325,3 +325,21 @@ def test_every_condition_and_reason_is_declared_once():
     assert {c["reason"] for c in st["conditions"] if c["type"] not in ("Reconciling",)} == {"InvalidSpec"}
     assert crd.status_schema()["properties"]["conditions"]["description"] == declared.summary()
     assert all(f"{c.type}: {c.description}" in generate.conditions_tpl() for c in declared.CONDITIONS)
+
+
+def test_the_declared_conditions_written_out_by_hand():
+    """The test above checks the CRD text and the chart's template against the declarations they are generated from,
+    so a wrong or missing declaration would pass it. The types, a few key reasons and one generated line, literally."""
+    from kvoffload.api import conditions as declared
+    from kvoffload.cli import generate
+
+    assert declared.TYPES == ("Ready", "ConfigValid", "Scheduled", "OffloadActive", "EngineVerified", "DiskTierReady",
+                              "RouterReady", "AutoscalingReady", "Reconciling", "Stalled")
+    reasons = {c.type: set(c.reasons) for c in declared.CONDITIONS}
+    assert {"AllReplicasReady", "Unschedulable", "PodsFailing", "RollingOut", "ReplicasNotReady", "RouterNotReady",
+            "InvalidSpec", "ApplyRefused", "NameConflict", "Pending"} <= reasons["Ready"]
+    assert {"Valid", "InvalidSpec"} <= reasons["ConfigValid"]
+    assert {"ExternalHitsNotLoaded", "MetricsDisabled", "ProbesDisabled"} <= reasons["OffloadActive"]
+    assert {"EngineVersionMismatch", "EngineVersionsMatch"} <= reasons["EngineVerified"]
+    assert reasons["Reconciling"] == {"Converged", "Pending", "Stalled"}
+    assert "Ready: Every replica runs the newest pod template and is ready." in generate.conditions_tpl()
