@@ -69,7 +69,8 @@ def rss_mib(pid: int) -> tuple[float, float]:
 def machine() -> str:
     model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                   if ln.startswith("model name")), platform.processor())
-    return f"{os.cpu_count()} CPU ({model}), Python {platform.python_version()}, {platform.system()} {platform.release()}"
+    return (f"{os.cpu_count()} CPU ({model}), Python {platform.python_version()}, "
+            f"{platform.system()} {platform.release()}")
 
 
 def churn(directory: Path, per_second: float, stop: threading.Event) -> None:
@@ -96,7 +97,8 @@ def main() -> None:
     ap.add_argument("--via-cli", action="store_true",
                     help="run `python -m kvoffload.cli exporter` (imports every sub-command) instead "
                          "of `python -m kvoffload.exporter`")
-    ap.add_argument("--rescan-interval", type=float, default=30.0, help="--disk-rescan-interval (default: the exporter's)")
+    ap.add_argument("--rescan-interval", type=float, default=30.0,
+                    help="--disk-rescan-interval (default: the exporter's)")
     opts = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="kvoffload-bench-"))

@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             kvtest.wait_until(lambda: name in rec.current and name in rec.children, timeout=60, interval=0.01,
                                  message=f"{name} current")
             with rec.lock:
-                results.append({"first_status": rec.first_status.get(name, rec.current[name]) - t0, "children": rec.children[name] - t0,
+                results.append({"first_status": rec.first_status.get(name, rec.current[name]) - t0,
+                                "children": rec.children[name] - t0,
                                 "current": max(rec.current[name], rec.children[name]) - t0})
             c.client.delete(f"{sb.PLURAL}.{sb.GROUP}", name, ns)
             kvtest.wait_until(lambda: not c.client.list("pods", ns, labels={sb.OWNER_LABEL: name})

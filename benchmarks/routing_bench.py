@@ -65,7 +65,8 @@ QUESTION_TOKENS = 16
 # name: (what it is, the spec: kvtest.specs.spec(base, **patch)).
 RESOURCES = {
     # The CPU tier (1.3M tokens) holds less than the router's constant tree budget (2**25 characters: 4.2M tokens).
-    "llama-8b": ("Llama-3.1-8B on 80Gi GPUs, 32K context, CPU tier 160Gi, disk 200Gi at 0.94 GB/s (slower than recompute)",
+    "llama-8b": ("Llama-3.1-8B on 80Gi GPUs, 32K context, CPU tier "
+                 "160Gi, disk 200Gi at 0.94 GB/s (slower than recompute)",
                  (BASE, {"offload__cpu__size": "160Gi"})),
     # The CPU tier (6.0M tokens) holds more than the constant: an H200 host's memory shared by its replicas.
     "qwen-7b": ("Qwen2.5-7B on H200s, 16K context, CPU tier 320Gi, disk 100Gi at 0.94 GB/s (slower than recompute)",
@@ -96,13 +97,15 @@ def workload(system_tokens: int, docs: int, doc_tokens: int, rounds: int, seed: 
 
 def scaled(budget: Budget, scale: int) -> Budget:
     """The Budget with each tier's tokens and sequences divided by `scale` (what the stand-ins hold)."""
-    return dataclasses.replace(budget, tiers=tuple(dataclasses.replace(t, tokens=t.tokens // scale) for t in budget.tiers))
+    return dataclasses.replace(budget, tiers=tuple(dataclasses.replace(t, tokens=t.tokens // scale)
+                                                   for t in budget.tiers))
 
 
 def _standins(capacity: dict[str, int], seconds_per_token: dict[str, float], kv: bool) -> subprocess.Popen[str]:
     conf = {"engines": [{"name": f"r{i}", "host": h, "port": PORT} for i, h in enumerate(HOSTS)], "capacity": capacity,
             "kv_events": kv, "seconds_per_token": seconds_per_token}
-    proc = subprocess.Popen([str(ENGINE_PY if kv else sys.executable), "-m", "kvtest.standin_prefix_engine", json.dumps(conf)],
+    proc = subprocess.Popen([str(ENGINE_PY if kv else sys.executable), "-m", "kvtest.standin_prefix_engine",
+                             json.dumps(conf)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT / "tests" / "support")})
     assert proc.stdout is not None
@@ -118,7 +121,8 @@ def run(router: Path, policy: list[str], prompts: list[str], clients: int, log: 
     port, metrics = _free_port(), _free_port()
     proc = subprocess.Popen([str(router), "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
                              *[f"http://{h}:{PORT}" for h in HOSTS], "--prometheus-host", "127.0.0.1",
-                             "--prometheus-port", str(metrics), *policy], stdout=log.open("w"), stderr=subprocess.STDOUT)
+                             "--prometheus-port", str(metrics), *policy],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         time.sleep(2)
@@ -136,7 +140,8 @@ def run(router: Path, policy: list[str], prompts: list[str], clients: int, log: 
                     probe = " ".join(f"probe{i}n{n}w{j}" for j in range(64))
                     _post(f"http://{h}:{PORT}/standin/seed", {"prompt": probe, "tiers": ["gpu"]})
                     time.sleep(0.3)
-                    if _post(f"{url}/v1/completions", {"model": "stand-in", "prompt": probe})["kvoffload_stand_in"]["replica"] == f"r{i}":
+                    if _post(f"{url}/v1/completions",
+                             {"model": "stand-in", "prompt": probe})["kvoffload_stand_in"]["replica"] == f"r{i}":
                         break
             for h in HOSTS:
                 _post(f"http://{h}:{PORT}/standin/reset", {})
@@ -151,7 +156,8 @@ def run(router: Path, policy: list[str], prompts: list[str], clients: int, log: 
         with ThreadPoolExecutor(clients) as pool:
             ttft = list(pool.map(one, prompts))
         wall = time.monotonic() - start
-        decisions = _decisions(urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode())
+        scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
+        decisions = _decisions(scraped)
     finally:
         proc.terminate()
         proc.wait(timeout=20)
@@ -160,7 +166,8 @@ def run(router: Path, policy: list[str], prompts: list[str], clients: int, log: 
             "prompt_tokens": sum(c["prompt_tokens"] for c in counts),
             "hit_tokens": {t: sum(c["hit_tokens"][t] for c in counts) for t in TIERS},
             "computed_tokens": sum(c["computed_tokens"] for c in counts),
-            "ttft_ms": {"at the replica": _ms([x for c in counts for x in c["ttft_s"]]), "through the router": _ms(ttft)}}
+            "ttft_ms": {"at the replica": _ms([x for c in counts for x in c["ttft_s"]]),
+                        "through the router": _ms(ttft)}}
 
 
 def _decisions(metrics: str) -> dict[str, int]:
@@ -177,7 +184,8 @@ def _decisions(metrics: str) -> dict[str, int]:
 
 
 def _ms(seconds: list[float]) -> dict[str, float]:
-    return {"mean": round(statistics.mean(seconds) * 1000, 2), "p90": round(statistics.quantiles(seconds, n=10)[-1] * 1000, 2)}
+    return {"mean": round(statistics.mean(seconds) * 1000, 2),
+            "p90": round(statistics.quantiles(seconds, n=10)[-1] * 1000, 2)}
 
 
 def main() -> int:
@@ -206,23 +214,29 @@ def main() -> int:
     credits = plan_routing.credits(budget)
     per_request = a.system_tokens + a.doc_tokens + QUESTION_TOKENS
     fleet_cpu_docs = len(HOSTS) * (capacity["cpu"] - a.system_tokens) // (a.doc_tokens + QUESTION_TOKENS)
-    loads = {"overflows one GPU tier, fits the fleet's CPU tiers": max(2 * capacity["gpu"] // per_request + 1, fleet_cpu_docs * 3 // 4),
+    loads = {"overflows one GPU tier, fits the fleet's CPU tiers":
+             max(2 * capacity["gpu"] // per_request + 1, fleet_cpu_docs * 3 // 4),
              "fits one GPU tier": max(1, (capacity["gpu"] // 2 - a.system_tokens) // (a.doc_tokens + QUESTION_TOKENS))}
     # As many requests in each workload: the smaller one asks each of its documents more often.
     rounds = {name: a.rounds * max(1, max(loads.values()) // docs) for name, docs in loads.items()}
     interval = max(engine_router.MIN_EVICTION_INTERVAL_S, round(engine_router.DEFAULT_EVICTION_INTERVAL_S / a.scale))
-    constants = ["--max-tree-size", str(engine_router.DEFAULT_MAX_TREE_SIZE // a.scale), "--eviction-interval-secs", str(interval)]
+    constants = ["--max-tree-size", str(engine_router.DEFAULT_MAX_TREE_SIZE // a.scale), "--eviction-interval-secs",
+                 str(interval)]
     configs = {
         "round robin": (["--policy", "round_robin"], False),
         "cache_aware, router constants": (["--policy", "cache_aware", *constants], False),
-        "cache_aware, kvoffload": (render_routing.policy_args(RoutingSpec("cache_aware", "cache_aware", 1), budget), False),
+        "cache_aware, kvoffload": (render_routing.policy_args(RoutingSpec("cache_aware", "cache_aware", 1), budget),
+                                   False),
     }
     if a.kv:
         configs["kv_aware, router constants"] = (["--policy", "kv_aware"], True)
-        configs["kv_aware, kvoffload"] = (render_routing.policy_args(RoutingSpec("kv_aware", "kv_aware", 1), budget), True)
+        configs["kv_aware, kvoffload"] = (render_routing.policy_args(RoutingSpec("kv_aware", "kv_aware", 1), budget),
+                                          True)
     results: dict[str, Any] = {"resource": RESOURCES[a.resource][0], "scale": a.scale,
-                               "capacity_per_replica": capacity, "replicas": len(HOSTS), "clients": a.clients, "credits": credits,
-                               "seconds_per_token": per_token, "configs": {k: v[0] for k, v in configs.items()}, "workloads": {}}
+                               "capacity_per_replica": capacity, "replicas": len(HOSTS), "clients": a.clients,
+                               "credits": credits,
+                               "seconds_per_token": per_token, "configs": {k: v[0] for k, v in configs.items()},
+                               "workloads": {}}
     logs = Path("/tmp") / "routing-bench"
     logs.mkdir(exist_ok=True)
     for kv in sorted({kv for _, kv in configs.values()}):
@@ -239,14 +253,17 @@ def main() -> int:
                     for label, (policy, needs_kv) in configs.items():
                         if needs_kv != kv:
                             continue
-                        r = run(a.router, policy, prompts, a.clients, logs / f"{label.replace(' ', '_').replace(',', '')}.log", kv)
-                        est = sum(r["hit_tokens"][t] * per_token[t] for t in TIERS) + r["computed_tokens"] * per_token["recompute"]
+                        r = run(a.router, policy, prompts, a.clients,
+                                logs / f"{label.replace(' ', '_').replace(',', '')}.log", kv)
+                        est = sum(r["hit_tokens"][t] * per_token[t]
+                                  for t in TIERS) + r["computed_tokens"] * per_token["recompute"]
                         r["hit_rate"] = {t: round(r["hit_tokens"][t] / r["prompt_tokens"], 4) for t in TIERS}
                         r["ttft_ms"]["modelled"] = round(est / len(prompts) * 1000, 2)
                         r["seed"] = seed
                         rows.setdefault(label, []).append(r)
                         print(f"{name} | seed {seed} | {label}: hits {r['hit_rate']} recomputed {r['computed_tokens']} "
-                              f"TTFT {r['ttft_ms']} ms requests/replica {r['requests']} router {r['router_decisions']}", flush=True)
+                              f"TTFT {r['ttft_ms']} ms requests/replica {r['requests']} router {r['router_decisions']}",
+                              flush=True)
         finally:
             if standins.stdin:
                 standins.stdin.close()
@@ -255,7 +272,8 @@ def main() -> int:
         for label, runs in w["configs"].items():
             mean = {"hit_rate": round(statistics.mean(sum(r["hit_rate"].values()) for r in runs), 4),
                     "computed_tokens": round(statistics.mean(r["computed_tokens"] for r in runs)),
-                    "ttft_at_replica_ms": round(statistics.mean(r["ttft_ms"]["at the replica"]["mean"] for r in runs), 2),
+                    "ttft_at_replica_ms": round(statistics.mean(r["ttft_ms"]["at the replica"]["mean"] for r in runs),
+                                                2),
                     "ttft_modelled_ms": round(statistics.mean(r["ttft_ms"]["modelled"] for r in runs), 2)}
             print(f"{name} | mean of {len(runs)} | {label}: {mean}")
     if a.json:

@@ -123,7 +123,9 @@ _METRIC = re.compile(r'^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\
 
 
 def request_totals(c: kvtest.Cluster) -> Counter:
-    """apiserver_request_total: (verb, resource, subresource, scope, code) -> count; a dry run's verb gets " dry-run"."""
+    """apiserver_request_total: (verb, resource, subresource, scope, code) -> count.
+
+    A dry run's verb gets " dry-run"."""
     text = c.client.request("GET", "/metrics", timeout=30)
     out: Counter = Counter()
     for line in text.splitlines():
@@ -167,7 +169,8 @@ def client_requests(delta: Counter) -> dict[str, Any]:
     detail: Counter = Counter()
     for (verb, resource, sub, scope, code), n in delta.items():
         if resource in (PLURAL, *CHILD_RESOURCES, "pods") and not verb.startswith("WATCH"):
-            detail[f"{verb} {resource}{'/' + sub if sub else ''} ({scope})" + ("" if code.startswith("2") else f" {code}")] += int(n)
+            detail[f"{verb} {resource}{'/' + sub if sub else ''} ({scope})"
+                   + ("" if code.startswith("2") else f" {code}")] += int(n)
     out["detail"] = dict(sorted(detail.items()))
     return out
 
@@ -227,7 +230,9 @@ def make_namespaces(c: kvtest.Cluster, names: list[str]) -> None:
 
 def create_all(c: kvtest.Cluster, items: list[tuple[str, str]], threads: int = 16,
                on_created: Callable[[dict[str, Any]], None] | None = None) -> float:
-    """POST every KVOffloadServe from a thread pool (`on_created` gets each stored object); return the seconds it took."""
+    """POST every KVOffloadServe from a thread pool; return the seconds it took.
+
+    `on_created` gets each stored object."""
     def create(item: tuple[str, str]) -> None:
         ns, name = item
         body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "KVOffloadServe", "metadata": {"name": name}, "spec": SPEC}
@@ -327,7 +332,8 @@ class Floor:
             try:
                 if what == "children":
                     body = self.created[key]
-                    desired = self.pipeline.desired(key[1], key[0], body["metadata"]["uid"], body["spec"], self.settings)
+                    desired = self.pipeline.desired(key[1], key[0], body["metadata"]["uid"], body["spec"],
+                                                    self.settings)
                     with self.lock:
                         self.desired[key] = desired
                     for child in desired.applied:
@@ -526,7 +532,8 @@ def steady(c: kvtest.Cluster, op: OperatorProcess, args: argparse.Namespace, out
     out["steady"] = st
     out["steady_apiserver_requests"] = apiserver_summary(diff(m3, m2), st)
     mem = proc_status(op.proc.pid)
-    out["operator_rss_mib"] = {"peak_VmHWM": round(mem.get("VmHWM", 0) / 1024), "now_VmRSS": round(mem.get("VmRSS", 0) / 1024)}
+    out["operator_rss_mib"] = {"peak_VmHWM": round(mem.get("VmHWM", 0) / 1024),
+                               "now_VmRSS": round(mem.get("VmRSS", 0) / 1024)}
     print(f"[operator] steady: {st}; operator RSS {out['operator_rss_mib']}", flush=True)
 
 
@@ -542,7 +549,8 @@ def phase(mode: str, args: argparse.Namespace, workdir: Path, state_dir: Path) -
         namespaces = [f"scale-{i:02d}" for i in range(args.namespaces)]
         make_namespaces(c, namespaces)
         keys = [(namespaces[i % len(namespaces)], f"serve-{i:04d}") for i in range(args.resources)]
-        sentinel(c.client, namespaces[0])  # both phases: the same cluster; the operator's "caches filled" comes after it
+        # both phases: the same cluster; the operator's "caches filled" comes after it
+        sentinel(c.client, namespaces[0])
         if mode == "operator":
             op = OperatorProcess(c.env, None, {"resyncSeconds": args.resync_seconds}, log_path=workdir / "operator.log")
             op.wait_started()
@@ -566,8 +574,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="kvo-scale-"))
     state_dir = Path(args.state_dir or workdir / "cluster")
     out: dict[str, Any] = {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-                           "machine": f"{os.cpu_count()} cores, {_mem_gib():.0f} GiB, {platform.python_implementation()} "
-                                      f"{platform.python_version()}",
+                           "machine": f"{os.cpu_count()} cores, {_mem_gib():.0f} GiB, "
+                                      f"{platform.python_implementation()} {platform.python_version()}",
                            "params": vars(args), "order": args.order, "load_before": loadavg()}
     print(f"[scale] workdir {workdir}; load {out['load_before']}; order {args.order}", flush=True)
     try:
@@ -615,7 +623,8 @@ def main() -> int:
                     help="phases, in order, each on a fresh identical cluster: floor (no operator), operator")
     ap.add_argument("--state-dir", help="cluster state dir (default: a new temp dir)")
     ap.add_argument("--without-endpoints-controllers", action="store_true",
-                    help="turn off kube-controller-manager's Endpoints/EndpointSlice controllers (see ENDPOINTS_CONTROLLERS)")
+                    help="turn off kube-controller-manager's Endpoints/EndpointSlice "
+                         "controllers (see ENDPOINTS_CONTROLLERS)")
     ap.add_argument("--keep", action="store_true", help="leave the benchmark cluster running")
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--profile", type=float, default=0, metavar="SECONDS",

@@ -62,7 +62,8 @@ def _built_or_skip(what: str, how: str) -> None:
 TESTS = Path(__file__).parent
 LATE = {"flux": 1, "keda": 2, "engine": 3}  # kvtest.background.LOCKS
 LATE_PATHS = {TESTS / "integration" / "test_flux.py": "flux", TESTS / "integration" / "test_gitops.py": "flux",
-              TESTS / "integration" / "test_autoscaling.py": "keda", TESTS / "engine": "engine", TESTS / "images": "engine"}
+              TESTS / "integration" / "test_autoscaling.py": "keda", TESTS / "engine": "engine",
+              TESTS / "images": "engine"}
 # Fixtures that wait for a background build, for modules outside those paths (test_routing_cluster.py's engine_python)
 LATE_FIXTURES = {"gitops_tools": "flux", "engine_python": "engine"}
 

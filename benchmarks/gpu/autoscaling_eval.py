@@ -107,7 +107,8 @@ def evaluate(run_dir: Path, targets: dict[str, float], work: Path) -> list[dict[
 
 def report(rows: list[dict[str, Any]]) -> str:
     f = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
-    out = ["| run | target (example's value) | step | s | median over the step | at its end | HPA asks (1 replica, median) |",
+    out = ["| run | target (example's value) | step | s | median over "
+           "the step | at its end | HPA asks (1 replica, median) |",
            "|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['run']} | {r['target']} ({r['want']:g}) | {r['load']} | {r.get('seconds', '-')} | "

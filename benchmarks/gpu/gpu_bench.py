@@ -17,10 +17,11 @@ with `python -m kvoffload.cli render`). Runs, each a fresh engine:
 Phases per prompt (fresh random token ids): cold; again (prefix in GPU memory); after POST
 /reset_prefix_cache (connector: the CPU tier; baseline: recompute). Each request also records the
 token vLLM generated (return_token_ids): after a reload it must equal the token generated with the
-prefix still in GPU memory, else what came back from the CPU tier was not the KV that was stored. The disk run stores the
-prompt, pushes it out of the CPU tier with other prompts, resets, drops the page cache and reloads
-it; proof that bytes came from disk: LMCache's "Disk read size" lines, /proc/<pid>/io read_bytes
-of the engine's processes and /sys/block/*/stat sectors read, around that one request.
+prefix still in GPU memory, else what came back from the CPU tier was not the KV that was stored.
+The disk run stores the prompt, pushes it out of the CPU tier with other prompts, resets, drops
+the page cache and reloads it; proof that bytes came from disk: LMCache's "Disk read size" lines,
+/proc/<pid>/io read_bytes of the engine's processes and /sys/block/*/stat sectors read, around that
+one request.
 
 Needs vLLM and LMCache importable by --python (default: this interpreter) and the kvoffload package
 (PYTHONPATH=operator). Everything binds to 127.0.0.1; every wait has a deadline; engines and
@@ -283,7 +284,8 @@ class MemSampler(threading.Thread):
         t0 = time.monotonic()
         while not self.halt.is_set():
             m = meminfo()
-            self.samples.append({"t": round(time.monotonic() - t0, 2), **m, **{f"cg_{k}": v for k, v in cgroup_stat(self.cgroup).items()}})
+            self.samples.append({"t": round(time.monotonic() - t0, 2), **m,
+                                 **{f"cg_{k}": v for k, v in cgroup_stat(self.cgroup).items()}})
             self.halt.wait(self.period)
 
     def summary(self) -> dict[str, Any]:
@@ -298,7 +300,8 @@ class MemSampler(threading.Thread):
                 vals = [s[k] for s in self.samples if k in s]
                 if vals:
                     out[f"max_{k}"] = max(vals)
-            nonrecl = [s.get("cg_anon", 0) + s.get("cg_shmem", 0) + s.get("cg_kernel", 0) for s in self.samples if "cg_anon" in s]
+            nonrecl = [s.get("cg_anon", 0) + s.get("cg_shmem", 0) + s.get("cg_kernel", 0) for s in self.samples
+                       if "cg_anon" in s]
             if nonrecl:
                 out["max_cg_anon_shmem_kernel"] = max(nonrecl)
         return out
@@ -354,7 +357,8 @@ def l1_used(doc: dict[str, Any] | None) -> float:
 
 
 class Engine:
-    def __init__(self, port: int, model: str, proc: subprocess.Popen, logfile: Path, status_url: str | None = None) -> None:
+    def __init__(self, port: int, model: str, proc: subprocess.Popen, logfile: Path,
+                 status_url: str | None = None) -> None:
         self.port, self.model, self.proc, self.logfile = port, model, proc, logfile
         self.status_url = status_url  # the LMCache server's /status (lmcache-server), read around each request
 
@@ -402,7 +406,8 @@ class Engine:
             if reset_succeeded(body):
                 return {"reset_wait_s": round(time.monotonic() - t0, 3), "reset_attempts": attempts}
             if time.monotonic() - t0 > deadline_s:
-                raise RuntimeError(f"/reset_prefix_cache: still {body[:100]} after {attempts} attempts in {deadline_s:.0f} s")
+                raise RuntimeError(f"/reset_prefix_cache: still {body[:100]} after "
+                                   f"{attempts} attempts in {deadline_s:.0f} s")
             time.sleep(0.1)
 
 
@@ -482,9 +487,10 @@ def run_load(eng: Engine, spec: str, tokens: int, seed: int, out_dir: Path, tag:
                 step["reset"] = eng.reset_prefix_cache()
                 step["again"] = load_phase(eng, prompts, conc)
             res["steps"].append(step)
-            log(f"{tag}: load {conc}x{n}: cold mean {step['cold']['ttft_mean_s']:.3f}s p95 {step['cold']['ttft_p95_s']:.3f}s"
-                + (f"; again mean {step['again']['ttft_mean_s']:.3f}s, external {step['again']['external_kv_transfer']:.0f}"
-                   f" of {n * tokens} tokens" if "again" in step else ""))
+            log(f"{tag}: load {conc}x{n}: cold mean {step['cold']['ttft_mean_s']:.3f}s p95 "
+                f"{step['cold']['ttft_p95_s']:.3f}s"
+                + (f"; again mean {step['again']['ttft_mean_s']:.3f}s, external "
+                   f"{step['again']['external_kv_transfer']:.0f} of {n * tokens} tokens" if "again" in step else ""))
         time.sleep(5)
     finally:
         sampler.halt.set()
@@ -579,7 +585,8 @@ def engine_read(port: int, multiproc_dir: str | None, disk_dir: str | None,
     return gpu_counters.EngineRead(v, lm, server=srv)
 
 
-def start_sidecar(sc: gpu_manifests.Sidecar, tag: str, logdir: Path, deadline_s: float) -> tuple[subprocess.Popen, str | None, float]:
+def start_sidecar(sc: gpu_manifests.Sidecar, tag: str, logdir: Path,
+                  deadline_s: float) -> tuple[subprocess.Popen, str | None, float]:
     """A native sidecar as its own process group and cgroup; ready when its startup probe passes."""
     cg = cgroup_make(f"kvbench-{tag}-{sc.name}")
     p = spawn(sc.argv, {**os.environ, **BASE_ENV, **sc.env}, logdir / f"{tag}-{sc.name}.log", cg)
@@ -602,8 +609,10 @@ def log_lines_between(logfile: Path, start: int) -> str:
 
 
 DISK_READ = re.compile(r"Disk read size: (\d+) bytes")
-RETRIEVED = re.compile(r"Retrieved (\d+) out of (\d+) required tokens.*?size: ([\d.]+) gb, cost ([\d.]+) ms, throughput: ([\d.]+) GB/s")
-STORED = re.compile(r"Stored (\d+) out of total \d+ tokens.*?cost ([\d.]+) ms.*?offload_time: ([\d.]+) ms, put_time: ([\d.]+) ms")
+RETRIEVED = re.compile(r"Retrieved (\d+) out of (\d+) required tokens.*?size: ([\d.]+) gb, cost ([\d.]+) ms, "
+                       r"throughput: ([\d.]+) GB/s")
+STORED = re.compile(r"Stored (\d+) out of total \d+ tokens.*?cost ([\d.]+) "
+                    r"ms.*?offload_time: ([\d.]+) ms, put_time: ([\d.]+) ms")
 PREFETCH = re.compile(r"Prefetching (\d+) keys from disk")
 HIT = re.compile(r"LMCache hit tokens: (\d+), need to load: (\d+)")
 
@@ -627,7 +636,8 @@ def server_log_facts(text: str) -> dict[str, Any]:
     its store/retrieve times."""
     def rows(rx: re.Pattern) -> list[dict[str, float]]:
         return [{"tokens": int(a), "s": float(b)} for a, b in rx.findall(text)]
-    return {"transfer": SERVER_STRATEGY.findall(text), "stored": rows(SERVER_STORED), "retrieved": rows(SERVER_RETRIEVED),
+    return {"transfer": SERVER_STRATEGY.findall(text), "stored": rows(SERVER_STORED),
+            "retrieved": rows(SERVER_RETRIEVED),
             "errors": len(re.findall(r"LMCache ERROR", text))}
 
 
@@ -703,14 +713,16 @@ class HostTarget:
         self.run = run = gpu_manifests.localize(rendered, self.layout, connector=self.connector, model_config=cfg,
                                                 lmcache_overrides=overrides, extra_env=extra,
                                                 **engine_additions(args))
-        self.port, self.exporter_port, self.multiproc_dir = self.layout.port, self.layout.exporter_port, run.multiproc_dir
+        self.port, self.exporter_port = self.layout.port, self.layout.exporter_port
+        self.multiproc_dir = run.multiproc_dir
         self.lmcache = run.lmcache
         self.status_url = gpu_manifests.flag(run.exporter_argv or [], "--lmcache-server-url") if run.sidecars else None
         self.engine_argv = run.engine_argv
         self.served_model = gpu_manifests.flag(run.engine_argv, "--served-model-name") or self.layout.model_dir
         self.describe = {"changes": run.changes, "argv": run.engine_argv, "env": run.engine_env,
                          "lmcache": run.lmcache if self.connector else None, "exporter_argv": run.exporter_argv,
-                         "sidecars": [{"name": sc.name, "argv": sc.argv, "memory_limit": sc.memory_limit} for sc in run.sidecars]}
+                         "sidecars": [{"name": sc.name, "argv": sc.argv, "memory_limit": sc.memory_limit}
+                                      for sc in run.sidecars]}
         self.proc: subprocess.Popen | None = None
         self.exporter: subprocess.Popen | None = None
         self.side: list[tuple[gpu_manifests.Sidecar, subprocess.Popen, str | None, MemSampler]] = []
@@ -744,7 +756,8 @@ class HostTarget:
             log(f"{self.tag}: sidecar {sc.name} ready after {ready} s")
 
     def start_engine(self) -> subprocess.Popen:
-        self.proc = spawn(self.run.engine_argv, {**os.environ, **BASE_ENV, **self.run.engine_env}, self.elog, self.engine_cgroup)
+        self.proc = spawn(self.run.engine_argv, {**os.environ, **BASE_ENV, **self.run.engine_env}, self.elog,
+                          self.engine_cgroup)
         return self.proc
 
     def engine_pids(self) -> list[int]:
@@ -753,7 +766,8 @@ class HostTarget:
     def start_exporter(self) -> subprocess.Popen | None:
         if not self.run.exporter_argv:
             return None
-        self.exporter = spawn(self.run.exporter_argv, {**os.environ, **self.run.exporter_env}, self.logdir / f"{self.tag}-exporter.log")
+        self.exporter = spawn(self.run.exporter_argv, {**os.environ, **self.run.exporter_env},
+                              self.logdir / f"{self.tag}-exporter.log")
         return self.exporter
 
     def stop_exporter(self) -> None:
@@ -823,7 +837,8 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
                 target.stop_exporter()
                 exporter = None
         eng = Engine(target.port, target.served_model, proc, target.elog, status_url)
-        res["memory_healthy"] = {"meminfo": meminfo(), "cgroup": cgroup_stat(target.engine_cgroup), **rss_bytes(target.engine_pids())}
+        res["memory_healthy"] = {"meminfo": meminfo(), "cgroup": cgroup_stat(target.engine_cgroup),
+                                 **rss_bytes(target.engine_pids())}
         eng.complete(prompt(1, 512))  # warm-up, not measured
         n, reps = args.prompt_tokens, args.reps
         seed = {"connector": 100, "baseline": 200, "disk": 300}[kind] + 1000 * rendered.tp
@@ -836,8 +851,10 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
                 phases.setdefault("gpu", []).append(eng.complete(p))
                 reset = eng.reset_prefix_cache()
                 phases.setdefault("after_reset", []).append({**eng.complete(p), **reset})
-                log(f"{tag}: rep {r}: " + ", ".join(f"{k} {v[-1]['ttft_s']:.3f}s (LMCache retrieved {v[-1]['lmcache_retrieved_tokens']}, "
-                                                    f"load skipped {v[-1]['lmcache_load_skipped_lines']}x)" for k, v in phases.items()))
+                log(f"{tag}: rep {r}: " + ", ".join(f"{k} {v[-1]['ttft_s']:.3f}s (LMCache retrieved "
+                                                    f"{v[-1]['lmcache_retrieved_tokens']}, load skipped "
+                                                    f"{v[-1]['lmcache_load_skipped_lines']}x)"
+                                                    for k, v in phases.items()))
             if args.load:
                 res["load"] = run_load(eng, args.load, args.load_tokens, seed, Path(args.out), tag)
         else:
@@ -865,7 +882,8 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
                 eng.reset_prefix_cache()
                 phases.setdefault("after_disk_reset", []).append(eng.complete(a))
                 proofs.append({"page_cache_dropped": dropped, "proc_read_bytes": io1 - io0,
-                               "block_read_bytes": {k: blk1.get(k, 0) - v for k, v in blk0.items() if blk1.get(k, 0) - v},
+                               "block_read_bytes": {k: blk1.get(k, 0) - v for k, v in blk0.items()
+                                                    if blk1.get(k, 0) - v},
                                "prompt_kv_bytes": per_prompt, "lmcache_log": facts,
                                "cpu_used_before": pre.sum("lmcache:local_cache_usage"),
                                "cpu_evicted_before": pre.sum("lmcache:local_cpu_evict_keys_count_total"),
@@ -908,7 +926,8 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
                 Path(args.out, "pages", f"{tag}-server-status.json").write_text(json.dumps(after.server, indent=1))
                 res["server_status_end"] = after.server
             log(f"{tag}: exporter checks: {sum(c.ok is True for c in checks)} agree, "
-                f"{len(res['disagreements'])} disagree: " + ", ".join(f"{c['metric']}{{{c['labels']}}}" for c in res["disagreements"]))
+                f"{len(res['disagreements'])} disagree: " + ", ".join(f"{c['metric']}{{{c['labels']}}}"
+                                                                      for c in res["disagreements"]))
     except Exception as exc:  # recorded, then the next run (or the caller) decides
         res["error"] = f"{type(exc).__name__}: {exc}"
         log(f"{tag}: ERROR {res['error']}")
@@ -936,8 +955,8 @@ def probe(args: argparse.Namespace, out: dict[str, Any]) -> None:
     res: dict[str, Any] = {}
     code = ("import torch,time,json;n=4<<30;h=torch.empty(n,dtype=torch.uint8).pin_memory();"
             "d=torch.empty(n,dtype=torch.uint8,device='cuda');"
-            "d.copy_(h);torch.cuda.synchronize();t=time.perf_counter();[d.copy_(h,non_blocking=True) for _ in range(3)];"
-            "torch.cuda.synchronize();print(json.dumps({'h2d_pinned_Bps':3*n/(time.perf_counter()-t),"
+            "d.copy_(h);torch.cuda.synchronize();t=time.perf_counter();[d.copy_(h,non_blocking=True) for _ in "
+            "range(3)];torch.cuda.synchronize();print(json.dumps({'h2d_pinned_Bps':3*n/(time.perf_counter()-t),"
             "'gpus':torch.cuda.device_count(),'name':torch.cuda.get_device_name(0),'torch':torch.__version__}))")
     try:
         r = subprocess.run([args.python, "-c", code], capture_output=True, text=True, timeout=120)
@@ -949,7 +968,8 @@ def probe(args: argparse.Namespace, out: dict[str, Any]) -> None:
         subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=16M", "count=128", "oflag=direct"],
                        capture_output=True, timeout=120, check=True)
         t = time.perf_counter()
-        subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=16M", "iflag=direct"], capture_output=True, timeout=120, check=True)
+        subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=16M", "iflag=direct"], capture_output=True, timeout=120,
+                       check=True)
         res["disk_read_odirect_Bps"] = (128 << 24) / (time.perf_counter() - t)
     except Exception as exc:
         res["disk_error"] = str(exc)
@@ -960,7 +980,8 @@ def probe(args: argparse.Namespace, out: dict[str, Any]) -> None:
             pass
     try:
         res["df"] = subprocess.run(["df", "-T", args.disk_root], capture_output=True, text=True, timeout=10).stdout
-        res["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+        res["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                            "--format=csv,noheader"],
                                            capture_output=True, text=True, timeout=30).stdout
     except Exception:
         pass
@@ -978,7 +999,8 @@ def probe(args: argparse.Namespace, out: dict[str, Any]) -> None:
 def smoke(args: argparse.Namespace) -> None:
     """Cheap checks before any engine start: imports of vllm, LMCache's CUDA ops, the exporter."""
     code = ("import torch,vllm,lmcache;import lmcache.c_ops;from lmcache.integration.vllm import vllm_v1_adapter;"
-            "import kvoffload.exporter.cli;print('smoke ok',vllm.__version__,torch.__version__,torch.cuda.device_count())")
+            "import kvoffload.exporter.cli;print('smoke "
+            "ok',vllm.__version__,torch.__version__,torch.cuda.device_count())")
     r = subprocess.run([args.python, "-c", code], capture_output=True, text=True, timeout=300)
     log((r.stdout + r.stderr).strip()[-1500:])
     if r.returncode != 0:
@@ -1019,12 +1041,14 @@ def catalog_config(model: str) -> dict[str, Any]:
     except ImportError:
         from kvoffload.catalog import resolve_model
     m = resolve_model(model)
-    return gpu_manifests.model_config(m.hf_id, m.layers, m.attention_heads, m.kv_heads, m.head_dim, m.max_context, m.params)
+    return gpu_manifests.model_config(m.hf_id, m.layers, m.attention_heads, m.kv_heads, m.head_dim, m.max_context,
+                                      m.params)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rendered", action="append", default=[], help="rendered manifests (repeatable: one engine set each)")
+    ap.add_argument("--rendered", action="append", default=[],
+                    help="rendered manifests (repeatable: one engine set each)")
     ap.add_argument("--runs", default="connector,baseline,disk")
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="/tmp/kvbench")
@@ -1036,7 +1060,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start-timeout", type=float, default=420)
     ap.add_argument("--rescan-wait", type=float, default=40, help="max wait for the exporter's disk rescan")
     ap.add_argument("--config-json", help="model config.json to use instead of the catalog's")
-    ap.add_argument("--budget-s", type=float, default=0, help="start no engine run later than this many s minus --run-estimate-s")
+    ap.add_argument("--budget-s", type=float, default=0,
+                    help="start no engine run later than this many s minus --run-estimate-s")
     ap.add_argument("--run-estimate-s", type=float, default=150)
     ap.add_argument("--quiet-s", type=float, default=2.0, help="disk dir quiet after this long unchanged")
     ap.add_argument("--request-timeout", type=float, default=300, help="longest wait for one completion")
@@ -1059,13 +1084,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="--runtime crun: the captured specs of each --rendered pod, in the same order")
     ap.add_argument("--crun", default="crun", help="the crun binary (--runtime crun)")
     ap.add_argument("--oci-template", metavar="FILE",
-                    help="--runtime crun, no capture of these pods: each container's spec derived from this captured spec")
+                    help="--runtime crun, no capture of these pods: each "
+                         "container's spec derived from this captured spec")
     ap.add_argument("--oci-other-shape", action="store_true",
                     help="--runtime crun: the captures are of pods of another backend (mounts added/dropped, listed)")
     ap.add_argument("--oci-alias", action="append", default=[], metavar="RENDERED=CAPTURED",
-                    help="--runtime crun: use the captured spec of container CAPTURED for the rendered container RENDERED")
+                    help="--runtime crun: use the captured spec of container "
+                         "CAPTURED for the rendered container RENDERED")
     ap.add_argument("--keep-volume", action="append", default=[], metavar="VOLUME",
-                    help="--runtime crun: an emptyDir kept across runs (home: vLLM's compile cache; recorded as a change)")
+                    help="--runtime crun: an emptyDir kept across runs "
+                         "(home: vLLM's compile cache; recorded as a change)")
     ap.add_argument("--no-probe", action="store_true")
     ap.add_argument("--probe-only", action="store_true", help="host facts and bandwidths only, no engine")
     ap.add_argument("--no-smoke", action="store_true")
@@ -1077,7 +1105,8 @@ def main(argv: list[str] | None = None) -> int:
     atexit.register(_kill_all)
     Path(args.out, "logs").mkdir(parents=True, exist_ok=True)
     os.makedirs(args.disk_root, exist_ok=True)
-    out: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "args": vars(args), "runs": {}}
+    out: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "args": vars(args),
+                           "runs": {}}
     try:
         if not args.no_smoke and not args.probe_only:
             smoke(args)

@@ -98,7 +98,8 @@ def _server_figures(doc: dict[str, Any] | None) -> tuple[float | None, float | N
     """L1 total and used bytes and registered engines from a server /status document (None: absent)."""
     try:
         l1 = doc["storage_manager"]["l1_manager"]  # type: ignore[index]
-        engines = len(doc.get("registered_gpu_ids") or []) + len(doc.get("registered_non_cuda_instance_ids") or [])  # type: ignore[union-attr]
+        engines = (len(doc.get("registered_gpu_ids") or [])  # type: ignore[union-attr]
+                   + len(doc.get("registered_non_cuda_instance_ids") or []))  # type: ignore[union-attr]
         return float(l1["memory_total_bytes"]), float(l1["memory_used_bytes"]), float(engines)
     except (KeyError, TypeError, ValueError):
         return None, None, None
@@ -115,11 +116,13 @@ def engine_figures(read: EngineRead, *, kv_bytes_per_token: int, lmcache_config:
     out: dict[tuple[str, str], tuple[float | None, str]] = {}
     tokens = _gpu_tokens(v)
     cap_gpu = None if tokens is None else tokens * kv_bytes_per_token
-    out[("kvoffload_tier_capacity_bytes", "gpu")] = (cap_gpu, "vllm:cache_config_info num_gpu_blocks x block_size x KV B/token")
+    out[("kvoffload_tier_capacity_bytes", "gpu")] = (cap_gpu, "vllm:cache_config_info num_gpu_blocks "
+                                                              "x block_size x KV B/token")
     usage = v.sum("vllm:kv_cache_usage_perc")
     out[("kvoffload_tier_used_bytes", "gpu")] = (None if cap_gpu is None or usage is None else usage * cap_gpu,
                                                 "vllm:kv_cache_usage_perc x gpu capacity")
-    out[("kvoffload_tier_hit_tokens_total", "gpu")] = (v.sum("vllm:prefix_cache_hits_total"), "vllm:prefix_cache_hits_total")
+    out[("kvoffload_tier_hit_tokens_total", "gpu")] = (v.sum("vllm:prefix_cache_hits_total"),
+                                                       "vllm:prefix_cache_hits_total")
     out[("kvoffload_tier_requested_tokens_total", "gpu")] = (v.sum("vllm:prefix_cache_queries_total"),
                                                              "vllm:prefix_cache_queries_total")
     if connector:
@@ -145,7 +148,8 @@ def engine_figures(read: EngineRead, *, kv_bytes_per_token: int, lmcache_config:
         if cfg.get("local_disk"):
             out[("kvoffload_tier_capacity_bytes", "disk")] = (float(cfg.get("max_local_disk_size", 0.0)) * GiB * tp,
                                                               "LMCache max_local_disk_size x TP")
-        out[("kvoffload_tier_used_bytes", "cpu")] = (lm.sum("lmcache:local_cache_usage"), "sum lmcache:local_cache_usage")
+        out[("kvoffload_tier_used_bytes", "cpu")] = (lm.sum("lmcache:local_cache_usage"),
+                                                     "sum lmcache:local_cache_usage")
         out[("kvoffload_tier_used_bytes", "disk")] = (lm.sum("lmcache:local_storage_usage"),
                                                       "sum lmcache:local_storage_usage")
         out[("kvoffload_tier_evictions_total", "cpu")] = (lm.sum("lmcache:local_cpu_evict_keys_count_total"),
@@ -161,7 +165,8 @@ def engine_figures(read: EngineRead, *, kv_bytes_per_token: int, lmcache_config:
             out[("kvoffload_disk_orphaned_bytes", "")] = (
                 None if stored is None else float(max(0, read.disk_bytes - stored)),
                 "disk dir bytes - sum lmcache:local_storage_usage (floor 0)")
-    out[("kvoffload_offload_active", "")] = (float(connector and served), "1 iff the connector is on and served traffic")
+    out[("kvoffload_offload_active", "")] = (float(connector and served),
+                                             "1 iff the connector is on and served traffic")
     return out
 
 
@@ -216,7 +221,8 @@ def compare(exporter_text: str, before: EngineRead, after: EngineRead, *, kv_byt
         if name == "kvoffload_source_up":
             want = 0.0 if labels == "source=lmcache" and not connector else 1.0  # lmcache: LMCache or its server
             checks.append(Check(name, labels, value, want, want,
-                                "source read without error" if want else "no LMCache without the connector", value == want))
+                                "source read without error" if want else "no LMCache without the connector",
+                                value == want))
         elif name == "kvoffload_scrape_errors_total":
             checks.append(Check(name, labels, value, None, None, "failed reads so far (reported)", None))
         else:
@@ -236,7 +242,8 @@ def table(checks: list[Check]) -> str:
         return f"{x:,.0f}" if abs(x) >= 1000 or x == int(x) else f"{x:.4g}"
     rows = ["| figure | exporter | engine (before..after) | engine source | agrees |", "|---|---|---|---|---|"]
     for c in checks:
-        eng = "-" if c.engine_lo is None else (f(c.engine_lo) if c.engine_lo == c.engine_hi else f"{f(c.engine_lo)}..{f(c.engine_hi)}")
+        eng = "-" if c.engine_lo is None else (f(c.engine_lo) if c.engine_lo == c.engine_hi
+                                               else f"{f(c.engine_lo)}..{f(c.engine_hi)}")
         verdict = {True: "yes", False: "**NO**", None: "n/a"}[c.ok]
         rows.append(f"| `{c.metric}{{{c.labels}}}` | {f(c.exporter)} | {eng} | {c.source} | {verdict} |")
     return "\n".join(rows)

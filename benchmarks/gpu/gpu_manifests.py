@@ -126,9 +126,11 @@ def _container(c: dict[str, Any], pod_security: dict[str, Any] | None = None) ->
     limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")
     request = ((c.get("resources") or {}).get("requests") or {}).get("memory", limit)  # a limit alone: the request too
     probe = ((c.get("startupProbe") or {}).get("exec") or {}).get("command") or ()
-    return Container(name=c["name"], command=tuple(c.get("command") or ()), args=tuple(str(a) for a in c.get("args") or ()),
+    return Container(name=c["name"], command=tuple(c.get("command") or ()),
+                     args=tuple(str(a) for a in c.get("args") or ()),
                      env=env, env_fields=fields,
-                     mounts=tuple(Mount(m["name"], m["mountPath"], bool(m.get("readOnly")), m.get("subPathExpr") or m.get("subPath") or "")
+                     mounts=tuple(Mount(m["name"], m["mountPath"], bool(m.get("readOnly")), m.get("subPathExpr")
+                                        or m.get("subPath") or "")
                                   for m in c.get("volumeMounts") or ()),
                      memory_limit=None if limit is None else quantity(limit), restart_policy=c.get("restartPolicy"),
                      startup_probe=tuple(str(a) for a in probe), image=c.get("image", ""),
@@ -167,7 +169,8 @@ def parse_rendered(text: str) -> Rendered:
     return Rendered(name=sts["metadata"]["name"], namespace=sts["metadata"].get("namespace", "default"),
                     vllm=vllm, exporter=containers.get("exporter"),
                     volumes={v["name"]: {k: x for k, x in v.items() if k != "name"} for v in pod.get("volumes") or []},
-                    config_maps={d["metadata"]["name"]: dict(d.get("data") or {}) for d in docs if d.get("kind") == "ConfigMap"},
+                    config_maps={d["metadata"]["name"]: dict(d.get("data") or {}) for d in docs
+                                 if d.get("kind") == "ConfigMap"},
                     tp=tp, init=tuple(c for c in inits if c.restart_policy != "Always"),
                     sidecars=tuple(c for c in inits if c.restart_policy == "Always"))
 
@@ -345,9 +348,11 @@ def localize(r: Rendered, layout: Layout, *, connector: bool = True, model_confi
     v = r.vllm
     full, prelude = vllm_argv(v)
     if full[:2] != ["vllm", "serve"]:
-        raise ManifestError(f"vllm container runs {full[:2]}, expected ['vllm', 'serve'] (optionally after a sh -c prelude)")
+        raise ManifestError(f"vllm container runs {full[:2]}, expected ['vllm', "
+                            "'serve'] (optionally after a sh -c prelude)")
     if prelude is not None:
-        changes.append(f"shell prelude not run ({prelude!r}); the benchmark empties every emptyDir volume before each run")
+        changes.append(f"shell prelude not run ({prelude!r}); the benchmark "
+                       "empties every emptyDir volume before each run")
     host = _mapper(v.mounts, dirs)
 
     # Environment: literal values (paths mapped), downward-API fields resolved.
@@ -368,7 +373,8 @@ def localize(r: Rendered, layout: Layout, *, connector: bool = True, model_confi
         raise ManifestError("vllm serve has no model argument")
     model = args[0]
     args[0] = layout.model_dir
-    changes.append(f"model {model} -> {layout.model_dir} (config.json only) + --load-format dummy --skip-tokenizer-init")
+    changes.append(f"model {model} -> {layout.model_dir} (config.json only) "
+                   "+ --load-format dummy --skip-tokenizer-init")
     out: list[str] = []
     i = 0
     while i < len(args):
@@ -525,8 +531,8 @@ def _mounts_of(c: Container, env: dict[str, str], dirs: dict[str, str]) -> dict[
     for m in c.mounts:
         missing = sorted({v for v in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", m.sub_path) if not env.get(v)})
         if missing:  # kubelet's ExpandContainerVolumeMounts: the container is never created
-            raise ManifestError(f"container {c.name}: volumeMount {m.path} subPathExpr {m.sub_path!r}: missing value for "
-                                f"{', '.join(missing)} (kubelet: CreateContainerConfigError)")
+            raise ManifestError(f"container {c.name}: volumeMount {m.path} subPathExpr {m.sub_path!r}: missing value "
+                                f"for {', '.join(missing)} (kubelet: CreateContainerConfigError)")
         sub = _expand(m.sub_path, env).strip("/")
         out[m.path.rstrip("/") or "/"] = (dirs[m.volume] + (f"/{sub}" if sub else ""), m.read_only)
     return out
@@ -578,7 +584,8 @@ def containerize(r: Rendered, root: str, disk_root: str, *, connector: bool = Tr
     # vLLM: the model, dev mode, the baseline's flags.
     full, prelude = vllm_argv(r.vllm)
     if full[:2] != ["vllm", "serve"]:
-        raise ManifestError(f"vllm container runs {full[:2]}, expected ['vllm', 'serve'] (optionally after a sh -c prelude)")
+        raise ManifestError(f"vllm container runs {full[:2]}, expected ['vllm', "
+                            "'serve'] (optionally after a sh -c prelude)")
     models = main.mounts.get(main.env.get("HF_HOME", "/models").rstrip("/"))
     if models is None:
         raise ManifestError("the vllm container mounts no volume at HF_HOME: nowhere to put the model's config.json")
@@ -621,7 +628,8 @@ def containerize(r: Rendered, root: str, disk_root: str, *, connector: bool = Tr
     mp = main.env.get("PROMETHEUS_MULTIPROC_DIR")
     memory = {n: quantity(s["emptyDir"]["sizeLimit"]) if (s["emptyDir"] or {}).get("sizeLimit") else None
               for n, s in r.volumes.items() if (s.get("emptyDir") or {}).get("medium") == "Memory"}
-    fresh = sorted({d for n, d in dirs.items() if "hostPath" not in r.volumes[n] and n not in (kept or {})} | {disk_root})
+    fresh = sorted({d for n, d in dirs.items() if "hostPath" not in r.volumes[n] and n not in (kept or {})}
+                   | {disk_root})
     return PodRun(containers=containers, volume_dirs=dirs, memory_volumes=memory, files=files, fresh_dirs=fresh,
                   lmcache=lmcache if connector else None, multiproc_dir=_host_path(main, mp) if mp else None,
                   disk_dir=_host_path(x, disk) if x and disk else None, port=port, exporter_port=exporter_port,

@@ -122,7 +122,8 @@ def rewrite(spec: dict[str, Any], argv: list[str], env: dict[str, str], host: Ho
         s["ociVersion"] = OCI_VERSION
     root = s.get("root") or {}
     s["root"] = {"path": at.rootfs, "readonly": bool(root.get("readonly"))}
-    ch.append(f"root {root.get('path')} (image snapshot) -> {at.rootfs}: the host's {', '.join(host.image_dirs)} read-only")
+    ch.append(f"root {root.get('path')} (image snapshot) -> {at.rootfs}: "
+              f"the host's {', '.join(host.image_dirs)} read-only")
 
     p = s["process"]
     captured_env = _env_dict(p.get("env") or [])
@@ -162,7 +163,8 @@ def rewrite(spec: dict[str, Any], argv: list[str], env: dict[str, str], host: Ho
         else:
             ns.append({"type": n["type"]})
     if {n["type"] for n in ns} & set(JOINED) != set(JOINED):
-        raise SpecError(f"container {name}: the captured spec does not join the sandbox's {', '.join(JOINED)} namespaces")
+        raise SpecError(f"container {name}: the captured spec does not join "
+                        f"the sandbox's {', '.join(JOINED)} namespaces")
     lx["namespaces"] = ns
     ch.append("network/ipc/uts namespaces -> the pod's (loopback only)")
     parent = pod_cgroup(spec)
@@ -185,16 +187,19 @@ def rewrite(spec: dict[str, Any], argv: list[str], env: dict[str, str], host: Ho
             mem["swap"] = at.memory_limit
     cpu = res.get("cpu") or {}
     if at.cpu_shares is not None and cpu.get("shares") != at.cpu_shares:
-        ch.append(f"resources.cpu.shares {cpu.get('shares')} (the captured pod's) -> {at.cpu_shares} (the rendered CPU request)")
+        ch.append(f"resources.cpu.shares {cpu.get('shares')} (the captured "
+                  f"pod's) -> {at.cpu_shares} (the rendered CPU request)")
         res["cpu"] = {**cpu, "shares": at.cpu_shares}
     if at.oom_score_adj is not None and p.get("oomScoreAdj") != at.oom_score_adj:
         ch.append(f"process.oomScoreAdj {p.get('oomScoreAdj')} (the captured pod's request on the CPU node) -> "
                   f"{at.oom_score_adj} (kubelet's, for the rendered request on this host)")
         p["oomScoreAdj"] = at.oom_score_adj
     if res.get("hugepageLimits"):
-        keep = [h for h in res["hugepageLimits"] if "hugetlb" in host.controllers and h["pageSize"] in host.hugepage_sizes]
+        keep = [h for h in res["hugepageLimits"] if "hugetlb" in host.controllers
+                and h["pageSize"] in host.hugepage_sizes]
         if keep != res["hugepageLimits"]:
-            ch.append(f"hugepageLimits {[h['pageSize'] for h in res['hugepageLimits']]} -> {[h['pageSize'] for h in keep]} "
+            ch.append(f"hugepageLimits {[h['pageSize'] for h in res['hugepageLimits']]} -> "
+                      f"{[h['pageSize'] for h in keep]} "
                       "(page sizes / hugetlb controller of the GPU host)")
         res["hugepageLimits"] = keep
     for key, controller in (("pids", "pids"), ("cpu", "cpu"), ("blockIO", "io")):
@@ -208,7 +213,8 @@ def rewrite(spec: dict[str, Any], argv: list[str], env: dict[str, str], host: Ho
     rules = res.setdefault("devices", [])
     devs = lx.setdefault("devices", [])
     for d in host.devices:
-        devs.append({"path": d.path, "type": "c", "major": d.major, "minor": d.minor, "fileMode": d.mode, "uid": 0, "gid": 0})
+        devs.append({"path": d.path, "type": "c", "major": d.major, "minor": d.minor, "fileMode": d.mode, "uid": 0,
+                     "gid": 0})
         rules.append({"allow": True, "type": "c", "major": d.major, "minor": d.minor, "access": "rwm"})
     ch.append(f"GPU as the NVIDIA toolkit adds it (CDI): devices {[d.path for d in host.devices]} with allow rules; "
               "driver libraries from the host's /usr/local/nvidia (in /usr)")
@@ -276,7 +282,8 @@ def from_template(template: dict[str, Any], security: dict[str, Any], cpu_reques
                "securityContext and requests as containerd's CRI sets them"]
 
 
-def _mounts(captured: list[dict[str, Any]], host: Host, at: Placement, name: str, ch: list[str]) -> list[dict[str, Any]]:
+def _mounts(captured: list[dict[str, Any]], host: Host, at: Placement, name: str,
+            ch: list[str]) -> list[dict[str, Any]]:
     out = [{"destination": d, "type": "bind", "source": d, "options": ["rbind", "ro", "nosuid", "nodev"]}
            for d in host.image_dirs]
     seen = set()
@@ -309,7 +316,8 @@ def _mounts(captured: list[dict[str, Any]], host: Host, at: Placement, name: str
         raise SpecError(f"container {name}: rendered volume mounts {missing} are not in the captured spec")
     for dest in missing:  # kubelet's volume mounts: rbind, rprivate, ro or rw (containerd's CRI)
         src, ro = at.volume_mounts[dest]
-        out.append({"destination": dest, "type": "bind", "source": src, "options": ["rbind", "rprivate", "ro" if ro else "rw"]})
+        out.append({"destination": dest, "type": "bind", "source": src,
+                    "options": ["rbind", "rprivate", "ro" if ro else "rw"]})
         ch.append(f"volume mount {dest} added as kubelet mounts volumes (not in the capture of another pod shape)")
     ch.append("mount sources: kubelet's volume directories -> this pod's host directories; hosts/hostname/resolv.conf/"
               "termination-log/sandbox shm -> this pod's files")

@@ -82,7 +82,8 @@ def host_facts() -> gpu_oci.Host:
     profiles = frozenset(ln.split(" ")[0] for ln in aa.read_text().splitlines()) if aa.exists() else frozenset()
     dirs = tuple(d for d in ("/usr", "/opt", "/etc") if os.path.isdir(d) and not os.path.islink(d))
     existing = frozenset(d for d in gpu_oci.POD_FILES if os.path.exists(d))
-    mem = next(int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal:"))
+    mem = next(int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
+               if ln.startswith("MemTotal:"))
     return gpu_oci.Host(image_dirs=dirs, devices=tuple(devices), rlimit_hard=hard, controllers=controllers,
                         hugepage_sizes=sizes, apparmor_profiles=profiles, existing=existing, memory_capacity=mem)
 
@@ -218,7 +219,8 @@ class Box:
 
     def events(self) -> dict[str, int]:
         try:
-            return {k: int(v) for k, v in (ln.split() for ln in Path(self.cgroup, "memory.events").read_text().splitlines())}
+            lines = Path(self.cgroup, "memory.events").read_text().splitlines()
+            return {k: int(v) for k, v in (ln.split() for ln in lines)}
         except OSError:
             return {}
 
@@ -269,9 +271,11 @@ class Pod:
 
     def prepare(self) -> None:
         if not self.dry_run:  # else a container would start on another pair's packages, or on none
-            absent = sorted({d for c in self.run.containers if not os.path.isdir(f"{IMAGES}/{(d := stand_in(c.image))}")})
+            absent = sorted({d for c in self.run.containers
+                             if not os.path.isdir(f"{IMAGES}/{(d := stand_in(c.image))}")})
             if absent:
-                raise SystemExit(f"no stand-in image {', '.join(f'{IMAGES}/{d}' for d in absent)}: run dev.sh install first")
+                raise SystemExit(f"no stand-in image {', '.join(f'{IMAGES}/{d}' for d in absent)}: "
+                                 "run dev.sh install first")
         w = Path(self.work)
         if w.exists():
             self.cleanup()
@@ -402,8 +406,9 @@ class PodTarget:
         self.logdir = Path(args.out) / "logs"
         template = json.loads(Path(args.oci_template).read_text()) if args.oci_template else None
         specs = {} if template else load_specs(args.oci_dir, dict(a.split("=", 1) for a in args.oci_alias))
-        self.pod = Pod(run, specs, name=f"{rendered.name}-0", tag=tag, work=work, logdir=str(self.logdir), namespaces=SANDBOX,
-                       python=args.python, crun=args.crun, host=HOST, other_shape=args.oci_other_shape, template=template)
+        self.pod = Pod(run, specs, name=f"{rendered.name}-0", tag=tag, work=work, logdir=str(self.logdir),
+                       namespaces=SANDBOX, python=args.python, crun=args.crun, host=HOST,
+                       other_shape=args.oci_other_shape, template=template)
         main = run.container("main")
         self.port, self.exporter_port, self.status_url = run.port, run.exporter_port, run.status_url
         self.disk_dir, self.multiproc_dir, self.lmcache = run.disk_dir, run.multiproc_dir, run.lmcache
@@ -411,7 +416,8 @@ class PodTarget:
         self.served_model = gm.flag(main.argv, "--served-model-name") or gm.MODEL_DIR
         self.elog = self.logdir / f"{tag}-{main.name}.log"
         self.describe = {"changes": run.changes, "argv": main.argv, "env": main.env, "lmcache": run.lmcache,
-                         "exporter_argv": (run.container("exporter") or main).argv if run.container("exporter") else None,
+                         "exporter_argv": ((run.container("exporter") or main).argv
+                                           if run.container("exporter") else None),
                          "sidecars": [{"name": c.name, "argv": c.argv, "memory_limit": c.memory_limit}
                                       for c in run.containers if c.role == "sidecar"],
                          "containers": {c.name: {"role": c.role, "argv": c.argv, "memory_limit": c.memory_limit}
@@ -445,7 +451,8 @@ class PodTarget:
             t0 = time.monotonic()
             while b.pc.probe:
                 if b.proc.poll() is not None:
-                    raise RuntimeError(f"sidecar {b.pc.name} exited {b.proc.returncode} before its startup probe passed")
+                    raise RuntimeError(f"sidecar {b.pc.name} exited {b.proc.returncode} "
+                                       "before its startup probe passed")
                 if b.exec(b.pc.probe) == 0:
                     break
                 if time.monotonic() - t0 > self.args.start_timeout / 2:
@@ -513,13 +520,14 @@ SMOKE = ("import json, os, torch, vllm, lmcache, importlib.util as u, sysconfig;
          "d = u.find_spec('lmcache').submodule_search_locations[0]; "
          "s = u.spec_from_file_location('lmcache.c_ops', d + '/c_ops' + sysconfig.get_config_var('EXT_SUFFIX')); "
          "u.module_from_spec(s); "
-         "h = torch.empty(1 << 30, dtype=torch.uint8).pin_memory(); g = torch.empty_like(h, device='cuda'); g.copy_(h); "
-         "torch.cuda.synchronize(); "
+         "h = torch.empty(1 << 30, dtype=torch.uint8).pin_memory(); g = torch.empty_like(h, device='cuda'); "
+         "g.copy_(h); torch.cuda.synchronize(); "
          "print('smoke', json.dumps({'uid': os.getuid(), 'gid': os.getgid(), 'groups': os.getgroups(), "
          "'cuda': torch.cuda.is_available(), 'gpu': torch.cuda.get_device_name(0), 'vllm': vllm.__version__, "
          "'cap_eff': [ln for ln in open('/proc/self/status') if ln.startswith(('CapEff', 'NoNewPrivs', 'Seccomp'))], "
-         "'root_writable': os.access('/', os.W_OK), 'shm': os.statvfs('/dev/shm').f_blocks * os.statvfs('/dev/shm').f_frsize, "
-         "'cgroup': open('/proc/self/cgroup').read().strip(), 'hostname': os.uname().nodename}))")
+         "'root_writable': os.access('/', os.W_OK), 'shm': os.statvfs('/dev/shm').f_blocks * "
+         "os.statvfs('/dev/shm').f_frsize, 'cgroup': "
+         "open('/proc/self/cgroup').read().strip(), 'hostname': os.uname().nodename}))")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -530,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("what", choices=("smoke",))
     ap.add_argument("--rendered", required=True)
     ap.add_argument("--oci", help="the captured specs of this pod")
-    ap.add_argument("--oci-template", help="no capture: derive each container's spec from this captured spec of another pod")
+    ap.add_argument("--oci-template", help="no capture: derive each container's spec "
+                                           "from this captured spec of another pod")
     ap.add_argument("--work", default="/var/tmp/kvpod-smoke")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--crun", default="crun")
@@ -546,7 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     run.containers = [smoke if c is main_c else c for c in run.containers if c.role != "exporter"]
     Path(a.out).mkdir(parents=True, exist_ok=True)
     template = json.loads(Path(a.oci_template).read_text()) if a.oci_template else None
-    pod = Pod(run, {} if template else load_specs(a.oci), name=f"{r.name}-0", tag="smoke", work=a.work, logdir=a.out, template=template,
+    pod = Pod(run, {} if template else load_specs(a.oci), name=f"{r.name}-0", tag="smoke", work=a.work, logdir=a.out,
+              template=template,
               namespaces=SANDBOX, python=a.python, crun=a.crun, host=host_facts(), dry_run=a.dry_run,
               other_shape=a.oci_other_shape)
     try:

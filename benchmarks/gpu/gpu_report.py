@@ -46,21 +46,22 @@ def sources(rows: list[dict[str, Any]] | None) -> str:
     """Median prompt tokens by vLLM's source label: which tier served the phase."""
     if not rows:
         return "-"
-    parts = [f"{k.replace('_', ' ')} {med(rows, k):,.0f}" for k in ("local_compute", "local_cache_hit", "external_kv_transfer")
+    parts = [f"{k.replace('_', ' ')} {med(rows, k):,.0f}" for k in ("local_compute", "local_cache_hit",
+                                                                    "external_kv_transfer")
              if (med(rows, k) or 0) > 0]
     return ", ".join(parts) or "none"
 
 
 def ttft_table(runs: dict[str, Any], group: str) -> list[str]:
     con, base, disk = (runs.get(f"{k}-{group}", {}).get("phases", {}) for k in ("connector", "baseline", "disk"))
-    lines = ["| phase | with the rendered LMCache config | tokens by source | same engine, no connector | tokens by source "
-             "| no connector / with |",
+    lines = ["| phase | with the rendered LMCache config | tokens by source | same engine, no connector | tokens by "
+             "source | no connector / with |",
              "|---|---|---|---|---|---|"]
     for key, label in PHASES:
         a, b = con.get(key), base.get(key)
         if a or b:
-            lines.append(f"| {label} | {_s(med(a))} (n={_n(a)}) | {sources(a)} | {_s(med(b))} (n={_n(b)}) | {sources(b)} | "
-                         f"{_ratio(med(b), med(a))} |")
+            lines.append(f"| {label} | {_s(med(a))} (n={_n(a)}) | {sources(a)} | {_s(med(b))} (n={_n(b)}) | "
+                         f"{sources(b)} | {_ratio(med(b), med(a))} |")
     if disk.get("disk"):
         b = base.get("after_reset")
         lines.append(f"| disk tier alone (CPU tier too small, O_DIRECT, page cache dropped) | {_s(med(disk['disk']))} "
@@ -75,14 +76,15 @@ def ttft_table(runs: dict[str, Any], group: str) -> list[str]:
 
 def disk_proof(run: dict[str, Any]) -> list[str]:
     lines = ["| rep | TTFT | tokens from LMCache (vLLM) | prompt KV bytes | LMCache 'Disk read size' lines / bytes | "
-             "engine processes read_bytes | block devices read | LMCache retrieve throughput |", "|---|---|---|---|---|---|---|---|"]
+             "engine processes read_bytes | block devices read | LMCache retrieve throughput |",
+             "|---|---|---|---|---|---|---|---|"]
     for i, (p, row) in enumerate(zip(run.get("disk_proof", []), run.get("phases", {}).get("disk", []))):
         lg = p["lmcache_log"]
         thr = ", ".join(f"{r['gbps']:.2f} GB/s" for r in lg.get("retrieved", [])) or "-"
         blk = ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in p.get("block_read_bytes", {}).items()) or "0"
-        lines.append(f"| {i} | {row['ttft_s']:.3f} s | {row.get('external_kv_transfer', 0):,.0f} | {p['prompt_kv_bytes'] / 1e9:.2f} GB | "
-                     f"{lg['disk_read_lines']} / {lg['disk_read_bytes'] / 1e9:.2f} GB | {p['proc_read_bytes'] / 1e9:.2f} GB | "
-                     f"{blk} | {thr} |")
+        lines.append(f"| {i} | {row['ttft_s']:.3f} s | {row.get('external_kv_transfer', 0):,.0f} | "
+                     f"{p['prompt_kv_bytes'] / 1e9:.2f} GB | {lg['disk_read_lines']} / "
+                     f"{lg['disk_read_bytes'] / 1e9:.2f} GB | {p['proc_read_bytes'] / 1e9:.2f} GB | {blk} | {thr} |")
     return lines
 
 
@@ -104,20 +106,23 @@ def disk_verdict(run: dict[str, Any]) -> str:
 
 
 def memory_table(runs: dict[str, Any]) -> list[str]:
-    lines = ["| run | computed pod limit | MemTotal-MemAvailable rise (peak) | Shmem rise (peak) | engine cgroup peak (memory.peak) | "
-             "cgroup anon+shmem+kernel (peak) | engine RSS / PSS after the phases |", "|---|---|---|---|---|---|---|"]
+    lines = ["| run | computed pod limit | MemTotal-MemAvailable rise (peak) | Shmem rise (peak) | engine cgroup peak "
+             "(memory.peak) | cgroup anon+shmem+kernel (peak) | engine RSS / PSS after the phases |",
+             "|---|---|---|---|---|---|---|"]
     for tag, r in runs.items():
         m = r.get("memory", {})
         after = r.get("memory_after_phases", {})
-        lines.append(f"| {tag} | {_gib(r.get('memory_limit'))} | {_gib(m.get('peak_used_rise'))} | {_gib(m.get('peak_shmem_rise'))} | "
-                     f"{_gib(m.get('max_cg_peak'))} | {_gib(m.get('max_cg_anon_shmem_kernel'))} | "
+        lines.append(f"| {tag} | {_gib(r.get('memory_limit'))} | {_gib(m.get('peak_used_rise'))} | "
+                     f"{_gib(m.get('peak_shmem_rise'))} | {_gib(m.get('max_cg_peak'))} | "
+                     f"{_gib(m.get('max_cg_anon_shmem_kernel'))} | "
                      f"{_gib(after.get('rss'))} / {_gib(after.get('pss'))} |")
     return lines
 
 
 def memory_verdict(run: dict[str, Any]) -> str:
     if run.get("kind") != "connector":
-        return "not the rendered tiers (no verdict): " + ("no connector" if run.get("kind") == "baseline" else "smaller CPU tier")
+        return "not the rendered tiers (no verdict): " + ("no connector" if run.get("kind") == "baseline"
+                                                          else "smaller CPU tier")
     limit = run.get("memory_limit")
     m = run.get("memory", {})
     need = m.get("max_cg_anon_shmem_kernel") or m.get("peak_used_rise")
@@ -125,12 +130,14 @@ def memory_verdict(run: dict[str, Any]) -> str:
         return "not measured"
     share = need / limit
     verdict = "too small" if share > 1 else ("far too large" if share < 0.5 else "fits")
-    return f"non-reclaimable peak {need / GiB:.1f} GiB = {share:.0%} of the computed limit {limit / GiB:.1f} GiB: {verdict}"
+    return (f"non-reclaimable peak {need / GiB:.1f} GiB = {share:.0%} of the computed limit "
+            f"{limit / GiB:.1f} GiB: {verdict}")
 
 
 def per_rank(run: dict[str, Any]) -> list[str]:
     pw, dw = run.get("per_worker", {}), run.get("disk_by_worker", {})
-    lines = ["| rank (worker_id) | lmcache:local_cache_usage | lmcache:local_storage_usage | chunk files on disk | bytes on disk |",
+    lines = ["| rank (worker_id) | lmcache:local_cache_usage | "
+             "lmcache:local_storage_usage | chunk files on disk | bytes on disk |",
              "|---|---|---|---|---|"]
     for w in sorted(set(pw) | set(dw)):
         p, d = pw.get(w, {}), dw.get(w, {})
@@ -173,19 +180,23 @@ def cold_cost_rows(runs: dict[str, Any], baseline: str) -> list[str]:
     tiers live in the vLLM process (Backend.in_process): its config file takes the overrides and vLLM's log
     holds its store lines. A run without a backend predates the others: the default's."""
     base = med(runs.get(baseline, {}).get("phases", {}).get("cold"))
-    lines = ["| run | LMCache overrides | cold | vs no connector | LMCache store per request (copy / put) | after reset (reload) "
-             "| tokens |", "|---|---|---|---|---|---|---|"]
+    lines = ["| run | LMCache overrides | cold | vs no connector | LMCache store per request (copy / put) | after "
+             "reset (reload) | tokens |", "|---|---|---|---|---|---|---|"]
     for tag, r in runs.items():
         ph = r.get("phases", {})
         in_process = backends.get(r.get("backend", backends.DEFAULT)).in_process
         if r.get("kind") != "connector" or not ph.get("cold") or not in_process:
             continue
         cold = med(ph["cold"])
-        over = next((c.split("overrides ", 1)[1] for c in r.get("changes", []) if c.startswith("LMCache config overrides")), "-")
+        over = next((c.split("overrides ", 1)[1] for c in r.get("changes", [])
+                     if c.startswith("LMCache config overrides")), "-")
         cost = "-" if base is None or cold is None else f"+{(cold / base - 1) * 100:.1f} %"
-        store = (f"{med(ph['cold'], 'lmcache_store_ms'):.0f} ms ({med(ph['cold'], 'lmcache_offload_ms'):.0f} / "
-                 f"{med(ph['cold'], 'lmcache_put_ms'):.0f})") if med(ph["cold"], "lmcache_store_ms") is not None else "-"
-        lines.append(f"| {tag} | `{over}` | {_s(cold)} | {cost} | {store} | {_s(med(ph.get('after_reset')))} | {token_check(r)} |")
+        store = "-"
+        if med(ph["cold"], "lmcache_store_ms") is not None:
+            store = (f"{med(ph['cold'], 'lmcache_store_ms'):.0f} ms ({med(ph['cold'], 'lmcache_offload_ms'):.0f} / "
+                     f"{med(ph['cold'], 'lmcache_put_ms'):.0f})")
+        lines.append(f"| {tag} | `{over}` | {_s(cold)} | {cost} | {store} | "
+                     f"{_s(med(ph.get('after_reset')))} | {token_check(r)} |")
     lines.append(f"| {baseline} | (no connector) | {_s(base)} | - | - | "
                  f"{_s(med(runs.get(baseline, {}).get('phases', {}).get('after_reset')))} (recompute) | |")
     return lines
@@ -193,7 +204,8 @@ def cold_cost_rows(runs: dict[str, Any], baseline: str) -> list[str]:
 
 def container_rows(runs: dict[str, Any]) -> list[str]:
     """Each container of each pod run under crun: its limit, peaks, OOM kills and exit code."""
-    lines = ["| run | container | memory limit | memory.peak (max) | anon+shmem+kernel (max) | shmem (max) | OOM kills | exit |",
+    lines = ["| run | container | memory limit | memory.peak (max) | "
+             "anon+shmem+kernel (max) | shmem (max) | OOM kills | exit |",
              "|---|---|---|---|---|---|---|---|"]
     for tag, r in runs.items():
         if r.get("runtime") != "crun":
@@ -202,8 +214,8 @@ def container_rows(runs: dict[str, Any]) -> list[str]:
         for name, m in mems.items():
             ev = r.get("memory_events", {}).get(name, {})
             lines.append(f"| {tag} | {name} | {_gib(m.get('limit'))} | {_gib(m.get('max_cg_peak'))} | "
-                         f"{_gib(m.get('max_cg_anon_shmem_kernel'))} | {_gib(m.get('max_cg_shmem'))} | {ev.get('oom_kill', '-')} | "
-                         f"{r.get('exit_codes', {}).get(name, '-')} |")
+                         f"{_gib(m.get('max_cg_anon_shmem_kernel'))} | {_gib(m.get('max_cg_shmem'))} | "
+                         f"{ev.get('oom_kill', '-')} | {r.get('exit_codes', {}).get(name, '-')} |")
     return lines
 
 
@@ -217,7 +229,8 @@ def pod_verdicts(run: dict[str, Any]) -> list[str]:
     for name, m in mems.items():
         if m.get("limit") and m.get("max_cg_peak"):
             share = m["max_cg_peak"] / m["limit"]
-            out.append(f"{name}: memory.peak {m['max_cg_peak'] / GiB:.1f} GiB = {share:.0%} of its {m['limit'] / GiB:.1f} GiB limit")
+            out.append(f"{name}: memory.peak {m['max_cg_peak'] / GiB:.1f} GiB = {share:.0%} of its "
+                       f"{m['limit'] / GiB:.1f} GiB limit")
     for name, f in run.get("sidecar_log_facts", {}).items():
         if f.get("transfer"):
             out.append(f"{name}: KV transfer {', '.join(sorted(set(f['transfer'])))}")
@@ -233,7 +246,8 @@ def plan_rows(plans: dict[str, Any], runs: dict[str, Any], group: str) -> list[s
     """The plan's reload/recompute for the prompt vs the measured medians."""
     con, base, disk = (runs.get(f"{k}-{group}", {}).get("phases", {}) for k in ("connector", "baseline", "disk"))
     measured = {"cpu": med(con.get("after_reset")), "disk": med(disk.get("disk")), "recompute": med(base.get("cold"))}
-    lines = ["| | plan, this host's bandwidths | plan, built-in defaults | measured TTFT (median) |", "|---|---|---|---|"]
+    lines = ["| | plan, this host's bandwidths | plan, built-in defaults | measured TTFT (median) |",
+             "|---|---|---|---|"]
     for tier in ("cpu", "disk"):
         cells = []
         for key in ("host", "defaults"):
@@ -241,7 +255,8 @@ def plan_rows(plans: dict[str, Any], runs: dict[str, Any], group: str) -> list[s
             cells.append("-" if r is None else f"{r['reloadSeconds']:.3f} s")
         lines.append(f"| reload from {tier} | {cells[0]} | {cells[1]} | {_s(measured[tier])} |")
     rc = [next((x["recomputeSeconds"] for x in plans.get(k, {}).get("reload", [])), None) for k in ("host", "defaults")]
-    lines.append(f"| recompute (prefill) | {_s(rc[0])} | {_s(rc[1])} | {_s(measured['recompute'])} (cold, no connector) |")
+    lines.append(f"| recompute (prefill) | {_s(rc[0])} | {_s(rc[1])} | "
+                 f"{_s(measured['recompute'])} (cold, no connector) |")
     return lines
 
 
@@ -251,7 +266,8 @@ def plan_argv(run: dict[str, Any], prompt_tokens: int, host: dict[str, Any] | No
     def flag(name: str) -> str | None:
         return argv[argv.index(name) + 1] if name in argv else None
     tp = int(flag("--tensor-parallel-size") or 1)
-    out = ["--model", flag("--served-model-name") or "", "--max-model-len", str(prompt_tokens), "--tensor-parallel-size", str(tp),
+    out = ["--model", flag("--served-model-name") or "", "--max-model-len", str(prompt_tokens),
+           "--tensor-parallel-size", str(tp),
            "--kv-cache-dtype", "fp8" if (flag("--kv-cache-dtype") or "").startswith("fp8") else "auto",
            "--gpu-memory-utilization", flag("--gpu-memory-utilization") or "0.9", "--gpu-memory", "141Gi",
            "--cpu-size", f"{float(lm.get('max_local_cpu_size', 0)) * tp}Gi",
@@ -289,7 +305,8 @@ def report(results: list[dict[str, Any]], plans: dict[str, dict[str, Any]]) -> s
         out += [f"### {group}: time to first token, {prompt:,}-token prompt of random ids, max_tokens 1 (medians)", ""]
         out += ttft_table(runs, group) + [""]
         if plans.get(group):
-            out += [f"`kvoffload plan` for the same prompt ({group}) vs measured:", ""] + plan_rows(plans[group], runs, group) + [""]
+            out += [f"`kvoffload plan` for the same prompt ({group}) vs measured:",
+                    ""] + plan_rows(plans[group], runs, group) + [""]
         disk = runs.get(f"disk-{group}")
         if disk and disk.get("disk_proof"):
             out += [f"Disk tier, {group}: {disk_verdict(disk)}.", ""] + disk_proof(disk) + [""]
@@ -301,13 +318,15 @@ def report(results: list[dict[str, Any]], plans: dict[str, dict[str, Any]]) -> s
     if base:
         out += ["### Cold-request cost of storing into LMCache, by setting", ""] + cold_cost_rows(runs, base) + [""]
     if any(r.get("runtime") == "crun" for r in runs.values()):
-        out += ["### Each container under crun (the captured OCI spec's limits, enforced)", ""] + container_rows(runs) + [""]
+        out += ["### Each container under crun (the captured OCI spec's limits, enforced)",
+                ""] + container_rows(runs) + [""]
         out += [f"- {tag}: tokens {token_check(r)}; " + "; ".join(pod_verdicts(r)) for tag, r in runs.items()
                 if r.get("runtime") == "crun"] + [""]
     for tag, r in runs.items():
         if r.get("checks"):
             bad = [f"`{c['metric']}{{{c['labels']}}}`" for c in r.get("disagreements", [])]
-            out += [f"### Exporter vs engine, {tag}: {len(bad)} disagreement(s){': ' + ', '.join(bad) if bad else ''}", ""]
+            out += [f"### Exporter vs engine, {tag}: {len(bad)} disagreement(s){': ' + ', '.join(bad) if bad else ''}",
+                    ""]
             out += checks_table(r) + [""]
         if r.get("error"):
             out += [f"**{tag} error:** {r['error']}", ""]

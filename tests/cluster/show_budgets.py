@@ -17,7 +17,8 @@ def show(item: dict) -> None:
     print(f"  KV bytes/token {budget['kvBytesPerToken']:,} ({human(budget['kvBytesPerToken'])}); "
           f"one max-length sequence {human(budget['kvBytesPerSequence'])}")
     for t in budget["tiers"]:
-        print(f"  tier {t['name']:<5} {human(t['bytes']):>10}  {t['tokens']:>12,} tokens  {t['sequences']:>6,} sequences")
+        print(f"  tier {t['name']:<5} {human(t['bytes']):>10}  "
+              f"{t['tokens']:>12,} tokens  {t['sequences']:>6,} sequences")
     memory = budget["memory"]
     print(f"  memory request = limit {human(memory['limit'])}: "
           + " + ".join(f"{x['name']} {human(x['bytes'])}" for x in memory["terms"]))

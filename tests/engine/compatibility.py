@@ -48,25 +48,26 @@ CANDIDATES = [("0.26.0", "0.5.4", "wheel"), ("0.29.0", "0.5.4", "wheel"), ("0.29
 Pair = tuple[str, str, str]  # (vLLM, LMCache, how LMCache was built: "wheel" | "source")
 # Runs on real GPUs (evidence, not inference).
 GPU_RUNS = {
-    ("0.26.0", "0.5.3", "wheel"): "yes: NVIDIA H200, 2026-11-30, the rendered workstation example with the V1 model runner: "
-                         "a 32,768-token prefix came back from the CPU tier in 0.074 s (1.096 s recomputed), from "
-                         "the disk tier in 1.405 s (docs/benchmarks.md); 2026-12-01, every backend as real containers "
-                         "(crun 1.8.1, UID 1000, read-only root, RuntimeDefault seccomp, the rendered memory limits enforced): "
-                         "lmcache reload 0.095 s (CPU) / 1.134 s (disk only), lmcache-server 0.146 s through shared memory "
-                         "(its container at its 43 GiB limit), vllm-native 0.153 s within its limit; same token after every "
-                         "reload, no OOM kill (docs/benchmarks.md); 2026-12-01 (second session), from the OCI specs the "
-                         "real node's containerd generated for each rendered pod: lmcache reload 0.110 s (CPU tier; no "
-                         "connector 1.114 s), lmcache-server 0.149-0.153 s with its disk tier written with O_DIRECT (its "
-                         "container 40.6 of 43.0 GiB, no reclaim at the limit), same token after every reload, no OOM kill "
-                         "(docs/benchmarks.md); 2026-12-01 (third session), the rest from those captures: vllm-native "
-                         "0.174 s (its container 67.5 of 79.2 GiB), lmcache-server with its read-only-root sidecar 0.171 s, "
-                         "the disk tier alone 1.261 s (= recompute: 2.15 GB read at 1.5-1.8 GB/s); same token after every "
-                         "reload, no OOM kill (docs/benchmarks.md)",
-    ("0.33.0", "0.5.6", "source"): "yes: NVIDIA H200, 2026-12-01, the rendered workstation example (V1 model runner) as real "
-                                   "containers (crun 1.8.1, the real node's lmcache capture) on the carried torch 2.14.0 "
-                                   "and LMCache 0.5.6 compiled for sm_90: a 32,768-token prefix came back from the CPU "
-                                   "tier in 0.110 s (1.170 s recomputed), same token after every reload, vLLM's container "
-                                   "48.7 of 53.9 GiB, no OOM kill (docs/benchmarks.md)",
+    ("0.26.0", "0.5.3", "wheel"): "yes: NVIDIA H200, 2026-11-30, the rendered workstation example with the V1 model "
+                         "runner: a 32,768-token prefix came back from the CPU tier in 0.074 s (1.096 s recomputed), "
+                         "from the disk tier in 1.405 s (docs/benchmarks.md); 2026-12-01, every backend as real "
+                         "containers (crun 1.8.1, UID 1000, read-only root, RuntimeDefault seccomp, the rendered "
+                         "memory limits enforced): lmcache reload 0.095 s (CPU) / 1.134 s (disk only), lmcache-server "
+                         "0.146 s through shared memory (its container at its 43 GiB limit), vllm-native 0.153 s "
+                         "within its limit; same token after every reload, no OOM kill (docs/benchmarks.md); "
+                         "2026-12-01 (second session), from the OCI specs the real node's containerd generated for "
+                         "each rendered pod: lmcache reload 0.110 s (CPU tier; no connector 1.114 s), lmcache-server "
+                         "0.149-0.153 s with its disk tier written with O_DIRECT (its container 40.6 of 43.0 GiB, no "
+                         "reclaim at the limit), same token after every reload, no OOM kill (docs/benchmarks.md); "
+                         "2026-12-01 (third session), the rest from those captures: vllm-native 0.174 s (its container "
+                         "67.5 of 79.2 GiB), lmcache-server with its read-only-root sidecar 0.171 s, the disk tier "
+                         "alone 1.261 s (= recompute: 2.15 GB read at 1.5-1.8 GB/s); same token after every reload, no "
+                         "OOM kill (docs/benchmarks.md)",
+    ("0.33.0", "0.5.6", "source"): "yes: NVIDIA H200, 2026-12-01, the rendered workstation example (V1 model runner) "
+                                   "as real containers (crun 1.8.1, the real node's lmcache capture) on the carried "
+                                   "torch 2.14.0 and LMCache 0.5.6 compiled for sm_90: a 32,768-token prefix came back "
+                                   "from the CPU tier in 0.110 s (1.170 s recomputed), same token after every reload, "
+                                   "vLLM's container 48.7 of 53.9 GiB, no OOM kill (docs/benchmarks.md)",
 }
 
 
@@ -75,7 +76,8 @@ FETCH = False  # True for --fetch and a rewrite; tests read the cache only
 
 def _fetching(what: str) -> None:
     if not FETCH:
-        raise AssertionError(f"{what} is not in {engine_venv.CACHE}: run `make engine-metadata` (tests never reach the network)")
+        raise AssertionError(f"{what} is not in {engine_venv.CACHE}: run `make "
+                             "engine-metadata` (tests never reach the network)")
 
 
 def metadata(name: str, version: str) -> dict:
@@ -85,7 +87,8 @@ def metadata(name: str, version: str) -> dict:
         _fetching(f"{name} {version}'s wheel metadata")
         META.mkdir(parents=True, exist_ok=True)
         report = META / f".{name}-{version}.report"
-        cp = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed", "--quiet",
+        cp = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed",
+                             "--quiet",
                              "--only-binary=:all:", "--python-version", PY, "--platform", "manylinux_2_28_x86_64",
                              "--target", str(META / ".unused"), "--report", str(report), f"{name}=={version}"],
                             capture_output=True, text=True, timeout=300)
@@ -97,7 +100,8 @@ def metadata(name: str, version: str) -> dict:
 
 
 def torch_requirement(name: str, version: str) -> str:
-    reqs = [r for r in metadata(name, version).get("requires_dist", []) if r.split(";")[0].strip().split("=")[0].split("<")[0]
+    reqs = [r for r in metadata(name, version).get("requires_dist", [])
+            if r.split(";")[0].strip().split("=")[0].split("<")[0]
             .split(">")[0].strip() == "torch"]
     return reqs[0].split(";")[0].strip().removeprefix("torch") or "any" if reqs else "none"
 
@@ -151,14 +155,17 @@ def extension_load(pair: Pair, venvs: dict[Pair, Path]) -> str:
         host = next((v for v in venvs.values() if torch and torch_of(v) == torch), None)
         tree = lmcache_tree(lmcache, venvs)
     if host is None or tree is None:
-        return f"not checked (no engine venv with torch {torch})" if host is None else f"not checked (no LMCache {lmcache} wheel)"
+        return (f"not checked (no engine venv with torch {torch})" if host is None
+                else f"not checked (no LMCache {lmcache} wheel)")
     exts = [so for so in sorted((tree / "lmcache").glob("*.so")) if engine_venv.is_cuda_extension(so)]
     if not exts:
         return f"no: LMCache {lmcache}'s {built} build has no CUDA extension"
     so = exts[0]
     name = "lmcache." + so.name.split(".")[0]
-    code = "import sys, torch, extension_check; extension_check.load(sys.argv[1], __import__('pathlib').Path(sys.argv[2]))"
-    cp = subprocess.run([engine_venv.python(host), "-c", code, name, str(so)], capture_output=True, text=True, timeout=300,
+    code = ("import sys, torch, extension_check; "
+            "extension_check.load(sys.argv[1], __import__('pathlib').Path(sys.argv[2]))")
+    cp = subprocess.run([engine_venv.python(host), "-c", code, name, str(so)], capture_output=True, text=True,
+                        timeout=300,
                         cwd=engine_venv.ROOT / "images" / "serving")  # -c: the cwd is on sys.path
     if cp.returncode == 0:
         return f"yes: {name} loads against torch {torch}"
@@ -211,8 +218,10 @@ NOT_RUN = "not run on a GPU"
 def rows() -> list[dict[str, str]]:
     venvs = engine_venvs()
     offered = images.serving_images()
-    known = sorted(images.KNOWN_IMAGES.items(), key=lambda kv: (kv[0] != images.DEFAULT_IMAGE, kv[0] not in offered, kv[0]))
-    pairs: list[tuple[str, tuple[str | None, str | None, str]]] = [(image, (k.vllm, k.lmcache, k.lmcache_from)) for image, k in known]
+    known = sorted(images.KNOWN_IMAGES.items(), key=lambda kv: (kv[0] != images.DEFAULT_IMAGE, kv[0] not in offered,
+                                                                kv[0]))
+    pairs: list[tuple[str, tuple[str | None, str | None, str]]] = [(image, (k.vllm, k.lmcache, k.lmcache_from))
+                                                                   for image, k in known]
     pairs += [("", c) for c in CANDIDATES]
     out = []
     for image, (vllm, lmcache, built) in pairs:
@@ -313,7 +322,8 @@ def render() -> str:
     for r in table:
         text += "| " + " | ".join(r[k] for k in ("image", "vllm", "lmcache", "torch", "ext", "parser", "loader", "gpu",
                                                    "env")) + " |\n"
-    text += ('\n"not checked": `make test` builds an engine venv for each pair the operator offers (its serving images;\n'
+    text += ('\n"not checked": `make test` builds an engine venv for each pair the operator offers (its serving '
+             'images;\n'
              "tests/engine/build-venv.sh, 8-10 GB each), and for no other pair, so checks that need another pair's\n"
              "venv are not run.\n")
     return text

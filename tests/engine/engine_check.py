@@ -262,13 +262,15 @@ def check_server(case: dict) -> dict:
             "l1_use_lazy": bool(args.l1_use_lazy), "shm_name": mem.shm_name,
             "eviction_policy": sm.eviction_config.eviction_policy,
             "http_host": http.http_host, "http_port": http.http_port,
-            "l2_adapters": [{"class": type(a).__name__, **{k: v for k, v in vars(a).items() if isinstance(v, (str, int, float, bool))}}
+            "l2_adapters": [{"class": type(a).__name__, **{k: v for k, v in vars(a).items()
+                                                           if isinstance(v, (str, int, float, bool))}}
                             for a in sm.l2_adapter_config.adapters],
         })
     except SystemExit as exc:
         out.update(ok=False, stage="parse", error=err.getvalue().strip().splitlines()[-1:] or [str(exc)])
     except Exception as exc:  # noqa: BLE001
-        out.update(ok=False, stage="config", error=[f"{type(exc).__name__}: {exc}"], trace=traceback.format_exc(limit=3))
+        out.update(ok=False, stage="config", error=[f"{type(exc).__name__}: {exc}"],
+                   trace=traceback.format_exc(limit=3))
     return out
 
 

@@ -102,7 +102,8 @@ def tables() -> None:
 
     for pair in PAIRS:
         out = flags.DATA / f"vllm-{pair.vllm}-flags.json"
-        subprocess.run([python(venv_path(pair.vllm, pair.lmcache)), str(HERE / "engine_check.py"), "table", str(out)], check=True)
+        subprocess.run([python(venv_path(pair.vllm, pair.lmcache)), str(HERE / "engine_check.py"), "table", str(out)],
+                       check=True)
 
 
 if __name__ == "__main__":

@@ -130,7 +130,8 @@ def test_native_command_line_through_vllms_parser(engine, case_id):
     assert p["tensor_parallel_size"] == d.spec.engine.tensor_parallel_size
 
 
-VLLM_PAGE = (ROOT / "tests" / "fixtures" / "vllm-0.26.0-lmcache-0.5.3-h200" / "vllm-metrics-with-lmcache.txt").read_text()
+VLLM_PAGE = (ROOT / "tests" / "fixtures" / "vllm-0.26.0-lmcache-0.5.3-h200"
+             / "vllm-metrics-with-lmcache.txt").read_text()
 
 
 def arg_of(args: list[str], flag: str) -> str:
@@ -182,7 +183,8 @@ def test_rendered_server_starts_and_reports_the_budgeted_tiers(venv, tmp_path):
         # extra config): once it registers, the exporter counts the engine and proves offloading.
         kv = json.loads(arg_of(containers(d)["vllm"]["args"], "--kv-transfer-config"))
         kv["kv_connector_extra_config"]["lmcache.mp.port"] = zmq_port
-        worker = subprocess.Popen([str(venv / "bin" / "python"), str(ROOT / "tests" / "engine" / "mp_worker_register.py"),
+        worker = subprocess.Popen([str(venv / "bin" / "python"),
+                                   str(ROOT / "tests" / "engine" / "mp_worker_register.py"),
                                    json.dumps(kv), d.spec.model.name], env={**os.environ, **QUIET},
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:

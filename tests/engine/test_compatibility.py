@@ -12,14 +12,16 @@ def test_the_compatibility_matrix_is_current():
     for pair in engine_venv.PAIRS:
         engine_venv.require(pair.vllm, pair.lmcache)
     text = compatibility.render()
-    assert compatibility.DOC.read_text() == text, "docs/compatibility.md is stale: run .venv/bin/python tests/engine/compatibility.py"
+    assert compatibility.DOC.read_text() == text, (
+        "docs/compatibility.md is stale: run .venv/bin/python tests/engine/compatibility.py")
     lines = text.splitlines()
     # What the checks found, as the reference run said: 0.5.4's extension does not load on vLLM 0.26.0's torch.
     row = next(line for line in lines if line.startswith("| — | 0.26.0 | 0.5.4 |"))
     assert "no: lmcache.cuda_ops against torch 2.11.0: undefined symbol" in row
     # LMCache 0.5.6's PyPI wheel does not load on vLLM 0.33.0's torch 2.14.0 (the finding)...
     row = next(line for line in lines if line.startswith("| — | 0.33.0 | 0.5.6 |"))
-    assert "no: lmcache.cuda_ops against torch 2.14.0: undefined symbol" in row and "c10_cuda_check_implementation" in row
+    assert ("no: lmcache.cuda_ops against torch 2.14.0: undefined symbol" in row
+            and "c10_cuda_check_implementation" in row)
     # ... and compiled from source against that torch it does, and the whole row is checked.
     (offered,) = [i for i in images.serving_images() if i != images.DEFAULT_IMAGE]
     row = next(line for line in lines if line.startswith(f"| `{offered}` | 0.33.0 | 0.5.6 (built from source) |"))

@@ -31,7 +31,8 @@ from kvtest.strategies import valid_specs
 EXAMPLES = sorted((engine_venv.ROOT / "examples").glob("*.yaml"))
 SETTINGS = Settings()
 GENERATED = 250  # rendered specs wanted from the generator (>= 200 are required)
-CONNECTOR = {"lmcache": "LMCacheConnectorV1", "lmcache-server": "LMCacheMPConnector", "vllm-native": "OffloadingConnector"}
+CONNECTOR = {"lmcache": "LMCacheConnectorV1", "lmcache-server": "LMCacheMPConnector",
+             "vllm-native": "OffloadingConnector"}
 
 
 def generated(image: str) -> list[tuple[str, pipeline.Desired]]:
@@ -44,7 +45,8 @@ def generated(image: str) -> list[tuple[str, pipeline.Desired]]:
         if len(out) >= GENERATED:
             return
         try:
-            out.append((f"gen-{len(out)}", pipeline.desired("fuzz", "ns", "uid", for_image(spec_dict, image), SETTINGS)))
+            out.append((f"gen-{len(out)}",
+                        pipeline.desired("fuzz", "ns", "uid", for_image(spec_dict, image), SETTINGS)))
         except ConfigError:
             pass  # refused by the operator (sizing, TP for the model): nothing is rendered for vLLM to see
 
@@ -61,7 +63,8 @@ def results(request):
     for path in EXAMPLES:
         doc = yaml.safe_load(path.read_text())
         try:
-            rendered.append((path.stem, pipeline.desired(doc["metadata"]["name"], "ns", "uid", for_image(doc["spec"], image),
+            rendered.append((path.stem, pipeline.desired(doc["metadata"]["name"], "ns", "uid",
+                                                         for_image(doc["spec"], image),
                                                          SETTINGS)))
         except ConfigError as exc:  # the deliberately infeasible field example
             assert "as-seen-in-the-field" in path.name, exc
@@ -129,7 +132,8 @@ def test_vllm_reads_what_the_operator_meant(results):
         assert p["tensor_parallel_size"] == p["world_size"] == e.tensor_parallel_size  # the pod's GPU count
         assert math.isclose(p["gpu_memory_utilization"], e.gpu_memory_utilization)
         assert p["max_num_seqs"] == e.max_num_seqs
-        assert p["kv_connector"] == CONNECTOR[results["desired"][r["id"]].spec.offload.backend] and p["kv_role"] == "kv_both"
+        assert (p["kv_connector"] == CONNECTOR[results["desired"][r["id"]].spec.offload.backend]
+                and p["kv_role"] == "kv_both")
         if p["kv_connector"] == "LMCacheConnectorV1":
             assert p["disable_hybrid_kv_cache_manager"] is True  # LMCacheConnectorV1 does not support it
         assert p["port"] == 8000 and p["host"] == "0.0.0.0"
@@ -150,7 +154,8 @@ def test_lmcache_loads_every_rendered_config_without_warnings(results):
         assert math.isclose(v["max_local_cpu_size"] * tp, spec.offload.cpu_size / GiB, rel_tol=1e-6, abs_tol=1e-5 * tp)
         if spec.offload.disk:
             assert v["local_disk"] == "/kvcache/"
-            assert math.isclose(v["max_local_disk_size"] * tp, spec.offload.disk.size / GiB, rel_tol=1e-6, abs_tol=1e-5 * tp)
+            assert math.isclose(v["max_local_disk_size"] * tp, spec.offload.disk.size / GiB, rel_tol=1e-6,
+                                abs_tol=1e-5 * tp)
         else:
             assert v["local_disk"] is None and v["max_local_disk_size"] == 0.0
 
@@ -164,7 +169,8 @@ def negative_cases(good: tuple[dict, dict]) -> tuple[list[dict], list[dict]]:
         "value-on-switch": ["--enable-prefix-caching=False"],
     }
     vllm_cases = [{**v, "id": f"neg-{k}", "argv": v["argv"] + extra} for k, extra in variants.items()]
-    vllm_cases.append({**v, "id": "neg-expandable", "env": {**v["env"], "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}})
+    vllm_cases.append({**v, "id": "neg-expandable", "env": {**v["env"],
+                                                            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}})
     return vllm_cases, [{**lm, "id": "neg-unknown-key", "text": lm["text"] + "cpu_threshold: 0.8\n"}]
 
 

@@ -12,7 +12,8 @@ from kvoffload.engine import flags
 
 # What each vLLM's parser really has, beyond "the table is current": the aliases the issue found, the
 # flags that are gone, a switch that takes no value.
-REMOVED = {"0.26.0": ("--swap-space", "--disable-log-requests"), "0.33.0": ("--swap-space", "--max-num-partial-prefills")}
+REMOVED = {"0.26.0": ("--swap-space", "--disable-log-requests"),
+           "0.33.0": ("--swap-space", "--max-num-partial-prefills")}
 
 
 @pytest.mark.parametrize("pair", engine_venv.PAIRS, ids=lambda p: f"vllm-{p.vllm}")

@@ -38,7 +38,8 @@ def test_the_exporters_metric_names_exist_in_each_offered_pair(pair):
     assert {"vllm:kv_cache_usage_perc", "vllm:external_prefix_cache_hits", "vllm:prompt_tokens_by_source"} <= vllm_names
     assert "lmcache:num_retrieve_requests" in lmcache_names
     assert defined(venv, vllm_names, "vllm") == vllm_names, vllm_names - defined(venv, vllm_names, "vllm")
-    assert defined(venv, lmcache_names, "lmcache") == lmcache_names, lmcache_names - defined(venv, lmcache_names, "lmcache")
+    assert defined(venv, lmcache_names, "lmcache") == lmcache_names, (
+        lmcache_names - defined(venv, lmcache_names, "lmcache"))
     # The check has teeth: vLLM 0.33 dropped the old GPU cache gauge.
     if pair.vllm == "0.33.0":
         assert not defined(venv, {"vllm:gpu_cache_usage_perc"}, "vllm")

@@ -66,7 +66,8 @@ def test_the_dockerfiles_load_check_passes_against_the_pinned_torch(image):
              .replace("/opt/kvoffload/", f"{engine_venv.ROOT}/images/serving/"))  # where the image COPYs them
     cp = subprocess.run(["bash", "-o", "pipefail", "-c", check], capture_output=True, text=True, timeout=300)
     assert cp.returncode == 0, cp.stdout + cp.stderr
-    assert re.search(rf"loaded \S+/lmcache/\w+\.cpython-\d+-x86_64-linux-gnu\.so against torch {re.escape(torch)}", cp.stdout), cp.stdout
+    assert re.search(rf"loaded \S+/lmcache/\w+\.cpython-\d+-x86_64-linux-gnu\.so against torch {re.escape(torch)}",
+                     cp.stdout), cp.stdout
     assert "extensions load:" in cp.stdout, cp.stdout  # extension_check.py: every CUDA extension, RTLD_NOW
 
 
@@ -78,7 +79,8 @@ def test_the_load_check_fails_without_the_extension_and_import_would_not(venv):
     cp = subprocess.run(["bash", "-c", check], capture_output=True, text=True, timeout=300)
     assert cp.returncode != 0 and ("No such file" in cp.stderr or "cannot open" in cp.stderr), cp.stderr[-2000:]
     # Importing the module by name gives LMCache's shim, not the shared object: no file behind it.
-    cp = subprocess.run([engine_venv.python(venv), "-c", f"import sys, lmcache.{ext}; m = sys.modules['lmcache.{ext}']; "
+    cp = subprocess.run([engine_venv.python(venv), "-c",
+                         f"import sys, lmcache.{ext}; m = sys.modules['lmcache.{ext}']; "
                          "print('FILE', getattr(m, '__spec__', None) and m.__spec__.origin)"],
                         capture_output=True, text=True, timeout=300)
     assert cp.returncode == 0 and "FILE None" in cp.stdout, cp.stdout + cp.stderr[-2000:]

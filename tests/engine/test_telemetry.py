@@ -63,7 +63,8 @@ def container_env(container: dict) -> dict[str, str]:
         if "value" in var:
             out[var["name"]] = var["value"]
         else:
-            out[var["name"]] = {"metadata.name": "svc-0", "metadata.namespace": "team-a"}[var["valueFrom"]["fieldRef"]["fieldPath"]]
+            fields = {"metadata.name": "svc-0", "metadata.namespace": "team-a"}
+            out[var["name"]] = fields[var["valueFrom"]["fieldRef"]["fieldPath"]]
     return out
 
 
@@ -71,7 +72,8 @@ def probe(venv: Path, env: dict[str, str]) -> dict:
     return dict(_probe(venv, tuple(sorted(env.items()))))
 
 
-@functools.cache  # identical envs (the vllm container of lmcache-server and vllm-native) run once: each run imports torch
+# identical envs (the vllm container of lmcache-server and vllm-native) run once: each run imports torch
+@functools.cache
 def _probe(venv: Path, items: tuple[tuple[str, str], ...]) -> dict:
     env = dict(items)
     with tempfile.TemporaryDirectory() as tmp:

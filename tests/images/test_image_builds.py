@@ -60,7 +60,8 @@ def _require(what: str, ok: bool) -> None:
 @pytest.fixture(scope="module")
 def podman() -> None:
     _require("podman, runc and debootstrap are needed (make system-deps)",
-             all(shutil.which(t, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") for t in ("podman", "runc", "debootstrap")))
+             all(shutil.which(t, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
+                 for t in ("podman", "runc", "debootstrap")))
     _require("running as root is needed (debootstrap, podman's root store)", os.geteuid() == 0)
 
 
@@ -152,7 +153,8 @@ def test_serving_image_steps_ran_for_real(serving_image):
     info = inspect(serving_image)
     assert info["Config"]["User"] == "1000:1000" and info["Config"]["Entrypoint"] == ["vllm", "serve"]
     labels = info["Config"]["Labels"]
-    assert (labels["io.kvoffload.vllm-version"], labels["io.kvoffload.lmcache-version"]) == (images.VLLM_VERSION, images.LMCACHE_VERSION)
+    assert ((labels["io.kvoffload.vllm-version"], labels["io.kvoffload.lmcache-version"])
+            == (images.VLLM_VERSION, images.LMCACHE_VERSION))
     ext = df.args["LMCACHE_EXTENSION"]
     so = rf"/opt/vllm/lib/python3\.11/site-packages/lmcache/{ext}\.cpython-311-x86_64-linux-gnu\.so"
     # The build's own check step loaded the shared object (its log), and so does the same step run again in the image.
@@ -160,13 +162,15 @@ def test_serving_image_steps_ran_for_real(serving_image):
     assert re.search(rf"loaded {so} against torch 2\.11\.0", log), log[-3000:]
     (check,) = [r for r in df.all("RUN") if "module_from_spec" in r]
     cp = run(serving_image, "-o", "pipefail", "-c", check, user="1000:1000", entrypoint=["/bin/bash"])
-    assert cp.returncode == 0 and re.search(rf"loaded {so} against torch 2\.11\.0", cp.stdout), cp.stdout + cp.stderr[-3000:]
+    assert cp.returncode == 0 and re.search(rf"loaded {so} against torch 2\.11\.0", cp.stdout), (
+        cp.stdout + cp.stderr[-3000:])
     # The image's default user is the pod's, with its home; vLLM's own `vllm serve` is the entrypoint.
     cp = run(serving_image, "-c", "id -un; id -u; echo ~; stat -c %u:%g:%a ~", user="1000:1000", entrypoint=["/bin/sh"])
     assert cp.stdout.split() == ["vllm", "1000", "/home/vllm", "1000:1000:750"], cp.stdout + cp.stderr
     # The entrypoint is vLLM's own CLI: without a GPU it stops while building its parser (vLLM cannot
     # infer a device), after running from the image's vllm console script.
-    cp = images.podman("run", "--rm", "--network=none", *images.RUN_LIMITS, serving_image, "--help", check=False, timeout=600)
+    cp = images.podman("run", "--rm", "--network=none", *images.RUN_LIMITS, serving_image, "--help", check=False,
+                       timeout=600)
     out = cp.stdout + cp.stderr
     assert cp.returncode != 0 and "/opt/vllm/lib/python3.11/site-packages/vllm/entrypoints/cli/main.py" in out \
         and "RuntimeError: Failed to infer device type" in out, out[-3000:]
@@ -187,8 +191,10 @@ def test_serving_build_fails_when_the_extension_check_fails(serving_image):
 def installed(image: str) -> list[str]:
     """What the Dockerfiles install (/opt, /home, the users): path, size, mode, owner of every file but
     bytecode (pip's .pyc files are not byte-reproducible)."""
-    cp = images.podman("run", "--rm", "--network=none", *images.RUN_LIMITS, "--user", "0:0", "--entrypoint", '["find"]', image,
-                       "/opt", "/home", "/etc/passwd", "/etc/group", "-not", "-name", "*.pyc", "-printf", "%p %s %m %u\n",
+    cp = images.podman("run", "--rm", "--network=none", *images.RUN_LIMITS, "--user", "0:0", "--entrypoint", '["find"]',
+                       image,
+                       "/opt", "/home", "/etc/passwd", "/etc/group", "-not", "-name", "*.pyc", "-printf",
+                       "%p %s %m %u\n",
                        timeout=600)
     return sorted(cp.stdout.splitlines())
 
@@ -261,7 +267,8 @@ def serving_033_image(podman) -> tuple[str, tuple[str, ...]]:
     elif images.image_id(p.thin_tag) and (p.engine_venv / ".done").exists():
         tag, thin = p.thin_tag, True
     else:
-        pytest.skip(f"{p.tag} is not built here; KVO_IMAGES_033=1 builds it (an LMCache compile: over an hour on 2 cores)")
+        pytest.skip(f"{p.tag} is not built here; KVO_IMAGES_033=1 builds "
+                    "it (an LMCache compile: over an hour on 2 cores)")
     mounts = images.thin_mounts(PAIR_033) if thin else {}
     return tag, tuple(a for src, dst in mounts.items() for a in ("-v", f"{src}:{dst}:ro"))
 
@@ -296,11 +303,13 @@ def test_serving_033_image_runs_as_the_rendered_pod_runs_it(serving_033_image, t
     so = r"/opt/vllm/lib/python3\.11/site-packages/lmcache/cuda_ops\.cpython-311-x86_64-linux-gnu\.so"
     (check,) = [r for r in serving(images.pair(PAIR_033).tag).all("RUN") if "module_from_spec" in r]
     cp = run(image, "-o", "pipefail", "-c", check, user="1000:1000", entrypoint=["/bin/bash"], extra=mounts)
-    assert cp.returncode == 0 and re.search(rf"loaded {so} against torch 2\.14\.0", cp.stdout), cp.stdout + cp.stderr[-3000:]
+    assert cp.returncode == 0 and re.search(rf"loaded {so} against torch 2\.14\.0", cp.stdout), (
+        cp.stdout + cp.stderr[-3000:])
     home = tmp_path / "home"
     home.mkdir(mode=0o750)
     os.chown(home, 1000, 1000)
-    pod = (*mounts, "-v", f"{home}:/home/vllm", "--tmpfs", "/tmp:rw,mode=1777", "--env", "XDG_CACHE_HOME=/home/vllm/.cache")
+    pod = (*mounts, "-v", f"{home}:/home/vllm", "--tmpfs", "/tmp:rw,mode=1777", "--env",
+           "XDG_CACHE_HOME=/home/vllm/.cache")
     cp = run(image, "-c", "import lmcache, lmcache.cuda_ops as c; print('extension', c.__spec__.origin)",
              user="1000:1000", entrypoint=["python3"], extra=pod)
     out = cp.stdout + cp.stderr
@@ -345,7 +354,8 @@ class PodmanPod:
             memory = v.get("emptyDir", {}).get("medium") == "Memory"
             d = (self.shm if memory else work) / v["name"]
             d.mkdir(parents=True)
-            d.chmod(0o755 if "hostPath" in v else 0o777)  # kubelet makes emptyDirs 0777; the admin's root is 0755 root's
+            # kubelet makes emptyDirs 0777; the admin's root is 0755 root's
+            d.chmod(0o755 if "hostPath" in v else 0o777)
             self.volumes[v["name"]] = d
         # The pod's network namespace (no network), held by a sleeping container like a pod's pause container.
         images.podman("run", "-d", "--name", f"{self.name}-infra", *HARDENED, "--user", "65534:65534",
@@ -423,7 +433,8 @@ def test_the_rendered_server_pod_runs_on_the_standin_image(standin_image, operat
         # The init containers: the disk-tier directory handed to UID 1000, the image's real versions.
         # The volume is the allowed root; the subPath of the container holding the disk tier (the LMCache server
         # here) is <rel>/<ns>/<name>/<pod>, the init container's its parent.
-        sub = next(m["subPathExpr"] for c in spec["initContainers"] + spec["containers"] if c["name"] != "prepare-disk-tier"
+        sub = next(m["subPathExpr"] for c in spec["initContainers"] + spec["containers"]
+                   if c["name"] != "prepare-disk-tier"
                    for m in c.get("volumeMounts") or [] if m["name"] == "kv-disk")
         disk = tmp_path / "kv-disk" / expand(sub, {"POD_NAMESPACE": ns, "POD_NAME": fields["metadata.name"]})
         assert disk.relative_to(tmp_path / "kv-disk").parts[1:] == (ns, meta["name"], fields["metadata.name"])
@@ -445,9 +456,11 @@ def test_the_rendered_server_pod_runs_on_the_standin_image(standin_image, operat
                 break
             time.sleep(3)
         else:
-            pytest.fail("pod not up:\n" + "\n".join(f"--- {c}:\n{pod.log(c)[-3000:]}" for c in ("vllm", "lmcache-server", "exporter")) +
+            pytest.fail("pod not up:\n" + "\n".join(f"--- {c}:\n{pod.log(c)[-3000:]}"
+                                                    for c in ("vllm", "lmcache-server", "exporter")) +
                         f"\n--- exporter /metrics:\n{metrics[-3000:]}")
-        # The stand-in says what it is, took vLLM's own parser's word for the rendered args, and serves the recorded page.
+        # The stand-in says what it is, took vLLM's own parser's word for the rendered args, and serves the recorded
+        # page.
         vllm_log = pod.log("vllm")
         assert "STAND-IN vLLM" in vllm_log and "server-vllm.txt (LMCacheMPConnector)" in vllm_log, vllm_log[-3000:]
         page = exec_get(f"{pod.name}-exporter", "http://127.0.0.1:8000/metrics")

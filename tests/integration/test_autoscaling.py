@@ -28,7 +28,8 @@ from kvtest.prometheus import PROMETHEUS, Prometheus
 from kvtest.standin_engines import StandInEngines
 
 pytestmark = [pytest.mark.cluster,
-              pytest.mark.skipif(not PROMETHEUS.exists(), reason="/usr/bin/prometheus is absent (apt-get install prometheus)")]
+              pytest.mark.skipif(not PROMETHEUS.exists(),
+                                 reason="/usr/bin/prometheus is absent (apt-get install prometheus)")]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "autoscaling" / "llama31-8b.yaml"
@@ -63,7 +64,8 @@ def ready_pods(cluster, namespace: str, name: str) -> int:
 def keda(cluster, crd_installed, tmp_path_factory) -> Iterator[Keda]:
     bin_dir = built()
     if bin_dir is None:
-        why = f"KEDA is not built (make keda: tests/autoscaling/build-keda.sh; make test's background build: {background.log('keda')})"
+        why = ("KEDA is not built (make keda: tests/autoscaling/build-keda.sh; "
+               f"make test's background build: {background.log('keda')})")
         if os.environ.get("KVO_REQUIRE_KEDA"):  # make test: the KEDA tests must run
             pytest.fail(why + " (KVO_REQUIRE_KEDA is set)", pytrace=False)
         pytest.skip(why)
@@ -164,7 +166,8 @@ def test_keda_scales_up_under_load_and_down_after_it(cluster, namespace, stack, 
     def autoscaling() -> dict[str, Any]:
         return (c.get("kvoffloadserves", name, namespace).get("status") or {}).get("autoscaling") or {}
 
-    cluster.wait_until(lambda: (autoscaling().get("currentReplicas"), autoscaling().get("desiredReplicas")) == (4, 4), timeout=90,
+    cluster.wait_until(lambda: (autoscaling().get("currentReplicas"), autoscaling().get("desiredReplicas")) == (4, 4),
+                       timeout=90,
                        message="status.autoscaling at 4 replicas")
     st = autoscaling()
     assert st["autoscaler"] == "keda" and st["horizontalPodAutoscaler"] == f"keda-hpa-{name}"
@@ -189,7 +192,8 @@ def test_keda_scales_up_under_load_and_down_after_it(cluster, namespace, stack, 
     (tmp_path / "pinned.yaml").write_text(yaml.safe_dump(pinned))
     cluster.kubectl("apply", "--server-side", "--field-manager=gitops", "-f", str(tmp_path / "pinned.yaml"))
     assert replicas(cluster, namespace, name) == 1
-    cluster.wait_until(lambda: replicas(cluster, namespace, name) == 4, timeout=60, interval=0.5, message="HPA restored 4")
+    cluster.wait_until(lambda: replicas(cluster, namespace, name) == 4, timeout=60, interval=0.5,
+                       message="HPA restored 4")
     server_side_apply(cluster, doc, tmp_path / "serve.yaml")  # back to the manifest without spec.replicas
 
     engines.waiting = 0
@@ -292,14 +296,16 @@ def test_plain_hpa_is_admitted_and_status_says_why_it_cannot_scale(cluster, name
         c = cluster.client
         hpa = cluster.wait_until(lambda: c.get_or_none("horizontalpodautoscalers", name, namespace), timeout=60,
                                  message="the operator's HorizontalPodAutoscaler")
-        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe", "name": name}
+        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe",
+                                                 "name": name}
         assert [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]] == [
             "vllm_num_requests_waiting", "vllm_kv_cache_usage_perc", "vllm_request_queue_time_p90_milliseconds"]
         assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == DOWN_WINDOW
         assert "autoscaler auto: hpa" in op.output()
         # No APIService serves custom.metrics.k8s.io here (the operator read discovery at start): said at once,
         # with the fix, before the HPA controller's own FailedGetPodsMetric.
-        ready = cluster.wait_until(lambda: (lambda cond: cond if cond.get("reason") == "NoCustomMetricsAdapter" else None)(
+        ready = cluster.wait_until(lambda: (lambda cond: cond if cond.get("reason") == "NoCustomMetricsAdapter"
+                                            else None)(
             condition(c.get("kvs", name, namespace), "AutoscalingReady")), timeout=60, message="AutoscalingReady")
         assert ready["status"] == "False" and "install a custom-metrics adapter" in ready["message"], ready
 
@@ -317,11 +323,14 @@ def test_plain_hpa_is_admitted_and_status_says_why_it_cannot_scale(cluster, name
 
 
 @pytest.mark.parametrize("autoscaling,message", [
-    ({"minReplicas": 3, "maxReplicas": 2, "targets": {"waitingRequestsPerReplica": 4}}, "minReplicas must be at most maxReplicas"),
+    ({"minReplicas": 3, "maxReplicas": 2, "targets": {"waitingRequestsPerReplica": 4}},
+     "minReplicas must be at most maxReplicas"),
     ({"maxReplicas": 2, "targets": {}}, "needs at least one of waitingRequestsPerReplica"),
     ({"maxReplicas": 2, "targets": {"kvCacheUsagePercent": 101}}, "kvCacheUsagePercent"),
-    ({"minReplicas": 0, "maxReplicas": 2, "targets": {"waitingRequestsPerReplica": 4}}, "wakeQuery is required with minReplicas 0"),
-    ({"maxReplicas": 2, "targets": {"waitingRequestsPerReplica": 4}, "wakeQuery": "up"}, "wakeQuery is required with minReplicas 0"),
+    ({"minReplicas": 0, "maxReplicas": 2, "targets": {"waitingRequestsPerReplica": 4}},
+     "wakeQuery is required with minReplicas 0"),
+    ({"maxReplicas": 2, "targets": {"waitingRequestsPerReplica": 4}, "wakeQuery": "up"},
+     "wakeQuery is required with minReplicas 0"),
 ])
 def test_the_api_server_refuses_bad_autoscaling(cluster, namespace, crd_installed, autoscaling, message):
     doc = copy.deepcopy(manifest(namespace))

@@ -22,11 +22,14 @@ def serve(name: str, backend: str, disk: bool = True) -> dict:
     (serve("bad", "vllm-native"), "spec.offload.disk: Invalid value"),
     (serve("bad", "vllm-native"), "CPU tier only"),
     ({**serve("bad", "lmcache-server"), "spec": {**serve("bad", "lmcache-server")["spec"], "offload": {
-        "backend": "lmcache-server", "cpu": {"size": "16Gi", "evictionPolicy": "LFU"}}}}, "spec.offload.cpu.evictionPolicy"),
+        "backend": "lmcache-server", "cpu": {"size": "16Gi", "evictionPolicy": "LFU"}}}},
+     "spec.offload.cpu.evictionPolicy"),
     (serve("bad", "redis"), 'spec.offload.backend: Unsupported value: "redis"'),
     # Fields a backend cannot honour (backends/*.refuses), refused by the generated CEL rules as by spec.parse.
-    ({**serve("bad", "vllm-native", disk=False), "spec": {**serve("bad", "vllm-native", disk=False)["spec"], "offload": {
-        "backend": "vllm-native", "chunkSize": 512, "cpu": {"size": "16Gi"}}}}, "spec.offload.chunkSize: Invalid value"),
+    ({**serve("bad", "vllm-native", disk=False),
+      "spec": {**serve("bad", "vllm-native", disk=False)["spec"], "offload": {
+          "backend": "vllm-native", "chunkSize": 512, "cpu": {"size": "16Gi"}}}},
+     "spec.offload.chunkSize: Invalid value"),
     ({**serve("bad", "lmcache"), "spec": {**serve("bad", "lmcache")["spec"], "resources": {
         "gpuMemory": "141Gi", "serverBaseline": "3Gi"}}}, "spec.resources.serverBaseline: Invalid value"),
 ])
@@ -42,7 +45,8 @@ def pod_spec(cluster, ns, name):
 
 
 def test_each_backend_reconciles_with_its_conditions(cluster, namespace, operator):  # noqa: F811
-    for name, backend, disk in (("inproc", "lmcache", True), ("server", "lmcache-server", True), ("native", "vllm-native", False)):
+    for name, backend, disk in (("inproc", "lmcache", True), ("server", "lmcache-server", True),
+                                ("native", "vllm-native", False)):
         cluster.client.apply(serve(name, backend, disk), namespace)
     got = {name: wait_ready(cluster, namespace, name, timeout=240) for name in ("inproc", "server", "native")}
     for name, obj in got.items():
@@ -66,7 +70,8 @@ def test_each_backend_reconciles_with_its_conditions(cluster, namespace, operato
     assert summary["serverMemoryLimit"] == sidecar["resources"]["limits"]["memory"] != summary["serverMemory"]
     pods = {p["metadata"]["name"]: p for p in cluster.client.list("pods", namespace)}
     assert pods["server-0"]["status"]["phase"] == "Running"
-    live = {c["name"]: c["resources"] for c in pods["server-0"]["spec"]["initContainers"] + pods["server-0"]["spec"]["containers"]}
+    live = {c["name"]: c["resources"] for c in pods["server-0"]["spec"]["initContainers"]
+            + pods["server-0"]["spec"]["containers"]}
     assert live["lmcache-server"]["limits"]["memory"] == summary["serverMemoryLimit"]
     # Request below limit in the sidecar: Burstable, as every backend's pod already is (no CPU limits).
     assert pods["server-0"]["status"]["qosClass"] == pods["inproc-0"]["status"]["qosClass"] == "Burstable"

@@ -46,7 +46,8 @@ class Case:
 
     @property
     def name(self) -> str:
-        return self.changes.get("metadata.name") or re.sub(r"[^a-z0-9]+", "-", self.id.lower()).strip("-")[:52].rstrip("-")
+        return (self.changes.get("metadata.name")
+                or re.sub(r"[^a-z0-9]+", "-", self.id.lower()).strip("-")[:52].rstrip("-"))
 
     def manifest(self) -> dict[str, Any]:
         obj = patched(VALID, self.changes)
@@ -59,14 +60,19 @@ CASES = [
     # --- wrong types
     Case("type replicas string", {"spec.replicas": "two"}, API, "spec.replicas", "must be of type integer"),
     Case("type maxModelLen string", {"spec.engine.maxModelLen": "long"}, API, "spec.engine.maxModelLen"),
-    Case("type gpuMemoryUtilization string", {"spec.engine.gpuMemoryUtilization": "high"}, API, "spec.engine.gpuMemoryUtilization"),
+    Case("type gpuMemoryUtilization string", {"spec.engine.gpuMemoryUtilization": "high"}, API,
+         "spec.engine.gpuMemoryUtilization"),
     Case("type metrics enabled string", {"spec.metrics": {"enabled": "yes"}}, API, "spec.metrics.enabled", "boolean"),
-    Case("type cpu size integer", {"spec.offload.cpu.size": 40}, API, "spec.offload.cpu.size", "must be of type string"),
+    Case("type cpu size integer", {"spec.offload.cpu.size": 40}, API, "spec.offload.cpu.size",
+         "must be of type string"),
     Case("type extraArgs string", {"spec.engine.extraArgs": "--enforce-eager"}, API, "spec.engine.extraArgs", "array"),
-    Case("type tolerations string", {"spec.scheduling": {"tolerations": "all"}}, API, "spec.scheduling.tolerations", "array"),
-    Case("type env value integer", {"spec.engine.env": [{"name": "A", "value": 5}]}, API, "spec.engine.env[0].value", "string"),
+    Case("type tolerations string", {"spec.scheduling": {"tolerations": "all"}}, API, "spec.scheduling.tolerations",
+         "array"),
+    Case("type env value integer", {"spec.engine.env": [{"name": "A", "value": 5}]}, API, "spec.engine.env[0].value",
+         "string"),
     Case("type model string", {"spec.model": "Qwen/Qwen2.5-7B-Instruct"}, API, "spec.model", "must be of type object"),
-    Case("type nodeSelector value integer", {"spec.scheduling": {"nodeSelector": {"pool": 1}}}, API, "spec.scheduling.nodeSelector.pool"),
+    Case("type nodeSelector value integer", {"spec.scheduling": {"nodeSelector": {"pool": 1}}}, API,
+         "spec.scheduling.nodeSelector.pool"),
     # --- out-of-range numbers
     Case("range replicas negative", {"spec.replicas": -1}, API, "spec.replicas", "greater than or equal to 0"),
     Case("range replicas 1001", {"spec.replicas": 1001}, API, "spec.replicas"),
@@ -87,10 +93,13 @@ CASES = [
     Case("missing model name", {"spec.model": {"servedName": "x"}}, API, "spec.model.name", "Required value"),
     Case("missing maxModelLen", {"spec.engine": {"maxNumSeqs": 4}}, API, "spec.engine.maxModelLen", "Required value"),
     Case("missing cpu tier", {"spec.offload.cpu": DELETE}, API, "spec.offload.cpu", "Required value"),
-    Case("missing disk size", {"spec.offload.disk": {"path": "/mnt/nvme/lmcache"}}, API, "spec.offload.disk.size", "Required value"),
-    Case("missing secret name", {"spec.model.hfTokenSecret": {"key": "token"}}, API, "spec.model.hfTokenSecret.name", "Required value"),
+    Case("missing disk size", {"spec.offload.disk": {"path": "/mnt/nvme/lmcache"}}, API, "spec.offload.disk.size",
+         "Required value"),
+    Case("missing secret name", {"spec.model.hfTokenSecret": {"key": "token"}}, API, "spec.model.hfTokenSecret.name",
+         "Required value"),
     # --- conflicting fields
-    Case("conflict path and storageClass", {"spec.offload.disk.storageClassName": "local-nvme"}, API, "spec.offload.disk",
+    Case("conflict path and storageClass", {"spec.offload.disk.storageClassName": "local-nvme"}, API,
+         "spec.offload.disk",
          "set exactly one of"),
     Case("conflict neither path nor storageClass", {"spec.offload.disk": {"size": "10Gi"}}, API, "spec.offload.disk",
          "set exactly one of"),
@@ -102,7 +111,8 @@ CASES = [
          "spec.model.architecture.kvHeads", "divide"),
     # --- unknown fields (kubectl's default strict field validation)
     Case("unknown cpuThreshold", {"spec.offload.cpuThreshold": 0.8}, API, "spec.offload.cpuThreshold", "unknown field"),
-    Case("unknown typo maxModelLength", {"spec.engine.maxModelLength": 4096}, API, "spec.engine.maxModelLength", "unknown field"),
+    Case("unknown typo maxModelLength", {"spec.engine.maxModelLength": 4096}, API, "spec.engine.maxModelLength",
+         "unknown field"),
     Case("unknown top-level gpus", {"spec.gpus": 2}, API, "spec.gpus", "unknown field"),
     # --- hostPath escapes (shape, checked by the schema and CEL)
     Case("path dotdot escape", {P: "/mnt/nvme/../../etc"}, API, P, "normalized"),
@@ -128,63 +138,82 @@ CASES = [
     Case("enum eviction lowercase", {"spec.offload.cpu.evictionPolicy": "lru"}, API, "spec.offload.cpu.evictionPolicy",
          "Unsupported value"),
     Case("enum eviction RANDOM", {"spec.offload.cpu.evictionPolicy": "RANDOM"}, API, "spec.offload.cpu.evictionPolicy"),
-    Case("enum reclaim Recycle", {"spec.offload.disk.reclaimPolicy": "Recycle"}, API, "spec.offload.disk.reclaimPolicy"),
+    Case("enum reclaim Recycle", {"spec.offload.disk.reclaimPolicy": "Recycle"}, API,
+         "spec.offload.disk.reclaimPolicy"),
     Case("enum dtype fp4", {"spec.engine.dtype": "fp4"}, API, "spec.engine.dtype"),
     Case("enum kvDtype int4", {"spec.model.kvDtype": "int4"}, API, "spec.model.kvDtype"),
     # --- managed flags and env
-    Case("flag max-model-len", {"spec.engine.extraArgs": ["--max-model-len=1"]}, API, "spec.engine.extraArgs", "manages"),
-    Case("flag underscore spelling", {"spec.engine.extraArgs": ["--max_model_len", "1"]}, API, "spec.engine.extraArgs", "manages"),
+    Case("flag max-model-len", {"spec.engine.extraArgs": ["--max-model-len=1"]}, API, "spec.engine.extraArgs",
+         "manages"),
+    Case("flag underscore spelling", {"spec.engine.extraArgs": ["--max_model_len", "1"]}, API, "spec.engine.extraArgs",
+         "manages"),
     Case("flag dotted json key", {"spec.engine.extraArgs": ["--kv-transfer-config.kv_connector=Other"]}, API,
          "spec.engine.extraArgs", "manages"),
     Case("flag tp short", {"spec.engine.extraArgs": ["-tp", "2"]}, API, "spec.engine.extraArgs", "manages"),
     # vLLM's parser takes any unambiguous prefix (allow_abbrev): these set managed flags too
     Case("flag abbrev kv-transfer", {"spec.engine.extraArgs": ["--kv-transfer", '{"kv_connector":"Other"}']}, API,
          "spec.engine.extraArgs", "abbreviate"),
-    Case("flag abbrev kv-offloading-s", {"spec.engine.extraArgs": ["--kv-offloading-s", "10"]}, API, "spec.engine.extraArgs", "abbreviate"),
+    Case("flag abbrev kv-offloading-s", {"spec.engine.extraArgs": ["--kv-offloading-s", "10"]}, API,
+         "spec.engine.extraArgs", "abbreviate"),
     Case("flag abbrev t for tp", {"spec.engine.extraArgs": ["-t", "2"]}, API, "spec.engine.extraArgs", "abbreviate"),
-    Case("flag abbrev tensor-parallel", {"spec.engine.extraArgs": ["--tensor-parallel=2"]}, API, "spec.engine.extraArgs", "abbreviate"),
-    Case("flag abbrev max-model", {"spec.engine.extraArgs": ["--max-model", "1"]}, API, "spec.engine.extraArgs", "abbreviate"),
-    Case("flag abbrev gpu-memory", {"spec.engine.extraArgs": ["--gpu_memory", "0.5"]}, API, "spec.engine.extraArgs", "abbreviate"),
-    Case("flag abbrev served-model", {"spec.engine.extraArgs": ["--served-model", "x"]}, API, "spec.engine.extraArgs", "abbreviate"),
+    Case("flag abbrev tensor-parallel", {"spec.engine.extraArgs": ["--tensor-parallel=2"]}, API,
+         "spec.engine.extraArgs", "abbreviate"),
+    Case("flag abbrev max-model", {"spec.engine.extraArgs": ["--max-model", "1"]}, API, "spec.engine.extraArgs",
+         "abbreviate"),
+    Case("flag abbrev gpu-memory", {"spec.engine.extraArgs": ["--gpu_memory", "0.5"]}, API, "spec.engine.extraArgs",
+         "abbreviate"),
+    Case("flag abbrev served-model", {"spec.engine.extraArgs": ["--served-model", "x"]}, API, "spec.engine.extraArgs",
+         "abbreviate"),
     # GPU count and memory budget
     Case("flag pipeline parallel", {"spec.engine.extraArgs": ["-pp", "2"]}, API, "spec.engine.extraArgs", "GPU count"),
     Case("flag data parallel", {"spec.engine.extraArgs": ["-dp=2"]}, API, "spec.engine.extraArgs", "GPU count"),
-    Case("flag cpu offload gb", {"spec.engine.extraArgs": ["--cpu-offload-gb", "8"]}, API, "spec.engine.extraArgs", "memory budget"),
-    Case("flag kv cache memory bytes", {"spec.engine.extraArgs": ["--kv-cache-memory-bytes=8G"]}, API, "spec.engine.extraArgs",
+    Case("flag cpu offload gb", {"spec.engine.extraArgs": ["--cpu-offload-gb", "8"]}, API, "spec.engine.extraArgs",
+         "memory budget"),
+    Case("flag kv cache memory bytes", {"spec.engine.extraArgs": ["--kv-cache-memory-bytes=8G"]}, API,
+         "spec.engine.extraArgs",
          "memory budget"),
     Case("flag hybrid kv cache manager on", {"spec.engine.extraArgs": ["--no-disable-hybrid-kv-cache-manager"]}, API,
          "spec.engine.extraArgs", "--no-disable-hybrid-kv-cache-manager"),
-    Case("env LMCACHE prefix", {"spec.engine.env": [{"name": "LMCACHE_LOCAL_DISK", "value": "True"}]}, API, "spec.engine.env", "LMCACHE_*"),
+    Case("env LMCACHE prefix", {"spec.engine.env": [{"name": "LMCACHE_LOCAL_DISK", "value": "True"}]}, API,
+         "spec.engine.env", "LMCACHE_*"),
     Case("env PYTHONHASHSEED", {"spec.engine.env": [{"name": "PYTHONHASHSEED", "value": "1"}]}, API, "spec.engine.env"),
-    Case("env model runner", {"spec.engine.env": [{"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "1"}]}, API, "spec.engine.env",
+    Case("env model runner", {"spec.engine.env": [{"name": "VLLM_USE_V2_MODEL_RUNNER", "value": "1"}]}, API,
+         "spec.engine.env",
          "V2 runner skips LMCache's KV loads"),
     Case("env DO_NOT_TRACK turns telemetry on", {"spec.engine.env": [{"name": "DO_NOT_TRACK", "value": "0"}]}, API,
          "spec.engine.env", "usage telemetry off"),
-    Case("env VLLM_NO_USAGE_STATS turns telemetry on", {"spec.engine.env": [{"name": "VLLM_NO_USAGE_STATS", "value": "0"}]}, API,
+    Case("env VLLM_NO_USAGE_STATS turns telemetry on",
+         {"spec.engine.env": [{"name": "VLLM_NO_USAGE_STATS", "value": "0"}]}, API,
          "spec.engine.env", "VLLM_NO_USAGE_STATS"),
     Case("env POD_NAMESPACE redirects disk", {"spec.engine.env": [{"name": "POD_NAMESPACE", "value": "victim"}]}, API,
          "spec.engine.env", "POD_NAMESPACE"),
     # what the operator decides in the pod (kvoffload/api/managed.py): refused by name, with the reason
     Case("env CUDA_VISIBLE_DEVICES", {"spec.engine.env": [{"name": "CUDA_VISIBLE_DEVICES", "value": "0,1,2,3"}]}, API,
          "spec.engine.env", "CUDA_VISIBLE_DEVICES is managed by the operator: the operator decides which GPUs"),
-    Case("env NVIDIA_VISIBLE_DEVICES all", {"spec.engine.env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}, API,
+    Case("env NVIDIA_VISIBLE_DEVICES all", {"spec.engine.env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]},
+         API,
          "spec.engine.env", "NVIDIA_VISIBLE_DEVICES is managed by the operator"),
     Case("env HF_HOME elsewhere", {"spec.engine.env": [{"name": "HF_HOME", "value": "/root/.cache"}]}, API,
          "spec.engine.env", "HF_HOME is managed by the operator: the operator decides where the engine's weights"),
-    Case("env TMPDIR elsewhere", {"spec.engine.env": [{"name": "A", "value": "1"}, {"name": "TMPDIR", "value": "/dev/shm"}]},
+    Case("env TMPDIR elsewhere", {"spec.engine.env": [{"name": "A", "value": "1"},
+                                                      {"name": "TMPDIR", "value": "/dev/shm"}]},
          API, "spec.engine.env", "TMPDIR is managed by the operator"),
-    Case("env HOME and LMCACHE", {"spec.engine.env": [{"name": "HOME", "value": "/"}, {"name": "LMCACHE_X", "value": "1"}]},
-         API, "spec.engine.env", "HOME is managed by the operator: the operator decides where the engine's weights, caches and "
-                                 "temporary files go"),
-    Case("flag download-dir moves the weights", {"spec.engine.extraArgs": ["--download-dir=/tmp/w"]}, API, "spec.engine.extraArgs",
+    Case("env HOME and LMCACHE",
+         {"spec.engine.env": [{"name": "HOME", "value": "/"}, {"name": "LMCACHE_X", "value": "1"}]},
+         API, "spec.engine.env", "HOME is managed by the operator: the operator decides where the engine's weights, "
+                                 "caches and temporary files go"),
+    Case("flag download-dir moves the weights", {"spec.engine.extraArgs": ["--download-dir=/tmp/w"]}, API,
+         "spec.engine.extraArgs",
          "--download-dir"),
     Case("metrics port is vLLM's", {"spec.metrics": {"port": 8000}}, API, "spec.metrics.port",
          "8000 is the vllm container's port"),
     Case("metrics port is the LMCache server's", {"spec.metrics": {"port": 5555}}, API, "spec.metrics.port",
          "5555 is the lmcache-server container's ZMQ port"),
     Case("metrics port is the server's HTTP", {"spec.metrics": {"port": 8081}}, API, "spec.metrics.port", "8081"),
-    Case("flag api-key literal", {"spec.engine.extraArgs": ["--api-key=secret"]}, API, "spec.engine.extraArgs", "--api-key"),
-    Case("env VLLM_API_KEY literal", {"spec.engine.env": [{"name": "VLLM_API_KEY", "value": "secret"}]}, API, "spec.engine.env",
+    Case("flag api-key literal", {"spec.engine.extraArgs": ["--api-key=secret"]}, API, "spec.engine.extraArgs",
+         "--api-key"),
+    Case("env VLLM_API_KEY literal", {"spec.engine.env": [{"name": "VLLM_API_KEY", "value": "secret"}]}, API,
+         "spec.engine.env",
          "VLLM_API_KEY"),
     # --- a hostile tenant (issue 32): tokens, host devices, unguarded endpoints, flags that leave the pod's contract
     Case("duplicate env name", {"spec.engine.env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}, API,
@@ -195,21 +224,26 @@ CASES = [
          "secretKeyRef": {"name": "other", "key": "t"}}}]}, API, "spec.engine.env", "spec.model.hfTokenSecret only"),
     Case("env VLLM_SERVER_DEV_MODE", {"spec.engine.env": [{"name": "VLLM_SERVER_DEV_MODE", "value": "1"}]}, API,
          "spec.engine.env", "which the API key does not guard"),
-    Case("flag hf-token literal", {"spec.engine.extraArgs": ["--hf-token", "hf_x"]}, API, "spec.engine.extraArgs", "--hf-token"),
+    Case("flag hf-token literal", {"spec.engine.extraArgs": ["--hf-token", "hf_x"]}, API, "spec.engine.extraArgs",
+         "--hf-token"),
     Case("flag allowed-local-media-path", {"spec.engine.extraArgs": ["--allowed-local-media-path=/"]}, API,
          "spec.engine.extraArgs", "--allowed-local-media-path"),
     Case("flag kv-events-config", {"spec.engine.extraArgs": ["--kv-events-config", "{}"]}, API, "spec.engine.extraArgs",
          "--kv-events-config"),
     Case("flag uds", {"spec.engine.extraArgs": ["--uds", "/tmp/s"]}, API, "spec.engine.extraArgs", "--uds"),
     Case("flag grpc", {"spec.engine.extraArgs": ["--grpc"]}, API, "spec.engine.extraArgs", "--grpc"),
-    Case("flag ssl-keyfile", {"spec.engine.extraArgs": ["--ssl-keyfile", "/tmp/k"]}, API, "spec.engine.extraArgs", "--ssl-keyfile"),
+    Case("flag ssl-keyfile", {"spec.engine.extraArgs": ["--ssl-keyfile", "/tmp/k"]}, API, "spec.engine.extraArgs",
+         "--ssl-keyfile"),
     Case("flag api-server-count", {"spec.engine.extraArgs": ["--api-server-count", "4"]}, API, "spec.engine.extraArgs",
          "--api-server-count"),
     Case("flag nnodes", {"spec.engine.extraArgs": ["--nnodes", "2"]}, API, "spec.engine.extraArgs", "--nnodes"),
-    Case("flag speculative-config", {"spec.engine.extraArgs": ["--speculative-config", "{}"]}, API, "spec.engine.extraArgs",
+    Case("flag speculative-config", {"spec.engine.extraArgs": ["--speculative-config", "{}"]}, API,
+         "spec.engine.extraArgs",
          "--speculative-config"),
-    Case("flag hf-overrides", {"spec.engine.extraArgs": ["--hf-overrides", "{}"]}, API, "spec.engine.extraArgs", "--hf-overrides"),
-    Case("apiKeySecretRef without name", {"spec.engine.apiKeySecretRef": {"key": "k"}}, API, "spec.engine.apiKeySecretRef.name",
+    Case("flag hf-overrides", {"spec.engine.extraArgs": ["--hf-overrides", "{}"]}, API, "spec.engine.extraArgs",
+         "--hf-overrides"),
+    Case("apiKeySecretRef without name", {"spec.engine.apiKeySecretRef": {"key": "k"}}, API,
+         "spec.engine.apiKeySecretRef.name",
          "Required value"),
     Case("networkPolicy namespace invalid", {"spec.networkPolicy": {"servingFrom": ["Team_A"]}}, API,
          "spec.networkPolicy.servingFrom[0]"),
@@ -224,11 +258,13 @@ CASES = [
     Case("name upper case", {"metadata.name": "Serve"}, API, "metadata.name"),
     # --- other shapes the pod would refuse later
     Case("gpuResourceName memory", {"spec.resources.gpuResourceName": "memory"}, API, "spec.resources.gpuResourceName"),
-    Case("priorityClassName invalid", {"spec.scheduling": {"priorityClassName": "Bad_Class"}}, API, "spec.scheduling.priorityClassName"),
+    Case("priorityClassName invalid", {"spec.scheduling": {"priorityClassName": "Bad_Class"}}, API,
+         "spec.scheduling.priorityClassName"),
     Case("claimName invalid", {"spec.model.cache": {"claimName": "models/weights"}}, API, "spec.model.cache.claimName"),
     Case("vllmVersion latest", {"spec.engine.vllmVersion": "latest"}, API, "spec.engine.vllmVersion"),
     Case("model name with space", {"spec.model.name": "my model"}, API, "spec.model.name"),
-    Case("nodeSelector key invalid", {"spec.scheduling": {"nodeSelector": {"bad key!": "x"}}}, API, "spec.scheduling.nodeSelector",
+    Case("nodeSelector key invalid", {"spec.scheduling": {"nodeSelector": {"bad key!": "x"}}}, API,
+         "spec.scheduling.nodeSelector",
          "label keys"),
 
     # ---- accepted by the API server, refused by the operator (what only it knows)
@@ -238,56 +274,71 @@ CASES = [
     Case("op path is the second root", {P: "/var/lib/kvoffload"}, OPERATOR, P, "allowed root itself"),
     Case("op path root lookalike", {P: "/mnt/nvme2/kv"}, OPERATOR, P, "outside the allowed roots"),
     Case("op path under root parent", {P: "/mnt/kv"}, OPERATOR, P, "outside the allowed roots"),
-    Case("op weights larger than gpu", {"spec.model.name": "meta-llama/Llama-3.1-70B-Instruct", "spec.resources.gpuMemory": "80Gi"},
+    Case("op weights larger than gpu", {"spec.model.name": "meta-llama/Llama-3.1-70B-Instruct",
+                                        "spec.resources.gpuMemory": "80Gi"},
          OPERATOR, "spec.resources.gpuMemory", "weights"),
-    Case("op low utilization leaves no room", {"spec.engine.gpuMemoryUtilization": 0.05}, OPERATOR, "spec.resources.gpuMemory",
+    Case("op low utilization leaves no room", {"spec.engine.gpuMemoryUtilization": 0.05}, OPERATOR,
+         "spec.resources.gpuMemory",
          "leaves no room for KV"),
-    Case("op maxModelLen too long for gpu", {"spec.model.name": "meta-llama/Llama-2-7b-hf", "spec.engine.maxModelLen": 1048576},
+    Case("op maxModelLen too long for gpu", {"spec.model.name": "meta-llama/Llama-2-7b-hf",
+                                             "spec.engine.maxModelLen": 1048576},
          OPERATOR, "spec.engine.maxModelLen", "lower"),
-    Case("op tp 3 for qwen", {"spec.engine.tensorParallelSize": 3}, OPERATOR, "spec.engine.tensorParallelSize", "does not divide"),
-    Case("op tp 64 for llama 8b", {"spec.model.name": "meta-llama/Llama-3.1-8B-Instruct", "spec.engine.tensorParallelSize": 64},
+    Case("op tp 3 for qwen", {"spec.engine.tensorParallelSize": 3}, OPERATOR, "spec.engine.tensorParallelSize",
+         "does not divide"),
+    Case("op tp 64 for llama 8b", {"spec.model.name": "meta-llama/Llama-3.1-8B-Instruct",
+                                   "spec.engine.tensorParallelSize": 64},
          OPERATOR, "spec.engine.tensorParallelSize"),
-    Case("op unknown model", {"spec.model.name": "acme/secret-model-7b"}, OPERATOR, "spec.model.name", "not in the built-in catalog"),
-    Case("op unknown model partial arch", {"spec.model.name": "acme/secret-model-7b", "spec.model.architecture": {"layers": 32}},
+    Case("op unknown model", {"spec.model.name": "acme/secret-model-7b"}, OPERATOR, "spec.model.name",
+         "not in the built-in catalog"),
+    Case("op unknown model partial arch", {"spec.model.name": "acme/secret-model-7b",
+                                           "spec.model.architecture": {"layers": 32}},
          OPERATOR, "spec.model.architecture.kvHeads"),
     Case("op image not allowed", {"spec.engine.image": "evil.example/vllm:custom", "spec.engine.vllmVersion": "0.26.0",
                                   "spec.engine.lmcacheVersion": "0.5.3"}, OPERATOR, "spec.engine.image",
          "is not an image the cluster admin allows"),
-    Case("op image beside an allowed path", {"spec.engine.image": "registry.examplex/vllm:1", "spec.engine.vllmVersion": "0.26.0",
+    Case("op image beside an allowed path", {"spec.engine.image": "registry.examplex/vllm:1",
+                                             "spec.engine.vllmVersion": "0.26.0",
                                              "spec.engine.lmcacheVersion": "0.5.3"}, OPERATOR, "spec.engine.image",
          "allowlist (registry.example/*)"),
     Case("op env NVIDIA_MOFED", {"spec.engine.env": [{"name": "NVIDIA_MOFED", "value": "enabled"}]}, OPERATOR,
          "spec.engine.env", "NVIDIA_MOFED is managed by the operator: the NVIDIA container runtime reads NVIDIA_*"),
-    Case("op env NVIDIA_IMEX_CHANNELS", {"spec.engine.env": [{"name": "NVIDIA_IMEX_CHANNELS", "value": "all"}]}, OPERATOR,
+    Case("op env NVIDIA_IMEX_CHANNELS", {"spec.engine.env": [{"name": "NVIDIA_IMEX_CHANNELS", "value": "all"}]},
+         OPERATOR,
          "spec.engine.env", "allowedNvidiaEnv"),
     Case("op unknown image", {"spec.engine.image": "registry.example/vllm:custom"}, OPERATOR, "spec.engine.vllmVersion",
          "version table"),
     Case("op vllm too old", {"spec.engine.image": "registry.example/vllm:old", "spec.engine.vllmVersion": "0.5.0",
                              "spec.engine.lmcacheVersion": "0.5.6"}, OPERATOR, "spec.engine.vllmVersion", "predates"),
     Case("op lmcache too old", {"spec.engine.image": "registry.example/vllm:old", "spec.engine.vllmVersion": "0.27.1",
-                                "spec.engine.lmcacheVersion": "0.1.0"}, OPERATOR, "spec.engine.lmcacheVersion", "too old"),
+                                "spec.engine.lmcacheVersion": "0.1.0"}, OPERATOR, "spec.engine.lmcacheVersion",
+         "too old"),
     Case("op lmcache image has no vllm pin", {"spec.engine.image": "lmcache/vllm-openai:v0.5.4"}, OPERATOR,
          "spec.engine.vllmVersion", "unpinned"),
     Case("op extraArgs for a vllm without a flag table", {"spec.engine.image": "lmcache/vllm-openai:v0.5.4",
                                                           "spec.engine.vllmVersion": "0.29.0",
                                                           "spec.engine.extraArgs": ["--enforce-eager"]},
          OPERATOR, "spec.engine.extraArgs", "vLLM 0.29.0 has no flag table"),
-    Case("op env expandable segments", {"spec.engine.env": [{"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True"}]},
+    Case("op env expandable segments", {"spec.engine.env": [{"name": "PYTORCH_CUDA_ALLOC_CONF",
+                                                             "value": "expandable_segments:True"}]},
          OPERATOR, "spec.engine.env", "vLLM 0.26.0 refuses expandable_segments:True"),
     # ---- checked against vLLM 0.26.0's own flag table (the default image's vLLM)
     Case("op flag removed disable-log-requests", {"spec.engine.extraArgs": ["--disable-log-requests"]}, OPERATOR,
          "spec.engine.extraArgs", "'--disable-log-requests' (vLLM 0.26.0) is not a flag of vLLM 0.26.0"),
-    Case("op flag removed swap-space", {"spec.engine.extraArgs": ["--swap-space", "4"]}, OPERATOR, "spec.engine.extraArgs",
+    Case("op flag removed swap-space", {"spec.engine.extraArgs": ["--swap-space", "4"]}, OPERATOR,
+         "spec.engine.extraArgs",
          "'--swap-space' (vLLM 0.26.0) is not a flag"),
     Case("op flag value on a switch", {"spec.engine.extraArgs": ["--enable-prefix-caching=False"]}, OPERATOR,
          "spec.engine.extraArgs", "--enable-prefix-caching takes no value"),
-    Case("op flag ambiguous abbreviation", {"spec.engine.extraArgs": ["--enable-pr"]}, OPERATOR, "spec.engine.extraArgs",
+    Case("op flag ambiguous abbreviation", {"spec.engine.extraArgs": ["--enable-pr"]}, OPERATOR,
+         "spec.engine.extraArgs",
          "ambiguous abbreviation"),
-    Case("op flag unambiguous abbreviation", {"spec.engine.extraArgs": ["--enforce"]}, OPERATOR, "spec.engine.extraArgs",
+    Case("op flag unambiguous abbreviation", {"spec.engine.extraArgs": ["--enforce"]}, OPERATOR,
+         "spec.engine.extraArgs",
          "abbreviates --enforce-eager"),
     Case("op flag integer value", {"spec.engine.extraArgs": ["--block-size", "big"]}, OPERATOR,
          "spec.engine.extraArgs", "--block-size takes an integer"),
-    Case("op flag stray positional", {"spec.engine.extraArgs": ["--enforce-eager", "yes"]}, OPERATOR, "spec.engine.extraArgs",
+    Case("op flag stray positional", {"spec.engine.extraArgs": ["--enforce-eager", "yes"]}, OPERATOR,
+         "spec.engine.extraArgs",
          "is not a flag"),
 ]
 API_CASES = [c for c in CASES if c.where == API]
@@ -296,8 +347,10 @@ OPERATOR_CASES = [c for c in CASES if c.where == OPERATOR]
 # Valid configs that no node can hold: rendered, then refused by kube-scheduler.
 UNSCHEDULABLE = [
     Case("sched cpu tier beyond every node", {"spec.offload.cpu.size": "3Ti"}, "scheduler", "Insufficient memory"),
-    Case("sched more gpus than any node", {"spec.model.name": "meta-llama/Llama-3.1-405B-Instruct", "spec.engine.maxModelLen": 8192,
-                                           "spec.engine.tensorParallelSize": 16}, "scheduler", "Insufficient nvidia.com/gpu"),
+    Case("sched more gpus than any node", {"spec.model.name": "meta-llama/Llama-3.1-405B-Instruct",
+                                           "spec.engine.maxModelLen": 8192,
+                                           "spec.engine.tensorParallelSize": 16}, "scheduler",
+         "Insufficient nvidia.com/gpu"),
 ]
 
 
@@ -309,7 +362,8 @@ def test_catalogue_is_big_and_names_are_unique():
 
 @pytest.fixture(scope="module")
 def ns(cluster, crd_installed):
-    name = cluster.client.namespace(f"t-bad-input-{uuid.uuid4().hex[:6]}", labels={"kvoffload.io/test": "true"}, timeout=30)
+    name = cluster.client.namespace(f"t-bad-input-{uuid.uuid4().hex[:6]}", labels={"kvoffload.io/test": "true"},
+                                    timeout=30)
     yield name
     with contextlib.suppress(ApiError):  # not awaited; best effort
         cluster.client.delete("namespace", name, missing_ok=True)
@@ -447,7 +501,8 @@ def test_operator_changes_nothing_when_a_running_serve_turns_bad(cluster, ns, op
         # Controllers write the status of StatefulSets and PDBs; nobody but the operator writes ConfigMaps and Services.
         return {(k["kind"], k["metadata"]["name"]): json.dumps(
                     [k.get("spec"), k.get("data"), k["metadata"].get("labels"), k["metadata"].get("annotations"),
-                     k["metadata"].get("generation"), k["metadata"]["resourceVersion"] if k["kind"] in ("ConfigMap", "Service") else ""],
+                     k["metadata"].get("generation"), k["metadata"]["resourceVersion"]
+                     if k["kind"] in ("ConfigMap", "Service") else ""],
                     sort_keys=True)
                 for k in children(cluster, ns).get(name, [])}
 
@@ -477,7 +532,8 @@ def test_operator_changes_nothing_when_a_running_serve_turns_bad(cluster, ns, op
 
         cluster.wait_until(judged, timeout=60, message=f"{name} ConfigValid=False for {case.id}")
     assert fingerprint() == before
-    assert len(applied.findall(operator.output())) == applies_before, "the operator applied a child while the spec was invalid"
+    assert len(applied.findall(operator.output())) == applies_before, (
+        "the operator applied a child while the spec was invalid")
     # Back to the valid spec: the same children, still untouched (nothing differs, so nothing is applied).
     assert apply_error(cluster, ns, good) is None
     cluster.wait_until(lambda: (verdict_at_generation(serves(cluster, ns)[name]) or {}).get("status") == "True",
@@ -502,7 +558,8 @@ def test_scheduler_refuses_what_no_node_can_hold(cluster, ns, operator, case):
     assert case.needle in condition(obj, "Scheduled")["message"]
     assert condition(obj, "ConfigValid")["status"] == "True"
     assert condition(obj, "Ready")["status"] == "False"
-    assert {k["kind"] for k in children(cluster, ns)[case.name]} == {"ConfigMap", "Service", "StatefulSet", "PodDisruptionBudget"}
+    assert {k["kind"] for k in children(cluster, ns)[case.name]} == {"ConfigMap", "Service", "StatefulSet",
+                                                                     "PodDisruptionBudget"}
 
 
 # ----------------------------------------------------------------------------- the node cleaner's live set from the API

@@ -153,7 +153,8 @@ def test_ci_scenario_server_dry_run(cluster, namespace, scenario, request):
             applied = dry_run_strict(cluster.client, docs)
         except ApiError as exc:
             raise AssertionError(f"server refused the {scenario} scenario: {exc}") from None
-        assert [(a["kind"], a["metadata"]["name"]) for a in applied] == [(d["kind"], d["metadata"]["name"]) for d in docs]
+        assert ([(a["kind"], a["metadata"]["name"]) for a in applied]
+                == [(d["kind"], d["metadata"]["name"]) for d in docs])
         # Control: validation is strict (a misspelt field is refused, not silently dropped).
         bad = copy.deepcopy(next(d for d in docs if d["kind"] == "Deployment"))
         bad["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"

@@ -109,7 +109,8 @@ def test_operator_runs_under_exactly_the_charts_rbac(cluster, namespace, crd_ins
 
         log = log_path.read_text()
         denied = [line[:400] for line in log.splitlines() if "403" in line or "orbidden" in line]
-        hint = SCANNING_HINT if any("customresourcedefinitions" in d or "/api/v1/namespaces " in d for d in denied) else ""
+        hint = (SCANNING_HINT if any("customresourcedefinitions" in d or "/api/v1/namespaces " in d for d in denied)
+                else "")
         assert not denied, (f"the operator was denied what the chart's RBAC does not grant. {hint}\n"
                             + "\n".join(denied[:6]))
         assert took < START_BUDGET_S, f"ConfigValid took {took:.0f}s under the chart's RBAC"

@@ -60,7 +60,8 @@ def test_a_refused_apply_says_why_and_converges_once_the_cause_is_gone(cluster, 
 
     cluster.client.delete("resourcequotas", "no-services", namespace)
     # No event reaches the operator when a quota goes: its own backoff (at most 30 s) retries.
-    cluster.wait_until(lambda: condition(cluster.client.get("kvs", "svc", namespace), "ConfigValid")["status"] == "True",
+    cluster.wait_until(lambda: condition(cluster.client.get("kvs", "svc", namespace),
+                                         "ConfigValid")["status"] == "True",
                        timeout=120, message="ConfigValid=True after the quota is gone")
     assert cluster.client.get_or_none("services", "svc", namespace) is not None
 
@@ -77,7 +78,8 @@ def test_colliding_names_never_take_over_another_owners_objects(cluster, operato
     for name in ("foo-pods", "foo-router"):
         cluster.client.create(kvs(name), namespace)
         c = refused(cluster, namespace, name, "NameConflict")
-        assert f"Service {namespace}/{name} already exists and is held by KVOffloadServe foo (uid {uid})" in c["message"], c
+        assert (f"Service {namespace}/{name} already exists and is held by KVOffloadServe foo (uid {uid})"
+                in c["message"]), c
         # Nothing of the loser was written: no StatefulSet, no ConfigMap; foo's Service is still foo's, unchanged.
         assert cluster.client.get_or_none("statefulsets", name, namespace) is None
         assert cluster.client.get_or_none("configmaps", f"{name}-lmcache", namespace) is None

@@ -141,11 +141,13 @@ def problems(c: kvtest.Cluster, ns: str, want: dict[str, dict[str, Any]] | None 
         meta = s["metadata"]
         if meta.get("finalizers"):
             out.append(f"{name}: finalizers {meta['finalizers']}")
-        kopf_marks = [k for k in (meta.get("annotations") or {}) if "kopf" in k or k.startswith(f"{GROUP}/last-handled")]
+        kopf_marks = [k for k in (meta.get("annotations") or {}) if "kopf" in k
+                      or k.startswith(f"{GROUP}/last-handled")]
         if kopf_marks:
             out.append(f"{name}: kopf annotations {kopf_marks}")
         if not ready(s):
-            out.append(f"{name}: not Ready at generation {meta['generation']}: {(s.get('status') or {}).get('conditions')}")
+            out.append(f"{name}: not Ready at generation {meta['generation']}: "
+                       f"{(s.get('status') or {}).get('conditions')}")
     found: dict[str, set[tuple[str, str]]] = {name: set() for name in serves}
     sts_by_name: dict[str, dict[str, Any]] = {}
     cm_by_name: dict[str, dict[str, Any]] = {}
@@ -189,7 +191,8 @@ def problems(c: kvtest.Cluster, ns: str, want: dict[str, dict[str, Any]] | None 
             out.append(f"{name}: ConfigMap does not hold the CPU tier {cpu} of the spec")
         mem = sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]
         if (s.get("status") or {}).get("summary", {}).get("memory") != mem:
-            out.append(f"{name}: status memory {(s.get('status') or {}).get('summary', {}).get('memory')} != StatefulSet {mem}")
+            out.append(f"{name}: status memory "
+                       f"{(s.get('status') or {}).get('summary', {}).get('memory')} != StatefulSet {mem}")
     pods_by_owner: dict[str, list[str]] = {}
     for pod in c.client.list("pods", ns):
         owner = (pod["metadata"].get("labels") or {}).get(OWNER_LABEL)
@@ -367,7 +370,8 @@ def test_caches_cannot_serve_stale_decisions_after_an_apiserver_restart(private_
             create(c, ns, f"r-{i}")
             want[f"r-{i}"] = {}
         # The victim's children must exist before the restart (its ConfigMap is what gets lost).
-        kvtest.wait_until(lambda: c.client.exists("configmap", "r-0-lmcache", ns), timeout=60, message="r-0's ConfigMap")
+        kvtest.wait_until(lambda: c.client.exists("configmap", "r-0-lmcache", ns), timeout=60,
+                          message="r-0's ConfigMap")
         time.sleep(rng.uniform(0, 1))  # deliberate: a random moment while the others are mid-rollout
         c.stop_component("kube-apiserver", signal.SIGKILL)
         assert etcd_delete(c, f"/registry/configmaps/{ns}/r-0-lmcache") == 1

@@ -53,7 +53,8 @@ class Row:
 
 FIELDS = [
     Row("model.servedName", "my-model"),
-    Row("model.architecture", {"layers": 40, "attentionHeads": 28, "kvHeads": 4, "headDim": 128, "parameters": 7615616512}),
+    Row("model.architecture", {"layers": 40, "attentionHeads": 28, "kvHeads": 4, "headDim": 128,
+                               "parameters": 7615616512}),
     Row("model.architecture.layers", 40),
     Row("model.architecture.attentionHeads", 56, renders=False),  # only checked (TP must divide it)
     Row("model.architecture.kvHeads", 2),
@@ -107,7 +108,8 @@ FIELDS = [
     Row("scheduling.affinity", {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
         "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}}),
     Row("scheduling.priorityClassName", "high"),
-    Row("scheduling.topologySpreadConstraints", [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "ScheduleAnyway"}]),
+    Row("scheduling.topologySpreadConstraints", [{"maxSkew": 1, "topologyKey": "zone",
+                                                  "whenUnsatisfiable": "ScheduleAnyway"}]),
     Row("metrics", {"enabled": False}),
     Row("metrics.enabled", False),
     Row("metrics.port", 9500),

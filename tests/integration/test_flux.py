@@ -64,7 +64,8 @@ class Setup:
         crd_file = "crds/kvoffload.io_kvoffloadserves.yaml"
         files[crd_file] = (EXAMPLE / "repo" / crd_file).read_text() if crd else None
         if not crd:  # the directory must stay (Flux fails a Kustomization whose path is gone): an empty one
-            files["crds/kustomization.yaml"] = "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: []\n"
+            files["crds/kustomization.yaml"] = ("apiVersion: kustomize.config.k8s.io/v1beta1\n"
+                                                "kind: Kustomization\nresources: []\n")
         return self.git.commit({k: v for k, v in files.items() if v is not None or (self.git.work / k).exists()},
                                f"serves: {sorted(serves)}")
 
@@ -103,7 +104,8 @@ class Setup:
         fx.request_reconcile(self.client, "gitrepositories", "kvoffload-config", self.ns)
         self.cluster.wait_until(
             lambda: ((self.client.get("gitrepositories", "kvoffload-config", self.ns).get("status") or {})
-                     .get("artifact") or {}).get("revision", "").endswith(sha), timeout=60, message=f"artifact {sha[:8]}")
+                     .get("artifact") or {}).get("revision", "").endswith(sha), timeout=60,
+            message=f"artifact {sha[:8]}")
 
     def reconcile(self, name: str = SERVES) -> dict:
         """`flux reconcile kustomization`: one more apply + health check, awaited."""
@@ -204,7 +206,8 @@ def test_invalid_kvoffloadserve_fails_the_kustomization_at_once(cluster, setup):
     took = time.monotonic() - t0
     timeout = setup.example()[SERVES]["spec"]["timeout"]
     message = condition(k, "Ready")["message"]
-    print(f"invalid KVOffloadServe: Kustomization failed {took:.1f}s after Flux applied it (timeout {timeout}): {message}")
+    print(f"invalid KVOffloadServe: Kustomization failed {took:.1f}s "
+          f"after Flux applied it (timeout {timeout}): {message}")
     assert took < 60, f"{took:.0f}s"
     assert fx.ready(k)["status"] == "False" and condition(k, "Healthy")["status"] == "False"
     # Flux names the resource and kstatus' verdict; the operator's message (field and allowed roots)

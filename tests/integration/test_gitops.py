@@ -35,7 +35,8 @@ CRASH_LOOP = {  # a pod status as kubelet writes it for a container in a crash l
     "conditions": [{"type": t, "status": s} for t, s in (("PodScheduled", "True"), ("Initialized", "True"),
                                                          ("ContainersReady", "False"), ("Ready", "False"))],
     "containerStatuses": [{"name": "vllm", "ready": False, "restartCount": 5, "image": "lmcache/vllm-openai:v0.5.4",
-                           "imageID": "", "started": False, "lastState": {"terminated": {"exitCode": 1, "reason": "Error"}},
+                           "imageID": "", "started": False,
+                           "lastState": {"terminated": {"exitCode": 1, "reason": "Error"}},
                            "state": {"waiting": {"reason": "CrashLoopBackOff",
                                                  "message": "back-off 2m40s restarting failed container=vllm"}}}],
 }
@@ -90,13 +91,15 @@ def captured(cluster, crd_installed):
         for name in ("ready", "scaled-to-zero", "rolling-out", "operator-behind", "just-created", "pods-failing"):
             wait_for(cluster, ns, name, ready, "Ready")
         wait_for(cluster, ns, "invalid", lambda o: at_generation(o, "Stalled", "True"), "Stalled")
-        wait_for(cluster, ns, "unschedulable", lambda o: at_generation(o, "Scheduled", "False", "Unschedulable"), "Unschedulable")
+        wait_for(cluster, ns, "unschedulable", lambda o: at_generation(o, "Scheduled", "False", "Unschedulable"),
+                 "Unschedulable")
         for state in ("ready", "invalid", "unschedulable", "scaled-to-zero"):
             snap(state, state)
 
         # Pods failing: kwok runs no container, so this test writes what kubelet would for a crash loop.
         cluster.client.patch("pod", "pods-failing-0", {"status": CRASH_LOOP}, ns, subresource="status")
-        wait_for(cluster, ns, "pods-failing", lambda o: at_generation(o, "Ready", "False", "PodsFailing"), "PodsFailing")
+        wait_for(cluster, ns, "pods-failing", lambda o: at_generation(o, "Ready", "False", "PodsFailing"),
+                 "PodsFailing")
         snap("pods-failing", "pods-failing")
 
         # Rolling out: with kube-controller-manager stopped the StatefulSet controller cannot act on
@@ -104,7 +107,8 @@ def captured(cluster, crd_installed):
         cluster.cluster.stop_component("kube-controller-manager")
         try:
             cluster.client.apply(serve("rolling-out", offload__cpu={"size": "24Gi"}), ns)
-            wait_for(cluster, ns, "rolling-out", lambda o: at_generation(o, "Ready", "False", "RollingOut"), "RollingOut")
+            wait_for(cluster, ns, "rolling-out", lambda o: at_generation(o, "Ready", "False", "RollingOut"),
+                     "RollingOut")
             snap("rolling-out", "rolling-out")
         finally:
             cluster.cluster.start_component("kube-controller-manager")
@@ -165,7 +169,8 @@ def test_fixtures_are_live_captures(captured):
         if state == "being-deleted":
             continue
         live = gt.normalize(got["object"], got["namespace"])
-        assert gt.shape(live) == gt.shape(gt.read_fixture(state)), f"{state}: re-capture (KVO_CAPTURE_GITOPS_FIXTURES=1)"
+        assert gt.shape(live) == gt.shape(gt.read_fixture(state)), (
+            f"{state}: re-capture (KVO_CAPTURE_GITOPS_FIXTURES=1)")
 
 
 # --- helm install --wait (Helm v4: kstatus watcher) -----------------------------------------------
@@ -182,7 +187,8 @@ def helm_install(cluster, ns, release, timeout_s, **values):
 def test_helm_wait_fails_fast_on_an_invalid_spec(cluster, namespace, operator):
     timeout = 120
     cp, took = helm_install(cluster, namespace, "bad", timeout, name="bad", diskPath=BAD_PATH)
-    print(f"helm install --wait of an invalid KVOffloadServe: exit {cp.returncode} after {took:.1f}s (timeout {timeout}s)")
+    print("helm install --wait of an invalid KVOffloadServe: exit "
+          f"{cp.returncode} after {took:.1f}s (timeout {timeout}s)")
     assert cp.returncode != 0
     assert took < timeout / 4, f"took {took:.1f}s of a {timeout}s timeout"
     assert "status: Failed" in cp.stderr and "spec.offload.disk.path" in cp.stderr, cp.stderr
@@ -282,14 +288,16 @@ def test_first_status_says_reconciling_before_anything_is_applied(cluster, names
     # From before the create: every version, none missed.
     for _type, obj in cluster.client.watch("kvs", namespace, resource_version=since, timeout=60):
         versions.append(obj)
-        if (obj.get("status") or {}).get("conditions") and len([v for v in versions if v.get("status", {}).get("conditions")]) == 1:
+        if (obj.get("status") or {}).get("conditions") and len([v for v in versions
+                                                                if v.get("status", {}).get("conditions")]) == 1:
             print(f"first status {time.monotonic() - t0:.2f}s after the apply started")
         if ready(obj):
             break
     written = [v for v in versions if (v.get("status") or {}).get("conditions")]
     assert versions[0]["status"] == {"observedGeneration": 0}  # as created: the CRD's default, no conditions
     first = written[0]
-    assert condition(first, "Reconciling")["status"] == "True" and condition(first, "Ready")["status"] == "Unknown", first["status"]
+    assert (condition(first, "Reconciling")["status"] == "True"
+            and condition(first, "Ready")["status"] == "Unknown"), first["status"]
     assert first["status"]["observedGeneration"] == 0
     # etcd revisions order all writes. The ConfigMap is the first child applied and is never changed
     # after (the spec does not change here), so its resourceVersion is the revision that created it.

@@ -104,7 +104,8 @@ def test_every_rendering_is_admitted_exactly_where_the_docs_say(cluster, namespa
         if doc["spec"]["offload"].get("disk"):
             eph = with_ephemeral_disk(doc, doc["metadata"]["name"])
             cases.append((path.name + " (storageClassName)", rendered_pod(eph), False))
-    assert len(cases) == 8  # 5 examples render (the field one is refused); 3 have a hostPath disk, also tried as ephemeral volumes
+    # 5 examples render (the field one is refused); 3 have a hostPath disk, also tried as ephemeral volumes
+    assert len(cases) == 8
     for label, pod, host_path in cases:
         refusal = pod_dry_run(cluster, namespace, pod)
         if host_path and level != "privileged":
@@ -150,7 +151,8 @@ def test_examples_through_the_operator_in_a_restricted_namespace(cluster, namesp
         assert 'violates PodSecurity "restricted:latest"' in refusal[0] and "hostPath" in refusal[0], refusal
         assert not _pods(cluster, namespace, "tp8-hostpath")
         # The CPU-only pods are bound: their ephemeral-storage requests (weights + caches) fit a node.
-        cluster.wait_until(lambda: all(p["spec"].get("nodeName") for p in _pods(cluster, namespace, cpu["metadata"]["name"])),
+        cluster.wait_until(lambda: all(p["spec"].get("nodeName")
+                                       for p in _pods(cluster, namespace, cpu["metadata"]["name"])),
                            timeout=60, message="CPU-only pods scheduled")
         pod = _pods(cluster, namespace, cpu["metadata"]["name"])[0]
         vllm = pod["spec"]["containers"][0]
@@ -177,9 +179,11 @@ def spread_nodes(cluster):
     labels = {"kvoffload.io/spread-test": tag}
     pools = [
         {"name": f"spread-big-{tag}", "count": 1, "labels": labels, "taints": [taint],
-         "capacity": {"cpu": "1000", "memory": "64Ti", "pods": "110", "ephemeral-storage": "100Ti", "nvidia.com/gpu": "64"}},
+         "capacity": {"cpu": "1000", "memory": "64Ti", "pods": "110", "ephemeral-storage": "100Ti",
+                      "nvidia.com/gpu": "64"}},
         {"name": f"spread-small-{tag}", "count": 2, "labels": labels, "taints": [taint],
-         "capacity": {"cpu": "8", "memory": "64Gi", "pods": "110", "ephemeral-storage": "200Gi", "nvidia.com/gpu": "1"}},
+         "capacity": {"cpu": "8", "memory": "64Gi", "pods": "110", "ephemeral-storage": "200Gi",
+                      "nvidia.com/gpu": "1"}},
     ]
     names = cluster.cluster.apply_fleet(pools)
     try:
@@ -237,7 +241,8 @@ def test_replicas_spread_over_nodes_by_default(cluster, namespace, crd_installed
 def test_network_policy_is_applied_and_pruned(cluster, namespace, crd_installed):
     doc = example("cpu-tier-qwen25-7b.yaml", namespace)
     doc["spec"]["networkPolicy"] = {"servingFrom": ["gateway"], "metricsFrom": ["monitoring"]}
-    op = OperatorProcess(cluster.env, [namespace], config={"resyncSeconds": 20, "operatorNamespace": "kvoffload-system"})
+    op = OperatorProcess(cluster.env, [namespace],
+                         config={"resyncSeconds": 20, "operatorNamespace": "kvoffload-system"})
     name = doc["metadata"]["name"]
     try:
         cluster.client.apply(doc)
@@ -320,7 +325,8 @@ def test_janitor_with_its_own_rbac_on_the_real_api_server(cluster, namespace, cr
         who = f"system:serviceaccount:{namespace}:{sa}"
         janitor = cluster.client.as_user(who)
         allowed = {(verb, res): janitor.can_i(verb, res)
-                   for verb in ("get", "list", "watch", "delete", "patch") for res in ("kvoffloadserves.kvoffload.io", "secrets", "pods")}
+                   for verb in ("get", "list", "watch", "delete", "patch")
+                   for res in ("kvoffloadserves.kvoffload.io", "secrets", "pods")}
         assert {k for k, v in allowed.items() if v} == {(verb, "kvoffloadserves.kvoffload.io")
                                                         for verb in ("get", "list", "watch")}, allowed
         # The DaemonSet runs on every NVMe-labelled node and on no other.
@@ -367,9 +373,11 @@ def test_janitor_with_its_own_rbac_on_the_real_api_server(cluster, namespace, cr
                            timeout=30, message="the binding's removal seen by the authorizer")
         _pod_dir(root, namespace, "gone", uids["gone"], 10)
         denied = _clean(kubeconfig, root, state, "--unknown-policy", "Delete")
-        assert denied.returncode == 2 and "403" in denied.stderr and "nothing was removed" in denied.stderr, denied.stderr
+        assert (denied.returncode == 2 and "403" in denied.stderr
+                and "nothing was removed" in denied.stderr), denied.stderr
         assert (root / "lmcache" / namespace / "gone" / "gone-0" / "chunk.pt").exists()
     finally:
         for kind in ("clusterrolebinding", "clusterrole"):
-            with contextlib.suppress(ApiError):  # best effort, as the `--ignore-not-found`, unchecked kubectl delete was
+            # best effort, as the `--ignore-not-found`, unchecked kubectl delete was
+            with contextlib.suppress(ApiError):
                 cluster.client.delete(kind, sa, missing_ok=True)

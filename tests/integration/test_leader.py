@@ -68,7 +68,8 @@ def wait_ready(cluster, ns, name, timeout=120):
 
 def applies(op: OperatorProcess, name: str | None = None) -> list[str]:
     return [line for line in op.output().splitlines()
-            if "kvoffload.reconcile: apply " in line and (name is None or line.endswith(f"/{name}") or f"/{name}-" in line)]
+            if "kvoffload.reconcile: apply " in line and (name is None or line.endswith(f"/{name}")
+                                                          or f"/{name}-" in line)]
 
 
 def test_one_replica_leads_and_the_other_takes_over(cluster, namespace, replicas):

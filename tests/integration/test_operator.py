@@ -60,7 +60,8 @@ def test_update_rolls_out_and_status_follows(cluster, namespace, operator):
     assert "max_local_cpu_size: 24.0" in cm["data"]["lmcache.yaml"]
     sts = cluster.client.get("statefulset", "svc", namespace)
     assert sts["status"]["updateRevision"] == sts["status"]["currentRevision"]
-    assert obj["status"]["summary"]["memory"] == sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]
+    assert (obj["status"]["summary"]["memory"]
+            == sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"])
 
 
 def test_scale_subresource(cluster, namespace, operator):
@@ -78,7 +79,8 @@ def test_delete_garbage_collects_children(cluster, namespace, operator):
     cluster.client.apply(SMALL, namespace)
     wait_ready(cluster, namespace, "svc")
     cluster.client.delete("kvs", "svc", namespace, wait=True, timeout=60)
-    cluster.wait_until(lambda: not children_by_name(cluster.client, namespace, "svc"), timeout=90, message="children garbage-collected")
+    cluster.wait_until(lambda: not children_by_name(cluster.client, namespace, "svc"), timeout=90,
+                       message="children garbage-collected")
 
 
 def test_drift_is_repaired(cluster, namespace, operator):
@@ -91,8 +93,9 @@ def test_drift_is_repaired(cluster, namespace, operator):
     cluster.wait_until(lambda: cluster.client.exists("configmap", "svc-lmcache", namespace), timeout=60,
                        message="ConfigMap re-created")
     cluster.wait_until(
-        lambda: cluster.client.get("statefulset", "svc", namespace)["spec"]["template"]["spec"]["containers"][0]["image"]
-        == "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", timeout=60, message="image restored")
+        lambda: (cluster.client.get("statefulset", "svc", namespace)["spec"]["template"]["spec"]
+                 ["containers"][0]["image"] == "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3"),
+        timeout=60, message="image restored")
 
 
 @pytest.mark.parametrize("patch, needle", [
@@ -103,7 +106,8 @@ def test_drift_is_repaired(cluster, namespace, operator):
     ({"offload": {"chunkSize": 0, "cpu": {"size": "1Gi"}}}, "spec.offload.chunkSize"),
     ({"offload": {"cpu": {"size": "forty"}}}, "spec.offload.cpu.size"),
     ({"offload": {"cpu": {"size": "1Gi"}, "disk": {"size": "10Gi"}}}, "spec.offload.disk"),
-    ({"offload": {"cpu": {"size": "1Gi"}, "disk": {"path": "/mnt/nvme/../etc", "size": "10Gi"}}}, "spec.offload.disk.path"),
+    ({"offload": {"cpu": {"size": "1Gi"}, "disk": {"path": "/mnt/nvme/../etc", "size": "10Gi"}}},
+     "spec.offload.disk.path"),
     ({"offload": {"cpu": {"size": "1Gi"}, "disk": {"path": "relative", "size": "10Gi"}}}, "spec.offload.disk.path"),
     ({"offload": {"cpu": {"size": "1Gi", "evictionPolicy": "RANDOM"}}}, "spec.offload.cpu.evictionPolicy"),
     ({"offload": {"cpu": {"size": "1Gi"}, "cpuThreshold": 0.8}}, "cpuThreshold"),
@@ -137,7 +141,8 @@ def test_operator_refuses_what_only_it_can_see(cluster, namespace, operator):
     # Fixing it creates the children; breaking it again changes nothing that exists.
     cluster.client.apply(SMALL, namespace)
     wait_ready(cluster, namespace, "svc")
-    before = {k: v["metadata"]["resourceVersion"] for k, v in children_by_name(cluster.client, namespace, "svc").items()}
+    before = {k: v["metadata"]["resourceVersion"]
+              for k, v in children_by_name(cluster.client, namespace, "svc").items()}
     bad_tp = copy.deepcopy(SMALL)
     bad_tp["spec"]["engine"]["tensorParallelSize"] = 3  # Qwen2.5-7B: 28 heads, 4 KV heads; vLLM refuses TP 3
     cluster.client.apply(bad_tp, namespace)
@@ -164,7 +169,8 @@ def test_steady_state_writes_nothing(cluster, namespace, operator):
     def versions():
         kvs = cluster.client.get("kvs", "svc", namespace)
         return {("kvs", "svc"): kvs["metadata"]["resourceVersion"],
-                **{k: v["metadata"]["resourceVersion"] for k, v in children_by_name(cluster.client, namespace, "svc").items()}}
+                **{k: v["metadata"]["resourceVersion"]
+                   for k, v in children_by_name(cluster.client, namespace, "svc").items()}}
 
     before = versions()
     log_before = operator.output().count("apply ")
@@ -205,15 +211,18 @@ def test_offload_active_and_engine_versions_come_from_the_pods_exporter(cluster,
         try:
             # vLLM never asked a KV connector and no LMCache figures: nothing proven. The operator
             # re-probes at its next reconcile (resyncSeconds: 20 in tests).
-            found = wait_condition(cluster, namespace, "svc", "OffloadActive", "False", timeout=60, reason="NoLMCacheActivity")
+            found = wait_condition(cluster, namespace, "svc", "OffloadActive", "False", timeout=60,
+                                   reason="NoLMCacheActivity")
             assert condition(found, "EngineVerified")["reason"] == "EngineVersionsMatch"
             assert found["status"]["versions"]["running"] == [
                 {**rendered, "torch": "2.11.0+cu130", "podCount": 1, "pods": [pod_name]}]
             # The reference run (V2 runner): vLLM counted 64,028 tokens loaded, LMCache retrieved none.
             vllm.body = (fixtures / "vllm-0.26.0-lmcache-0.5.3-h200/vllm-metrics-with-lmcache.txt").read_text()
-            found = wait_condition(cluster, namespace, "svc", "OffloadActive", "False", timeout=60, reason="ExternalHitsNotLoaded")
+            found = wait_condition(cluster, namespace, "svc", "OffloadActive", "False", timeout=60,
+                                   reason="ExternalHitsNotLoaded")
             message = condition(found, "OffloadActive")["message"]
-            assert message.startswith("1/1 pods") and "vLLM counted 64,028 prompt tokens as loaded from LMCache" in message
+            assert (message.startswith("1/1 pods")
+                    and "vLLM counted 64,028 prompt tokens as loaded from LMCache" in message)
             assert "lmcache:num_retrieve_requests_total 0" in message
             # The V1 runner (what the operator renders for this pair): LMCache retrieved 6 times.
             vllm.body = (fixtures / "vllm-0.26.0-lmcache-0.5.3-h200-v1runner/vllm-metrics-with-lmcache.txt").read_text()
@@ -224,16 +233,19 @@ def test_offload_active_and_engine_versions_come_from_the_pods_exporter(cluster,
             other = ({"vllm": "0.26.0", "lmcache": "0.5.3"} if rendered != {"vllm": "0.26.0", "lmcache": "0.5.3"}
                      else {"vllm": "0.27.1", "lmcache": "0.5.4"})
             versions.write_text(json.dumps({**other, "torch": "2.13.0"}))
-            found = wait_condition(cluster, namespace, "svc", "EngineVerified", "False", timeout=60, reason="EngineVersionMismatch")
+            found = wait_condition(cluster, namespace, "svc", "EngineVerified", "False", timeout=60,
+                                   reason="EngineVersionMismatch")
             assert condition(found, "EngineVerified")["message"].startswith(
                 f"rendered for vLLM {rendered['vllm']} + LMCache {rendered['lmcache']}, "
                 f"pod {pod_name} runs vLLM {other['vllm']} + LMCache {other['lmcache']}")
             assert found["status"]["versions"]["renderedFor"] == rendered
-            assert found["status"]["versions"]["running"] == [{**other, "torch": "2.13.0", "podCount": 1, "pods": [pod_name]}]
+            assert found["status"]["versions"]["running"] == [{**other, "torch": "2.13.0", "podCount": 1,
+                                                               "pods": [pod_name]}]
         finally:
             exporter.terminate()
             exporter.wait(10)
-    found = wait_condition(cluster, namespace, "svc", "OffloadActive", "Unknown", timeout=60, reason="ExporterUnreachable")
+    found = wait_condition(cluster, namespace, "svc", "OffloadActive", "Unknown", timeout=60,
+                           reason="ExporterUnreachable")
     assert condition(found, "EngineVerified")["reason"] == "VersionsNotReported"
 
 

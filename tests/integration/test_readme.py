@@ -23,7 +23,8 @@ def test_quick_start(cluster):
     if c.exists("crd", crd):
         c.patch("crd", crd, {"metadata": {
             "labels": {"app.kubernetes.io/managed-by": "Helm"},
-            "annotations": {"meta.helm.sh/release-name": "kvoffload", "meta.helm.sh/release-namespace": "kvoffload-system"}}})
+            "annotations": {"meta.helm.sh/release-name": "kvoffload",
+                            "meta.helm.sh/release-namespace": "kvoffload-system"}}})
     operator = OperatorProcess(cluster.env, ["kvoffload-demo"])  # kwok runs no container: the operator runs here
     try:
         for command in QUICK_START:  # kubectl under test (and helm): the README's commands, as written

@@ -92,7 +92,8 @@ def test_the_operator_runs_in_cluster_from_its_chart(demo):
     # Its own metrics on the pod IP (operator.metricsPort), as the chart's PodMonitor scrapes them.
     (port,) = [p["containerPort"] for p in c["ports"] if p["name"] == "metrics"]
     body = urllib.request.urlopen(f"http://{pod['status']['podIP']}:{port}/metrics", timeout=10).read().decode()
-    updated = [line for line in body.splitlines() if line.startswith('kvoffload_operator_reconciles_total{outcome="updated"}')]
+    updated = [line for line in body.splitlines()
+               if line.startswith('kvoffload_operator_reconciles_total{outcome="updated"}')]
     assert updated and float(updated[0].split()[-1]) >= 1, body[:2000]
     assert "kvoffload_operator_dead_tasks 0.0" in body
 
@@ -168,7 +169,8 @@ d = '/var/run/secrets/kubernetes.io/serviceaccount'
 ctx = ssl.create_default_context(cafile=d + '/ca.crt')
 host = os.environ['KUBERNETES_SERVICE_HOST'] + ':' + os.environ['KUBERNETES_SERVICE_PORT']
 for path in ('/api/v1/namespaces/%s/pods' % open(d + '/namespace').read(), '/api/v1/nodes'):
-    req = urllib.request.Request('https://' + host + path, headers={'Authorization': 'Bearer ' + open(d + '/token').read()})
+    token = open(d + '/token').read()
+    req = urllib.request.Request('https://' + host + path, headers={'Authorization': 'Bearer ' + token})
     try:
         print(path.split('/')[-1], urllib.request.urlopen(req, context=ctx).status)
     except urllib.error.HTTPError as e:
@@ -243,7 +245,8 @@ def test_a_rendered_pods_capture_is_the_committed_one(demo, tmp_path):
     def specs(d) -> dict:
         return {p.stem: shape(json.loads(p.read_text())) for p in d.glob("*.json") if p.stem != "changes"}
     got, committed = specs(tmp_path / "lmcache"), specs(ROOT / "benchmarks" / "gpu" / "oci" / "lmcache")
-    assert sorted(got) == sorted(committed) == ["exporter", "prepare-disk-tier", "report-engine-versions", "sandbox", "vllm"]
+    assert sorted(got) == sorted(committed) == ["exporter", "prepare-disk-tier", "report-engine-versions", "sandbox",
+                                                "vllm"]
     for name in committed:
         assert got[name] == committed[name], name
     assert not demo.client.get_or_none("statefulsets", "workstation-llama31-8b", capture.NAMESPACE)  # deleted again
@@ -262,10 +265,12 @@ def settled(demo) -> dict[str, str]:
                 return None  # the running operator has not re-rendered it yet (after an upgrade: the bug above)
             st, want = sts["status"], sts["spec"]["replicas"]
             if st.get("currentRevision") != st.get("updateRevision") or st.get("readyReplicas") != want \
-                    or st.get("updatedReplicas") != want or st.get("observedGeneration") != sts["metadata"]["generation"]:
+                    or st.get("updatedReplicas") != want \
+                    or st.get("observedGeneration") != sts["metadata"]["generation"]:
                 return None
         pods = demo.client.list("pods", "kvoffload-demo")
-        return serving_pods(demo) if len(pods) == 6 and not any(p["metadata"].get("deletionTimestamp") for p in pods) else None
+        return (serving_pods(demo)
+                if len(pods) == 6 and not any(p["metadata"].get("deletionTimestamp") for p in pods) else None)
     return demo.wait_until(done, timeout=180, interval=1, message="every serving StatefulSet rolled out")
 
 

@@ -114,8 +114,8 @@ def state(state_dir: Path) -> dict:
     return {uid: e["reclaimPolicy"] for uid, e in json.loads(f.read_text())["deleted"].items()} if f.exists() else {}
 
 
-def test_the_janitor_reclaims_a_deleted_incarnations_directory_and_nothing_else(demo, node_ns, engine_image, janitor_root,
-                                                                                 tmp_path):
+def test_the_janitor_reclaims_a_deleted_incarnations_directory_and_nothing_else(
+        demo, node_ns, engine_image, janitor_root, tmp_path):
     root, outside = janitor_root
     state_dir = Path("/var/tmp") / f"kvo-janitor-state-{uuid.uuid4().hex[:8]}"
     chart = (demo.demo_dir or ROOT) / "charts" / "kvoffload-operator"
@@ -177,13 +177,15 @@ def test_the_janitor_reclaims_a_deleted_incarnations_directory_and_nothing_else(
         metrics_page = None
         pod = janitor_pod(demo)
         port = pod["spec"]["containers"][0]["ports"][0]["containerPort"]
-        metrics_page = urllib.request.urlopen(f"http://{pod['status']['podIP']}:{port}/metrics", timeout=5).read().decode()  # noqa: S310
+        url = f"http://{pod['status']['podIP']}:{port}/metrics"
+        metrics_page = urllib.request.urlopen(url, timeout=5).read().decode()  # noqa: S310
         assert (kept / "chunk.kvcache").exists()  # reclaimPolicy Retain
         assert (flip / "chunk.kvcache").exists()  # its final spec said Retain
         assert (twin1 / "chunk.kvcache").exists()  # the earlier incarnation's (Retain): not the later one's call
         assert orphan.is_dir()  # no marker: never touched
         assert (outside / "keep.txt").read_text() == "not the janitor's"  # the link was removed, not followed
-        removed = [ln for ln in metrics_page.splitlines() if ln.startswith("kvoffload_janitor_removed_directories_total{")]
+        removed = [ln for ln in metrics_page.splitlines()
+                   if ln.startswith("kvoffload_janitor_removed_directories_total{")]
         assert removed and sum(float(ln.split()[-1]) for ln in removed) >= 2, metrics_page[-2000:]
         assert not any(p.is_relative_to(DISK_ROOT) for p in state_dir.rglob("*"))
 
@@ -191,8 +193,11 @@ def test_the_janitor_reclaims_a_deleted_incarnations_directory_and_nothing_else(
         # seccomp, read-only root; the only host directories it sees are the allowed root and its state.
         (cs,) = pod["status"]["containerStatuses"]
         cid = cs["containerID"].removeprefix("containerd://")
-        tasks = {p[0]: int(p[1]) for p in (ln.split() for ln in node.ctr(demo.cluster, "tasks", "ls").stdout.splitlines()[1:]) if p}
-        st = dict((k, v.strip()) for k, v in (ln.split(":", 1) for ln in Path(f"/proc/{tasks[cid]}/status").read_text().splitlines()))
+        tasks = {p[0]: int(p[1]) for p in (ln.split()
+                                           for ln in node.ctr(demo.cluster, "tasks", "ls").stdout.splitlines()[1:])
+                 if p}
+        st = dict((k, v.strip()) for k, v in (ln.split(":", 1)
+                                              for ln in Path(f"/proc/{tasks[cid]}/status").read_text().splitlines()))
         assert st["Uid"].split()[0] == "0" and int(st["CapEff"], 16) == CAP_DAC_OVERRIDE, st
         assert int(st["CapBnd"], 16) == CAP_DAC_OVERRIDE and (st["NoNewPrivs"], st["Seccomp"]) == ("1", "2"), st
         mounts = {ln.split()[4]: ln.split()[5] for ln in Path(f"/proc/{tasks[cid]}/mountinfo").read_text().splitlines()}
@@ -210,7 +215,8 @@ def test_the_janitor_reclaims_a_deleted_incarnations_directory_and_nothing_else(
     finally:
         for name in names:
             demo.client.delete("kvs", name, node_ns, missing_ok=True)
-        demo.helm("upgrade", "kvoffload", str(chart), "-n", RELEASE_NS, "--reset-values", "-f", "-", "--wait", "--timeout", "3m",
+        demo.helm("upgrade", "kvoffload", str(chart), "-n", RELEASE_NS, "--reset-values", "-f", "-", "--wait",
+                  "--timeout", "3m",
                   input=before)  # the release's values as they were: no janitor
         shutil.rmtree(state_dir, ignore_errors=True)
 
@@ -218,6 +224,7 @@ def test_the_janitor_reclaims_a_deleted_incarnations_directory_and_nothing_else(
 def test_the_chart_refuses_a_janitor_state_path_inside_an_allowed_root(demo):
     chart = (demo.demo_dir or ROOT) / "charts" / "kvoffload-operator"
     for path in ("/var/lib/kvoffload/state", "/mnt/nvme", "/var/lib"):
-        cp = demo.helm("upgrade", "kvoffload", str(chart), "-n", RELEASE_NS, "--reuse-values", "--set", "janitor.enabled=true",
+        cp = demo.helm("upgrade", "kvoffload", str(chart), "-n", RELEASE_NS, "--reuse-values", "--set",
+                       "janitor.enabled=true",
                        "--set", f"janitor.statePath={path}", "--dry-run", check=False)
         assert cp.returncode != 0 and "janitor.statePath" in cp.stderr, (path, cp.stderr)

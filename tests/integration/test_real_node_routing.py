@@ -76,7 +76,8 @@ def test_the_rendered_router_pod_routes_to_the_serving_pods_on_the_real_node(dem
     cfg = operator_config(demo)
     assert cfg.get("routerNodeSelector") == node.PLACEMENT["nodeSelector"] and cfg.get("routerImage") == router_image, (
         "the demo's operator does not run routers on the real node from the image built here (tests/cluster/"
-        f"demo-values.yaml: routerNodeSelector, routerTolerations, routerImagePullPolicy); a demo from an older tree? {cfg}")
+        "demo-values.yaml: routerNodeSelector, routerTolerations, "
+        f"routerImagePullPolicy); a demo from an older tree? {cfg}")
 
     # --- the resource: two stand-in replicas on the real node (backend lmcache, in-process: kvtest.node.routed_spec),
     # routing on (cache_aware: what vLLM 0.26.0 allows)
@@ -170,7 +171,8 @@ def check_router(demo, node_ns: str, obj: dict, body: dict, router_image: str) -
         demo.wait_until(lambda: urllib.request.urlopen(f"{router}/readiness", timeout=5).status == 200,  # noqa: S310
                         timeout=60, interval=1, message=f"the router's /readiness on its ClusterIP {cluster_ip}")
     except TimeoutError as e:
-        pytest.fail(f"the router answers on its pod IP but not on its Service's ClusterIP {cluster_ip} from the host: {e}")
+        pytest.fail("the router answers on its pod IP but not on its "
+                    f"Service's ClusterIP {cluster_ip} from the host: {e}")
     replicas = sorted(want)
     served = rw.affinity(router, replicas, model, rounds=3, hold_s=5.0, seed=uuid.uuid4().hex[:6], wait=demo.wait_until)
     print(f"served: {served}")
@@ -181,7 +183,8 @@ def check_router(demo, node_ns: str, obj: dict, body: dict, router_image: str) -
 
     # The router's own account: prefix hits for every repeat, token ids from every replica, four requests each.
     samples = rw.parse_metrics(rw.metrics_text(f"http://{router_ip}:29000/metrics"))
-    decisions = {lab["outcome"]: v for n, lab, v in samples if n == rw.PREFIX_DECISIONS and lab.get("policy") == "cache_aware"}
+    decisions = {lab["outcome"]: v for n, lab, v in samples if n == rw.PREFIX_DECISIONS
+                 and lab.get("policy") == "cache_aware"}
     assert decisions.get("prefix_hit", 0) >= 2 * 3 and not decisions.get("missing_tokens"), decisions
     assert rw.by_label(samples, "vllm_router_processed_requests_total", "worker") == dict.fromkeys(want, 4.0), samples
     asked = {c["replica"]: c for c in rw.counts(replicas)}

@@ -69,7 +69,9 @@ def memory_limit(pid: int) -> int:
 
 
 def prometheus_scrape(tmp: Path, target: str) -> dict[str, float]:
-    """A real Prometheus on the host scrapes `target` (the exporter at the pod IP) once a second; the series it holds."""
+    """A real Prometheus on the host scrapes `target` (the exporter at the pod IP) once a second.
+
+    Returns the series it holds."""
     port = free_port()
     (tmp / "prom.yml").write_text(json.dumps({
         "global": {"scrape_interval": "1s"},
@@ -147,7 +149,8 @@ def test_the_rendered_server_pod_runs_on_the_real_node(demo, node_ns, engine_ima
     assert {fs for _, fs in shm.values()} == {"tmpfs"}, shm
     views = {n: os.statvfs(f"/proc/{pids[n]}/root/dev/shm") for n in ("lmcache-server", "vllm")}
     assert {v.f_blocks * v.f_frsize for v in views.values()} == {shm_size}, (views, shm_size)
-    assert os.stat(f"/proc/{pids['vllm']}/root/dev/shm").st_dev == os.stat(f"/proc/{pids['lmcache-server']}/root/dev/shm").st_dev
+    assert (os.stat(f"/proc/{pids['vllm']}/root/dev/shm").st_dev
+            == os.stat(f"/proc/{pids['lmcache-server']}/root/dev/shm").st_dev)
     if not FULL:  # the slim stand-in server does at start what the real one does on a GPU host and at its first chunk
         segments = list(Path(f"/proc/{pids['vllm']}/root/dev/shm").iterdir())
         assert [p.stat().st_size for p in segments] == [to_bytes(node.STANDIN_CPU_TIER)], segments
@@ -175,8 +178,10 @@ def test_the_rendered_server_pod_runs_on_the_real_node(demo, node_ns, engine_ima
     assert series.get("up") == 1.0, series
     assert "kvoffload_disk_bytes" in series and "kvoffload_lmcache_server_engines" in series, series
     if not FULL:
-        assert series["kvoffload_disk_bytes"] == 1 << 20, series  # the server's chunk, read by the exporter through fsGroup
-        assert series["kvoffload_lmcache_server_engines"] == 1, series  # the stand-in vLLM registered over the server's port
+        # the server's chunk, read by the exporter through fsGroup
+        assert series["kvoffload_disk_bytes"] == 1 << 20, series
+        # the stand-in vLLM registered over the server's port
+        assert series["kvoffload_lmcache_server_engines"] == 1, series
 
     # Every condition says what is true of it.
     obj = demo.client.get("kvs", "standin", node_ns)
@@ -207,7 +212,8 @@ def test_over_its_limit_the_engine_is_oom_killed_and_ready_names_it(demo, node_n
     # The stand-in holds more host memory than the vllm container's limit (its terms + at least 1 GiB of
     # headroom), as an engine that outgrew its budget: the kernel stops it at the limit.
     hold = 4 << 30
-    demo.client.create(node.serve_spec("tight", engine_image, disk_dir, env=[{"name": "KVO_STANDIN_HOST_BYTES", "value": str(hold)}]),
+    demo.client.create(node.serve_spec("tight", engine_image, disk_dir,
+                                       env=[{"name": "KVO_STANDIN_HOST_BYTES", "value": str(hold)}]),
                        node_ns)
 
     def oom():

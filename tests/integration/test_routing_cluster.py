@@ -70,7 +70,8 @@ class Router:
         args[args.index("--prometheus-port") + 1] = str(metrics)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}  # no in-cluster config here
         self.log = log
-        self.proc = subprocess.Popen([str(binary), *args, "--log-level", "debug"], env={**env, "KUBECONFIG": str(kubeconfig)},
+        self.proc = subprocess.Popen([str(binary), *args, "--log-level", "debug"],
+                                     env={**env, "KUBECONFIG": str(kubeconfig)},
                                      stdout=log.open("w"), stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -193,7 +194,8 @@ def test_router_discovers_the_serving_pods_and_keeps_each_prefix_on_one_replica(
         before = {e.name: e.cache.counts.computed_tokens for e in engines}
         rrouter = start(rr, tmp_path / "router-rr.log")
         routers.append(rrouter)
-        cluster.wait_until(lambda: rrouter.workers() == want, timeout=90, message="round robin router discovers the pods")
+        cluster.wait_until(lambda: rrouter.workers() == want, timeout=90,
+                           message="round robin router discovers the pods")
         served_rr = _run(rrouter, _prompts(rounds=4, prefixes=4, seed=2))
         assert any(len(set(r)) > 1 for r in served_rr.values()), served_rr
         recomputed_rr = sum(e.cache.counts.computed_tokens - before[e.name] for e in engines)
@@ -201,7 +203,8 @@ def test_router_discovers_the_serving_pods_and_keeps_each_prefix_on_one_replica(
 
         # Scaling down: the router drops the pod that goes.
         cluster.client.patch("kvs", "svc", {"spec": {"replicas": REPLICAS - 1}}, namespace)
-        cluster.wait_until(lambda: len(rrouter.workers()) == REPLICAS - 1, timeout=90, message="the router drops the removed pod")
+        cluster.wait_until(lambda: len(rrouter.workers()) == REPLICAS - 1, timeout=90,
+                           message="the router drops the removed pod")
         assert rrouter.workers() < want
     finally:
         for r in routers:
@@ -224,7 +227,8 @@ def test_kv_aware_asks_each_discovered_pod_for_what_vllm_0_26_lacks(engine_pytho
     conf = {"engines": [{"name": p["metadata"]["name"], "host": p["status"]["podIP"], "port": 8000} for p in pods],
             "capacity": capacity, "kv_events": True}
     standins = subprocess.Popen([str(engine_python), "-m", "kvtest.standin_prefix_engine", json.dumps(conf)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=(tmp_path / "standins.log").open("w"),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=(tmp_path / "standins.log").open("w"),
                                 env={**os.environ, "PYTHONPATH": str(ROOT / "tests" / "support")}, text=True)
     router = None
     try:
@@ -233,10 +237,12 @@ def test_kv_aware_asks_each_discovered_pod_for_what_vllm_0_26_lacks(engine_pytho
             assert line, (tmp_path / "standins.log").read_text()[-3000:]
         kvo = ["--policy", "kv_aware", *(x for tier, flag in engine_router.CREDIT_FLAGS.items()
                                         for x in (flag, repr(credits.get(tier, 0.0))))]
-        router = start(args[: args.index("--policy")] + kvo + args[args.index("--prometheus-host"):], tmp_path / "router.log")
+        router = start(args[: args.index("--policy")] + kvo + args[args.index("--prometheus-host"):],
+                       tmp_path / "router.log")
         health(pods, True)
         urls = {f"http://{h}:8000" for h in hosts}
-        cluster.wait_until(lambda: router.workers() == urls, timeout=90, message="the kv_aware router discovers the pods")
+        cluster.wait_until(lambda: router.workers() == urls, timeout=90,
+                           message="the kv_aware router discovers the pods")
         cluster.wait_until(router.ready, timeout=120, message="the kv_aware router sees healthy workers")
         for n in range(6):  # each prefix in replica 0's GPU tier, published as vLLM's BlockStored
             prompt = " ".join(f"discovered{n}w{j}" for j in range(PREFIX_WORDS))
@@ -275,7 +281,8 @@ def revisit_the_oldest(binary: Path, args: list[str], capacity: dict[str, int], 
     answer, with the holder's name and where the holder keeps that document."""
     engines = [StandInPrefixEngine(f"r{i}", "127.0.0.1", _free_port(), capacity, seconds_per_token={"recompute": 0.0})
                for i in range(2)]
-    argv = args[:args.index("--service-discovery")] + ["--worker-urls", *(e.url for e in engines)] + args[args.index("--policy"):]
+    argv = (args[:args.index("--service-discovery")] + ["--worker-urls", *(e.url for e in engines)]
+            + args[args.index("--policy"):])
     router = Router(binary, argv, Path("/nonexistent"), log)
     try:
         wait_until(router.ready, timeout=60, message=f"the router sees both stand-ins (log: {log})")
@@ -307,7 +314,8 @@ def revisit_the_oldest(binary: Path, args: list[str], capacity: dict[str, int], 
             e.close()
 
 
-def test_a_prefix_left_only_in_a_slow_tier_stops_drawing_its_requests(cluster, namespace, operator, tmp_path, vllm_router):
+def test_a_prefix_left_only_in_a_slow_tier_stops_drawing_its_requests(cluster, namespace, operator, tmp_path,
+                                                                      vllm_router):
     """The operator's cache_aware rendering on the real router: the tree budget counts only the tiers worth a hit. Two
     resources differ only in their disk tier's read rate; on one replica of each, the same documents leave the first
     one in its disk tier alone (the GPU and CPU tiers evicted it). Where that disk is slower than recompute, the
@@ -338,10 +346,12 @@ def test_a_prefix_left_only_in_a_slow_tier_stops_drawing_its_requests(cluster, n
 
     # Slow disk: the tree budget is the GPU tier's (it holds more than the CPU tier), so the router has forgotten the
     # document; load decides (both idle: the first replica), and the request is recomputed there.
-    answer = revisit_the_oldest(vllm_router, slow_args, capacity, texts, tmp_path / "router-slow.log", cluster.wait_until)
+    answer = revisit_the_oldest(vllm_router, slow_args, capacity, texts, tmp_path / "router-slow.log",
+                                cluster.wait_until)
     assert answer["holder_tiers"] == ["disk"], answer
     assert answer["replica"] != answer["holder"] and sum(answer["hit_tokens"].values()) == 0, answer
     # Fast disk: the tree budget is the disk tier's; the router sends the document to its holder, a disk hit.
-    answer = revisit_the_oldest(vllm_router, fast_args, capacity, texts, tmp_path / "router-fast.log", cluster.wait_until)
+    answer = revisit_the_oldest(vllm_router, fast_args, capacity, texts, tmp_path / "router-fast.log",
+                                cluster.wait_until)
     assert answer["holder_tiers"] == ["disk"], answer
     assert answer["replica"] == answer["holder"] and answer["hit_tokens"]["disk"] >= DOC_WORDS // BLOCK * BLOCK, answer

@@ -55,13 +55,15 @@ def test_a_refused_status_is_an_error_an_event_and_a_metric(cluster, crd_install
         assert metric(port, "kvoffload_operator_status_writes_refused_total") >= 1
         assert metric(port, 'kvoffload_operator_reconciles_total{outcome="status-refused"}') >= 1
         obj = cluster.client.get("kvs", "svc", namespace)
-        assert "summary" not in obj["status"] and condition(obj, "Reconciling")["status"] == "True"  # the first status only
+        # the first status only
+        assert "summary" not in obj["status"] and condition(obj, "Reconciling")["status"] == "True"
     finally:
         cluster.client.patch("crd", crd_name, [{"op": "remove", "path": STATUS_RULES}], type="json")
     try:
         # Accepted again: the retry (backoff) writes the full status.
-        obj = cluster.wait_until(lambda: (o := cluster.client.get("kvs", "svc", namespace)).get("status", {}).get("summary")
-                                 and o, timeout=90, message="the full status once the CRD accepts it")
+        obj = cluster.wait_until(
+            lambda: (o := cluster.client.get("kvs", "svc", namespace)).get("status", {}).get("summary") and o,
+            timeout=90, message="the full status once the CRD accepts it")
         assert obj["status"]["observedGeneration"] == 1 and condition(obj, "ConfigValid")["status"] == "True"
     finally:
         op.stop()

@@ -37,7 +37,8 @@ def test_example_renders_an_hpa_whose_windows_are_the_startup_budget():
     assert 300 < startup < 1800  # the example's download + load budget
     hpa = child(d, "HorizontalPodAutoscaler")
     assert hpa["metadata"]["name"] == "svc" and hpa["metadata"]["ownerReferences"][0]["kind"] == "KVOffloadServe"
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe", "name": "svc"}
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe",
+                                             "name": "svc"}
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 4)
     assert [(m["pods"]["metric"]["name"], m["pods"]["target"]["averageValue"]) for m in hpa["spec"]["metrics"]] == [
         ("vllm_num_requests_waiting", "4"), ("vllm_kv_cache_usage_perc", "850m"),
@@ -132,7 +133,8 @@ def test_bad_autoscaling_names_the_field(patch, field, words):
     assert err.value.field == field and words in err.value.message, err.value
 
 
-@pytest.mark.parametrize("config,field", [({"autoscaler": "argo"}, "autoscaler"), ({"autoscaler": "keda"}, "prometheusAddress")])
+@pytest.mark.parametrize("config,field", [({"autoscaler": "argo"}, "autoscaler"),
+                                          ({"autoscaler": "keda"}, "prometheusAddress")])
 def test_bad_autoscaler_settings_name_the_setting(config, field):
     with pytest.raises(ConfigError) as err:
         from_dict(config)
@@ -145,7 +147,8 @@ KEDA_HPA_STATUS = {
     "currentMetrics": [{"type": "External", "external": {"metric": {"name": "s0-prometheus"},
                                                          "current": {"averageValue": "3500m"}}}],
     "conditions": [
-        {"type": "AbleToScale", "status": "True", "reason": "ScaleDownStabilized", "message": "recent recommendations were higher"},
+        {"type": "AbleToScale", "status": "True", "reason": "ScaleDownStabilized",
+         "message": "recent recommendations were higher"},
         {"type": "ScalingActive", "status": "True", "reason": "ValidMetricFound",
          "message": "the HPA was able to successfully calculate a replica count from external metric s0-prometheus"},
         {"type": "ScalingLimited", "status": "True", "reason": "ScaleUpLimit",
@@ -168,7 +171,8 @@ def test_status_says_why_a_plain_hpa_cannot_scale():
     hpa = {"metadata": {"name": "svc"}, "status": {"currentReplicas": 1, "desiredReplicas": 0, "conditions": [
         {"type": "AbleToScale", "status": "True", "reason": "SucceededGetScale", "message": "ok"},
         {"type": "ScalingActive", "status": "False", "reason": "FailedGetPodsMetric",
-         "message": "unable to get metric vllm_num_requests_waiting: no custom metrics API (custom.metrics.k8s.io) registered"}]}}
+         "message": "unable to get metric vllm_num_requests_waiting: no "
+                    "custom metrics API (custom.metrics.k8s.io) registered"}]}}
     st = conditions.autoscaler_status(d, "svc", hpa)
     assert st["autoscaler"] == "hpa" and st["reason"] == "FailedGetPodsMetric"
     assert "ScalingActive=False: unable to get metric vllm_num_requests_waiting" in st["message"]
@@ -192,7 +196,8 @@ def apis(custom=discovery.Api(discovery.NOT_REGISTERED), external=discovery.Api(
      "CustomMetricsUnavailable", "service unavailable"),
     (Settings(), apis(custom=discovery.Api(discovery.SERVED, frozenset({"pods/vllm_kv_cache_usage_perc"}))), "False",
      "MetricsNotServed", "vllm_num_requests_waiting"),
-    (Settings(), apis(custom=discovery.Api(discovery.SERVED, ADAPTER_METRICS)), "True", "MetricsServed", "every metric"),
+    (Settings(), apis(custom=discovery.Api(discovery.SERVED, ADAPTER_METRICS)), "True", "MetricsServed",
+     "every metric"),
     (KEDA, apis(), "False", "KedaNotInstalled", "install KEDA"),
     (KEDA, apis(keda=discovery.Api(discovery.SERVED, frozenset({"scaledobjects"}))), "False", "KedaMetricsUnavailable",
      "keda-operator-metrics-apiserver"),
@@ -217,5 +222,6 @@ def test_auto_picks_keda_where_it_is_served_and_has_a_prometheus(served, address
 
 def test_the_docs_print_the_adapter_rules_the_operator_renders():
     text = (ROOT / "docs" / "autoscaling.md").read_text()
-    block = text.split("## `autoscaler: hpa`: the metrics adapter's rules", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    section = text.split("## `autoscaler: hpa`: the metrics adapter's rules", 1)[1]
+    block = section.split("```yaml", 1)[1].split("```", 1)[0]
     assert yaml.safe_load(block)["rules"] == [t.adapter_rule() for t in autoscaling.TARGETS.values()]

@@ -47,7 +47,8 @@ def arg(args, flag):
 
 @pytest.mark.parametrize("patch, field, words", [
     ({"offload__backend": "vllm-native"}, "spec.offload.disk", "CPU tier only"),
-    ({"offload__backend": "lmcache-server", "offload__cpu__evictionPolicy": "LFU"}, "spec.offload.cpu.evictionPolicy", "LRU"),
+    ({"offload__backend": "lmcache-server", "offload__cpu__evictionPolicy": "LFU"}, "spec.offload.cpu.evictionPolicy",
+     "LRU"),
     ({"offload__backend": "vllm-native", "offload__disk": None, "offload__cpu__evictionPolicy": "MRU"},
      "spec.offload.cpu.evictionPolicy", "LRU"),
     ({"offload__backend": "vllm-native", "offload__disk": None, "offload__chunkSize": 8192}, "spec.offload.chunkSize",
@@ -92,7 +93,8 @@ def test_vllm_container_memory_is_the_same_and_the_server_adds_its_own():
     assert {t.name: t.bytes for t in native.budget.memory_terms}["cpu_tier"] == 64 * GiB
     assert native.budget.memory_limit > 66.3 * GiB  # the vLLM container's measured cgroup peak
     # A 32 GiB tier pins exactly 32 GiB: without staging buffers the pod is smaller than lmcache's.
-    native32, inproc32 = desired("vllm-native", offload__cpu__size="32Gi"), desired("lmcache", offload__cpu__size="32Gi")
+    native32 = desired("vllm-native", offload__cpu__size="32Gi")
+    inproc32 = desired("lmcache", offload__cpu__size="32Gi")
     assert {t.name: t.bytes for t in native32.budget.memory_terms}["cpu_tier"] == 32 * GiB
     assert native32.budget.memory_limit < inproc32.budget.memory_limit
 
@@ -115,7 +117,8 @@ def test_lmcache_056s_server_gets_the_measured_floor_and_a_smaller_explicit_one_
 
 
 def test_native_tier_counts_whole_vllm_blocks():
-    d = desired("vllm-native")  # chunkSize is LMCache's (refused with vllm-native, below); vLLM offloads 16-token blocks
+    # chunkSize is LMCache's (refused with vllm-native, below); vLLM offloads 16-token blocks
+    d = desired("vllm-native")
     cpu = d.budget.tier("cpu")
     assert cpu.tokens == 40 * GiB // (16 * d.budget.kv_bytes_per_token) * 16
 
@@ -126,10 +129,12 @@ def test_server_pod():
     server, vllm = c["lmcache-server"], c["vllm"]
     assert server["restartPolicy"] == "Always"  # a native sidecar: outlives vLLM container restarts
     # The disk directory is emptied and the versions reported before the server starts.
-    assert [i["name"] for i in pod(d)["initContainers"]] == ["prepare-disk-tier", "report-engine-versions", "lmcache-server"]
+    assert [i["name"] for i in pod(d)["initContainers"]] == ["prepare-disk-tier", "report-engine-versions",
+                                                             "lmcache-server"]
     assert "nvidia.com/gpu" not in server["resources"]["limits"]  # engine-driven: the server needs no GPU
     assert to_bytes(server["resources"]["requests"]["memory"], "x") == d.budget.server_memory
-    assert to_bytes(server["resources"]["limits"]["memory"], "x") == d.budget.server_memory_limit == d.budget.server_memory + 40 * GiB
+    assert (to_bytes(server["resources"]["limits"]["memory"], "x") == d.budget.server_memory_limit
+            == d.budget.server_memory + 40 * GiB)
     assert to_bytes(vllm["resources"]["limits"]["memory"], "x") == d.budget.memory_limit
     for name in ("lmcache-server", "vllm"):
         assert {"name": "dshm", "mountPath": "/dev/shm"} in c[name]["volumeMounts"]  # the L1 is shared there
@@ -177,7 +182,8 @@ def test_tp_native_size_is_the_total_over_ranks():
 def test_offload_condition_names_the_backend(backend, reason):
     d = desired(backend)
     sts = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "replicas": 1, "readyReplicas": 1,
-                                                     "updatedReplicas": 1, "currentRevision": "r", "updateRevision": "r"}}
+                                                     "updatedReplicas": 1, "currentRevision": "r",
+                                                     "updateRevision": "r"}}
     p = {"metadata": {"name": "svc-0"}, "spec": {"nodeName": "n"},
          "status": {"conditions": [{"type": "Ready", "status": "True"}, {"type": "Initialized", "status": "True"}]}}
     body = {"metadata": {"name": "svc", "namespace": "team-a", "generation": 1}}
@@ -192,7 +198,8 @@ def test_offload_condition_names_the_backend(backend, reason):
 def test_plan_cli_backend():
     run = [sys.executable, "-m", "kvoffload.cli", "plan", "--model", "meta-llama/Llama-3.1-8B-Instruct",
            "--max-model-len", "32768", "--cpu-size", "40Gi"]
-    out = subprocess.run(run + ["--backend", "lmcache-server", "-o", "json"], capture_output=True, text=True, check=True)
+    out = subprocess.run(run + ["--backend", "lmcache-server", "-o", "json"], capture_output=True, text=True,
+                         check=True)
     doc = json.loads(out.stdout)
     assert doc["backend"] == "lmcache-server" and doc["serverMemory"]["request"] == 3 * GiB
     assert doc["serverMemory"]["limit"] == 43 * GiB  # + the L1 (40 GiB), which the server faults in when it sees a GPU

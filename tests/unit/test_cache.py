@@ -172,7 +172,8 @@ def test_cached_reads_make_no_request_and_writes_are_read_back():
     api = Recording()
     c = cache.Cache(None, lambda ns, name, kind: sent.append((ns, name, kind)))
     kube = cache.CachedKube(api, c)
-    c.by_kind["KVOffloadServe"].apply_event("ADDED", {"metadata": {"namespace": "ns", "name": "a", "resourceVersion": "5"}})
+    c.by_kind["KVOffloadServe"].apply_event("ADDED", {"metadata": {"namespace": "ns", "name": "a",
+                                                                   "resourceVersion": "5"}})
     c.by_kind["Pod"].apply_event("ADDED", obj("Pod", "a-0", 6))
     assert kube.get(cr_path("ns", "a"))["metadata"]["resourceVersion"] == "5"
     assert kube.get(cr_path("ns", "nope")) is None
@@ -180,11 +181,13 @@ def test_cached_reads_make_no_request_and_writes_are_read_back():
     assert kube.list(collection("v1", "ConfigMap", "ns"), f"{OWNER}=a") == []
     assert api.sent == []  # every read above came from memory
 
-    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"namespace": "ns", "name": "a-lmcache", "labels": {OWNER: "a"}}}
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"namespace": "ns", "name": "a-lmcache",
+                                                                "labels": {OWNER: "a"}}}
     kube.apply(cm, dry_run=True)
     assert kube.list(collection("v1", "ConfigMap", "ns"), f"{OWNER}=a") == []  # a dry run is not a write
     kube.apply(cm)
-    assert [c["metadata"]["name"] for c in kube.list(collection("v1", "ConfigMap", "ns"), f"{OWNER}=a")] == ["a-lmcache"]
+    assert ([c["metadata"]["name"] for c in kube.list(collection("v1", "ConfigMap", "ns"), f"{OWNER}=a")]
+            == ["a-lmcache"])
     kube.replace_status(cr_path("ns", "a"), {"observedGeneration": 1}, "5")
     assert kube.get(cr_path("ns", "a"))["status"] == {"observedGeneration": 1}
     assert [m for m, _, _ in api.sent] == ["PATCH", "PATCH", "PATCH"]
@@ -200,7 +203,8 @@ def test_kopf_watches_every_cached_kind_and_only_our_children_and_pods():
     resources = {kind: Resource(group=api_version.rpartition("/")[0], version=api_version.rpartition("/")[2],
                                 plural=collection(api_version, kind, "_").rsplit("/", 1)[1], kind=kind, namespaced=True)
                  for api_version, kind in cache.KINDS}
-    assert len(resources) == 12 and {"HorizontalPodAutoscaler", "Deployment", "Role"} <= set(resources)  # the CR, 10 child kinds, pods
+    # the CR, 10 child kinds, pods
+    assert len(resources) == 12 and {"HorizontalPodAutoscaler", "Deployment", "Role"} <= set(resources)
     for kind, resource in resources.items():
         assert registry._indexing.has_handlers(resource=resource), kind  # feeds the cache, gates the first reconcile
         assert registry._watching.has_handlers(resource=resource), kind
@@ -209,7 +213,8 @@ def test_kopf_watches_every_cached_kind_and_only_our_children_and_pods():
         assert settings.watching.label_selectors.collect(resource) == want, kind
     assert settings.watching.server_timeout == 300 and settings.watching.client_timeout == 310
     first = list(itertools.islice(iter(settings.networking.error_backoffs), 6))
-    assert first == [1, 2, 4, 8, 10, 10] and list(itertools.islice(iter(settings.networking.error_backoffs), 2)) == [1, 2]
+    assert first == [1, 2, 4, 8, 10, 10] and list(itertools.islice(iter(settings.networking.error_backoffs),
+                                                                   2)) == [1, 2]
 
 
 def test_a_late_delete_of_an_earlier_incarnation_does_not_drop_the_new_one():
@@ -268,7 +273,8 @@ def test_scaled_objects_are_watched_only_with_autoscaler_keda_and_only_where_ser
     assert handlers._watched == list(render.CHILD_KINDS) and not registry._indexing.has_handlers(resource=so)
     children = pipeline.desired("a", "ns", "u", {**SPEC, "autoscaling": SCALE}, keda).applied
     with pytest.raises(ConfigError) as err:  # before any request (no kube): nothing is half-applied
-        reconcile.sync_children(None, "ns", "a", "u", children, kinds=tuple(handlers._watched))  # type: ignore[arg-type]
+        reconcile.sync_children(None, "ns", "a", "u", children,  # type: ignore[arg-type]
+                                kinds=tuple(handlers._watched))
     assert err.value.field == "spec.autoscaling" and "install KEDA" in err.value.message
 
     assert asyncio.run(handlers.watch_optional_kinds(served, keda)) == handlers.Watched(keda)
@@ -288,7 +294,8 @@ def test_scaled_objects_are_watched_only_with_autoscaler_keda_and_only_where_ser
     rt = runtime.Runtime(kube=Discovery({}), settings=keda, child_kinds=tuple(handlers._watched))
     assert "ScaledObject" in rt.cache.by_kind
     path = collection(*autoscaling.SCALED_OBJECT, "ns")
-    rt.cache.by_kind["ScaledObject"].apply_event("ADDED", {**obj("ScaledObject", "a", 3), "apiVersion": "keda.sh/v1alpha1"})
+    rt.cache.by_kind["ScaledObject"].apply_event("ADDED", {**obj("ScaledObject", "a", 3),
+                                                           "apiVersion": "keda.sh/v1alpha1"})
     assert [o["metadata"]["name"] for o in rt.kube.list(path, f"{OWNER}=a")] == ["a"]  # type: ignore[union-attr]
     assert rt.kube.inner.asked == []  # type: ignore[union-attr]  # from the cache: no LIST per reconcile
 

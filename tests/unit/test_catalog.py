@@ -113,7 +113,8 @@ def test_unknown_model_without_architecture_is_refused() -> None:
         resolve_model("acme/unknown-13b")
     assert exc.value.named(PLAN_FIELDS).field == "spec.model.name"
     assert "not in the built-in catalog" in exc.value.message
-    assert "spec.model.architecture" in exc.value.named(PLAN_FIELDS).message and "meta-llama/Llama-3.1-8B-Instruct" in exc.value.message
+    assert ("spec.model.architecture" in exc.value.named(PLAN_FIELDS).message
+            and "meta-llama/Llama-3.1-8B-Instruct" in exc.value.message)
 
 
 def test_unknown_model_with_full_architecture() -> None:
@@ -148,7 +149,8 @@ def _config(tmp_path: Path, **cfg: object) -> str:
 
 def test_config_json_llama_style(tmp_path: Path) -> None:
     # no num_key_value_heads (= no GQA), no head_dim (= hidden / heads)
-    path = _config(tmp_path, num_hidden_layers=24, num_attention_heads=16, hidden_size=2048, max_position_embeddings=4096)
+    path = _config(tmp_path, num_hidden_layers=24, num_attention_heads=16, hidden_size=2048,
+                   max_position_embeddings=4096)
     m = resolve_model("local/model", config_json=path, params=1_300_000_000)
     assert (m.layers, m.attention_heads, m.kv_heads, m.head_dim, m.max_context) == (24, 16, 16, 128, 4096)
     assert m.sliding_window is None

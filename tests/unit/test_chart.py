@@ -202,7 +202,8 @@ def test_schema_covers_every_value_and_nothing_else():
                 out |= value_keys(v, f"{prefix}{k}.")
         return out
 
-    optional = {"global", "operator.resources.limits.cpu", "janitor.resources.limits.cpu"}  # allowed, deliberately unset (no CPU limit)
+    # allowed, deliberately unset (no CPU limit)
+    optional = {"global", "operator.resources.limits.cpu", "janitor.resources.limits.cpu"}
     assert keys(schema) - optional == value_keys(values)
 
 
@@ -266,7 +267,8 @@ def test_config_keys_in_values_and_schema_are_the_settings_keys():
     schema = json.loads((CHART / "values.schema.json").read_text())
     # operatorNamespace is the release namespace, set by the chart itself, never a value.
     assert set(values["operator"]["config"]) == camel_settings_keys() - {"operatorNamespace"}
-    assert set(schema["properties"]["operator"]["properties"]["config"]["properties"]) == camel_settings_keys() - {"operatorNamespace"}
+    assert (set(schema["properties"]["operator"]["properties"]["config"]["properties"])
+            == camel_settings_keys() - {"operatorNamespace"})
 
 
 def test_custom_roots_scenario_reaches_the_operator(helm):
@@ -308,7 +310,8 @@ def test_router_placement_values_reach_the_operator(helm):
                                       "--set", "operator.config.routerTolerations[0].key=dedicated",
                                       "--set", "operator.config.routerTolerations[0].operator=Exists"))
     s = settings.from_dict(cfg)
-    assert s.router_node_selector == {"pool": "cpu"} and s.router_tolerations == ({"key": "dedicated", "operator": "Exists"},)
+    assert (s.router_node_selector == {"pool": "cpu"}
+            and s.router_tolerations == ({"key": "dedicated", "operator": "Exists"},))
     cp = helm("template", "kvo", CHART, "--set", "operator.config.routerTolerations[0].operator=In", check=False)
     assert cp.returncode != 0 and "'/operator/config/routerTolerations/0/operator'" in cp.stderr, cp.stderr
 
@@ -444,9 +447,10 @@ def test_keda_autoscaler_adds_scaledobjects_only(helm):
     """operator.config.autoscaler keda: the operator also applies, watches and prunes ScaledObjects."""
     docs = helm.render("--set", "operator.config.autoscaler=keda",
                        "--set", "operator.config.prometheusAddress=http://prometheus.monitoring.svc:9090")
-    assert _rules(one(docs, "ClusterRole")) == {**EXPECTED_RULES,
-                                                ("keda.sh", "scaledobjects"): {"get", "list", "watch", "create", "patch", "delete"}}
-    config = yaml.safe_load(next(c for c in find(docs, "ConfigMap") if "config.yaml" in c.get("data", {}))["data"]["config.yaml"])
+    keda_verbs = {"get", "list", "watch", "create", "patch", "delete"}
+    assert _rules(one(docs, "ClusterRole")) == {**EXPECTED_RULES, ("keda.sh", "scaledobjects"): keda_verbs}
+    config_map = next(c for c in find(docs, "ConfigMap") if "config.yaml" in c.get("data", {}))
+    config = yaml.safe_load(config_map["data"]["config.yaml"])
     assert (config["autoscaler"], config["prometheusAddress"]) == ("keda", "http://prometheus.monitoring.svc:9090")
     # auto (the default) may pick KEDA only with a Prometheus for its triggers: the grant follows.
     assert ("keda.sh", "scaledobjects") not in _rules(one(helm.render(), "ClusterRole"))
@@ -460,7 +464,8 @@ def test_existing_service_account(helm):
     docs = helm.render("--set", "serviceAccount.create=false", "--set", "serviceAccount.name=ops")
     assert not find(docs, "ServiceAccount")
     assert one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
-    assert one(docs, "ClusterRoleBinding")["subjects"] == [{"kind": "ServiceAccount", "name": "ops", "namespace": "kvo-system"}]
+    assert one(docs, "ClusterRoleBinding")["subjects"] == [{"kind": "ServiceAccount", "name": "ops",
+                                                            "namespace": "kvo-system"}]
     cp = helm("template", "kvo", CHART, "--set", "serviceAccount.create=false", check=False)
     assert cp.returncode != 0 and "serviceAccount.name" in cp.stderr
 
@@ -555,7 +560,8 @@ def test_pod_monitor_selects_serving_pods(helm):
     assert not find(docs, "ServiceMonitor")
     # In namespaced mode it looks only where the operator works.
     (pm,) = find(helm.render("-f", values_file("monitoring"), "-f", values_file("namespaced"),
-                             "--api-versions", "monitoring.coreos.com/v1"), "PodMonitor", "kvo-kvoffload-operator-serving")
+                             "--api-versions", "monitoring.coreos.com/v1"), "PodMonitor",
+                 "kvo-kvoffload-operator-serving")
     assert pm["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
 
 
@@ -575,7 +581,8 @@ def test_the_operator_serves_its_own_metrics_and_a_pod_monitor_scrapes_them(helm
     assert pm["spec"]["namespaceSelector"] == {"matchNames": ["kvo-system"]}  # the release namespace
     assert [e["port"] for e in pm["spec"]["podMetricsEndpoints"]] == ["metrics"]
     (c,) = one(helm.render("--set", "operator.metricsPort=0"), "Deployment")["spec"]["template"]["spec"]["containers"]
-    assert not any(a.startswith("--metrics-listen") for a in c["args"]) and [p["name"] for p in c["ports"]] == ["health"]
+    assert (not any(a.startswith("--metrics-listen") for a in c["args"])
+            and [p["name"] for p in c["ports"]] == ["health"])
 
 
 def test_pod_monitor_port_names_match_the_operators_pods():
@@ -587,13 +594,15 @@ def test_pod_monitor_port_names_match_the_operators_pods():
 
 
 def test_service_monitor_drops_headless_services(helm):
-    docs = helm.render("--set", "monitoring.serviceMonitor.enabled=true", "--set", "monitoring.serviceMonitor.scrapeEngine=false",
+    docs = helm.render("--set", "monitoring.serviceMonitor.enabled=true", "--set",
+                       "monitoring.serviceMonitor.scrapeEngine=false",
                        "--api-versions", "monitoring.coreos.com/v1")
     sm = one(docs, "ServiceMonitor")
     assert sm["spec"]["selector"] == {"matchExpressions": [{"key": "kvoffload.io/serve", "operator": "Exists"}]}
     (ep,) = sm["spec"]["endpoints"]
     assert ep["port"] == "metrics"
-    assert {"sourceLabels": ["__meta_kubernetes_service_name"], "regex": ".+-pods", "action": "drop"} in ep["relabelings"]
+    assert ({"sourceLabels": ["__meta_kubernetes_service_name"], "regex": ".+-pods", "action": "drop"}
+            in ep["relabelings"])
     from kvoffload.rendering import render
     assert render.names("x")["headless"] == "x-pods", "the headless Service name changed: fix the relabeling"
 
@@ -734,7 +743,8 @@ def test_janitor_least_privilege(helm):
     role = [r for r in find(docs, "ClusterRole") if r["metadata"]["name"].endswith("-janitor")]
     assert len(role) == 1 and _rules(role[0]) == {("kvoffload.io", "kvoffloadserves"): {"get", "list", "watch"}}
     (binding,) = [b for b in find(docs, "ClusterRoleBinding") if b["metadata"]["name"].endswith("-janitor")]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": "kvo-system"}]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"],
+                                    "namespace": "kvo-system"}]
     assert pod["serviceAccountName"] != one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"]
     # Node: exactly the allowed roots (which must exist: Directory) and its own state directory outside them;
     # root with DAC_OVERRIDE only.
@@ -743,7 +753,8 @@ def test_janitor_least_privilege(helm):
                     "/var/lib/kvoffload-janitor": "DirectoryOrCreate"}
     sc = c["securityContext"]
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
-    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True and sc["privileged"] is False
+    assert (sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+            and sc["privileged"] is False)
     assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
     assert pod["nodeSelector"] == {"kvoffload.io/nvme": "true"}
     # The loop, dry-run and metrics on the pod IP.
@@ -768,14 +779,17 @@ def test_janitor_cli_accepts_the_rendered_arguments(helm):
 
 @pytest.mark.parametrize("path", ["/mnt/nvme", "/mnt/nvme/janitor", "/var/lib", "/var/lib/kvoffload/state"])
 def test_janitor_refuses_a_state_path_a_tenant_could_reach(helm, path):
-    cp = helm("template", "kvo", CHART, "--set", "janitor.enabled=true", "--set", f"janitor.statePath={path}", check=False)
+    cp = helm("template", "kvo", CHART, "--set", "janitor.enabled=true", "--set", f"janitor.statePath={path}",
+              check=False)
     assert cp.returncode != 0 and "janitor.statePath" in cp.stderr, cp.stderr
 
 
 def test_janitor_paths_are_gone_the_roots_are_the_one_setting(helm):
-    cp = helm("template", "kvo", CHART, "--set", "janitor.enabled=true", "--set", "janitor.paths={/mnt/nvme/x}", check=False)
+    cp = helm("template", "kvo", CHART, "--set", "janitor.enabled=true", "--set", "janitor.paths={/mnt/nvme/x}",
+              check=False)
     assert cp.returncode != 0 and "paths" in cp.stderr, cp.stderr  # the schema refuses the removed key
-    cp = helm("template", "kvo", CHART, "--set", "janitor.enabled=true", "--set", "operator.config.allowedDiskRoots=null",
+    cp = helm("template", "kvo", CHART, "--set", "janitor.enabled=true", "--set",
+              "operator.config.allowedDiskRoots=null",
               check=False)
     assert cp.returncode != 0 and "allowedDiskRoots" in cp.stderr, cp.stderr
 

@@ -24,7 +24,8 @@ def test_all_ready():
     st = conditions.status(body(), desired(), None, conditions.Observed(sts(), [pod()]), T0)
     c = by_type(st)
     assert [x["type"] for x in st["conditions"]] == list(conditions.TYPES)
-    assert c["Ready"]["status"] == "True" and c["Scheduled"]["status"] == "True" and c["ConfigValid"]["status"] == "True"
+    assert (c["Ready"]["status"] == "True" and c["Scheduled"]["status"] == "True"
+            and c["ConfigValid"]["status"] == "True")
     assert c["DiskTierReady"]["status"] == "True" and "/mnt/nvme/lmcache" in c["DiskTierReady"]["message"]
     assert st["observedGeneration"] == 1 and st["readyReplicas"] == 1
     assert st["selector"] == "kvoffload.io/serve=svc"
@@ -131,7 +132,8 @@ def test_offload_active_is_false_when_vllm_counts_hits_lmcache_never_loaded():
     skipped = Reading(0.0, None, 64028.0)
     c = offload({"svc-0": skipped})
     assert (c["status"], c["reason"]) == ("False", "ExternalHitsNotLoaded")
-    for words in ("svc-0: vLLM counted 64,028 prompt tokens as loaded from LMCache", "vllm:external_prefix_cache_hits_total",
+    for words in ("svc-0: vLLM counted 64,028 prompt tokens as loaded from LMCache",
+                  "vllm:external_prefix_cache_hits_total",
                   "lmcache:num_retrieve_requests_total 0", "answers for those prompts are wrong",
                   "Rendered for vLLM 0.26.0 + LMCache 0.5.3", "VLLM_USE_V2_MODEL_RUNNER=0", "EngineVerified"):
         assert words in c["message"], words
@@ -171,7 +173,8 @@ PINNED = {"engine__vllmVersion": "0.26.0", "engine__lmcacheVersion": "0.5.3"}
     ({"svc-0": running("0.26.0+cu130", "0.5.3")}, PINNED, "True", "EngineVersionsMatch", "1/1 pods"),
     ({"svc-0": running("0.27.1", "0.5.4")}, PINNED, "False", "EngineVersionMismatch",
      "rendered for vLLM 0.26.0 + LMCache 0.5.3, pod svc-0 runs vLLM 0.27.1 + LMCache 0.5.4"),
-    ({"svc-0": running("0.26.0", "none")}, PINNED, "False", "EngineVersionMismatch", "pod svc-0 runs vLLM 0.26.0 + LMCache none"),
+    ({"svc-0": running("0.26.0", "none")}, PINNED, "False", "EngineVersionMismatch",
+     "pod svc-0 runs vLLM 0.26.0 + LMCache none"),
     ({"svc-0": running("0.26.0", "0.5.3"), "svc-1": running("0.26.0", "0.5.4"), "svc-2": running("0.29.0", "0.5.3")},
      PINNED, "False", "EngineVersionMismatch", "pod svc-1 runs vLLM 0.26.0 + LMCache 0.5.4 (1 more pods differ)"),
     ({"svc-0": Reading(1.0)}, PINNED, "Unknown", "VersionsNotReported", "no pod's exporter reported its versions yet"),
@@ -224,7 +227,8 @@ def kstatus_pair(st):
 
 def failing_pod(reason="CrashLoopBackOff"):
     p = pod()
-    p["status"]["containerStatuses"] = [{"name": "vllm", "state": {"waiting": {"reason": reason, "message": "back-off 5m0s"}}}]
+    p["status"]["containerStatuses"] = [{"name": "vllm",
+                                         "state": {"waiting": {"reason": reason, "message": "back-off 5m0s"}}}]
     return p
 
 
@@ -235,14 +239,17 @@ PAIRS = [  # (what was read, Ready, (Reconciling), (Stalled))
                                           conditions.Observed(None, []), T0),
      ("False", "InvalidSpec"), ("False", "Stalled"), ("True", "InvalidSpec")),
     ("rolling out", lambda: conditions.status(body(2), desired(), None,
-                                              conditions.Observed(sts(gen=2, observed=2, updated=0, update="r2"), [pod()]), T0),
+                                              conditions.Observed(sts(gen=2, observed=2, updated=0, update="r2"),
+                                                                  [pod()]), T0),
      ("False", "RollingOut"), ("True", "RollingOut"), ("False", "SpecAccepted")),
     ("no StatefulSet yet", lambda: conditions.status(body(), desired(), None, conditions.Observed(None, []), T0),
      ("False", "ReplicasNotReady"), ("True", "ReplicasNotReady"), ("False", "SpecAccepted")),
     ("unschedulable", lambda: conditions.status(body(), desired(), None,
-                                                conditions.Observed(sts(ready=0), [pod(scheduled=False, message="0/4 nodes")]), T0),
+                                                conditions.Observed(sts(ready=0),
+                                                                    [pod(scheduled=False, message="0/4 nodes")]), T0),
      ("False", "Unschedulable"), ("True", "Unschedulable"), ("False", "SpecAccepted")),
-    ("crash loop", lambda: conditions.status(body(), desired(), None, conditions.Observed(sts(ready=0), [failing_pod()]), T0),
+    ("crash loop", lambda: conditions.status(body(), desired(), None,
+                                             conditions.Observed(sts(ready=0), [failing_pod()]), T0),
      ("False", "PodsFailing"), ("True", "PodsFailing"), ("False", "SpecAccepted")),
     ("image pull", lambda: conditions.status(body(), desired(), None,
                                              conditions.Observed(sts(ready=0), [failing_pod("ImagePullBackOff")]), T0),
@@ -260,7 +267,8 @@ def test_reconciling_and_stalled_follow_ready_and_config_valid(case, make, ready
     assert (c["Ready"]["status"], c["Ready"]["reason"]) == ready
     assert kstatus_pair(st) == (reconciling, stalled)
     # Exactly one verdict for kstatus: converged, converging, or stuck on the spec.
-    assert [c["Ready"]["status"] == "True", c["Reconciling"]["status"] == "True", c["Stalled"]["status"] == "True"].count(True) == 1
+    assert [c["Ready"]["status"] == "True", c["Reconciling"]["status"] == "True",
+            c["Stalled"]["status"] == "True"].count(True) == 1
     if stalled[0] == "True":  # the reason and message come from ConfigValid
         assert c["Stalled"]["message"] == c["ConfigValid"]["message"] and c["ConfigValid"]["status"] == "False"
         assert st["observedGeneration"] == 3  # the verdict is about this generation: kstatus reads Failed
@@ -277,8 +285,8 @@ def test_a_crash_loop_after_an_oom_kill_names_the_kill():
     p = failing_pod()
     p["status"]["containerStatuses"][0]["lastState"] = {"terminated": {"reason": "OOMKilled", "exitCode": 137}}
     c = by_type(conditions.status(body(), desired(), None, conditions.Observed(sts(ready=0), [p]), T0))
-    assert c["Ready"]["message"] == ("1 pod(s) failing; svc-0: container vllm: CrashLoopBackOff after OOMKilled (exit code 137) "
-                                     "(back-off 5m0s)")
+    assert c["Ready"]["message"] == ("1 pod(s) failing; svc-0: container vllm: CrashLoopBackOff after OOMKilled (exit "
+                                     "code 137) (back-off 5m0s)")
 
 
 def test_first_status_says_working_on_it():
@@ -286,7 +294,8 @@ def test_first_status_says_working_on_it():
     c = by_type(st)
     assert [x["type"] for x in st["conditions"]] == list(conditions.TYPES)
     assert c["Reconciling"]["status"] == "True" and c["Ready"]["status"] == "Unknown"
-    assert all(x["observedGeneration"] == 4 and x["lastTransitionTime"] == "2026-01-01T00:00:00Z" for x in st["conditions"])
+    assert all(x["observedGeneration"] == 4 and x["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+               for x in st["conditions"])
     assert st["observedGeneration"] == 0  # nothing rolled out yet: kstatus reads InProgress either way
     assert "generation 4" in c["Reconciling"]["message"]
     # The next status keeps lastTransitionTime of conditions that stayed Unknown.
@@ -299,7 +308,8 @@ def test_rollout_before_the_statefulset_controller_saw_the_template():
     # Its counts still describe the old template: say so instead of "1/1 updated".
     st = conditions.status(body(2), desired(), None, conditions.Observed(sts(gen=2, observed=1), [pod()]), T0)
     c = by_type(st)
-    assert c["Ready"]["reason"] == "RollingOut" and "not yet picked up by the StatefulSet controller" in c["Ready"]["message"]
+    assert (c["Ready"]["reason"] == "RollingOut"
+            and "not yet picked up by the StatefulSet controller" in c["Ready"]["message"])
     assert c["Reconciling"]["status"] == "True" and st["observedGeneration"] == 0
 def test_pods_not_created_point_at_the_statefulset_events():
     from kvoffload.controller import conditions as c
@@ -321,7 +331,8 @@ def test_every_condition_and_reason_is_declared_once():
     assert conditions.TYPES == declared.TYPES
     with pytest.raises(ValueError, match="not declared"):
         conditions.Cond("Ready", "False", "ConfigInvalid", "x")
-    st = conditions.status(body(3), None, ConfigError("spec.offload.disk.path", "'/etc' is outside"), conditions.Observed(None, []), T0)
+    st = conditions.status(body(3), None, ConfigError("spec.offload.disk.path", "'/etc' is outside"),
+                           conditions.Observed(None, []), T0)
     assert {c["reason"] for c in st["conditions"] if c["type"] not in ("Reconciling",)} == {"InvalidSpec"}
     assert crd.status_schema()["properties"]["conditions"]["description"] == declared.summary()
     assert all(f"{c.type}: {c.description}" in generate.conditions_tpl() for c in declared.CONDITIONS)

@@ -12,14 +12,17 @@ from kvtest import ROOT
 
 FULL_SPEC = {
     "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "servedName": "llama", "kvDtype": "fp8",
-              "architecture": {"layers": 32, "attentionHeads": 32, "kvHeads": 8, "headDim": 128, "parameters": 8030261248},
+              "architecture": {"layers": 32, "attentionHeads": 32, "kvHeads": 8, "headDim": 128,
+                               "parameters": 8030261248},
               "hfTokenSecret": {"name": "hf", "key": "token"}, "cache": {"claimName": "models", "readOnly": True}},
     "replicas": 2,
     "engine": {"image": "registry.example/mirror/vllm-lmcache:1", "vllmVersion": "0.26.0", "lmcacheVersion": "0.5.3",
                "maxModelLen": 32768, "gpuMemoryUtilization": 0.9, "maxNumSeqs": 16, "tensorParallelSize": 2,
-               "dtype": "bfloat16", "extraArgs": ["--enable-prefix-caching"], "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "INFO"}],
+               "dtype": "bfloat16", "extraArgs": ["--enable-prefix-caching"],
+               "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "INFO"}],
                "apiKeySecretRef": {"name": "vllm-api-key", "key": "api-key"}},
-    "offload": {"backend": "lmcache", "chunkSize": 256, "cpu": {"size": "40Gi", "evictionPolicy": "LFU", "readGbps": 50},
+    "offload": {"backend": "lmcache", "chunkSize": 256,
+                "cpu": {"size": "40Gi", "evictionPolicy": "LFU", "readGbps": 50},
                 "disk": {"path": "/mnt/nvme/kv", "size": "100Gi", "reclaimPolicy": "Retain",
                          "nodeSelector": {"kvoffload.io/nvme": "true"}, "readGbps": 6.5}},
     "resources": {"gpuResourceName": "nvidia.com/gpu", "gpuMemory": "80Gi", "cpu": "8", "memory": "120Gi",
@@ -35,7 +38,8 @@ FULL_SPEC = {
 }
 
 # The disk tier is either a hostPath or an ephemeral volume: one spec cannot set both.
-EPHEMERAL_SPEC = {**FULL_SPEC, "offload": {**FULL_SPEC["offload"], "disk": {"storageClassName": "local-nvme", "size": "100Gi"}}}
+EPHEMERAL_SPEC = {**FULL_SPEC, "offload": {**FULL_SPEC["offload"],
+                                           "disk": {"storageClassName": "local-nvme", "size": "100Gi"}}}
 # Fields of one backend only (backends/*.refuses): the LMCache server's memory needs backend lmcache-server (LRU).
 SERVER_SPEC = {**FULL_SPEC, "offload": {**FULL_SPEC["offload"], "backend": "lmcache-server", "cpu": {"size": "40Gi"}},
                "resources": {**FULL_SPEC["resources"], "serverBaseline": "2Gi"}}
@@ -47,13 +51,15 @@ def test_generated_files_are_current():
 
 def test_chart_crd_equals_plain_crd_once_helm_renders_it():
     text = (ROOT / generate.CHART_FILE).read_text()
-    rendered = "\n".join(line for line in text.splitlines() if "{{" not in line and "helm.sh/resource-policy" not in line)
+    rendered = "\n".join(line for line in text.splitlines() if "{{" not in line
+                         and "helm.sh/resource-policy" not in line)
     chart_crd = yaml.safe_load(rendered)
     chart_crd["metadata"].pop("annotations")
     assert chart_crd == yaml.safe_load((ROOT / generate.CRD_FILE).read_text()) == crd.crd()
 # spec.autoscaling with every field: scale to zero (wakeQuery) needs the operator setting autoscaler keda.
 AUTOSCALED_SPEC = {**FULL_SPEC, "autoscaling": {
-    "minReplicas": 0, "maxReplicas": 4, "scaleUpPeriodSeconds": 60, "scaleDownWindowSeconds": 600, "wakeQuery": "sum(queued)",
+    "minReplicas": 0, "maxReplicas": 4, "scaleUpPeriodSeconds": 60, "scaleDownWindowSeconds": 600,
+    "wakeQuery": "sum(queued)",
     "targets": {"waitingRequestsPerReplica": 4, "kvCacheUsagePercent": 85, "queueTimeP90Milliseconds": 2000}}}
 KEDA = Settings(autoscaler="keda", prometheus_address="http://prometheus.monitoring.svc:9090")
 
@@ -63,7 +69,8 @@ def test_parser_reads_exactly_the_fields_the_schema_declares(monkeypatch):
 
     read: set[str] = set()
     get = spec_mod._Reader.get
-    monkeypatch.setattr(spec_mod._Reader, "get", lambda self, path, *default: read.add(path) or get(self, path, *default))
+    monkeypatch.setattr(spec_mod._Reader, "get", lambda self, path, *default: read.add(path)
+                        or get(self, path, *default))
     mirror = Settings(allowed_images=("registry.example/mirror/*",))  # FULL_SPEC's image
     parse(FULL_SPEC, mirror)
     parse(EPHEMERAL_SPEC, mirror)
@@ -80,12 +87,14 @@ def test_full_spec_sets_every_leaf():
         out = set()
         for k, v in d.items():
             p = f"{prefix}.{k}" if prefix else k
-            if isinstance(v, dict) and v and p in {q.rsplit('.', 1)[0] for q in crd.leaf_paths() if q.startswith(p + ".")}:
+            if isinstance(v, dict) and v and p in {q.rsplit('.', 1)[0] for q in crd.leaf_paths()
+                                                   if q.startswith(p + ".")}:
                 out |= leaves(v, p)
             else:
                 out.add(p)
         return out
-    assert leaves(FULL_SPEC) | leaves(EPHEMERAL_SPEC) | leaves(SERVER_SPEC) | leaves(AUTOSCALED_SPEC) == crd.leaf_paths()
+    assert (leaves(FULL_SPEC) | leaves(EPHEMERAL_SPEC) | leaves(SERVER_SPEC) | leaves(AUTOSCALED_SPEC)
+            == crd.leaf_paths())
 
 
 def _walk(node, path="spec"):

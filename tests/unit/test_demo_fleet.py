@@ -72,7 +72,8 @@ def test_every_example_pod_has_a_node_under_any_placement():
         blockable = 0
         for n in mine:
             need = int(qty(n["status"]["allocatable"]["nvidia.com/gpu"])) - int(pod["requests"]["nvidia.com/gpu"]) + 1
-            blockable = max(blockable, min(len(others), int(sum(o["requests"]["nvidia.com/gpu"] for o in others) // need)))
+            blockable = max(blockable, min(len(others),
+                                           int(sum(o["requests"]["nvidia.com/gpu"] for o in others) // need)))
         assert blockable < len(mine), (
             f"{pod['name']}: the other {len(others)} pods can block all {len(mine)} nodes it fits")
         # Memory too: every pod it may share a node with, stacked on one node, leaves room for it.

@@ -48,7 +48,8 @@ def snapshot(top: Path) -> dict[str, tuple[str, int | str]]:
         for n in dirnames + filenames:
             p = Path(dirpath) / n
             rel = str(p.relative_to(top))
-            out[rel] = ("link", os.readlink(p)) if p.is_symlink() else ("dir", 0) if p.is_dir() else ("file", p.stat().st_size)
+            out[rel] = (("link", os.readlink(p)) if p.is_symlink() else ("dir", 0) if p.is_dir()
+                        else ("file", p.stat().st_size))
     return out
 
 
@@ -71,8 +72,8 @@ def tree(tmp_path: Path) -> dict[str, Path]:
     # A tenant plants a fake layout with a marker of its own inside its pod directory: not root's, not believed.
     fake = gone0.parent / "gone-0" / "sub" / "ns-x" / "victim"
     fake.mkdir(parents=True)
-    (fake / owner_marker.file_name("victim-0")).write_bytes(owner_marker.encode(owner_marker.Owner("ns-x", "victim",
-                                                                                                  "victim-0", "uid-gone")))
+    owner = owner_marker.Owner("ns-x", "victim", "victim-0", "uid-gone")
+    (fake / owner_marker.file_name("victim-0")).write_bytes(owner_marker.encode(owner))
     os.chown(fake / owner_marker.file_name("victim-0"), 1000, 1000)
     # A pod directory whose marker names another directory, and a root-owned link where a directory could be.
     odd = pod(root, "lmcache", "ns-c", "odd", 0, "uid-gone")
@@ -282,7 +283,8 @@ def test_decide():
 
 
 def test_live_set_from_kubectl_list_and_simple_entries():
-    listed = {"kind": "List", "items": [{"kind": "KVOffloadServe", "metadata": {"namespace": "n", "name": "a", "uid": "u"}}]}
+    listed = {"kind": "List", "items": [{"kind": "KVOffloadServe",
+                                         "metadata": {"namespace": "n", "name": "a", "uid": "u"}}]}
     assert live_from_json(listed) == {("n", "a"): "u"}
     assert live_from_json([{"namespace": "n", "name": "b"}]) == {("n", "b"): None}
 

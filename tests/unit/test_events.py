@@ -35,10 +35,12 @@ def test_spec_refused_once_then_accepted():
     assert "spec.offload.disk.path" in evs[0].message and "/mnt/nvme" in evs[0].message
     assert events.transitions(bad["conditions"], status(bad, error=err)["conditions"]) == []  # still refused: told once
     other = ConfigError("spec.engine.maxModelLen", "must be at most 131072")
-    assert reasons(events.transitions(bad["conditions"], status(bad, error=other)["conditions"])) == [("Warning", "SpecRefused")]
+    assert (reasons(events.transitions(bad["conditions"], status(bad, error=other)["conditions"]))
+            == [("Warning", "SpecRefused")])
     good = status(bad, generation=2)
     assert reasons(events.transitions(bad["conditions"], good["conditions"], ["StatefulSet svc"])) == [
-        ("Normal", "SpecAccepted"), ("Normal", "Applied"), ("Normal", "Scheduled"), ("Normal", "Ready"), ("Normal", "OffloadProven")]
+        ("Normal", "SpecAccepted"), ("Normal", "Applied"), ("Normal", "Scheduled"), ("Normal", "Ready"),
+        ("Normal", "OffloadProven")]
 
 
 def test_first_rollout_story():
@@ -47,14 +49,16 @@ def test_first_rollout_story():
     evs = events.transitions(first["conditions"], pending["conditions"], ["ConfigMap svc-lmcache", "StatefulSet svc"])
     assert reasons(evs) == [("Normal", "Applied"), ("Normal", "Scheduled")]
     assert evs[0].message == "applied ConfigMap svc-lmcache, StatefulSet svc"
-    stuck = status(first, obs=conditions.Observed(sts(ready=0), [pod(scheduled=False, message="0/4 nodes: Insufficient memory")]))
+    stuck = status(first, obs=conditions.Observed(sts(ready=0), [pod(scheduled=False, message="0/4 nodes: "
+                                                                                              "Insufficient memory")]))
     evs = events.transitions(first["conditions"], stuck["conditions"])
     assert reasons(evs) == [("Warning", "Unschedulable")] and "Insufficient memory" in evs[0].message
 
 
 def test_engine_version_mismatch_event():
     before = [{"type": "EngineVerified", "status": "True", "reason": "EngineVersionsMatch"}]
-    after = [{"type": "EngineVerified", "status": "False", "reason": "EngineVersionMismatch", "message": "image runs vLLM 0.26"}]
+    after = [{"type": "EngineVerified", "status": "False", "reason": "EngineVersionMismatch",
+              "message": "image runs vLLM 0.26"}]
     assert reasons(events.transitions(before, after)) == [("Warning", "EngineVersionMismatch")]
 
 

@@ -71,7 +71,8 @@ def test_native_active_needs_vllms_own_offload_counters():
 def test_server_backend_scrape(tmp_path):
     with FakeVllm(VLLM) as vllm, FakeVllm(json.dumps(CONNECTED)) as server:
         got = samples(TierCollector(ExporterConfig(vllm_metrics_url=vllm.url, backend="lmcache-server",
-                                                   server_status_url=server.url, capacity=TierCapacity(disk_bytes=10 << 30))))
+                                                   server_status_url=server.url,
+                                                   capacity=TierCapacity(disk_bytes=10 << 30))))
     assert got[("kvoffload_tier_capacity_bytes", (("tier", "cpu"),))] == 268435456  # the L1 in force
     assert got[("kvoffload_tier_used_bytes", (("tier", "cpu"),))] == 4 << 20
     assert got[("kvoffload_tier_capacity_bytes", (("tier", "disk"),))] == 10 << 30
@@ -107,7 +108,8 @@ def test_every_figure_a_backend_declares_is_served(backend):
     a scrape of the real pages and the server's /status serves every one, and kvoffload_source_up names its sources."""
     pages = {"lmcache": VLLM, "lmcache-server": VLLM, "vllm-native": NATIVE}
     with FakeVllm(pages[backend]) as vllm, FakeVllm(json.dumps(CONNECTED)) as server:
-        got = samples(TierCollector(ExporterConfig(vllm_metrics_url=vllm.url, backend=backend, kv_bytes_per_token=131072,
+        got = samples(TierCollector(ExporterConfig(vllm_metrics_url=vllm.url, backend=backend,
+                                                   kv_bytes_per_token=131072,
                                                    server_status_url=server.url, unloaded_grace_s=0)))
     served = {name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}" if labels else "") for name, labels in got}
     sources = backends.get(backend).sources

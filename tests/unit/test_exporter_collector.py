@@ -135,10 +135,9 @@ def test_unloaded_hits_are_reported_after_lmcaches_publish_lag() -> None:
         assert look() == (0, 0)
         now[0] += 0.1  # 25 s: two LMCache publishes and a margin
         assert look() == (0, 64028)
-        vllm.body = WITH_LMCACHE.replace('lmcache:num_retrieve_requests_total{model_name="/tmp/e2e_model",role="worker",'
-                                         'served_model_name="meta-llama/Llama-3.1-8B-Instruct",worker_id="0"} 0.0',
-                                         'lmcache:num_retrieve_requests_total{model_name="/tmp/e2e_model",role="worker",'
-                                         'served_model_name="meta-llama/Llama-3.1-8B-Instruct",worker_id="0"} 2.0')
+        series = ('lmcache:num_retrieve_requests_total{model_name="/tmp/e2e_model",role="worker",'
+                  'served_model_name="meta-llama/Llama-3.1-8B-Instruct",worker_id="0"}')
+        vllm.body = WITH_LMCACHE.replace(series + ' 0.0', series + ' 2.0')
         assert look() == (1, 0)
         vllm.status = 503
         assert look() == (0, None)  # vLLM unreadable: nothing judged
@@ -493,8 +492,10 @@ def test_lmcache_whose_init_failed_is_not_active() -> None:
     """TP 2, V1 runner: LMCache's engine failed to start in both workers (a ZMQ ipc path over 107
     characters) and vLLM served on: 197,168 external queries, 0 hits, LMCache's counters all 0. The
     exporter said kvoffload_offload_active 1 on that page; it must say 0."""
-    page = (BACKENDS / "lmcache-tp2-init-failed-vllm.txt").read_text() + (BACKENDS / "lmcache-tp2-init-failed-lmcache.txt").read_text()
-    assert "kvoffload_offload_active 1.0" in (BACKENDS / "lmcache-tp2-init-failed-exporter.txt").read_text()  # as captured
+    page = ((BACKENDS / "lmcache-tp2-init-failed-vllm.txt").read_text()
+            + (BACKENDS / "lmcache-tp2-init-failed-lmcache.txt").read_text())
+    # as captured
+    assert "kvoffload_offload_active 1.0" in (BACKENDS / "lmcache-tp2-init-failed-exporter.txt").read_text()
     with FakeVllm(page) as vllm:
         m = scrape(make(ExporterConfig(vllm_metrics_url=vllm.url))[0])
     assert value(m, "kvoffload_tier_requested_tokens_total", tier="external") == 197168

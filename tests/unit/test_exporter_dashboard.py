@@ -83,7 +83,8 @@ def exporter_names(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     native = ("# TYPE vllm:kv_offload_store_bytes_total counter\nvllm:kv_offload_store_bytes_total 1.0\n"
               "# TYPE vllm:kv_offload_load_bytes_total counter\nvllm:kv_offload_load_bytes_total 1.0\n")
     with FakeVllm(VLLM_TEXT + native) as vllm, FakeVllm(status) as server:
-        for extra in (["--backend", "lmcache-server", "--lmcache-server-url", server.url], ["--backend", "vllm-native"]):
+        for extra in (["--backend", "lmcache-server", "--lmcache-server-url", server.url],
+                      ["--backend", "vllm-native"]):
             parser = argparse.ArgumentParser()
             exporter_cli.add_arguments(parser)
             registry, _, _ = exporter_cli.build(parser.parse_args(["--vllm-metrics-url", vllm.url, *extra]))
@@ -131,7 +132,8 @@ def test_dashboard_has_the_panels_the_issue_asks_for() -> None:
                  "kvoffload_tier_hit_tokens_total", "kvoffload_tier_requested_tokens_total",
                  "kvoffload_tier_evictions_total", "kvoffload_disk_free_bytes",
                  "kvoffload_offload_active", "kvoffload_prompt_tokens_total", "kvoffload_engine_info",
-                 "vllm:kv_cache_usage_perc", "kvoffload_lmcache_server_engines", "kvoffload_offload_transfer_bytes_total"):
+                 "vllm:kv_cache_usage_perc", "kvoffload_lmcache_server_engines",
+                 "kvoffload_offload_transfer_bytes_total"):
         assert name in exprs, name
 
 

@@ -76,7 +76,8 @@ CASES: dict[str, tuple[dict, object]] = {
     "resources.headroomPercent": ({}, 20),
     "scheduling.nodeSelector": ({}, {"example.com/pool": "serving"}),
     "scheduling.tolerations": ({}, [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]),
-    "scheduling.affinity": ({}, {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+    "scheduling.affinity": ({},
+                            {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
         {"matchExpressions": [{"key": "example.com/pool", "operator": "In", "values": ["serving"]}]}]}}}),
     "scheduling.priorityClassName": ({}, "serving"),
     "scheduling.topologySpreadConstraints": ({}, []),
@@ -86,13 +87,15 @@ CASES: dict[str, tuple[dict, object]] = {
     "networkPolicy.metricsFrom": ({"networkPolicy__servingFrom": ["clients"]}, ["prometheus"]),
     "autoscaling.minReplicas": (SCALED, 2),
     "autoscaling.maxReplicas": (SCALED, 6),
-    "autoscaling.targets.waitingRequestsPerReplica": ({**SCALED, "autoscaling__targets__waitingRequestsPerReplica": None,
+    "autoscaling.targets.waitingRequestsPerReplica": ({**SCALED,
+                                                       "autoscaling__targets__waitingRequestsPerReplica": None,
                                                        "autoscaling__targets__kvCacheUsagePercent": 80}, 4),
     "autoscaling.targets.kvCacheUsagePercent": (SCALED, 80),
     "autoscaling.targets.queueTimeP90Milliseconds": (SCALED, 500),
     "autoscaling.scaleUpPeriodSeconds": (SCALED, 60),
     "autoscaling.scaleDownWindowSeconds": (SCALED, 600),
-    "autoscaling.wakeQuery": ({**SCALED, "autoscaling__minReplicas": 0, "autoscaling__wakeQuery": "sum(a{namespace=\"team-a\"})"},
+    "autoscaling.wakeQuery": ({**SCALED, "autoscaling__minReplicas": 0,
+                               "autoscaling__wakeQuery": "sum(a{namespace=\"team-a\"})"},
                               "sum(b{namespace=\"team-a\"})"),
     "routing.enabled": ({"routing__replicas": 1}, False),
     "routing.policy": ({"routing__enabled": True}, "round_robin"),
@@ -104,14 +107,16 @@ KEDA = Settings(autoscaler="keda", prometheus_address="http://prometheus.monitor
 
 
 def base(backend: str, **patch) -> dict:
-    return spec(**{"offload__backend": backend, **PAIR, **(NO_DISK if not backends.get(backend).disk_tier else {}), **patch})
+    return spec(**{"offload__backend": backend, **PAIR, **(NO_DISK if not backends.get(backend).disk_tier else {}),
+                   **patch})
 
 
 def output(s: dict) -> object:
     """What the operator does with spec `s`: the children it applies, the status it writes (nothing observed
     yet) and the node disk cleaner's verdict once the resource is gone; or the ConfigError it refuses it with."""
     try:
-        d = pipeline.desired("svc", "team-a", "uid-1", s, KEDA if s.get("autoscaling") else Settings(allowed_images=MIRRORS))
+        d = pipeline.desired("svc", "team-a", "uid-1", s, KEDA if s.get("autoscaling")
+                             else Settings(allowed_images=MIRRORS))
     except ConfigError as err:
         return err
     body = {"metadata": {"name": "svc", "namespace": "team-a", "generation": 1}, "spec": s}

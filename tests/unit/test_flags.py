@@ -32,7 +32,8 @@ EVERY_VLLM = pytest.mark.parametrize("v", OFFERED)
     (["--max_model_len=9"], "sets --max-model-len"),
     (["--kv-transfer-config.kv_connector=X"], "sets --kv-transfer-config"),
     # GPU count and memory budget
-    (["-pp", "2"], "GPU count"), (["-dp", "2"], "GPU count"), (["-pcp", "2"], "GPU count"), (["-dpl", "2"], "GPU count"),
+    (["-pp", "2"], "GPU count"), (["-dp", "2"], "GPU count"), (["-pcp", "2"], "GPU count"),
+    (["-dpl", "2"], "GPU count"),
     (["--cpu-offload-gb", "4"], "memory budget"), (["--kv-cache-memory-bytes", "1G"], "memory budget"),
     (["--kv-offloading-backend", "native"], "memory budget"), (["--num-gpu-blocks-override", "10"], "memory budget"),
     (["--config", "f.yaml"], "file"),
@@ -54,7 +55,8 @@ def test_refused(args, needle, v):
 
 @pytest.mark.parametrize("args", [
     [], ["--enforce-eager"], ["--enable-prefix-caching"], ["--max-num-batched-tokens", "8192"],
-    ["--max_num_batched_tokens=8192"], ["--seed", "-1"], ["-O3"], ["--compilation-config.mode=3"], ["--load-format", "dummy"],
+    ["--max_num_batched_tokens=8192"], ["--seed", "-1"], ["-O3"], ["--compilation-config.mode=3"],
+    ["--load-format", "dummy"],
     ["--disable-hybrid-kv-cache-manager"], ["--trust-remote-code", "--enforce-eager"],
 ])
 @EVERY_VLLM
@@ -154,7 +156,8 @@ def test_a_short_prefix_is_ambiguous_or_refused():
 
 @pytest.mark.parametrize("v, dtype, refused", [
     ("0.33.0", "float16", True), ("0.33.0", "bfloat16", False), ("0.33.0", "auto", False),
-    ("0.26.0", "float16", False),  # vLLM 0.26.0 accepts the mix (its create_engine_config, tests/engine/test_fidelity.py)
+    # vLLM 0.26.0 accepts the mix (its create_engine_config, tests/engine/test_fidelity.py)
+    ("0.26.0", "float16", False),
 ])
 def test_a_bf16_kv_cache_must_match_the_models_dtype_from_vllm_033(v, dtype, refused):
     image = next(i for i, k in images.serving_images().items() if k.vllm == v)

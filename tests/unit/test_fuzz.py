@@ -47,13 +47,17 @@ FIELD = re.compile(r"(spec|metadata)(\.[A-Za-z0-9_.\[\]]+)?")
 
 # Plausible wrong values, per field: what a user could type.
 BAD_VALUES: dict[str, list[Any]] = {
-    "offload.disk.path": ["/mnt/nvme", "/mnt/nvme/", "/mnt/nvme/../../etc", "/mnt/nvme/./x", "//mnt/nvme/x", "/mnt/nvme//x",
-                          "mnt/nvme/x", "/etc/kv", "/mnt/nvme2/x", "/", "", "/mnt/nvme/x/..", "/var/lib/kvoffload", "/mnt/nvme/x y"],
-    "offload.cpu.size": ["10 Gi", "-1", "1e400", "", "Infinity", "NaN", "0", "1.5.5Gi", "1Ki5", "1Gi\n", "2Pi", True, 40.5],
+    "offload.disk.path": ["/mnt/nvme", "/mnt/nvme/", "/mnt/nvme/../../etc", "/mnt/nvme/./x", "//mnt/nvme/x",
+                          "/mnt/nvme//x",
+                          "mnt/nvme/x", "/etc/kv", "/mnt/nvme2/x", "/", "", "/mnt/nvme/x/..", "/var/lib/kvoffload",
+                          "/mnt/nvme/x y"],
+    "offload.cpu.size": ["10 Gi", "-1", "1e400", "", "Infinity", "NaN", "0", "1.5.5Gi", "1Ki5", "1Gi\n", "2Pi", True,
+                         40.5],
     "offload.chunkSize": [0, 100000, -1, "256", 256.5],
     "offload.cpu.evictionPolicy": ["lru", "RANDOM", "", None],
     "offload.disk.reclaimPolicy": ["Recycle", "delete"],
-    "engine.extraArgs": [["--max-model-len=1"], ["--max_model_len", "1"], ["--kv-transfer-config.kv_connector=X"], ["-tp=2"],
+    "engine.extraArgs": [["--max-model-len=1"], ["--max_model_len", "1"], ["--kv-transfer-config.kv_connector=X"],
+                         ["-tp=2"],
                          ["--model"], "--enforce-eager", [1]],
     "engine.env": [[{"name": "LMCACHE_LOCAL_DISK", "value": "True"}], [{"name": "POD_NAMESPACE", "value": "victim"}],
                    [{"name": "PYTHONHASHSEED", "value": "1"}], [{"value": "x"}], [{"name": "A", "value": 1}], "A=1"],
@@ -63,7 +67,8 @@ BAD_VALUES: dict[str, list[Any]] = {
     "engine.image": ["registry.example/unknown:1", ["x"], 5],
     "engine.vllmVersion": ["0.5.0", "latest", 5],
     "model.name": ["acme/unknown", "bad name!", "", "x" * 300, 7],
-    "model.architecture": [{"layers": 32}, {"kvHeads": 3, "attentionHeads": 32}, {"layers": 0}, {"layers": 2000}, "big"],
+    "model.architecture": [{"layers": 32}, {"kvHeads": 3, "attentionHeads": 32}, {"layers": 0}, {"layers": 2000},
+                           "big"],
     "model.kvDtype": ["int4", "FP8"],
     "resources.gpuMemory": ["1Gi", "0", "1e400", "1Ei"],
     "resources.gpuResourceName": ["memory", "cpu", "gpu", ""],
@@ -105,7 +110,8 @@ def garbage_specs(draw) -> Any:
             path, value = tuple(draw(st.sampled_from(leaves)).split(".")), draw(anything)
         else:
             parent = draw(st.sampled_from(_container_paths(spec)))
-            path = (*parent, draw(st.one_of(st.sampled_from(["size", "path", "name", "x", "cpu", "disk"]), st.text(max_size=8))))
+            path = (*parent, draw(st.one_of(st.sampled_from(["size", "path", "name", "x", "cpu", "disk"]),
+                                            st.text(max_size=8))))
             value = draw(anything)
         node = spec
         for part in path[:-1]:
@@ -116,8 +122,10 @@ def garbage_specs(draw) -> Any:
     return spec if draw(st.integers(0, 9)) else draw(anything)
 
 
-good_names = st.one_of(st.from_regex(r"[a-z]([-a-z0-9]{0,50}[a-z0-9])?", fullmatch=True), st.sampled_from(["svc", "a" * 52]))
-names = st.one_of(good_names, st.sampled_from(["a" * 53, "my.serve", "7b", "Serve", "", "x-", "-x"]), st.text(max_size=60))
+good_names = st.one_of(st.from_regex(r"[a-z]([-a-z0-9]{0,50}[a-z0-9])?", fullmatch=True),
+                       st.sampled_from(["svc", "a" * 52]))
+names = st.one_of(good_names, st.sampled_from(["a" * 53, "my.serve", "7b", "Serve", "", "x-", "-x"]),
+                  st.text(max_size=60))
 
 # ----------------------------------------------------------------------------- the properties
 
@@ -149,7 +157,8 @@ def check_children(name: str, spec_dict: dict[str, Any], d: pipeline.Desired) ->
         assert DNS_LABEL.fullmatch(c["name"])
         assert all(isinstance(a, str) for a in c.get("command", []) + c.get("args", [])), c.get("args")
         for e in c.get("env", []):
-            assert isinstance(e["name"], str) and isinstance(e.get("value", ""), str) and isinstance(e.get("valueFrom", {}), dict)
+            assert (isinstance(e["name"], str) and isinstance(e.get("value", ""), str)
+                    and isinstance(e.get("valueFrom", {}), dict))
     vllm = pod["containers"][0]
     res, tp = vllm["resources"], spec.engine.tensor_parallel_size
     assert res["requests"]["memory"] == res["limits"]["memory"]
@@ -175,9 +184,11 @@ def check_children(name: str, spec_dict: dict[str, Any], d: pipeline.Desired) ->
     cm = next(c for c in kids if c["kind"] == "ConfigMap")
     lmcache = yaml.load(cm["data"]["lmcache.yaml"], Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     assert lmcache["chunk_size"] == spec.offload.chunk_size and lmcache["local_cpu"] is True
-    assert math.isclose(lmcache["max_local_cpu_size"] * tp, spec.offload.cpu_size / GiB, rel_tol=1e-9, abs_tol=1e-6 * tp)
+    assert math.isclose(lmcache["max_local_cpu_size"] * tp, spec.offload.cpu_size / GiB, rel_tol=1e-9,
+                        abs_tol=1e-6 * tp)
     if spec.offload.disk:
-        assert math.isclose(lmcache["max_local_disk_size"] * tp, spec.offload.disk.size / GiB, rel_tol=1e-9, abs_tol=1e-6 * tp)
+        assert math.isclose(lmcache["max_local_disk_size"] * tp, spec.offload.disk.size / GiB, rel_tol=1e-9,
+                            abs_tol=1e-6 * tp)
     else:
         assert "local_disk" not in lmcache and "max_local_disk_size" not in lmcache
     # hostPath: exactly an allowed root (never a tenant's path), and every mount a subPath below it: the tenant's
@@ -193,7 +204,8 @@ def check_children(name: str, spec_dict: dict[str, Any], d: pipeline.Desired) ->
             for c in containers:
                 for m in c.get("volumeMounts", []):
                     if m["name"] == v["name"]:
-                        own = f"{rel}/$(POD_NAMESPACE)/{name}" + ("" if c["name"] == "prepare-disk-tier" else "/$(POD_NAME)")
+                        own = f"{rel}/$(POD_NAMESPACE)/{name}" + ("" if c["name"] == "prepare-disk-tier"
+                                                                  else "/$(POD_NAME)")
                         assert m["subPathExpr"] == own, m
     for c in containers:
         assert {m["name"] for m in c.get("volumeMounts", [])} <= set(volumes)
@@ -211,7 +223,8 @@ def run_pipeline(name: Any, spec_dict: Any) -> pipeline.Desired | None:
         assert isinstance(err.field, str) and FIELD.fullmatch(err.field), err.field
         assert err.message and isinstance(err.message, str)
         d = None
-    assert spec_dict == original or (isinstance(original, float) and math.isnan(original)), "the pipeline must not mutate its input"
+    assert spec_dict == original or (isinstance(original, float) and math.isnan(original)), (
+        "the pipeline must not mutate its input")
     return d
 
 
@@ -237,14 +250,16 @@ def test_garbage_never_crashes_the_pipeline(name, spec_dict):
        seqs=st.integers(1, 512))
 def test_plausible_specs_mostly_succeed(model, tp, cpu_gib, disk_gib, max_len, gpu, seqs):
     """Not everything is an error: well-formed specs render (or fail only on GPU sizing or TP, naming that field)."""
-    spec_dict = {"model": {"name": model}, "engine": {"maxModelLen": max_len, "tensorParallelSize": tp, "maxNumSeqs": seqs},
+    spec_dict = {"model": {"name": model}, "engine": {"maxModelLen": max_len, "tensorParallelSize": tp,
+                                                      "maxNumSeqs": seqs},
                  "offload": {"cpu": {"size": f"{cpu_gib}Gi"}}, "resources": {"gpuMemory": gpu}}
     if disk_gib:
         spec_dict["offload"]["disk"] = {"path": "/mnt/nvme/kv", "size": f"{disk_gib}Gi"}
     try:
         d = pipeline.desired("svc", "ns", "uid-1", spec_dict, SETTINGS)
     except ConfigError as err:
-        assert err.field in ("spec.resources.gpuMemory", "spec.engine.maxModelLen", "spec.engine.tensorParallelSize"), err
+        assert (err.field
+                in ("spec.resources.gpuMemory", "spec.engine.maxModelLen", "spec.engine.tensorParallelSize")), err
         return
     check_children("svc", spec_dict, d)
     assert d.budget.tier("cpu").bytes == cpu_gib * GiB
@@ -255,12 +270,15 @@ def test_known_crashers_are_config_errors():
     base = {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen": 16384},
             "offload": {"cpu": {"size": "16Gi"}, "disk": {"path": "/mnt/nvme/lmcache", "size": "100Gi"}}}
     crashers = [
-        ("offload.cpu.size", "1e400"), ("offload.cpu.size", "Infinity"), ("offload.cpu.size", "NaN"), ("offload.cpu.size", True),
+        ("offload.cpu.size", "1e400"), ("offload.cpu.size", "Infinity"), ("offload.cpu.size", "NaN"),
+        ("offload.cpu.size", True),
         ("offload.cpu.size", float("inf")), ("offload.cpu.size", "10 Gi"), ("offload.cpu.size", "1e999999999"),
         ("resources.gpuMemory", "1e400"), ("resources.shm", "1e400"), ("resources.engineBaseline", "9Ei"),
-        ("engine.image", ["x"]), ("engine.vllmVersion", 5), ("engine.env", [{"name": 5}]), ("engine.env", [{"name": "A", "value": 5}]),
+        ("engine.image", ["x"]), ("engine.vllmVersion", 5), ("engine.env", [{"name": 5}]),
+        ("engine.env", [{"name": "A", "value": 5}]),
         ("engine.extraArgs", "abc"), ("engine.extraArgs", [5]), ("engine.extraArgs", ["--max_model_len=1"]),
-        ("engine.extraArgs", ["--kv-transfer-config.kv_connector=X"]), ("engine.env", [{"name": "POD_NAMESPACE", "value": "victim"}]),
+        ("engine.extraArgs", ["--kv-transfer-config.kv_connector=X"]),
+        ("engine.env", [{"name": "POD_NAMESPACE", "value": "victim"}]),
         ("resources.gpuResourceName", ["a"]), ("resources.gpuResourceName", "memory"), ("offload.disk.path", 5),
         ("model.servedName", 5), ("model.hfTokenSecret", {"name": 5}), ("model.cache", {"claimName": ["x"]}),
         ("model.cache", {"claimName": "pvc", "readOnly": "false"}), ("metrics", {"enabled": "false"}),

@@ -96,7 +96,8 @@ def test_a_shell_prelude_before_vllm_serve_is_recognised():
     sts = next(d for d in docs if d["kind"] == "StatefulSet")
     c = next(c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm")
     plain = gm.localize(gm.parse_rendered(yaml.safe_dump_all(docs)), LAYOUT).engine_argv
-    c["command"] = ["/bin/sh", "-c", 'find "$PROMETHEUS_MULTIPROC_DIR" -mindepth 1 -delete; exec "$0" "$@"', "vllm", "serve"]
+    c["command"] = ["/bin/sh", "-c", 'find "$PROMETHEUS_MULTIPROC_DIR" -mindepth 1 -delete; exec "$0" "$@"', "vllm",
+                    "serve"]
     r = gm.parse_rendered(yaml.safe_dump_all(docs))
     argv, prelude = gm.vllm_argv(r.vllm)
     assert argv[:2] == ["vllm", "serve"] and argv[2] == "meta-llama/Llama-3.1-8B-Instruct" and "find" in prelude
@@ -186,9 +187,11 @@ def exporter_page(vllm_text: str, *, external_hits: float | None = None) -> str:
              f'kvoffload_tier_hit_tokens_total{{tier="gpu"}} {v.sum("vllm:prefix_cache_hits_total")}',
              f'kvoffload_tier_requested_tokens_total{{tier="gpu"}} {v.sum("vllm:prefix_cache_queries_total")}',
              f'kvoffload_tier_hit_tokens_total{{tier="external"}} {hits}',
-             f'kvoffload_tier_requested_tokens_total{{tier="external"}} {v.sum("vllm:external_prefix_cache_queries_total")}',
+             f'kvoffload_tier_requested_tokens_total{{tier="external"}} '
+             f'{v.sum("vllm:external_prefix_cache_queries_total")}',
              f'kvoffload_tier_evictions_total{{tier="cpu"}} {lm.sum("lmcache:local_cpu_evict_keys_count_total")}',
-             'kvoffload_offload_active 1.0', 'kvoffload_source_up{source="vllm"} 1.0', 'kvoffload_source_up{source="lmcache"} 1.0']
+             'kvoffload_offload_active 1.0', 'kvoffload_source_up{source="vllm"} 1.0',
+             'kvoffload_source_up{source="lmcache"} 1.0']
     return "\n".join(lines) + "\n"
 
 
@@ -226,8 +229,10 @@ def test_the_known_hit_counter_bug_is_reported_precisely():
 
 def test_counters_that_move_between_reads_agree_within_the_two_reads():
     text = ref_page("vllm-metrics-with-lmcache.txt")
-    later = text.replace("vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 63968.0",
-                         "vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 96000.0")
+    later = text.replace("vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} "
+                         "63968.0",
+                         "vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} "
+                         "96000.0")
     assert later != text
     exp = exporter_page(text).replace("kvoffload_tier_hit_tokens_total{tier=\"gpu\"} 63968.0",
                                       "kvoffload_tier_hit_tokens_total{tier=\"gpu\"} 80000.0")
@@ -238,7 +243,8 @@ def test_counters_that_move_between_reads_agree_within_the_two_reads():
                     if c.metric == "kvoffload_tier_hit_tokens_total" and c.labels == "tier=gpu")
     gpu = gpu_hits(exp)
     assert gpu.ok and (gpu.engine_lo, gpu.engine_hi) == (63968.0, 96000.0)
-    outside = exp.replace("kvoffload_tier_hit_tokens_total{tier=\"gpu\"} 80000.0", "kvoffload_tier_hit_tokens_total{tier=\"gpu\"} 99999.0")
+    outside = exp.replace("kvoffload_tier_hit_tokens_total{tier=\"gpu\"} 80000.0",
+                          "kvoffload_tier_hit_tokens_total{tier=\"gpu\"} 99999.0")
     gpu = gpu_hits(outside)
     assert gpu.ok is False
 
@@ -246,7 +252,8 @@ def test_counters_that_move_between_reads_agree_within_the_two_reads():
 def test_baseline_page_expects_no_offload_and_no_lmcache():
     text = ref_page("vllm-metrics-without-connector.txt")
     page = ("kvoffload_offload_active 0.0\nkvoffload_source_up{source=\"lmcache\"} 0.0\n"
-            "kvoffload_tier_hit_tokens_total{tier=\"gpu\"} %s\n" % gpu_counters.Page(text).sum("vllm:prefix_cache_hits_total"))
+            "kvoffload_tier_hit_tokens_total{tier=\"gpu\"} %s\n"
+            % gpu_counters.Page(text).sum("vllm:prefix_cache_hits_total"))
     checks = {(c.metric, c.labels): c for c in compare(page, text, connector=False, lmcache_config=None)}
     assert checks[("kvoffload_offload_active", "")].ok
     assert checks[("kvoffload_source_up", "source=lmcache")].ok
@@ -259,11 +266,13 @@ def test_baseline_page_expects_no_offload_and_no_lmcache():
 def test_disk_figures_compare_with_the_directory_scan():
     text = ref_page("vllm-metrics-with-lmcache.txt")
     stored = gpu_counters.Page(text).sum("lmcache:local_storage_usage")
-    read = gpu_counters.EngineRead(text, lmcache_part(text), disk_bytes=int(stored) + 4096, disk_files=252, disk_free=10**11)
+    read = gpu_counters.EngineRead(text, lmcache_part(text), disk_bytes=int(stored) + 4096, disk_files=252,
+                                   disk_free=10**11)
     exp = exporter_page(text) + (f"kvoffload_disk_bytes {stored + 4096}\nkvoffload_disk_files 252\n"
                                  f"kvoffload_disk_free_bytes {10**11 - 2**20}\nkvoffload_disk_orphaned_bytes 0\n")
     checks = {(c.metric, c.labels): c for c in gpu_counters.compare(
-        exp, read, read, kv_bytes_per_token=65536, lmcache_config={"max_local_cpu_size": 2.0}, tp=1, connector=True, served=True)}
+        exp, read, read, kv_bytes_per_token=65536, lmcache_config={"max_local_cpu_size": 2.0}, tp=1, connector=True,
+        served=True)}
     assert checks[("kvoffload_disk_bytes", "")].ok and checks[("kvoffload_disk_files", "")].ok
     assert checks[("kvoffload_disk_free_bytes", "")].ok  # within the free-space tolerance
     orphan = checks[("kvoffload_disk_orphaned_bytes", "")]
@@ -276,15 +285,20 @@ RESULTS = {
     "args": {"prompt_tokens": 32768},
     "host": {"gpus": 1, "name": "NVIDIA H200", "cpus": 16, "h2d_pinned_Bps": 5.0e10, "disk_read_odirect_Bps": 1.0e9},
     "runs": {
-        "connector-tp1": {"kind": "connector", "tp": 1, "memory_limit": 10 * 2**30, "memory": {"max_cg_anon_shmem_kernel": 8 * 2**30},
+        "connector-tp1": {"kind": "connector", "tp": 1, "memory_limit": 10 * 2**30,
+                          "memory": {"max_cg_anon_shmem_kernel": 8 * 2**30},
                           "phases": {"cold": [{"ttft_s": t, "local_compute": 32768} for t in (1.3, 1.2, 1.25)],
-                                     "after_reset": [{"ttft_s": 0.05, "external_kv_transfer": 32767, "local_compute": 1}] * 3}},
-        "baseline-tp1": {"kind": "baseline", "tp": 1, "memory_limit": 10 * 2**30, "memory": {"peak_used_rise": 12 * 2**30},
+                                     "after_reset": [{"ttft_s": 0.05, "external_kv_transfer": 32767,
+                                                      "local_compute": 1}] * 3}},
+        "baseline-tp1": {"kind": "baseline", "tp": 1, "memory_limit": 10 * 2**30,
+                         "memory": {"peak_used_rise": 12 * 2**30},
                          "phases": {"cold": [{"ttft_s": 1.1, "local_compute": 32768}] * 3,
                                     "after_reset": [{"ttft_s": 1.0, "local_compute": 32768}] * 3}},
         "disk-tp1": {"tp": 1, "phases": {"disk": [{"ttft_s": 2.5, "external_kv_transfer": 32767}]},
-                     "disk_proof": [{"prompt_kv_bytes": 2**31, "proc_read_bytes": 2**31, "block_read_bytes": {"vda": 2**31},
-                                     "lmcache_log": {"disk_read_lines": 128, "disk_read_bytes": 2**31, "retrieved": []}}]},
+                     "disk_proof": [{"prompt_kv_bytes": 2**31, "proc_read_bytes": 2**31,
+                                     "block_read_bytes": {"vda": 2**31},
+                                     "lmcache_log": {"disk_read_lines": 128, "disk_read_bytes": 2**31,
+                                                     "retrieved": []}}]},
     },
 }
 
@@ -311,7 +325,8 @@ def test_plan_argv_and_plan_rows_use_the_same_prompt_and_host():
     argv = gpu_report.plan_argv(run, 32768, RESULTS["host"])
     assert argv[argv.index("--cpu-size") + 1] == "40.0Gi" and argv[argv.index("--tensor-parallel-size") + 1] == "2"
     assert argv[argv.index("--cpu-read-gbps") + 1] == "50.000" and argv[argv.index("--max-model-len") + 1] == "32768"
-    out = subprocess.run([sys.executable, "-m", "kvoffload.cli", "plan", *argv], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "kvoffload.cli", "plan", *argv], capture_output=True, text=True,
+                         check=True)
     plan = json.loads(out.stdout)
     rows = "\n".join(gpu_report.plan_rows({"host": plan}, RESULTS["runs"], "tp1"))
     cpu = next(r for r in plan["reload"] if r["tier"] == "cpu")
@@ -325,7 +340,8 @@ def test_driver_runs_every_phase_against_a_stand_in_engine(tmp_path):
     stand-in vLLM in tests/fixtures/fake_vllm: tiny prompts, one rep, no GPU."""
     rendered = tmp_path / "tp1.yaml"
     rendered.write_text(render(WORKSTATION))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fixtures" / "fake_vllm"), str(ROOT / "operator")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fixtures" / "fake_vllm"),
+                                                        str(ROOT / "operator")])}
     out = tmp_path / "out"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "gpu_bench.py"), "--rendered", str(rendered),
                     "--out", str(out), "--work", str(tmp_path / "work"), "--disk-root", str(tmp_path / "disk"),
@@ -418,14 +434,16 @@ def test_exporter_agrees_with_the_real_server_and_native_engines():
     checks = gpu_counters.compare((BACKENDS / "server-exporter.txt").read_text(), read, read, kv_bytes_per_token=131072,
                                   lmcache_config=None, tp=1, connector=True, served=True, backend="lmcache-server")
     by = {(c.metric, c.labels): c for c in checks}
-    assert by[("kvoffload_lmcache_server_engines", "")].ok and by[("kvoffload_tier_used_bytes", "tier=cpu")].exporter == 4362076160
+    assert (by[("kvoffload_lmcache_server_engines", "")].ok
+            and by[("kvoffload_tier_used_bytes", "tier=cpu")].exporter == 4362076160)
     assert by[("kvoffload_tier_capacity_bytes", "tier=cpu")].ok and not gpu_counters.disagreements(checks)
     read = gpu_counters.EngineRead((BACKENDS / "native-vllm.txt").read_text(), "")
     checks = gpu_counters.compare((BACKENDS / "native-exporter.txt").read_text(), read, read, kv_bytes_per_token=131072,
                                   lmcache_config=None, tp=1, connector=True, served=True, backend="vllm-native")
     by = {(c.metric, c.labels): c for c in checks}
     assert by[("kvoffload_offload_transfer_bytes_total", "direction=load")].engine_lo == 12891193344
-    assert by[("kvoffload_offload_transfer_bytes_total", "direction=store")].ok and not gpu_counters.disagreements(checks)
+    assert (by[("kvoffload_offload_transfer_bytes_total", "direction=store")].ok
+            and not gpu_counters.disagreements(checks))
     # A wrong figure is caught: the exporter's load bytes off by one block.
     bad = (BACKENDS / "native-exporter.txt").read_text().replace("1.2891193344e+010", "1.2889096192e+010")
     checks = gpu_counters.compare(bad, read, read, kv_bytes_per_token=131072, lmcache_config=None, tp=1,
@@ -445,7 +463,8 @@ def test_driver_runs_the_server_and_native_backends_against_stand_ins(tmp_path):
     sidecar starts first and passes its rendered startup probe, its memory is sampled, /status is read
     around each request; the native run counts vLLM's offload bytes; reset answers are honoured."""
     out = {}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fixtures" / "fake_vllm"), str(ROOT / "operator")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fixtures" / "fake_vllm"),
+                                                        str(ROOT / "operator")])}
     for name, spec in (("server", SERVER), ("native", NATIVE)):
         rendered = tmp_path / f"{name}.yaml"
         rendered.write_text(render(spec))
@@ -470,14 +489,16 @@ def test_driver_runs_the_server_and_native_backends_against_stand_ins(tmp_path):
     assert nat["phases"]["cold"][0]["offload_store_bytes"] == 64 * 64
     assert nat["phases"]["after_reset"][0]["offload_load_bytes"] == 63 * 64
     checks = {(c["metric"], c["labels"]): c for c in nat["checks"]}
-    assert checks[("kvoffload_offload_transfer_bytes_total", "direction=load")]["ok"] and not moved(nat["disagreements"])
+    assert (checks[("kvoffload_offload_transfer_bytes_total", "direction=load")]["ok"]
+            and not moved(nat["disagreements"]))
 
 
 def test_driver_adds_engine_arguments_and_a_load_with_vllms_pages_sampled(tmp_path):
     """--kv-extra (LMCache's lazy store) and --engine-arg reach the rendered vLLM and are listed as changes; --load
-    runs the cold prompts at its concurrency, then (a step marked again) the same prompts again from the store; the sampled
-    pages hold the series the autoscaling queries read."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fixtures" / "fake_vllm"), str(ROOT / "operator")])}
+    runs the cold prompts at its concurrency, then (a step marked again) the same prompts again from the store; the
+    sampled pages hold the series the autoscaling queries read."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fixtures" / "fake_vllm"),
+                                                        str(ROOT / "operator")])}
     rendered = tmp_path / "server.yaml"
     rendered.write_text(render(SERVER))
     o = tmp_path / "out"
@@ -495,11 +516,13 @@ def test_driver_adds_engine_arguments_and_a_load_with_vllms_pages_sampled(tmp_pa
     assert kv["kv_connector_extra_config"]["lmcache.mp.lazy_offload"] is True
     assert kv["kv_connector_extra_config"]["lmcache.mp.port"]  # the rendered keys are kept
     assert argv[argv.index("--num-gpu-blocks-override") + 1] == "512"
-    assert any("lazy_offload" in c for c in run["changes"]) and any("num-gpu-blocks-override" in c for c in run["changes"])
+    assert any("lazy_offload" in c for c in run["changes"]) and any("num-gpu-blocks-override" in c
+                                                                    for c in run["changes"])
     first, second = run["load"]["steps"]
     assert (first["cold"]["concurrency"], first["cold"]["requests"], len(first["cold"]["ttft_s"])) == (4, 8, 8)
     assert first["cold"]["local_compute"] == 8 * 32 and first["again"]["external_kv_transfer"] == 8 * 31
     assert "again" not in second and second["cold"]["requests"] == 4
     pages = [json.loads(line) for line in (o / "series" / "connector-tp1-lazy.jsonl").read_text().splitlines()]
     assert len(pages) == run["load"]["pages"] > 0
-    assert all("vllm:prompt_tokens_by_source_total" in p["page"] and "cache_config_info" not in p["page"] for p in pages)
+    assert all("vllm:prompt_tokens_by_source_total" in p["page"] and "cache_config_info" not in p["page"]
+               for p in pages)

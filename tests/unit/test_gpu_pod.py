@@ -66,7 +66,8 @@ def test_vllm_runs_the_rendered_command_with_only_the_model_changed(rendered):
         assert main.argv[i + 1:] == want[i + 1:] + ["--load-format", "dummy", "--skip-tokenizer-init"]
         assert main.env["VLLM_SERVER_DEV_MODE"] == "1" and main.env["POD_NAME"] == f"{r.name}-0"
         assert json.loads(run.files[f"/w/pod/volumes/models/{gm.MODEL_DIR}/config.json"]) == {"num_hidden_layers": 32}
-        assert [c.name for c in run.containers] == [*(c.name for c in r.init), *(c.name for c in r.sidecars), "vllm", "exporter"]
+        assert [c.name for c in run.containers] == [*(c.name for c in r.init), *(c.name for c in r.sidecars), "vllm",
+                                                    "exporter"]
 
 
 def test_every_mount_lands_on_its_volume_and_subpathexpr_is_expanded(rendered):
@@ -127,7 +128,8 @@ def captured(name: str) -> dict[str, dict]:
     """Each container's spec as the runner derives it from the real node's spec (no capture of these pods yet)."""
     template = json.loads(TEMPLATE.read_text())
     r = gm.parse_rendered(rendered_text(name))
-    return {c.name: gpu_oci.from_template(template, c.security, c.cpu_request, c.memory_limit)[0] for c in pod(r).containers}
+    return {c.name: gpu_oci.from_template(template, c.security, c.cpu_request, c.memory_limit)[0]
+            for c in pod(r).containers}
 
 
 @pytest.mark.parametrize("name", PODS)
@@ -142,14 +144,16 @@ def test_rewrite_keeps_what_kubelet_decided_and_adds_the_gpu(name, rendered):
         assert user["uid"] == {"exporter": 65532, "prepare-disk-tier": 0}.get(c.name, 1000), c.name
         assert 1000 in user.get("additionalGids", []), c.name  # the pod's fsGroup
         at = gpu_oci.Placement(rootfs=f"/w/pod/rootfs-{c.name}", pod_files="/w/pod/files", sandbox_shm="/w/pod/shm",
-                               namespaces={"network": "/proc/9/ns/net", "ipc": "/proc/9/ns/ipc", "uts": "/proc/9/ns/uts"},
+                               namespaces={"network": "/proc/9/ns/net", "ipc": "/proc/9/ns/ipc",
+                                           "uts": "/proc/9/ns/uts"},
                                image_env={"PATH": "/opt/kvimage/serving/bin:/usr/bin"}, volume_mounts=c.mounts,
                                cgroup_leaf=c.name, memory_limit=c.memory_limit, other_shape=True)
         new, changes = gpu_oci.rewrite(spec, c.argv, c.env, HOST, at, c.name)
         p, q = spec["process"], new["process"]
         for key in ("user", "capabilities", "noNewPrivileges", "oomScoreAdj"):
             assert q.get(key) == p.get(key), (c.name, key)
-        assert new["linux"]["seccomp"] == spec["linux"]["seccomp"] and new["root"]["readonly"] == spec["root"]["readonly"]
+        assert (new["linux"]["seccomp"] == spec["linux"]["seccomp"]
+                and new["root"]["readonly"] == spec["root"]["readonly"])
         assert new["linux"]["resources"]["memory"]["limit"] == c.memory_limit
         assert q["args"] == c.argv and "PATH=/opt/kvimage/serving/bin:/usr/bin" in q["env"]
         assert all(rl["hard"] <= 4096 for rl in q.get("rlimits", []) if rl["type"] == "RLIMIT_NOFILE")
@@ -165,7 +169,8 @@ def test_rewrite_keeps_what_kubelet_decided_and_adds_the_gpu(name, rendered):
         assert new["linux"]["cgroupsPath"] == f"{gpu_oci.pod_cgroup(spec)}/{c.name}"
         devs = {d["path"]: d for d in new["linux"]["devices"]}
         assert devs["/dev/nvidia-uvm"]["major"] == 507
-        assert {"allow": True, "type": "c", "major": 195, "minor": 255, "access": "rwm"} in new["linux"]["resources"]["devices"]
+        assert ({"allow": True, "type": "c", "major": 195, "minor": 255, "access": "rwm"}
+                in new["linux"]["resources"]["devices"])
         assert new["ociVersion"] == gpu_oci.OCI_VERSION and any("ociVersion" in ch for ch in changes)
 
 
@@ -174,20 +179,25 @@ def test_rewrite_takes_the_rendered_limit_and_refuses_a_capture_with_other_mount
     c = pod(r).container("main")
     spec = copy.deepcopy(captured("workstation-llama31-8b")["vllm"])
     # as a capture of this pod would hold it: the rendered volume mounts from kubelet's directories
-    spec["mounts"] = [m for m in spec["mounts"] if "/kubelet/pods/" not in m["source"] or m["destination"] in gpu_oci.POD_FILES] + [
+    spec["mounts"] = [m for m in spec["mounts"] if "/kubelet/pods/" not in m["source"]
+                      or m["destination"] in gpu_oci.POD_FILES] + [
         {"destination": d, "type": "bind", "source": f"/var/lib/kubelet/pods/u/volumes/kubernetes.io~empty-dir{d}",
          "options": ["rbind", "rprivate", "ro" if ro else "rw"]} for d, (_src, ro) in c.mounts.items()]
     spec["linux"]["resources"]["memory"].update(limit=2**30, swap=2**30)  # a pod sized for the CPU node
-    at = gpu_oci.Placement(rootfs="/r", pod_files="/f", sandbox_shm="/s", namespaces=dict.fromkeys(gpu_oci.JOINED, "/n"),
+    at = gpu_oci.Placement(rootfs="/r", pod_files="/f", sandbox_shm="/s",
+                           namespaces=dict.fromkeys(gpu_oci.JOINED, "/n"),
                            image_env={}, volume_mounts=c.mounts, cgroup_leaf="vllm", memory_limit=c.memory_limit)
     new, changes = gpu_oci.rewrite(spec, c.argv, c.env, HOST, at, "vllm")
     assert new["linux"]["resources"]["memory"]["limit"] == c.memory_limit
-    assert any(ch.startswith(f"resources.memory.limit {2**30} (the captured pod's) -> {c.memory_limit}") for ch in changes)
-    at = gpu_oci.Placement(rootfs="/r", pod_files="/f", sandbox_shm="/s", namespaces=dict.fromkeys(gpu_oci.JOINED, "/n"),
+    assert any(ch.startswith(f"resources.memory.limit {2**30} (the captured pod's) -> {c.memory_limit}")
+               for ch in changes)
+    at = gpu_oci.Placement(rootfs="/r", pod_files="/f", sandbox_shm="/s",
+                           namespaces=dict.fromkeys(gpu_oci.JOINED, "/n"),
                            image_env={}, volume_mounts={**c.mounts, "/extra": ("/x", False)}, cgroup_leaf="vllm")
     with pytest.raises(gpu_oci.SpecError, match="not in the captured spec"):
         gpu_oci.rewrite(spec, c.argv, c.env, HOST, at, "vllm")
-    spec["mounts"].append({"destination": "/stray", "type": "bind", "source": "/var/lib/kubelet/x", "options": ["rbind"]})
+    spec["mounts"].append({"destination": "/stray", "type": "bind", "source": "/var/lib/kubelet/x",
+                           "options": ["rbind"]})
     with pytest.raises(gpu_oci.SpecError, match="captured mount /stray"):
         gpu_oci.rewrite(spec, c.argv, c.env, HOST, at, "vllm")
 
@@ -209,7 +219,8 @@ def test_pod_dry_run_lays_out_volumes_files_and_bundles(tmp_path, rendered):
     assert (tmp_path / "pod" / "pod-files" / "resolv.conf").read_text() == "nameserver 127.0.0.1\n"
     assert (tmp_path / "node-dir" / "lmcache" / r.namespace / r.name / f"{r.name}-0").is_dir()
     env = dict(e.split("=", 1) for e in p.box("exporter").spec["process"]["env"])
-    assert env["PYTHONPATH"] == "/opt/kvimage/operator/site" and env["PATH"].startswith("/opt/kvimage/operator/bin:/opt/py/bin:")
+    assert (env["PYTHONPATH"] == "/opt/kvimage/operator/site"
+            and env["PATH"].startswith("/opt/kvimage/operator/bin:/opt/py/bin:"))
 
 
 # ------------------------------------------------------------------ result checks
@@ -236,15 +247,18 @@ def test_verdicts_name_oom_kills_limits_transfer_and_the_l1s_container():
 
 def test_cold_cost_is_against_the_same_engine_without_the_connector():
     def ph(cold, reset, store=None):
-        c = {"ttft_s": cold, **({"lmcache_store_ms": store, "lmcache_offload_ms": store - 5, "lmcache_put_ms": 5.0} if store else {})}
+        c = {"ttft_s": cold, **({"lmcache_store_ms": store, "lmcache_offload_ms": store - 5, "lmcache_put_ms": 5.0}
+                                if store else {})}
         return {"cold": [c] * 3, "gpu": [{"ttft_s": 0.04, "output_token_ids": [3]}] * 3,
                 "after_reset": [{"ttft_s": reset, "output_token_ids": [3]}] * 3}
-    runs = {"connector-tp1-crun": {"kind": "connector", "backend": "lmcache", "phases": ph(1.217, 0.074, 117.0), "changes": []},
+    runs = {"connector-tp1-crun": {"kind": "connector", "backend": "lmcache", "phases": ph(1.217, 0.074, 117.0),
+                                   "changes": []},
             "connector-tp1-layerwise": {"kind": "connector", "backend": "lmcache", "phases": ph(1.120, 0.090, 20.0),
                                         "changes": ['LMCache config overrides {"use_layerwise": true}']},
             "baseline-tp1-crun": {"kind": "baseline", "backend": "lmcache", "phases": ph(1.100, 1.096)}}
     rows = gpu_report.cold_cost_rows(runs, "baseline-tp1-crun")
-    assert rows[2] == "| connector-tp1-crun | `-` | 1.217 s | +10.6 % | 117 ms (112 / 5) | 0.074 s | after_reset = gpu: 3/3 |"
+    assert (rows[2]
+            == "| connector-tp1-crun | `-` | 1.217 s | +10.6 % | 117 ms (112 / 5) | 0.074 s | after_reset = gpu: 3/3 |")
     assert rows[3].startswith('| connector-tp1-layerwise | `{"use_layerwise": true}` | 1.120 s | +1.8 % |')
     assert rows[-1].startswith("| baseline-tp1-crun | (no connector) | 1.100 s |") and len(rows) == 5
 
@@ -257,7 +271,8 @@ def user_of(spec: dict) -> tuple:
 def test_from_template_sets_what_cri_derives_from_the_security_context(rendered):
     template = json.loads(TEMPLATE.read_text())
     run = pod(rendered["server-llama31-8b"])
-    derived = {c.name: gpu_oci.from_template(template, c.security, c.cpu_request, c.memory_limit) for c in run.containers}
+    derived = {c.name: gpu_oci.from_template(template, c.security, c.cpu_request, c.memory_limit)
+               for c in run.containers}
     init, _ = derived["prepare-disk-tier"]
     assert user_of(init) == (0, 0, [0, 1000])
     assert init["process"]["capabilities"]["effective"] == ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER"]
@@ -273,7 +288,8 @@ def test_from_template_sets_what_cri_derives_from_the_security_context(rendered)
 def test_a_capture_of_another_backends_pod_is_refused_unless_asked_and_then_listed(rendered):
     c = pod(rendered["workstation-llama31-8b"]).container("main")  # mounts /etc/lmcache: the server pod does not
     spec = captured("server-llama31-8b")["vllm"]
-    kw = dict(rootfs="/r", pod_files="/f", sandbox_shm="/s", namespaces=dict.fromkeys(gpu_oci.JOINED, "/n"), image_env={},
+    kw = dict(rootfs="/r", pod_files="/f", sandbox_shm="/s", namespaces=dict.fromkeys(gpu_oci.JOINED, "/n"),
+              image_env={},
               volume_mounts=c.mounts, cgroup_leaf="vllm", memory_limit=c.memory_limit)
     with pytest.raises(gpu_oci.SpecError, match="captured mount /scratch .* is neither a rendered volume mount"):
         gpu_oci.rewrite(spec, c.argv, c.env, HOST, gpu_oci.Placement(**kw), "vllm")
@@ -285,9 +301,11 @@ def test_a_capture_of_another_backends_pod_is_refused_unless_asked_and_then_list
     assert user_of(new) == (1000, 1000, [1000]) and new["process"]["capabilities"] == {}
 
 
-# ------------------------------------------------------------------ captures of the rendered pods (capture.py --rendered)
+# ------------------------------------------------------------------ captures of the rendered pods (capture.py
+# --rendered)
 
-CAPTURES = {"lmcache": "workstation-llama31-8b", "lmcache-server": "server-llama31-8b", "vllm-native": "native-llama31-8b"}
+CAPTURES = {"lmcache": "workstation-llama31-8b", "lmcache-server": "server-llama31-8b",
+            "vllm-native": "native-llama31-8b"}
 CPU_NODE_MEMORY = 24683652 * 1024  # MemTotal of the CPU machine whose kubelet made the captures
 GPU_HOST = gpu_oci.Host(**{**HOST.__dict__, "memory_capacity": 135128870912})  # an H200 host's MemTotal (1 Dec)
 
@@ -313,7 +331,8 @@ def test_for_cpu_node_changes_only_sizes_gpu_images_placement_and_the_sidecars_c
     assert [d["kind"] for d in fitted] == [d["kind"] for d in docs if d["kind"] in ("ConfigMap", "StatefulSet")]
     before, after = sts_spec(docs), sts_spec(fitted)
     assert after["securityContext"] == before["securityContext"]
-    for b, a in zip(before.get("initContainers", []) + before["containers"], after.get("initContainers", []) + after["containers"]):
+    for b, a in zip(before.get("initContainers", []) + before["containers"], after.get("initContainers", [])
+                    + after["containers"]):
         for key in ("name", "env", "volumeMounts", "securityContext", "ports", "restartPolicy"):
             assert a.get(key) == b.get(key), (a["name"], key)
         if not (b.get("restartPolicy") == "Always" and b.get("startupProbe")):
@@ -351,7 +370,8 @@ def test_the_captures_are_of_the_rendered_pods(backend, rendered):
         assert s["process"]["user"]["uid"] == sec.get("runAsUser", 0) and 1000 in s["process"]["user"]["additionalGids"]
         added = sorted(f"CAP_{x}" for x in (sec.get("capabilities") or {}).get("add") or [])
         assert (s["process"]["capabilities"] or {}).get("effective", []) == added, c.name
-        assert s["process"]["noNewPrivileges"] is True and s["root"].get("readonly", False) == bool(sec.get("readOnlyRootFilesystem"))
+        assert (s["process"]["noNewPrivileges"] is True
+                and s["root"].get("readonly", False) == bool(sec.get("readOnlyRootFilesystem")))
         mounts = {m["destination"]: "ro" in m["options"] for m in s["mounts"] if "/kubelet/pods/" in m["source"]
                   and m["destination"] not in gpu_oci.POD_FILES}
         assert mounts == {d: ro for d, (_src, ro) in c.mounts.items()}, c.name
@@ -370,8 +390,10 @@ def test_rewrite_of_a_capture_puts_back_the_rendered_sizes_and_nothing_else(back
     r = rendered[CAPTURES[backend]]
     run = gm.containerize(r, str(tmp_path / "pod"), str(tmp_path / "node-dir"), model_config={"a": 1})
     specs = gpu_pod.load_specs(str(OCI / backend))
-    p = gpu_pod.Pod(run, copy.deepcopy(specs), name=f"{r.name}-0", tag="t", work=str(tmp_path / "pod"), logdir=str(tmp_path),
-                    namespaces=dict(gpu_pod.NS_FILES), python="/opt/py/bin/python3", crun="crun", host=GPU_HOST, dry_run=True)
+    p = gpu_pod.Pod(run, copy.deepcopy(specs), name=f"{r.name}-0", tag="t", work=str(tmp_path / "pod"),
+                    logdir=str(tmp_path),
+                    namespaces=dict(gpu_pod.NS_FILES), python="/opt/py/bin/python3", crun="crun", host=GPU_HOST,
+                    dry_run=True)
     p.prepare()  # same shape: a mount missing on either side is refused
     for c in run.containers:
         old, new, ch = specs[c.name], p.box(c.name).spec, p.changes[c.name]
@@ -381,8 +403,10 @@ def test_rewrite_of_a_capture_puts_back_the_rendered_sizes_and_nothing_else(back
         assert res["cpu"]["shares"] == gpu_oci.cpu_shares(c.cpu_request)
         want_oom = new["process"]["oomScoreAdj"]
         if c.name == "vllm":
-            assert want_oom == 1000 - 1000 * c.memory_request // GPU_HOST.memory_capacity < old["process"]["oomScoreAdj"]
-            assert any(x.startswith(f"resources.memory.limit {2**30} (the captured pod's) -> {c.memory_limit}") for x in ch)
+            assert (want_oom == 1000 - 1000 * c.memory_request // GPU_HOST.memory_capacity
+                    < old["process"]["oomScoreAdj"])
+            assert any(x.startswith(f"resources.memory.limit {2**30} (the captured pod's) -> {c.memory_limit}")
+                       for x in ch)
         for key in ("user", "capabilities", "noNewPrivileges", "cwd"):
             assert new["process"].get(key) == old["process"].get(key), (c.name, key)
         for key in ("seccomp", "maskedPaths", "readonlyPaths", "sysctls"):
@@ -397,8 +421,10 @@ def test_kubelets_oom_score_adj():
     assert gpu_oci.oom_score_adj("burstable", 55194 * 2**20, 135128870912) == 572
     assert gpu_oci.oom_score_adj("burstable", 64 * 2**20, 2**40) == 999  # never BestEffort's 1000
     assert gpu_oci.oom_score_adj("burstable", 2**41, 2**40) == 3  # never below Guaranteed + 1000
-    assert gpu_oci.oom_score_adj("burstable", 32 * 2**20, 2**34, sidecar_floor=2**30) == 938  # a sidecar: the smallest regular request
-    assert gpu_oci.oom_score_adj("guaranteed", 2**30, 2**40) == -997 and gpu_oci.oom_score_adj("besteffort", None, 2**40) == 1000
+    # a sidecar: the smallest regular request
+    assert gpu_oci.oom_score_adj("burstable", 32 * 2**20, 2**34, sidecar_floor=2**30) == 938
+    assert (gpu_oci.oom_score_adj("guaranteed", 2**30, 2**40) == -997
+            and gpu_oci.oom_score_adj("besteffort", None, 2**40) == 1000)
 
 
 # ------------------------------------------------------------------ the second pair (vLLM 0.33.0 + LMCache 0.5.6)
@@ -427,7 +453,8 @@ def test_each_033_example_is_its_backends_example_on_the_033_image(rendered, bas
             # (backends/vllm_native.py): limits 52.8 GiB against 79.2 GiB
             assert (x.memory_limit, y.memory_limit) == (85_040_562_176, 56_694_407_168)
             more = y.memory_limit - x.memory_limit
-        assert (y.name, y.mounts, y.memory_limit, y.security) == (x.name, x.mounts, x.memory_limit + more, x.security), x.name
+        assert ((y.name, y.mounts, y.memory_limit, y.security)
+                == (x.name, x.mounts, x.memory_limit + more, x.security)), x.name
         if base == "workstation-llama31-8b":  # the in-process connector: the image alone differs
             assert dataclasses.replace(y, image=x.image) == x, x.name
     # the exporter and the disk-tier init container run the operator image; everything else the serving image
@@ -461,7 +488,8 @@ def test_each_serving_image_runs_on_its_own_stand_in(tmp_path, rendered, monkeyp
     assert env["PATH"].startswith("/opt/kvimage/serving-0.33.0-0.5.6/bin:/opt/py/bin:")
     r = rendered["workstation-llama31-8b-vllm-0.33.0"]
     run = gm.containerize(r, str(tmp_path / "pod"), str(tmp_path / "node-dir"), model_config={"a": 1})
-    p = gpu_pod.Pod(run, gpu_pod.load_specs(str(OCI / "lmcache")), name=f"{r.name}-0", tag="t", work=str(tmp_path / "pod"),
+    p = gpu_pod.Pod(run, gpu_pod.load_specs(str(OCI / "lmcache")), name=f"{r.name}-0", tag="t",
+                    work=str(tmp_path / "pod"),
                     logdir=str(tmp_path), namespaces=dict(gpu_pod.NS_FILES), python="/opt/py/bin/python3", crun="crun",
                     host=GPU_HOST, dry_run=True)
     p.prepare()  # the lmcache capture, rewritten for each container of the 0.33 pod (a mount it lacks would raise)

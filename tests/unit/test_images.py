@@ -43,7 +43,8 @@ def hadolint() -> str:
     return found
 
 
-LOCAL = [ROOT / "tests/images" / name / "Dockerfile" for name in ("vllm-base", "vllm-base-thin", "vllm-standin")]  # bases, stand-in
+# bases, stand-in
+LOCAL = [ROOT / "tests/images" / name / "Dockerfile" for name in ("vllm-base", "vllm-base-thin", "vllm-standin")]
 
 
 @pytest.mark.parametrize("path", [OPERATOR, SERVING, ROUTER, *LOCAL],
@@ -103,7 +104,8 @@ def test_router_image_is_the_one_the_operator_renders_for():
     assert {"BASE_IMAGE", "PIP_NO_INDEX", "PIP_FIND_LINKS"} <= declared
     assert df.args["PIP_NO_INDEX"] == "0" and df.args["PIP_FIND_LINKS"] == ""  # a user's build reaches PyPI
     img = built.images()["router"]
-    assert (img.tag, img.dockerfile, img.base, img.wheelhouse) == (built.ROUTER, ROUTER, built.PYTHON_BASE, built.ROUTER_WHEELHOUSE)
+    assert (img.tag, img.dockerfile, img.base, img.wheelhouse) == (built.ROUTER, ROUTER, built.PYTHON_BASE,
+                                                                   built.ROUTER_WHEELHOUSE)
     assert img.args == {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "/wheels", "VLLM_ROUTER_VERSION": engine_router.VERSION}
     assert built.WHEEL_TARGETS[built.ROUTER_WHEELHOUSE] == "router-wheels" and "\nrouter-wheels: venv\n" in makefile
     assert f"wheelhouse-vllm-router-{built.ROUTER_VERSION}" in built.ROUTER_WHEELHOUSE.name
@@ -123,7 +125,8 @@ def test_router_image_install_line_runs_offline_from_the_wheelhouse(tmp_path, ro
     for step in steps:
         cp = subprocess.run(step, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=540, env=env)
         assert cp.returncode == 0, f"{step}\n{cp.stdout[-3000:]}\n{cp.stderr[-3000:]}"
-    cp = subprocess.run([str(venv / "bin" / "python"), "-c", "from importlib.metadata import version; print(version('vllm-router'))"],
+    cp = subprocess.run([str(venv / "bin" / "python"), "-c",
+                         "from importlib.metadata import version; print(version('vllm-router'))"],
                         capture_output=True, text=True, env=env)
     assert cp.stdout.strip() == engine_router.VERSION, cp.stdout + cp.stderr
 
@@ -165,7 +168,8 @@ def test_the_readme_builds_every_offered_serving_image_with_its_headers_argument
     --build-args of the Dockerfile header's command for it (those kvtest.images builds it with), and pushes it."""
     text = README.read_text().split("\n## Images\n", 1)[1].split("\n## ", 1)[0]
     shown = {}
-    for argv in [shlex.split(c) for c in commands(text) if c.startswith("docker build ") and c.endswith(" images/serving")]:
+    for argv in [shlex.split(c) for c in commands(text) if c.startswith("docker build ")
+                 and c.endswith(" images/serving")]:
         tag = argv[argv.index("-t") + 1]
         shown[tag.rsplit(":", 1)[1]] = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--build-arg")
         assert f"docker push {tag}" in commands(text), tag
@@ -184,7 +188,8 @@ def test_serving_build_fails_when_the_cuda_extension_does_not_load():
     loads = f"spec_from_file_location('lmcache.{ext}', f'{{d}}/{ext}'"
     checks = [r for r in runs[install + 1:] if loads in r and "module_from_spec(s)" in r and "sysconfig, torch;" in r]
     assert checks, f"no RUN step loads lmcache.{ext}'s shared object after installing LMCache"
-    assert not any(re.search(r"import lmcache\.\w+", r) for r in runs), "importing lmcache.<ext> passes through LMCache's shim"
+    assert not any(re.search(r"import lmcache\.\w+", r) for r in runs), (
+        "importing lmcache.<ext> passes through LMCache's shim")
     # Then every CUDA extension of the installed LMCache, bound with RTLD_NOW (images/serving/extension_check.py).
     assert "python3 /opt/kvoffload/extension_check.py" in checks[0]
     assert "COPY extension_check.py build-lmcache.sh /opt/kvoffload/" in [f"COPY {c}" for c in df.all("COPY")]
@@ -253,7 +258,8 @@ def test_clean_venv_install_like_the_operator_image(tmp_path, operator_wheelhous
 def _cleanup_script() -> str:
     """The Python that build-lmcache.sh runs after the compile to pick the build-only packages (its heredoc)."""
     text = (ROOT / "images/serving/build-lmcache.sh").read_text()
-    return text.split("build_only=$(\"$PY\" - \"$work/before.txt\" \"$work/after.txt\" <<'PYEOF'\n", 1)[1].split("\nPYEOF\n", 1)[0]
+    start = "build_only=$(\"$PY\" - \"$work/before.txt\" \"$work/after.txt\" <<'PYEOF'\n"
+    return text.split(start, 1)[1].split("\nPYEOF\n", 1)[0]
 
 
 def test_lmcache_build_cleanup_removes_only_what_nothing_needs(tmp_path):
@@ -275,7 +281,8 @@ def test_lmcache_build_cleanup_removes_only_what_nothing_needs(tmp_path):
     (tmp_path / "before.txt").write_text("app==1.0\nlib==1.0\nhelper==1.0\n")
     (tmp_path / "after.txt").write_text("".join(f"{n}==1.0\n" for n in dists))
     cp = subprocess.run([sys.executable, "-S", "-c", f"import sys; sys.path[:0] = [{str(site)!r}]; sys.argv[1:] = "
-                         f"[{str(tmp_path / 'before.txt')!r}, {str(tmp_path / 'after.txt')!r}]; exec(sys.stdin.read())"],
+                         f"[{str(tmp_path / 'before.txt')!r}, "
+                         f"{str(tmp_path / 'after.txt')!r}]; exec(sys.stdin.read())"],
                         input=_cleanup_script(), capture_output=True, text=True, timeout=60)
     assert cp.returncode == 0, cp.stderr
     assert cp.stdout.split() == ["other", "tool", "tooldep", "winonly"]

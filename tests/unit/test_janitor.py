@@ -199,5 +199,6 @@ def test_metrics_need_interval(root, tmp_path):
 
 def test_metric_names_are_stable():
     text = generate_latest(JanitorMetrics().registry).decode()
-    for name in ("kvoffload_janitor_sweeps_total", "kvoffload_janitor_dry_run", "kvoffload_janitor_last_success_timestamp_seconds"):
+    for name in ("kvoffload_janitor_sweeps_total", "kvoffload_janitor_dry_run",
+                 "kvoffload_janitor_last_success_timestamp_seconds"):
         assert name in text

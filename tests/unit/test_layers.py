@@ -99,8 +99,8 @@ def test_only_the_registry_and_the_interface_of_the_backends_are_imported():
 def test_the_checker_sees_a_backend_module_imported(tmp_path):
     bad = tmp_path / "exporter" / "x.py"
     bad.parent.mkdir()
-    bad.write_text("from .. import backends\nfrom ..backends.base import Seen\nfrom ..backends import vllm_native, base\n"
-                   "from ..backends.lmcache import unloaded_tokens\nimport kvoffload.backends.lmcache_server\n")
+    bad.write_text("from .. import backends\nfrom ..backends.base import Seen\nfrom ..backends import vllm_native, "
+                   "base\nfrom ..backends.lmcache import unloaded_tokens\nimport kvoffload.backends.lmcache_server\n")
     assert backend_modules_imported(bad) == {"lmcache", "vllm_native", "lmcache_server"}
 
 
@@ -108,7 +108,8 @@ def test_exporter_starts_small():
     """The sidecar (64Mi request) imports the backends' registry, never the kubernetes client or the operator."""
     code = ("import sys, kvoffload.exporter.cli; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'kubernetes', 'kopf'}), "
-            "sorted(m for m in sys.modules if m.startswith(('kvoffload.controller', 'kvoffload.planning', 'kvoffload.rendering'))))")
+            "sorted(m for m in sys.modules if m.startswith(('kvoffload.controller', 'kvoffload.planning', "
+            "'kvoffload.rendering'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[] []"
 

@@ -142,7 +142,8 @@ def test_round_creates_renews_and_respects_a_holder():
     assert kube.calls[-1] == ("POST", "/apis/coordination.k8s.io/v1/namespaces/ops/leases")
     assert kube.stored["spec"]["holderIdentity"] == "me"
     assert el.try_hold() is True and kube.calls[-1][0] == "PUT"  # renew
-    other = leader.Elector(kube, leader.LeaseConfig("ops", "kvoffload-operator", "other"), changes.append, clock=lambda: NOW)
+    other = leader.Elector(kube, leader.LeaseConfig("ops", "kvoffload-operator", "other"), changes.append,
+                           clock=lambda: NOW)
     assert other.try_hold() is False and kube.calls[-1][0] == "GET"  # held and fresh: no write at all
 
 

@@ -48,7 +48,8 @@ def _policy(s: dict, settings: Settings = Settings()) -> dict:
 
 
 def _rules(np: dict) -> dict[int, list[str]]:
-    return {r["ports"][0]["port"]: r["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"] for r in np["spec"]["ingress"]}
+    return {r["ports"][0]["port"]: r["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"]
+            for r in np["spec"]["ingress"]}
 
 
 def test_network_policy_allows_named_namespaces_only():

@@ -48,7 +48,8 @@ def test_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_json_has_inputs_and_budget(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, _ = run(capsys, *LLAMA, "--max-model-len", "32768", "--cpu-size", "40Gi", "--disk-size", "500Gi", "-o", "json")
+    rc, out, _ = run(capsys, *LLAMA, "--max-model-len", "32768", "--cpu-size", "40Gi", "--disk-size", "500Gi", "-o",
+                     "json")
     doc = json.loads(out)
     assert rc == 0
     assert doc["inputs"]["maxModelLen"] == 32768 and doc["inputs"]["cpuTier"] == 40 * GiB
@@ -95,9 +96,11 @@ def test_overrides_for_memory_and_bandwidth(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_24gib_gpu_case(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, _, err = run(capsys, *LLAMA, "--gpu-memory", "24Gi", "--gpu-memory-utilization", "0.5", "--max-model-len", "65536")
+    rc, _, err = run(capsys, *LLAMA, "--gpu-memory", "24Gi", "--gpu-memory-utilization", "0.5", "--max-model-len",
+                     "65536")
     assert rc == 2
-    assert err.startswith("error: --gpu-memory:") and "14.96 GiB" in err and "--tensor-parallel-size" in err and "spec." not in err
+    assert (err.startswith("error: --gpu-memory:") and "14.96 GiB" in err and "--tensor-parallel-size" in err
+            and "spec." not in err)
     rc, out, _ = run(capsys, *LLAMA, "--gpu-memory", "24Gi", "--max-model-len", "65536", "--dtype", "fp8", "-o", "json")
     assert rc == 0 and json.loads(out)["tiers"][0]["tokens"] == 198594
 
@@ -142,7 +145,8 @@ def test_partial_architecture_names_missing_option(capsys: pytest.CaptureFixture
 def test_config_json_option(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512}))
-    rc, _, err = run(capsys, "--model", "deepseek-ai/DeepSeek-V3", "--config-json", str(path), "--tensor-parallel-size", "8")
+    rc, _, err = run(capsys, "--model", "deepseek-ai/DeepSeek-V3", "--config-json", str(path), "--tensor-parallel-size",
+                     "8")
     assert rc == 2 and err.startswith("error: --model:") and "MLA" in err
 
 
@@ -188,7 +192,9 @@ def test_help_shows_each_default_once_and_never_none(capsys: pytest.CaptureFixtu
 
 
 def test_file_is_planned_as_the_operator_plans_it(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
-    """`plan -f` goes through the operator's own parse -> plan (pipeline.desired): the same budget, field names in errors."""
+    """`plan -f` goes through the operator's own parse -> plan (pipeline.desired).
+
+    The same budget, field names in errors."""
     from kvoffload.api.settings import Settings
     from kvoffload.controller import pipeline
     from kvtest import ROOT
@@ -216,13 +222,15 @@ def test_the_bandwidth_behind_a_verdict_is_named(capsys: pytest.CaptureFixture[s
     base = [*LLAMA, "--max-model-len", "32768", "--cpu-size", "8Gi", "--disk-size", "100Gi", "-o", "json"]
     rc, out, _ = run(capsys, *base)
     disk = json.loads(out)["reloadFigures"][1]
-    assert rc == 0 and disk["readFrom"] == "operator setting diskReadGbps" and disk["readBytesPerSecond"] == round(0.9384999892678052e9, 4)
+    assert (rc == 0 and disk["readFrom"] == "operator setting diskReadGbps"
+            and disk["readBytesPerSecond"] == round(0.9384999892678052e9, 4))
     cfg = tmp_path / "operator.yaml"
     cfg.write_text("diskReadGbps: 7\nprefillTokensPerSecond: 1000\n")
     rc, out, _ = run(capsys, *base, "--operator-config", str(cfg))
     doc = json.loads(out)
     assert [r["slowerThanRecompute"] for r in doc["reload"]] == [False, False]  # the admin's disk and prefill figures
-    assert doc["reloadFigures"][1]["readBytesPerSecond"] == 7e9 and doc["reloadFigures"][1]["prefillFrom"].startswith("operator")
+    assert (doc["reloadFigures"][1]["readBytesPerSecond"] == 7e9
+            and doc["reloadFigures"][1]["prefillFrom"].startswith("operator"))
     rc, out, _ = run(capsys, *base, "--operator-config", str(cfg), "--disk-read-gbps", "0.1")
     doc = json.loads(out)
     assert doc["reloadFigures"][1]["readFrom"] == "--disk-read-gbps" and doc["reload"][1]["slowerThanRecompute"]

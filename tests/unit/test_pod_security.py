@@ -17,7 +17,8 @@ from kvoffload.planning.catalog import resolve_model
 from kvoffload.rendering import pod_security
 from kvtest.specs import spec
 
-RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret"}
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected",
+                      "secret"}
 
 
 def pod_of(s: dict) -> dict:
@@ -83,7 +84,8 @@ def test_host_path_pods_are_privileged_only_and_say_why():
     assert args[args.index("--chown") + 1] == f"{pod_security.SERVING_UID}:{pod_security.SERVING_GID}"
     assert init["image"] != pod["containers"][0]["image"]  # root runs the operator's code, never the tenant's image
     assert {v for v in violations if not v.startswith("volume")} == {"prepare-disk-tier: runAsNonRoot",
-                                                                       "prepare-disk-tier: runAsUser 0", "prepare-disk-tier: capabilities"}
+                                                                       "prepare-disk-tier: runAsUser 0",
+                                                                     "prepare-disk-tier: capabilities"}
     # The engine itself runs as the serving user, even with a hostPath.
     vllm = pod["containers"][0]
     assert vllm["securityContext"]["runAsUser"] == pod_security.SERVING_UID
@@ -128,8 +130,8 @@ def test_weights_get_a_sized_volume_and_an_ephemeral_storage_request(model):
     assert to_bytes(volumes["models"]["emptyDir"]["sizeLimit"], "x") == w.volume
     request = to_bytes(pod["containers"][0]["resources"]["requests"]["ephemeral-storage"], "x")
     assert request == w.ephemeral_storage == w.volume + 10 * GiB + 2 * GiB
-    assert to_bytes(volumes["home"]["emptyDir"]["sizeLimit"], "x") + to_bytes(volumes["tmp"]["emptyDir"]["sizeLimit"], "x") \
-        == request - w.volume
+    assert (to_bytes(volumes["home"]["emptyDir"]["sizeLimit"], "x")
+            + to_bytes(volumes["tmp"]["emptyDir"]["sizeLimit"], "x") == request - w.volume)
 
 
 def test_startup_budget_follows_the_weight_size():
@@ -140,7 +142,8 @@ def test_startup_budget_follows_the_weight_size():
         w = d.budget.weights
         expected = w.bytes / sizing.WEIGHT_DOWNLOAD_BPS + w.bytes / sizing.DISK_READ_BPS + sizing.ENGINE_START_S
         assert expected <= w.startup_seconds < expected + 12
-        probe = next(c for c in d.children if c["kind"] == "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+        sts = next(c for c in d.children if c["kind"] == "StatefulSet")
+        probe = sts["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
         assert probe["periodSeconds"] * probe["failureThreshold"] == w.startup_seconds
     assert big.budget.weights.startup_seconds > 3 * small.budget.weights.startup_seconds
     # 70B bf16 is 141 GB: more than 45 minutes at 50 MB/s, where the old fixed budget gave 30.
@@ -157,7 +160,8 @@ def test_model_cache_pvc_replaces_the_weights_volume():
     assert d.budget.weights.volume == 0 and d.budget.weights.storage("weights") == 0
     assert to_bytes(pod["containers"][0]["resources"]["requests"]["ephemeral-storage"], "x") == 12 * GiB
     # A cold PVC still downloads: the start-up budget keeps the download term.
-    assert d.budget.weights.startup_seconds > sizing.ENGINE_START_S + d.budget.weights.bytes / sizing.WEIGHT_DOWNLOAD_BPS - 1
+    weights = d.budget.weights
+    assert weights.startup_seconds > sizing.ENGINE_START_S + weights.bytes / sizing.WEIGHT_DOWNLOAD_BPS - 1
 
 
 def test_budget_reports_the_weight_figures():

@@ -146,7 +146,8 @@ def test_metrics_off_drops_the_sidecar_and_port():
 
 
 def test_user_args_and_env_are_appended_not_overriding():
-    s = spec(engine__extraArgs=["--enable-chunked-prefill"], engine__env=[{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}])
+    s = spec(engine__extraArgs=["--enable-chunked-prefill"],
+             engine__env=[{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}])
     vllm = pod_of(pipeline.desired("svc", "ns", "u", s, Settings()).children)["containers"][0]
     assert vllm["args"][-1] == "--enable-chunked-prefill"
     assert vllm["env"][-1] == {"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}
@@ -173,7 +174,8 @@ sys.exit(7)
 
 def _start_vllm_container(container, fake_bin, multiproc, record):
     """Run the rendered command + args as the kubelet would, with a fake `vllm` first on PATH."""
-    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "PROMETHEUS_MULTIPROC_DIR": str(multiproc), "RECORD": str(record)}
+    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "PROMETHEUS_MULTIPROC_DIR": str(multiproc),
+           "RECORD": str(record)}
     proc = subprocess.Popen([*container["command"], *container["args"]], env=env)
     assert proc.wait(30) == 7  # vLLM's exit status, unchanged: the shell exec'd it
     return proc.pid, json.loads(record.read_text())
@@ -183,7 +185,8 @@ def _start_vllm_container(container, fake_bin, multiproc, record):
 def test_vllm_prelude_empties_the_multiproc_dir_at_every_start(path, tmp_path):
     doc = yaml.safe_load(path.read_text())
     s = doc["spec"]
-    s.setdefault("engine", {})["extraArgs"] = ["--override-generation-config", '{"temperature": 0.5}', "--chat-template=a b"]
+    s.setdefault("engine", {})["extraArgs"] = ["--override-generation-config", '{"temperature": 0.5}',
+                                               "--chat-template=a b"]
     children = pipeline.desired(doc["metadata"]["name"], "ns", "", s, Settings()).children
     container = pod_of(children)["containers"][0]
     assert container["command"][:3] == ["/bin/sh", "-c", render.VLLM_PRELUDE]
@@ -291,7 +294,8 @@ def test_telemetry_is_off_in_every_container_that_runs_engine_code(backend, engi
             assert _program(c) in ("/bin/sh", "python3", "kvoffload"), c["name"]
             if _program(c) == "python3":  # the versions reader: stdlib only (importlib.metadata), never vllm or lmcache
                 assert c["command"][2] == engine_versions.REPORT_SCRIPT
-                imports = {a.name for n in ast.walk(ast.parse(c["command"][2])) if isinstance(n, ast.Import) for a in n.names}
+                imports = {a.name for n in ast.walk(ast.parse(c["command"][2])) if isinstance(n, ast.Import)
+                           for a in n.names}
                 assert imports == {"importlib.metadata", "json", "os", "sys"}
 
 

@@ -1,4 +1,5 @@
-"""The slim stand-in engine (tests/fixtures/fake_vllm, recorded mode: what the real node's serving pods run) answers what
+"""The slim stand-in engine (tests/fixtures/fake_vllm, recorded mode: what the real node's serving pods run) answers
+what
 vLLM's router asks of a replica, and the real router (vllm-router 0.1.17, `make router`) with the operator's rendered
 cache_aware flags keeps each document on one stand-in: the workload tests/integration/test_real_node_routing.py runs
 on the real node (kvtest.router_workload), here with the router and two stand-ins as processes on 127.0.0.1."""
@@ -113,14 +114,16 @@ def test_the_real_router_keeps_each_document_on_one_stand_in(vllm_router, tmp_pa
     a, b, port, metrics = free_ports(4)
     with stand_in(a, "replica-a", engine(), tmp_path) as url_a, stand_in(b, "replica-b", engine(), tmp_path) as url_b:
         argv = [x.replace("$(POD_IP)", "127.0.0.1") for x in router_args]
-        argv = argv[:argv.index("--service-discovery")] + ["--worker-urls", url_a, url_b] + argv[argv.index("--policy"):]
+        argv = (argv[:argv.index("--service-discovery")] + ["--worker-urls", url_a, url_b]
+                + argv[argv.index("--policy"):])
         argv = _with(_with(argv, "--port", str(port)), "--prometheus-port", str(metrics))
         log = tmp_path / "router.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
         proc = subprocess.Popen([str(vllm_router), *argv], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
         router = f"http://127.0.0.1:{port}"
         try:
-            wait_until(lambda: rw.workers(router) == {url_a, url_b}, timeout=60, message=f"the router's workers ({log})")
+            wait_until(lambda: rw.workers(router) == {url_a, url_b}, timeout=60,
+                       message=f"the router's workers ({log})")
             wait_until(lambda: urllib.request.urlopen(f"{router}/readiness", timeout=5).status == 200, timeout=60,
                        message="the router ready")
             served = rw.affinity(router, [url_a, url_b], MODEL, rounds=3, hold_s=3.0, wait=wait_until)

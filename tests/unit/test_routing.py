@@ -54,7 +54,8 @@ def test_kv_aware_is_refused_where_the_router_cannot_index_the_engine():
 
 
 @pytest.mark.parametrize("patch, field, says", [
-    ({"routing__policy": "least_loaded"}, "spec.routing.policy", "allowed values: auto, kv_aware, cache_aware, round_robin"),
+    ({"routing__policy": "least_loaded"}, "spec.routing.policy",
+     "allowed values: auto, kv_aware, cache_aware, round_robin"),
     ({"routing__replicas": 0}, "spec.routing.replicas", "must be an integer in [1, 10]"),
     ({"routing__enabled": "yes"}, "spec.routing.enabled", "must be true or false"),
 ])
@@ -82,7 +83,8 @@ def test_disabled_or_absent_routing_renders_no_router():
         d = desired(s)
         assert d.spec.routing is None
         assert not kind(d, "Deployment") and not kind(d, "Role")
-        assert conditions.status({"metadata": {"name": "svc", "namespace": "team-a", "generation": 1}, "spec": s}, d, None,
+        assert conditions.status({"metadata": {"name": "svc", "namespace": "team-a", "generation": 1}, "spec": s}, d,
+                                 None,
                                  conditions.Observed(None, []))["endpoint"] == "http://svc.team-a.svc:8000/v1"
 
 
@@ -133,7 +135,8 @@ def test_kv_aware_is_given_each_tiers_credit_and_the_engine_publishes_its_events
     assert flag == "--kv-events-config" and json.loads(value) == {
         "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}
     assert routing.kv_events_args(d.spec) == []  # cache_aware: the engine publishes nothing
-    assert "--kv-events-config" not in render.vllm_argv(kind(d, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0])
+    assert ("--kv-events-config"
+            not in render.vllm_argv(kind(d, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]))
 
 
 # --- the rendered router
@@ -174,7 +177,8 @@ def test_router_runs_hardened_with_probes():
     sc = c["securityContext"]
     assert sc["readOnlyRootFilesystem"] and sc["runAsNonRoot"] and sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"] == {"drop": ["ALL"]} and sc["runAsUser"] != 0
-    assert c["readinessProbe"]["httpGet"]["path"] == "/readiness" and c["livenessProbe"]["httpGet"]["path"] == "/liveness"
+    assert (c["readinessProbe"]["httpGet"]["path"] == "/readiness"
+            and c["livenessProbe"]["httpGet"]["path"] == "/liveness")
     assert c["image"] == Settings().router_image == engine_router.DEFAULT_IMAGE
     assert c["args"][c["args"].index("--host") + 1] == "$(POD_IP)"
 
@@ -209,7 +213,8 @@ def test_where_routers_run_is_the_admins_setting_not_the_serving_pods_placement(
     ({"routerTolerations": [{"key": "x", "operatr": "Exists"}]}, "operator config routerTolerations[0]"),
     ({"routerTolerations": [{"key": "x", "operator": "In"}]}, "operator config routerTolerations[0].operator"),
     ({"routerTolerations": [{"key": "x", "effect": "NoExecut"}]}, "operator config routerTolerations[0].effect"),
-    ({"routerTolerations": [{"key": "x", "tolerationSeconds": "60"}]}, "operator config routerTolerations[0].tolerationSeconds"),
+    ({"routerTolerations": [{"key": "x", "tolerationSeconds": "60"}]},
+     "operator config routerTolerations[0].tolerationSeconds"),
 ])
 def test_bad_router_placement_is_refused_naming_the_setting(bad, named):
     with pytest.raises(ConfigError) as err:
@@ -228,7 +233,8 @@ def test_network_policy_lets_the_router_reach_the_serving_port():
 
 
 BODY = {"metadata": {"name": "svc", "namespace": "team-a", "generation": 1}}
-STS = {"metadata": {"name": "svc", "generation": 1}, "status": {"observedGeneration": 1, "replicas": 4, "readyReplicas": 4,
+STS = {"metadata": {"name": "svc", "generation": 1}, "status": {"observedGeneration": 1, "replicas": 4,
+                                                                "readyReplicas": 4,
                                                  "updatedReplicas": 4, "currentRevision": "r", "updateRevision": "r"}}
 
 
@@ -236,7 +242,8 @@ def _deployment(ready: int, message: str = "") -> dict:
     return {"metadata": {"name": "svc-router", "generation": 1},
             "status": {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1, "readyReplicas": ready,
                        "availableReplicas": ready,
-                       "conditions": [{"type": "Available", "status": "True" if ready else "False", "message": message}]}}
+                       "conditions": [{"type": "Available", "status": "True" if ready else "False",
+                                       "message": message}]}}
 
 
 def _conds(st: dict) -> dict:
@@ -257,7 +264,8 @@ def test_the_tree_budget_is_decided_once_and_rendered_as_decided():
 def test_ready_waits_for_the_router_and_status_names_it():
     s = spec(**ROUTED)
     d = desired(s)
-    st = conditions.status({**BODY, "spec": s}, d, None, conditions.Observed(STS, [], None, None, _deployment(0, "no pod")))
+    st = conditions.status({**BODY, "spec": s}, d, None,
+                           conditions.Observed(STS, [], None, None, _deployment(0, "no pod")))
     c = _conds(st)
     assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("False", "RouterNotReady")
     assert (c["RouterReady"]["status"], c["RouterReady"]["reason"]) == ("False", "RouterNotReady")
@@ -283,7 +291,8 @@ def test_without_routing_the_router_condition_says_so_and_ready_ignores_it():
 
 def test_why_explains_the_router():
     s = spec(**ROUTED)
-    st = conditions.status({**BODY, "spec": s}, desired(s), None, conditions.Observed(STS, [], None, None, _deployment(0)))
+    st = conditions.status({**BODY, "spec": s}, desired(s), None,
+                           conditions.Observed(STS, [], None, None, _deployment(0)))
     obj = {**BODY, "spec": s, "status": {**st, "observedGeneration": 1}}
     text = why.explain(obj, STS, [], [], datetime.now(timezone.utc))
     assert "Not ready yet (RouterNotReady)" in text and why.HINTS["RouterNotReady"] in text
@@ -297,7 +306,8 @@ def test_why_explains_the_router():
 
 
 def test_every_rendered_flag_is_one_the_real_router_declares(vllm_router):
-    help_text = subprocess.run([str(vllm_router), "--help"], capture_output=True, text=True, timeout=60, check=True).stdout
+    help_text = subprocess.run([str(vllm_router), "--help"], capture_output=True, text=True, timeout=60,
+                               check=True).stdout
     declared = set(re.findall(r"(--[a-z0-9-]+)", help_text))
     d = desired(spec(**ROUTED, engine__apiKeySecretRef__name="api"))
     rendered = {a for a in router_container(d)["args"] if a.startswith("--")}

@@ -45,7 +45,8 @@ def test_env_may_not_change_which_gpus_the_container_sees(name):
 
 
 @pytest.mark.parametrize("name", ["HOME", "TMPDIR", "HF_HOME", "XDG_CACHE_HOME", "TRANSFORMERS_CACHE", "HF_HUB_CACHE",
-                                  "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE"])
+                                  "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                                  "FLASHINFER_WORKSPACE_BASE"])
 def test_env_may_not_move_weights_caches_or_temporary_files(name):
     with pytest.raises(ConfigError) as err:
         parse(spec(engine__env=[{"name": name, "value": "/elsewhere"}]), S)

@@ -162,7 +162,8 @@ def test_a_field_removed_from_the_spec_is_not_taken_for_a_no_op():
     assert not reconcile.covers(stamped["StatefulSet"], live["StatefulSet"])  # the rendered hash moved: applied
     assert all(reconcile.covers(stamped[k], live[k]) for k in stamped if k != "StatefulSet")  # the rest stays put
     covered = reconcile.Covered()
-    live_sts = {**stamped["StatefulSet"], "metadata": {**stamped["StatefulSet"]["metadata"], "uid": "x", "resourceVersion": "7"}}
+    live_sts = {**stamped["StatefulSet"], "metadata": {**stamped["StatefulSet"]["metadata"], "uid": "x",
+                                                       "resourceVersion": "7"}}
     assert covered(stamped["StatefulSet"], live_sts) and covered.seen["x"][1] == "7"
     assert not covered(live["StatefulSet"], live_sts)  # another desired hash: walked again, not remembered
 
@@ -231,7 +232,8 @@ def test_a_refused_status_is_told_from_a_stale_resource_version():
     stale = ('{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure","message":"the server rejected our '
              'request due to an error in our request","reason":"Invalid","details":{},"code":422}')
     invalid = ('{"kind":"Status","status":"Failure","message":"KVOffloadServe.kvoffload.io \\"x\\" is invalid: '
-               '[status.conditions[0].status: Unsupported value: \\"Maybe\\"]","reason":"Invalid","details":{"name":"x",'
+               '[status.conditions[0].status: Unsupported value: '
+               '\\"Maybe\\"]","reason":"Invalid","details":{"name":"x",'
                '"causes":[{"reason":"FieldValueNotSupported","field":"status.conditions[0].status"}]},"code":422}')
 
     class Refusing(Kube):

@@ -112,7 +112,8 @@ def test_concurrency_beyond_gpu_sequences_warns() -> None:
     b = plan(PlanInput(L31_8B, 131072, concurrency=8))  # 55 GiB / 16 GiB = 3 sequences
     assert b.tier("gpu").sequences == 3
     assert any("spec.engine.maxNumSeqs is 8" in w for w in b.named(PLAN_FIELDS).warnings)
-    assert not any("maxNumSeqs" in w for w in plan(PlanInput(L31_8B, 131072, concurrency=3)).named(PLAN_FIELDS).warnings)
+    assert not any("maxNumSeqs" in w
+                   for w in plan(PlanInput(L31_8B, 131072, concurrency=3)).named(PLAN_FIELDS).warnings)
 
 
 # ---- sliding windows ----------------------------------------------------------------------------------
@@ -228,9 +229,11 @@ def test_to_dict_is_json_with_camel_case() -> None:
     d = plan(PlanInput(L31_8B, 32768, concurrency=1, cpu_size=40 * GiB, disk_size=500 * GiB)).to_dict()
     assert json.loads(json.dumps(d)) == d
     assert d["kvBytesPerToken"] == 131072
-    assert d["tiers"][1] == {"name": "cpu", "bytes": 40 * GiB, "bytesPerWorker": 40 * GiB, "tokens": 327680, "sequences": 10}
+    assert d["tiers"][1] == {"name": "cpu", "bytes": 40 * GiB, "bytesPerWorker": 40 * GiB, "tokens": 327680,
+                             "sequences": 10}
     assert d["memory"]["request"] == d["memory"]["limit"] == 55194 * MiB
-    assert d["memory"]["terms"][0] == {"name": "engine_baseline", "bytes": 4 * GiB, "note": "vLLM API server + engine core process"}
+    assert d["memory"]["terms"][0] == {"name": "engine_baseline", "bytes": 4 * GiB,
+                                       "note": "vLLM API server + engine core process"}
     assert d["reload"][1] == {"tier": "disk", "tokens": 32768, "bytes": 4 * GiB, "reloadSeconds": 4.5764,
                               "recomputeSeconds": 1.3815, "slowerThanRecompute": True}
     assert d["shm"] == 2 * GiB and len(d["warnings"]) == 1

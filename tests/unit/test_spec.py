@@ -20,7 +20,8 @@ def test_defaults_come_from_the_crd():
     assert s.offload.eviction_policy == "LRU"
     assert s.offload.disk.reclaim_policy == "Delete"
     assert s.offload.disk.node_selector == {"kvoffload.io/nvme": "true"}
-    assert s.engine.image == S.default_image and (s.engine.vllm_version, s.engine.lmcache_version) == ("0.26.0", "0.5.3")
+    assert (s.engine.image == S.default_image
+            and (s.engine.vllm_version, s.engine.lmcache_version) == ("0.26.0", "0.5.3"))
     assert s.metrics_enabled and s.metrics_port == 9400
 
 
@@ -39,11 +40,13 @@ def test_defaults_come_from_the_crd():
     ({"engine__env": [{"name": "PYTHONHASHSEED", "value": "1"}]}, "spec.engine.env"),
     ({"engine__image": "example.com/custom:1"}, "spec.engine.vllmVersion"),
     ({"engine__image": "example.com/custom:1", "engine__vllmVersion": "0.27.1"}, "spec.engine.lmcacheVersion"),
-    ({"engine__image": "x:1", "engine__vllmVersion": "0.5.0", "engine__lmcacheVersion": "0.5.6"}, "spec.engine.vllmVersion"),
+    ({"engine__image": "x:1", "engine__vllmVersion": "0.5.0", "engine__lmcacheVersion": "0.5.6"},
+     "spec.engine.vllmVersion"),
     # LMCache's own image installs an unpinned vLLM: the spec must say which.
     ({"engine__image": "lmcache/vllm-openai:v0.5.4"}, "spec.engine.vllmVersion"),
     # No flag table for this vLLM: extra arguments cannot be checked, so they are refused.
-    ({"engine__image": "lmcache/vllm-openai:v0.5.4", "engine__vllmVersion": "0.29.0", "engine__extraArgs": ["--enforce-eager"]},
+    ({"engine__image": "lmcache/vllm-openai:v0.5.4", "engine__vllmVersion": "0.29.0",
+      "engine__extraArgs": ["--enforce-eager"]},
      "spec.engine.extraArgs"),
     ({"engine__env": [{"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:True"}]}, "spec.engine.env"),
     ({"offload__chunkSize": 0}, "spec.offload.chunkSize"),
@@ -112,7 +115,8 @@ def test_telemetry_env_is_managed(name, value, backend):
     else:
         assert "usage telemetry off" in str(err.value) and "docs/security.md" in str(err.value)
         assert f"'{name}'" in rule["rule"]
-        assert "DO_NOT_TRACK, VLLM_NO_USAGE_STATS: the operator turns vLLM's and LMCache's usage telemetry off" in rule["message"]
+        assert ("DO_NOT_TRACK, VLLM_NO_USAGE_STATS: the operator turns vLLM's and LMCache's usage telemetry off"
+                in rule["message"])
 
 
 def test_vllms_own_do_not_track_stays_free():

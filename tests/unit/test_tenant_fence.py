@@ -35,8 +35,8 @@ def test_a_refused_image_names_the_field_and_what_is_allowed():
         parse(spec(engine__image="evil.example/vllm:1", engine__vllmVersion="0.26.0", engine__lmcacheVersion="0.5.3"),
               Settings(allowed_images=("registry.acme/vllm/*",)))
     assert err.value.field == "spec.engine.image"
-    assert err.value.message.startswith("'evil.example/vllm:1' is not an image the cluster admin allows: the operator's "
-                                        "known images (ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3, ")
+    assert err.value.message.startswith("'evil.example/vllm:1' is not an image the cluster admin allows: the "
+                                        "operator's known images (ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3, ")
     assert "and the allowlist (registry.acme/vllm/*); the admin adds images with the operator config allowedImages" \
         in err.value.message
 
@@ -54,7 +54,8 @@ def test_nvidia_env_is_the_admins_unless_allowed():
         parse(s, Settings())
     assert err.value.field == "spec.engine.env" and err.value.message.startswith(
         "NVIDIA_GDS is managed by the operator: the NVIDIA container runtime reads NVIDIA_* to add host devices")
-    assert parse(s, Settings(allowed_nvidia_env=("NVIDIA_GDS",))).engine.env == ({"name": "NVIDIA_GDS", "value": "enabled"},)
+    assert (parse(s, Settings(allowed_nvidia_env=("NVIDIA_GDS",))).engine.env
+            == ({"name": "NVIDIA_GDS", "value": "enabled"},))
     with pytest.raises(ConfigError):
         from_dict({"allowedNvidiaEnv": ["CUDA_VISIBLE_DEVICES"]})
 

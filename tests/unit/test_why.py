@@ -28,7 +28,8 @@ def obj(status, generation=1, **meta):
 
 def live(generation=1, error=None, observed=None, previous=None):
     desired = None if error else pipeline.desired("svc", "ns", "u", spec(), Settings())
-    return obj(conditions.status(body(generation, previous), desired, error, observed or conditions.Observed(sts(), [pod()]), T0),
+    return obj(conditions.status(body(generation, previous), desired, error, observed
+                                 or conditions.Observed(sts(), [pod()]), T0),
                generation)
 
 
@@ -52,8 +53,10 @@ def test_refused_names_the_field_and_what_to_do():
 
 
 def test_unschedulable_and_rolling_out_say_what_next():
-    stuck = live(observed=conditions.Observed(sts(ready=0), [pod(scheduled=False, message="0/4 nodes: Insufficient memory")]))
-    text = why.explain(stuck, named_sts(ready=0), [pod(scheduled=False, message="0/4 nodes: Insufficient memory")], [], NOW)
+    stuck = live(observed=conditions.Observed(sts(ready=0), [pod(scheduled=False, message="0/4 nodes: "
+                                                                                          "Insufficient memory")]))
+    text = why.explain(stuck, named_sts(ready=0), [pod(scheduled=False, message="0/4 nodes: Insufficient memory")], [],
+                       NOW)
     assert "Not ready yet (Unschedulable)" in text and why.HINTS["Unschedulable"] in text and "read: InProgress" in text
     assert "unschedulable: 0/4 nodes: Insufficient memory" in text
 
@@ -63,7 +66,8 @@ def test_unschedulable_and_rolling_out_say_what_next():
     (obj({"observedGeneration": 0}), "No status from the operator yet"),
     (obj({"observedGeneration": 1, "conditions": [{"type": "Ready", "status": "True", "observedGeneration": 1}]}, 2),
      "has not looked at generation 2 yet"),
-    (obj({}, deletionTimestamp="2026-01-01T00:00:00Z", finalizers=["example.com/hold"]), "finalizers holding it: example.com/hold"),
+    (obj({}, deletionTimestamp="2026-01-01T00:00:00Z", finalizers=["example.com/hold"]),
+     "finalizers holding it: example.com/hold"),
 ])
 def test_gaps(o, expected):
     assert expected in why.explain(o, None, [], [], NOW)

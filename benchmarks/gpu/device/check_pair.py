@@ -26,7 +26,8 @@ import time
 # What `vllm serve` of the rendered example imports (API server, engine core, the V1 runner the operator picks,
 # Llama with random weights, FlashAttention, LMCache's connector and CLI).
 SERVING_PATH = (
-    "vllm.entrypoints.cli.main", "vllm.entrypoints.openai.api_server", "vllm.v1.engine.core", "vllm.v1.engine.async_llm",
+    "vllm.entrypoints.cli.main", "vllm.entrypoints.openai.api_server", "vllm.v1.engine.core",
+    "vllm.v1.engine.async_llm",
     "vllm.v1.executor.uniproc_executor", "vllm.v1.executor.multiproc_executor", "vllm.v1.worker.gpu_worker",
     "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner", "vllm.model_executor.models.llama",
     "vllm.model_executor.model_loader.dummy_loader", "vllm.v1.attention.backends.flash_attn",
@@ -57,7 +58,8 @@ def versions() -> str:
     assert md.version("vllm") == VLLM and md.version("lmcache") == LMCACHE, (md.version("vllm"), md.version("lmcache"))
     pin = next(Requirement(r).specifier for r in md.requires("vllm") if key(Requirement(r).name) == "torch")
     assert torch.__version__.split("+")[0] in pin, f"torch {torch.__version__} imported, vLLM {VLLM} pins {pin}"
-    return f"vllm {VLLM}, lmcache {LMCACHE}, torch {torch.__version__} (vLLM pins {pin}) from {os.path.dirname(torch.__file__)}"
+    return (f"vllm {VLLM}, lmcache {LMCACHE}, torch {torch.__version__} (vLLM pins {pin}) "
+            f"from {os.path.dirname(torch.__file__)}")
 
 
 def gpu() -> str:
@@ -111,7 +113,8 @@ def cuda_libraries() -> str:
 
     c = torch._C._cudnn
     run, built = c.getRuntimeVersion(), c.getCompileVersion()
-    note = "" if run[:2] >= built[:2] else " (older: torch refuses it only when a cuDNN op runs; a Llama forward runs none)"
+    older = " (older: torch refuses it only when a cuDNN op runs; a Llama forward runs none)"
+    note = "" if run[:2] >= built[:2] else older
     libs = sorted({ln.split()[-1] for ln in open("/proc/self/maps")
                    if re.search(r"/lib(cu|nccl|nvrtc|nvJit|nvshmem)[^/]*\.so", ln)})
     return f"cuDNN runtime {run}, built with {built}{note}; loaded: {' '.join(libs)}"

@@ -155,8 +155,8 @@ def capture_rendered(c: Cluster, path: str, as_name: str, out: Path, timeout: fl
             if created >= set(names):
                 break
             if time.monotonic() > deadline:
-                raise SystemExit(f"{ns}/{pod}: containers {sorted(set(names) - created)} not created in {timeout:.0f}s: "
-                                 f"{json.dumps(st)[-800:]}")
+                raise SystemExit(f"{ns}/{pod}: containers {sorted(set(names) - created)} not created in "
+                                 f"{timeout:.0f}s: {json.dumps(st)[-800:]}")
             time.sleep(2)
         written = capture(c, ns, pod, out, as_name)
         d = out / as_name
@@ -175,7 +175,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("namespace", nargs="?")
     ap.add_argument("pod", nargs="?")
-    ap.add_argument("--rendered", help="a KVOffloadServe file: run its rendered pod (fitted to the CPU node) and capture it")
+    ap.add_argument("--rendered", help="a KVOffloadServe file: run its rendered pod "
+                                       "(fitted to the CPU node) and capture it")
     ap.add_argument("--as", dest="as_name", help="--rendered: the capture's directory name (e.g. the backend)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     ap.add_argument("--cluster-dir", type=Path, help="the real node's cluster (default: KVO_CLUSTER_DIR or .cluster)")

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 # Reasons every condition but Reconciling can carry.
 PENDING = "Pending"  # first sight: the operator has seen the generation and works on it
-INVALID_SPEC = "InvalidSpec"  # the spec is refused: ConfigValid=False, and every other condition says why it is not evaluated
+# The spec is refused: ConfigValid=False, and every other condition says why it is not evaluated.
+INVALID_SPEC = "InvalidSpec"
 # A valid spec whose children cannot be written: ConfigValid=False with one of these, the rest as for InvalidSpec.
 APPLY_REFUSED = "ApplyRefused"  # the API server refused a rendered child (quota, admission, RBAC, a 5xx)
 NAME_CONFLICT = "NameConflict"  # a child's name is held by an object another owner controls
@@ -27,8 +28,8 @@ _COMMON = {PENDING: "the operator has seen this generation and is working on it"
            INVALID_SPEC: "the spec is refused (ConfigValid says which field and why): nothing is created or changed",
            APPLY_REFUSED: "the API server refused a rendered child (ConfigValid names it and the API server's cause); "
                           "nothing after it is written, and the operator retries with backoff",
-           NAME_CONFLICT: "a child's name is held by an object that is not this resource's (ConfigValid names it and its "
-                          "owner): the operator never takes it over, writes nothing, and retries with backoff"}
+           NAME_CONFLICT: "a child's name is held by an object that is not this resource's (ConfigValid names it and "
+                          "its owner): the operator never takes it over, writes nothing, and retries with backoff"}
 _REFUSED = {r: _COMMON[r] for r in (INVALID_SPEC, APPLY_REFUSED, NAME_CONFLICT)}
 _PROBES = {"MetricsDisabled": "spec.metrics.enabled is false: no exporter to ask",
            "ProbesDisabled": "the operator does not probe exporters (operator setting probeExporters: false)"}
@@ -38,11 +39,14 @@ CONDITIONS: tuple[ConditionType, ...] = (
         **_COMMON,
         "AllReplicasReady": "every replica is ready and up to date",
         "Unschedulable": "a pod cannot be placed on any node",
-        "PodsFailing": "a pod failed, or a container waits in a state that does not heal (CrashLoopBackOff, ImagePullBackOff, ...)",
+        "PodsFailing": "a pod failed, or a container waits in a state that does "
+                       "not heal (CrashLoopBackOff, ImagePullBackOff, ...)",
         "RollingOut": "the StatefulSet is rolling the new pod template out",
         "ReplicasNotReady": "replicas are starting (weights download, engine start-up)",
-        "RouterNotReady": "every replica is ready but the router in front of them (spec.routing) is not available yet"}),
-    ConditionType("ConfigValid", "The spec was accepted (parsed, planned and rendered); its message carries the planner's warnings.", {
+        "RouterNotReady": "every replica is ready but the router in front "
+                          "of them (spec.routing) is not available yet"}),
+    ConditionType("ConfigValid", "The spec was accepted (parsed, planned and rendered); "
+                                 "its message carries the planner's warnings.", {
         PENDING: _COMMON[PENDING],
         "Valid": "the spec is valid (warnings, if any, in the message)",
         INVALID_SPEC: "the spec is refused: the message names the field and what is allowed",
@@ -60,7 +64,8 @@ CONDITIONS: tuple[ConditionType, ...] = (
         "EngineNotReady": "the engine is not ready yet",
         "ExporterUnreachable": "no exporter answered",
         "ExternalHitsNotLoaded": "vLLM skipped prefill for KV that LMCache never loaded: answers are wrong"}),
-    ConditionType("EngineVerified", "The pods run the vLLM / LMCache pair the operator rendered for (kvoffload_engine_info).", {
+    ConditionType("EngineVerified", "The pods run the vLLM / LMCache pair the "
+                                    "operator rendered for (kvoffload_engine_info).", {
         **_COMMON, **_PROBES,
         "EngineVersionsMatch": "every reporting pod runs the rendered pair",
         "EngineVersionMismatch": "a pod runs another pair than the one rendered for",
@@ -70,25 +75,30 @@ CONDITIONS: tuple[ConditionType, ...] = (
         "NotConfigured": "spec.offload.disk is not set: CPU tier only",
         "DirectoriesPrepared": "every pod's directory is prepared",
         "Preparing": "pod directories are being prepared"}),
-    ConditionType("RouterReady", "The router in front of the replicas (spec.routing) is available and routes to them.", {
+    ConditionType("RouterReady",
+                  "The router in front of the replicas (spec.routing) is available and routes to them.", {
         **_COMMON,
         "NotConfigured": "spec.routing is not set (or enabled is false): clients call the serving Service",
         "RouterAvailable": "every router pod is ready and runs the newest template",
         "RouterNotReady": "router pods are starting, rolling out, or wait for a ready serving pod (/readiness)"}),
-    ConditionType("AutoscalingReady", "The autoscaler spec.autoscaling renders can read its metrics: the API server serves "
-                                      "what it needs (discovery, read at start and on every resync).", {
+    ConditionType("AutoscalingReady", "The autoscaler spec.autoscaling renders can read its metrics: the API server "
+                                      "serves what it needs (discovery, read at start and on every resync).", {
         **_COMMON,
         "NotConfigured": "spec.autoscaling is not set: spec.replicas is yours",
-        "MetricsServed": "autoscaler hpa: the custom metrics API is served and lists every Pods metric the targets read",
-        "NoCustomMetricsAdapter": "autoscaler hpa: no APIService serves custom.metrics.k8s.io, so the HPA sits at <unknown>",
-        "CustomMetricsUnavailable": "autoscaler hpa: the custom metrics APIService is registered but its server is not Available",
-        "MetricsNotServed": "autoscaler hpa: the metrics adapter serves no Pods metric of that name (its rules lack one)",
+        "MetricsServed": "autoscaler hpa: the custom metrics API is served "
+                         "and lists every Pods metric the targets read",
+        "NoCustomMetricsAdapter": "autoscaler hpa: no APIService serves "
+                                  "custom.metrics.k8s.io, so the HPA sits at <unknown>",
+        "CustomMetricsUnavailable": "autoscaler hpa: the custom metrics APIService "
+                                    "is registered but its server is not Available",
+        "MetricsNotServed": "autoscaler hpa: the metrics adapter serves no "
+                            "Pods metric of that name (its rules lack one)",
         "KedaServed": "autoscaler keda: ScaledObjects and the external metrics API (KEDA's metrics server) are served",
         "KedaNotInstalled": "autoscaler keda: the API server serves no keda.sh/v1alpha1 ScaledObject",
         "KedaMetricsUnavailable": "autoscaler keda: the external metrics API that KEDA's HPA reads is not served",
         "DiscoveryPending": "the operator has not read the API server's discovery yet"}),
-    ConditionType("Reconciling", "True while a valid spec is not yet Ready (kstatus, read by Helm --wait and Flux); its reason is "
-                                 "Ready's.", {
+    ConditionType("Reconciling", "True while a valid spec is not yet Ready (kstatus, read by Helm --wait and Flux); "
+                                 "its reason is Ready's.", {
         PENDING: _COMMON[PENDING],
         "Converged": "Ready is True",
         "Stalled": "the spec is refused: nothing to converge to until it changes"}),

@@ -14,7 +14,8 @@ import promql_parser
 
 from .errors import ConfigError
 
-NAMESPACE_LABEL = "namespace"  # what Prometheus' Kubernetes service discovery and the chart's monitors label series with
+# What Prometheus' Kubernetes service discovery and the chart's monitors label series with.
+NAMESPACE_LABEL = "namespace"
 
 
 def selectors(query: str, field: str) -> list[promql_parser.VectorSelector]:
@@ -24,7 +25,8 @@ def selectors(query: str, field: str) -> list[promql_parser.VectorSelector]:
     except (ValueError, TypeError) as exc:
         raise ConfigError(field, f"is not valid PromQL: {exc}") from None
     found: list[promql_parser.VectorSelector] = []
-    promql_parser.walk(expr, lambda node: found.append(node) if isinstance(node, promql_parser.VectorSelector) else None)
+    promql_parser.walk(expr,
+                       lambda node: found.append(node) if isinstance(node, promql_parser.VectorSelector) else None)
     return found
 
 

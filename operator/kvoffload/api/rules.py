@@ -78,7 +78,8 @@ _IS_MANAGED = f"(e.name in {_ENV_INDEX} || e.name.startsWith({cel_str(managed.EN
 
 
 def _managed_names(env: list[Any]) -> list[str]:
-    return [e["name"] for e in env if isinstance(e, dict) and isinstance(e.get("name"), str) and managed.env_why(e["name"])]
+    return [e["name"] for e in env if isinstance(e, dict) and isinstance(e.get("name"), str)
+            and managed.env_why(e["name"])]
 
 
 def _explain_env(env: list[Any]) -> str:
@@ -88,12 +89,15 @@ def _explain_env(env: list[Any]) -> str:
     return f"{names[0]} is managed by the operator:" + "".join(f" {why}." for why in whys)
 
 
-_CEL_WHYS = [f"(self.exists(e, e.name in {_cel_list(group)}) ? {cel_str(' ' + why + '.')} : '')" for why, group in _GROUPS.items()]
-_CEL_WHYS.append(f"(self.exists(e, e.name.startsWith({cel_str(managed.ENV_PREFIX)})) ? {cel_str(' ' + managed.ENV_PREFIX_WHY + '.')} : '')")
+_CEL_WHYS = [f"(self.exists(e, e.name in {_cel_list(group)}) ? {cel_str(' ' + why + '.')} : '')"
+             for why, group in _GROUPS.items()]
+_CEL_WHYS.append(f"(self.exists(e, e.name.startsWith({cel_str(managed.ENV_PREFIX)})) ? "
+                 f"{cel_str(' ' + managed.ENV_PREFIX_WHY + '.')} : '')")
 ENV = Rule(
     at="spec.engine.env",
     cel=f"self.all(e, !{_IS_MANAGED})",
-    message="env may not set a variable the operator manages (" + "; ".join(f"{', '.join(g)}: {w}" for w, g in _GROUPS.items())
+    message="env may not set a variable the operator manages ("
+    + "; ".join(f"{', '.join(g)}: {w}" for w, g in _GROUPS.items())
             + "; " + managed.ENV_PREFIX_WHY + ")",
     holds=lambda env: not _managed_names(env),
     message_expression=(f"'%s is managed by the operator:%s'.format([self.filter(e, {_IS_MANAGED})[0].name, "
@@ -103,7 +107,8 @@ ENV = Rule(
 
 # --- spec.metrics.port: the exporter may not listen where another container of the pod does; one rule per port.
 def _port_rule(port: int, who: str) -> Rule:
-    return Rule(at="spec.metrics.port", cel=f"self != {port}", message=f"{port} is {who}: pick another port for the exporter",
+    return Rule(at="spec.metrics.port", cel=f"self != {port}",
+                message=f"{port} is {who}: pick another port for the exporter",
                 holds=lambda value: value != port)
 
 
@@ -114,7 +119,8 @@ KV_HEADS = Rule(
     at="spec.model.architecture",
     cel="!has(self.kvHeads) || !has(self.attentionHeads) || self.attentionHeads % self.kvHeads == 0",
     field=".kvHeads", message="kvHeads must divide attentionHeads",
-    holds=lambda a: get(a, "kvHeads") is None or get(a, "attentionHeads") is None or a["attentionHeads"] % a["kvHeads"] == 0,
+    holds=lambda a: get(a, "kvHeads") is None or get(a, "attentionHeads") is None
+    or a["attentionHeads"] % a["kvHeads"] == 0,
 )
 DISK_PATH_NORMALIZED = Rule(
     at="spec.offload.disk.path",
@@ -125,7 +131,8 @@ DISK_PATH_NORMALIZED = Rule(
 DISK_ONE_OF = Rule(
     at="spec.offload.disk",
     cel="has(self.path) != has(self.storageClassName)",
-    message="set exactly one of spec.offload.disk.path (hostPath) or spec.offload.disk.storageClassName (ephemeral volume)",
+    message="set exactly one of spec.offload.disk.path (hostPath) or "
+            "spec.offload.disk.storageClassName (ephemeral volume)",
     holds=lambda d: (get(d, "path") is None) != (get(d, "storageClassName") is None),
 )
 NODE_SELECTORS = Rule(
@@ -144,7 +151,8 @@ NODE_SELECTORS = Rule(
 def _memory_holds(s: dict[str, Any]) -> bool:
     # The parser has checked both quantities by now.
     memory, cpu = get(s, "resources.memory"), get(s, "offload.cpu.size")
-    return memory is None or cpu is None or to_bytes(memory, "spec.resources.memory") >= to_bytes(cpu, "spec.offload.cpu.size")
+    return memory is None or cpu is None or to_bytes(memory,
+                                                     "spec.resources.memory") >= to_bytes(cpu, "spec.offload.cpu.size")
 
 
 MEMORY_HOLDS_CPU_TIER = Rule(
@@ -183,7 +191,8 @@ AUTOSCALING_MIN_MAX = Rule(
     at="spec.autoscaling",
     cel="!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
     field=".minReplicas", message="spec.autoscaling.minReplicas must be at most maxReplicas",
-    holds=lambda a: get(a, "minReplicas") is None or get(a, "maxReplicas") is None or a["minReplicas"] <= a["maxReplicas"],
+    holds=lambda a: get(a, "minReplicas") is None or get(a, "maxReplicas") is None
+    or a["minReplicas"] <= a["maxReplicas"],
 )
 AUTOSCALING_WAKE = Rule(
     at="spec.autoscaling",
@@ -194,7 +203,8 @@ AUTOSCALING_WAKE = Rule(
     holds=lambda a: (get(a, "minReplicas") == 0) == (get(a, "wakeQuery") is not None),
 )
 # What a backend cannot honour is declared by the backend (backends/, Backend.refuses; crd.backend_refusals).
-RULES: tuple[Rule, ...] = (ENV, *METRICS_PORTS, KV_HEADS, DISK_PATH_NORMALIZED, DISK_ONE_OF, NODE_SELECTORS, MEMORY_HOLDS_CPU_TIER,
+RULES: tuple[Rule, ...] = (ENV, *METRICS_PORTS, KV_HEADS, DISK_PATH_NORMALIZED, DISK_ONE_OF, NODE_SELECTORS,
+                           MEMORY_HOLDS_CPU_TIER,
                            AUTOSCALING_RECOMPUTE_REMOVED, AUTOSCALING_TARGETS, AUTOSCALING_MIN_MAX, AUTOSCALING_WAKE)
 
 

@@ -119,7 +119,8 @@ def from_dict(data: dict[str, Any]) -> Settings:
                 or not isinstance(pair.get("lmcache", ""), str):
             raise ConfigError(f"operator config imageVersions[{image!r}]",
                               f"must be {{vllm: VERSION, lmcache: VERSION}} (lmcache optional), got {pair!r}")
-    for name, kind, least in (("events_per_second", (int, float), 0), ("event_burst", int, 1), ("cpu_read_gbps", (int, float), 1e-6),
+    for name, kind, least in (("events_per_second", (int, float), 0), ("event_burst", int, 1),
+                              ("cpu_read_gbps", (int, float), 1e-6),
                               ("disk_read_gbps", (int, float), 1e-6), ("prefill_tokens_per_second", (int, float), 0)):
         value = kwargs.get(name, getattr(Settings, name))
         if isinstance(value, bool) or not isinstance(value, kind) or value < least:
@@ -128,10 +129,12 @@ def from_dict(data: dict[str, Any]) -> Settings:
     _check_images(kwargs)
     autoscaler = kwargs.get("autoscaler", Settings.autoscaler)
     if autoscaler not in crd.AUTOSCALERS:
-        raise ConfigError("operator config autoscaler", f"{autoscaler!r} is not allowed; allowed values: {', '.join(crd.AUTOSCALERS)}")
+        raise ConfigError("operator config autoscaler", f"{autoscaler!r} is not allowed; allowed values: "
+                                                        f"{', '.join(crd.AUTOSCALERS)}")
     if autoscaler == "keda" and not kwargs.get("prometheus_address"):
-        raise ConfigError("operator config prometheusAddress", "is required with autoscaler keda (the Prometheus KEDA's "
-                                                               "triggers query, e.g. http://prometheus.monitoring.svc:9090)")
+        raise ConfigError("operator config prometheusAddress",
+                          "is required with autoscaler keda (the Prometheus KEDA's "
+                          "triggers query, e.g. http://prometheus.monitoring.svc:9090)")
     return Settings(**kwargs)
 
 
@@ -141,10 +144,14 @@ TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
 
 
 def _check_placement(kwargs: dict[str, Any]) -> None:
-    """routerNodeSelector: a map of strings; routerTolerations: Kubernetes tolerations (the chart's schema says the same)."""
+    """routerNodeSelector: a map of strings; routerTolerations: Kubernetes tolerations.
+
+    The chart's schema says the same."""
     selector = kwargs.get("router_node_selector", {})
-    if not isinstance(selector, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in selector.items()):
-        raise ConfigError("operator config routerNodeSelector", f"must map label keys to string values, got {selector!r}")
+    if (not isinstance(selector, dict)
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in selector.items())):
+        raise ConfigError("operator config routerNodeSelector",
+                          f"must map label keys to string values, got {selector!r}")
     tolerations = kwargs.get("router_tolerations", ())
     if not isinstance(tolerations, tuple):
         raise ConfigError("operator config routerTolerations", f"must be a list of tolerations, got {tolerations!r}")
@@ -156,7 +163,8 @@ def _check_placement(kwargs: dict[str, Any]) -> None:
             if k in t and (isinstance(t[k], bool) or not isinstance(t[k], kind)):
                 raise ConfigError(f"{where}.{k}", f"must be a {kind.__name__}, got {t[k]!r}")
         if t.get("operator", "Equal") not in TOLERATION_OPERATORS:
-            raise ConfigError(f"{where}.operator", f"{t['operator']!r} is not allowed; allowed values: {', '.join(TOLERATION_OPERATORS)}")
+            raise ConfigError(f"{where}.operator", f"{t['operator']!r} is not allowed; allowed values: "
+                                                   f"{', '.join(TOLERATION_OPERATORS)}")
         if t.get("effect", "") not in TOLERATION_EFFECTS:
             raise ConfigError(f"{where}.effect", f"{t['effect']!r} is not allowed; allowed values: "
                                                  f"{', '.join(e or '(empty: all)' for e in TOLERATION_EFFECTS)}")
@@ -171,7 +179,8 @@ def _check_images(kwargs: dict[str, Any]) -> None:
                                                                      "ending in /* (every image below it)")
     for i, name in enumerate(kwargs.get("allowed_nvidia_env", ())):
         if not isinstance(name, str) or not name.startswith("NVIDIA_"):
-            raise ConfigError(f"operator config allowedNvidiaEnv[{i}]", f"{name!r} must be a variable name starting NVIDIA_")
+            raise ConfigError(f"operator config allowedNvidiaEnv[{i}]",
+                              f"{name!r} must be a variable name starting NVIDIA_")
 
 
 def load(path: str | None = None) -> Settings:

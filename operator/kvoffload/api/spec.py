@@ -319,7 +319,8 @@ def _str_map(r: _Reader, path: str) -> dict[str, str]:
         raise ConfigError(f"spec.{path}", "must have at most 32 entries")
     for k, v in value.items():
         if len(k) > 317 or not _matches(crd.LABEL_KEY, k) or len(v) > 63 or not _matches(crd.LABEL_VALUE, v):
-            raise ConfigError(f"spec.{path}", f"{k!r}: {v!r} is not a Kubernetes label (key [prefix/]name, value <= 63 characters)")
+            raise ConfigError(f"spec.{path}", f"{k!r}: {v!r} is not a Kubernetes label (key "
+                                              "[prefix/]name, value <= 63 characters)")
     return dict(value)
 
 
@@ -328,7 +329,8 @@ def _model(r: _Reader) -> ModelSpec:
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_./-]{1,256}", name):
         raise ConfigError("spec.model.name", f"{name!r} must be a Hugging Face id or path (letters, digits, _ . / -)")
     arch = {k: _int(r, f"model.architecture.{k}")
-            for k in ("layers", "attentionHeads", "kvHeads", "headDim", "parameters") if r.has(f"model.architecture.{k}")}
+            for k in ("layers", "attentionHeads", "kvHeads", "headDim", "parameters")
+            if r.has(f"model.architecture.{k}")}
     return ModelSpec(
         name=name,
         served_name=_str(r, "model.servedName") or name,
@@ -448,7 +450,8 @@ def _offload(r: _Reader, settings: Settings) -> OffloadSpec:
     return OffloadSpec(backend=backend, chunk_size=_int(r, "offload.chunkSize"), cpu_size=cpu,
                        eviction_policy=policy, disk=disk,
                        cpu_read_gbps=_figure(r, "offload.cpu.readGbps", "cpuReadGbps", settings.cpu_read_gbps),
-                       prefill_tokens_per_second=None if not prefill else Figure(prefill, "operator setting prefillTokensPerSecond"))
+                       prefill_tokens_per_second=None if not prefill
+                       else Figure(prefill, "operator setting prefillTokensPerSecond"))
 
 
 def _resources(r: _Reader, settings: Settings) -> ResourcesSpec:
@@ -487,9 +490,11 @@ def _scheduling(r: _Reader) -> SchedulingSpec:
     if affinity is not None and not isinstance(affinity, dict):
         raise ConfigError("spec.scheduling.affinity", "must be a Kubernetes Affinity object")
     spread = r.get("scheduling.topologySpreadConstraints")
-    if spread is not None and (not isinstance(spread, list) or len(spread) > 8 or not all(isinstance(c, dict) for c in spread)):
+    if spread is not None and (not isinstance(spread, list) or len(spread) > 8
+                               or not all(isinstance(c, dict) for c in spread)):
         raise ConfigError("spec.scheduling.topologySpreadConstraints",
-                          "must be a list of at most 8 Kubernetes TopologySpreadConstraints (an empty list turns spreading off)")
+                          "must be a list of at most 8 Kubernetes "
+                          "TopologySpreadConstraints (an empty list turns spreading off)")
     return SchedulingSpec(node_selector=_str_map(r, "scheduling.nodeSelector"), tolerations=tuple(tolerations),
                           affinity=affinity, priority_class_name=_str(r, "scheduling.priorityClassName"),
                           topology_spread_constraints=None if spread is None else tuple(spread))
@@ -522,9 +527,10 @@ def _autoscaling(r: _Reader, settings: Settings) -> AutoscalingSpec | None:
     targets = {n: _int(r, f"autoscaling.targets.{n}") for n in names if r.has(f"autoscaling.targets.{n}")}
     wake = _str(r, "autoscaling.wakeQuery")  # min/max, targets, wakeQuery and metrics: api/rules.py (AUTOSCALING_*)
     if lo == 0 and wake is not None and settings.autoscaler != "keda":
-        raise ConfigError("spec.autoscaling.minReplicas", f"0 (scale to zero) needs KEDA: the operator's setting autoscaler is "
-                                                          f"{settings.autoscaler!r}, and a HorizontalPodAutoscaler cannot scale "
-                                                          "to zero; allowed here: 1 to maxReplicas")
+        raise ConfigError("spec.autoscaling.minReplicas",
+                          f"0 (scale to zero) needs KEDA: the operator's setting autoscaler is "
+                          f"{settings.autoscaler!r}, and a HorizontalPodAutoscaler cannot scale "
+                          "to zero; allowed here: 1 to maxReplicas")
     optional = lambda path: _int(r, f"autoscaling.{path}") if r.has(f"autoscaling.{path}") else None  # noqa: E731
     return AutoscalingSpec(min_replicas=lo, max_replicas=hi, targets=targets,
                            scale_up_period=optional("scaleUpPeriodSeconds"),
@@ -541,12 +547,14 @@ def _routing(r: _Reader, engine: EngineSpec) -> RoutingSpec | None:
         # The router would start, find no KV events to index and route on load alone: worse than cache_aware.
         others = [p for p in engine_router.POLICIES if p != "kv_aware"]
         raise ConfigError("spec.routing.policy", f"kv_aware cannot take effect on this engine: vllm-router "
-                                                 f"{engine_router.VERSION} indexes a pod's KV events only when it answers "
-                                                 f"GET /get_server_info (kv_block_size) and GET /kv_event_sources, and {found.why}; "
+                                                 f"{engine_router.VERSION} indexes a pod's KV events only when it "
+                                                 "answers GET /get_server_info (kv_block_size) and GET "
+                                                 f"/kv_event_sources, and {found.why}; "
                                                  f"allowed values here: {', '.join(others)}")
     if not enabled:
         return None
-    return RoutingSpec(policy=engine_router.resolve(requested, engine.vllm_version), requested=requested, replicas=replicas)
+    return RoutingSpec(policy=engine_router.resolve(requested, engine.vllm_version), requested=requested,
+                       replicas=replicas)
 
 
 def parse(spec: dict[str, Any], settings: Settings) -> Spec:
@@ -585,5 +593,6 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
         # Only the operator knows the default NVMe label a hostPath disk tier selects.
         for key, value in parsed.offload.disk.node_selector.items():
             if parsed.scheduling.node_selector.get(key, value) != value:
-                raise ConfigError("spec.scheduling.nodeSelector", f"{key} disagrees with spec.offload.disk.nodeSelector")
+                raise ConfigError("spec.scheduling.nodeSelector",
+                                  f"{key} disagrees with spec.offload.disk.nodeSelector")
     return parsed

@@ -227,8 +227,8 @@ class Backend(ABC):
         return None
 
     def offload_active_help(self) -> str:
-        return (f"1 if KV offloading (backend {self.name}) is proven at work, else 0. Rule: vLLM's /metrics was read AND "
-                f"vllm:external_prefix_cache_queries_total > 0 AND {self.proof}.")
+        return (f"1 if KV offloading (backend {self.name}) is proven at work, else 0. Rule: vLLM's /metrics was read "
+                f"AND vllm:external_prefix_cache_queries_total > 0 AND {self.proof}.")
 
     def declaration(self) -> dict[str, Any]:
         """What the API layer reads (api/data/backends.json, written by `make generate`)."""

@@ -128,7 +128,8 @@ class LMCache(Backend):
         return [{"name": k, "value": v} for k, v in sorted(images.connector_env(pair).items())]
 
     def config_files(self, spec: Spec, budget: BudgetView) -> dict[str, str] | None:
-        head = f"# Rendered by kvoffload for LMCache {spec.engine.lmcache_version}. Edit the KVOffloadServe, not this.\n"
+        head = (f"# Rendered by kvoffload for LMCache {spec.engine.lmcache_version}. "
+                "Edit the KVOffloadServe, not this.\n")
         return {"lmcache.yaml": head + yaml.safe_dump(lmcache_config(spec, budget), sort_keys=True)}
 
     def exporter_args(self, spec: Spec, budget: BudgetView) -> list[str]:

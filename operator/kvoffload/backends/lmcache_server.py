@@ -72,7 +72,8 @@ def server_args(spec: Spec, budget: BudgetView) -> list[str]:
         # O_DIRECT: buffered L2 writes leave page cache charged to the server's cgroup, whose limit is the L1
         # + a few GiB; at that limit every write waits for reclaim and writeback (H200, 1 Dec: the server sat
         # at its limit and reloads after the first took 1.2-1.4 s instead of 0.15 s; docs/benchmarks.md).
-        adapter = {"type": "fs_native", "base_path": DISK_DIR, "max_capacity_gb": round(gib(budget.tier("disk").bytes), 6),
+        adapter = {"type": "fs_native", "base_path": DISK_DIR,
+                   "max_capacity_gb": round(gib(budget.tier("disk").bytes), 6),
                    "use_odirect": True}
         args += ["--l2-adapter", json.dumps(adapter, separators=(",", ":"), sort_keys=True)]
     return args
@@ -103,9 +104,9 @@ class LMCacheServer(Backend):
 
     def cpu_tier(self, s: Sizing) -> MemoryTerm:
         return MemoryTerm("cpu_tier", s.cpu_size,
-                          "LMCache server's L1, a /dev/shm segment shared with the server: charged to whichever container "
-                          f"faults it in first (the server when it sees a GPU, else the {s.tp} vLLM worker(s) that pin it), "
-                          "so both limits hold it; requested here only")
+                          "LMCache server's L1, a /dev/shm segment shared with the server: charged to whichever "
+                          f"container faults it in first (the server when it sees a GPU, else the {s.tp} vLLM "
+                          "worker(s) that pin it), so both limits hold it; requested here only")
 
     def shm_extra(self, s: Sizing) -> int:
         return s.cpu_size  # the L1 segment lives there; LMCache falls back to slow pickling if it does not fit
@@ -113,8 +114,9 @@ class LMCacheServer(Backend):
     def sidecar_memory(self, s: Sizing) -> tuple[list[MemoryTerm], MemoryTerm | None]:
         # The request is the server process; the limit adds the L1, which it faults in itself when it sees a GPU.
         l1 = MemoryTerm("l1_limit_only", s.cpu_size,
-                        "the L1 segment, in the limit only: LMCache's alloc_shm_pinned_ptr writes every page and pins it "
-                        "when the server sees a GPU, charging it here; the pod's requests count it once, in the vLLM container")
+                        "the L1 segment, in the limit only: LMCache's alloc_shm_pinned_ptr writes every page and pins "
+                        "it when the server sees a GPU, charging it here; the "
+                        "pod's requests count it once, in the vLLM container")
         return [MemoryTerm("server_baseline", s.server_baseline, "LMCache server process (ZMQ + HTTP, torch)")], l1
 
     def vllm_args(self, spec: Spec, budget: BudgetView) -> list[str]:
@@ -130,7 +132,8 @@ class LMCacheServer(Backend):
         health = ("import urllib.request; urllib.request.urlopen("
                   f"'http://127.0.0.1:{SERVER_HTTP_PORT}/healthcheck', timeout=4)")
         exec_probe = {"exec": {"command": ["python3", "-c", health]}, "timeoutSeconds": 5}
-        mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, pod.tmp_mount, *([pod.disk_mount] if pod.disk_mount else [])]
+        mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, pod.tmp_mount,
+                  *([pod.disk_mount] if pod.disk_mount else [])]
         return [{
             "name": "lmcache-server",
             "image": pod.image,

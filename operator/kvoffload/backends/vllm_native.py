@@ -131,13 +131,14 @@ class VllmNative(Backend):
                               "in page-aligned 16-token blocks, charged to the vLLM container")
         p = _pinned(s)
         if not p.exact:
-            note = (f"vLLM native CPU tier (OffloadingConnector): {human(p.total)}, the bound for a {human(s.cpu_size)} tier: "
+            note = (f"vLLM native CPU tier (OffloadingConnector): {human(p.total)}, the bound for a "
+                    f"{human(s.cpu_size)} tier: "
                     "vLLM's hybrid KV cache manager shares pinned tensors between sliding-window and full layers, each "
                     "rounded up to a power of two by torch's pinned allocator, so at most 2 × the tier")
         else:
-            note = (f"vLLM native CPU tier (OffloadingConnector): {s.tp} worker(s) × {p.tensors} per-layer pinned tensors of "
-                    f"{human(p.tensor_bytes)}, each rounded up to {human(p.allocated_bytes)} by torch's pinned allocator: "
-                    f"{human(p.total)} pinned for a {human(s.cpu_size)} tier")
+            note = (f"vLLM native CPU tier (OffloadingConnector): {s.tp} worker(s) × {p.tensors} per-layer pinned "
+                    f"tensors of {human(p.tensor_bytes)}, each rounded up to {human(p.allocated_bytes)} by torch's "
+                    f"pinned allocator: {human(p.total)} pinned for a {human(s.cpu_size)} tier")
         return MemoryTerm("cpu_tier", p.total, note)
 
     def warnings(self, s: Sizing) -> list[str]:
@@ -146,12 +147,14 @@ class VllmNative(Backend):
         if _shared(s) or not p.total > s.cpu_size * 1.05:
             return []
         if not p.exact:
-            return [f"{{cpu_size}} {human(s.cpu_size)} with {{backend}} vllm-native: this model's hybrid layers make vLLM's "
-                    f"pinned tensor sizes unmodelled, so the pod is charged the {human(p.total)} bound (2 × the tier)"]
+            return [f"{{cpu_size}} {human(s.cpu_size)} with {{backend}} vllm-native: this model's hybrid layers make "
+                    "vLLM's pinned tensor sizes unmodelled, so the pod is "
+                    f"charged the {human(p.total)} bound (2 × the tier)"]
         low, high = p.tensors * s.tp * (p.allocated_bytes // 2), p.tensors * s.tp * p.allocated_bytes
         return [f"{{cpu_size}} {human(s.cpu_size)} with {{backend}} vllm-native pins {human(p.total)}: each worker's "
                 f"{p.tensors} per-layer tensors of {human(p.tensor_bytes)} round up to a power of two "
-                f"({human(p.allocated_bytes)}); a {human(low)} or {human(high)} tier pins no more than its size for this model"]
+                f"({human(p.allocated_bytes)}); a {human(low)} or "
+                f"{human(high)} tier pins no more than its size for this model"]
 
     def shm_extra(self, s: Sizing) -> int:
         return shared_region_bytes(s) if _shared(s) else 0

@@ -28,29 +28,37 @@ from ..node.janitor import Incarnations, JanitorMetrics, Listed, Source, SweepCo
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("clean-disk", help="remove disk-tier directories of deleted KVOffloadServes from this node",
+    p = subparsers.add_parser("clean-disk", help="remove disk-tier directories of "
+                                                 "deleted KVOffloadServes from this node",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", action="append", required=True, metavar="DIR",
                    help="an allowed disk root on this node (operator.config.allowedDiskRoots, holding "
                         "<rel>/<namespace>/<name>/<pod>); repeatable")
     live = p.add_mutually_exclusive_group(required=True)
-    live.add_argument("--live-json", metavar="FILE", help="live KVOffloadServes: `kubectl get kvs -A -o json` output ('-' reads stdin)")
-    live.add_argument("--kubeconfig", metavar="FILE", help="list the live KVOffloadServes from the API server with this kubeconfig")
-    live.add_argument("--in-cluster", action="store_true", help="list them with the pod's service account (get/list kvoffloadserves)")
+    live.add_argument("--live-json", metavar="FILE",
+                      help="live KVOffloadServes: `kubectl get kvs -A -o json` output ('-' reads stdin)")
+    live.add_argument("--kubeconfig", metavar="FILE",
+                      help="list the live KVOffloadServes from the API server with this kubeconfig")
+    live.add_argument("--in-cluster", action="store_true",
+                      help="list them with the pod's service account (get/list kvoffloadserves)")
     p.add_argument("--state", metavar="FILE",
-                   help="JSON file of deleted incarnations' final reclaimPolicy (written by the watching janitor, read by "
-                        "one-shot runs); must lie outside every --root")
+                   help="JSON file of deleted incarnations' final reclaimPolicy (written by the watching janitor, read "
+                        "by one-shot runs); must lie outside every --root")
     p.add_argument("--unknown-policy", choices=POLICIES, default=RETAIN,
-                   help="policy of a deleted resource that no earlier run saw (default: %(default)s, i.e. keep its files)")
+                   help="policy of a deleted resource that no earlier run "
+                        "saw (default: %(default)s, i.e. keep its files)")
     p.add_argument("--min-age", type=float, default=600, metavar="SECONDS",
                    help="leave pod directories modified less than this long ago (default: %(default)s)")
-    p.add_argument("--dry-run", action="store_true", help="report what would be removed and the bytes freed; change nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="report what would be removed and the bytes freed; change nothing")
     p.add_argument("--output", "-o", choices=("text", "json"), default="text")
     janitor = p.add_argument_group("janitor mode (the chart's DaemonSet)")
     janitor.add_argument("--interval", type=float, default=0, metavar="SECONDS",
-                         help="sweep again every SECONDS until SIGTERM (default: once); a failed sweep is retried, never fatal")
+                         help="sweep again every SECONDS until SIGTERM (default: "
+                              "once); a failed sweep is retried, never fatal")
     janitor.add_argument("--metrics-listen", metavar="HOST:PORT",
-                         help="serve kvoffload_janitor_* metrics (bytes reclaimed, sweeps, errors) on HOST:PORT, with --interval")
+                         help="serve kvoffload_janitor_* metrics (bytes reclaimed, "
+                              "sweeps, errors) on HOST:PORT, with --interval")
     p.set_defaults(func=run)
 
 

@@ -53,7 +53,8 @@ def why(argv: list[str]) -> int:
         names = {args.name, *(p["metadata"]["name"] for p in pods)}
         events = [e for e in kube.request("GET", f"/api/v1/namespaces/{ns}/events")["items"]
                   if (e.get("involvedObject") or {}).get("uid") == obj["metadata"]["uid"]
-                  or ((e.get("involvedObject") or {}).get("kind") == "Pod" and e["involvedObject"].get("name") in names)]
+                  or ((e.get("involvedObject") or {}).get("kind") == "Pod"
+                      and e["involvedObject"].get("name") in names)]
     except ApiError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

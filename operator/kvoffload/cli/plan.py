@@ -103,7 +103,8 @@ class _Help(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text and action.option_strings:
+        if (action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text
+                and action.option_strings):
             text += " (default: %(default)s)"
         return text
 
@@ -127,34 +128,44 @@ _PLAN_DEFAULTS: dict[str, Any] = {}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("plan", help="size KV tiers and pod memory for a model", description=__doc__, formatter_class=_Help)
+    p = subparsers.add_parser("plan", help="size KV tiers and pod memory for a model", description=__doc__,
+                              formatter_class=_Help)
     integer, count, number = _number(int, "an integer"), _number(_count, "an integer"), _number(float, "a number")
     src = p.add_argument_group("what to plan: a KVOffloadServe file, or the options below")
-    src.add_argument("-f", "--filename", help="YAML file with KVOffloadServe documents ('-' for stdin), planned as the operator will")
+    src.add_argument("-f", "--filename", help="YAML file with KVOffloadServe documents ('-' "
+                                              "for stdin), planned as the operator will")
     src.add_argument("--namespace", default="default", help="namespace for documents that name none (with -f)")
-    src.add_argument("--operator-config", help="operator settings YAML (the chart's operator.config): the defaults of the "
-                                               "memory terms, bandwidths and GPU memory below come from it")
+    src.add_argument("--operator-config", help="operator settings YAML (the chart's operator.config): the defaults of "
+                                               "the memory terms, bandwidths and GPU memory below come from it")
 
     def opt(group: argparse._ArgumentGroup, *names: str, **kw: Any) -> None:
         action = group.add_argument(*names, **kw)
         _PLAN_DEFAULTS[action.dest] = action.default
 
-    opt(p, "--model", help="spec.model.name: a Hugging Face id (see the built-in catalog) or any name with --layers etc.")
-    opt(p, "--max-model-len", type=integer, help="spec.engine.maxModelLen, vLLM --max-model-len: longest sequence in tokens "
-                                                  f"(default: the model's max_position_embeddings, else {DEFAULT_CONTEXT})")
-    opt(p, "--max-num-seqs", type=integer, default=_crd("engine.maxNumSeqs"), help="spec.engine.maxNumSeqs, vLLM --max-num-seqs")
+    opt(p, "--model", help="spec.model.name: a Hugging Face id (see the "
+                           "built-in catalog) or any name with --layers etc.")
+    opt(p, "--max-model-len", type=integer,
+        help="spec.engine.maxModelLen, vLLM --max-model-len: longest sequence in tokens "
+              f"(default: the model's max_position_embeddings, else {DEFAULT_CONTEXT})")
+    opt(p, "--max-num-seqs", type=integer, default=_crd("engine.maxNumSeqs"),
+        help="spec.engine.maxNumSeqs, vLLM --max-num-seqs")
     opt(p, "--tensor-parallel-size", "-tp", type=integer, default=_crd("engine.tensorParallelSize"),
         help="spec.engine.tensorParallelSize, vLLM --tensor-parallel-size")
-    opt(p, "--gpus", type=integer, help="GPUs per replica (default: --tensor-parallel-size; pipeline parallelism is not modelled)")
-    opt(p, "--gpu-memory", help="spec.resources.gpuMemory: memory of one GPU (quantity) " + _setting("default_gpu_memory"))
+    opt(p, "--gpus", type=integer,
+        help="GPUs per replica (default: --tensor-parallel-size; pipeline parallelism is not modelled)")
+    opt(p, "--gpu-memory", help="spec.resources.gpuMemory: memory of one GPU (quantity) "
+        + _setting("default_gpu_memory"))
     opt(p, "--gpu-memory-utilization", type=number, default=_crd("engine.gpuMemoryUtilization"),
         help="spec.engine.gpuMemoryUtilization, vLLM --gpu-memory-utilization")
-    opt(p, "--cpu-size", default="0", help="spec.offload.cpu.size: pinned CPU tier per replica (quantity, all TP ranks together)")
+    opt(p, "--cpu-size", default="0",
+        help="spec.offload.cpu.size: pinned CPU tier per replica (quantity, all TP ranks together)")
     opt(p, "--disk-size", default="0", help="spec.offload.disk.size: disk tier per replica (quantity)")
-    opt(p, "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=_crd("model.kvDtype"), help="spec.model.kvDtype, vLLM --kv-cache-dtype")
+    opt(p, "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=_crd("model.kvDtype"),
+        help="spec.model.kvDtype, vLLM --kv-cache-dtype")
     opt(p, "--dtype", choices=tuple(DTYPES), default=_crd("engine.dtype"),
         help="spec.engine.dtype, vLLM --dtype (auto: bf16); fp8: fp8 weights")
-    opt(p, "--chunk-size", type=integer, default=_crd("offload.chunkSize"), help="spec.offload.chunkSize: LMCache chunk, tokens")
+    opt(p, "--chunk-size", type=integer, default=_crd("offload.chunkSize"),
+        help="spec.offload.chunkSize: LMCache chunk, tokens")
     opt(p, "--backend", choices=backends.NAMES, default=backends.DEFAULT,
         help="spec.offload.backend: who holds the offload tiers (docs/backends.md)")
     opt(p, "--activation-reserve", default=format_bytes(_field(PlanInput, "activation_reserve")),
@@ -168,21 +179,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     opt(mem, "--engine-baseline", help="vLLM API server + engine core " + _setting("engine_baseline"))
     opt(mem, "--per-worker-overhead", help="each TP worker process " + _setting("per_worker_overhead"))
     opt(mem, "--staging-per-worker", help="pinned staging buffers per TP worker " + _setting("staging_per_worker"))
-    opt(mem, "--server-baseline", help="LMCache server process, --backend lmcache-server " + _setting("server_baseline"))
+    opt(mem, "--server-baseline",
+        help="LMCache server process, --backend lmcache-server " + _setting("server_baseline"))
     opt(mem, "--shm", help="/dev/shm size (default: 1Gi + 1Gi per TP rank)")
-    opt(mem, "--headroom-percent", type=integer, help="headroom in percent of the terms " + _setting("headroom_percent"))
+    opt(mem, "--headroom-percent", type=integer,
+        help="headroom in percent of the terms " + _setting("headroom_percent"))
     opt(mem, "--headroom-min", default=format_bytes(_field(MemoryDefaults, "headroom_min")), help="least headroom")
     bw = p.add_argument_group("reload vs recompute (the figures behind each SLOWER verdict)")
     opt(bw, "--cpu-read-gbps", type=number, help="spec.offload.cpu.readGbps: pinned host->GPU copy, GB/s per GPU "
                                                   + _setting("cpu_read_gbps"))
-    opt(bw, "--disk-read-gbps", type=number, help="spec.offload.disk.readGbps: disk read, GB/s (also the weights' read-back) "
-                                                   + _setting("disk_read_gbps"))
+    opt(bw, "--disk-read-gbps", type=number,
+        help="spec.offload.disk.readGbps: disk read, GB/s (also the weights' read-back) "
+              + _setting("disk_read_gbps"))
     opt(bw, "--prefill-tokens-per-second", type=number, help="prefill rate of one replica (default: operator setting "
                                                              "prefillTokensPerSecond, else derived from the model)")
     st = p.add_argument_group("weights and start-up")
     opt(st, "--download-mbps", type=number, default=Bandwidths().weight_download / 1e6,
         help="weight download rate in MB/s for the start-up budget")
-    opt(st, "--weights-on-pvc", action="store_true", help="a PVC holds the weights (spec.model.cache): no pod volume for them")
+    opt(st, "--weights-on-pvc", action="store_true",
+        help="a PVC holds the weights (spec.model.cache): no pod volume for them")
     p.add_argument("--output", "-o", choices=("table", "json", "yaml"), default="table")
     p.set_defaults(func=run)
 
@@ -211,7 +226,9 @@ def build_input(args: argparse.Namespace, settings: settings_mod.Settings | None
         headroom_percent=s.headroom_percent if args.headroom_percent is None else args.headroom_percent,
         headroom_min=term(args.headroom_min, "--headroom-min", args.headroom_min))
     disk_read = s.disk_read_gbps if args.disk_read_gbps is None else args.disk_read_gbps
-    prefill = args.prefill_tokens_per_second if args.prefill_tokens_per_second is not None else s.prefill_tokens_per_second or None
+    prefill = args.prefill_tokens_per_second
+    if prefill is None:
+        prefill = s.prefill_tokens_per_second or None
     bandwidths = Bandwidths(
         cpu_read=(s.cpu_read_gbps if args.cpu_read_gbps is None else args.cpu_read_gbps) * 1e9,
         disk_read=disk_read * 1e9,
@@ -221,7 +238,8 @@ def build_input(args: argparse.Namespace, settings: settings_mod.Settings | None
         cpu_read_from="--cpu-read-gbps" if args.cpu_read_gbps is not None else "operator setting cpuReadGbps",
         disk_read_from="--disk-read-gbps" if args.disk_read_gbps is not None else "operator setting diskReadGbps",
         prefill_from="--prefill-tokens-per-second" if args.prefill_tokens_per_second is not None else
-        "operator setting prefillTokensPerSecond" if prefill else "--prefill-tokens-per-second or operator setting prefillTokensPerSecond")
+        "operator setting prefillTokensPerSecond" if prefill
+        else "--prefill-tokens-per-second or operator setting prefillTokensPerSecond")
     return PlanInput(
         model=model,
         max_model_len=args.max_model_len if args.max_model_len is not None else model.max_context or DEFAULT_CONTEXT,
@@ -261,9 +279,11 @@ def _planned(args: argparse.Namespace) -> list[tuple[str, PlanInput, Budget]]:
 def run(args: argparse.Namespace) -> int:
     planned = _planned(args)
     if args.output == "table":
-        print("\n\n".join((f"# {title}\n" if title else "") + render_table(inp, budget) for title, inp, budget in planned))
+        print("\n\n".join((f"# {title}\n" if title else "") + render_table(inp, budget)
+                          for title, inp, budget in planned))
         return 0
-    docs = [{**({"resource": title} if title else {}), "inputs": inputs_dict(inp), **budget.to_dict()} for title, inp, budget in planned]
+    docs = [{**({"resource": title} if title else {}), "inputs": inputs_dict(inp), **budget.to_dict()}
+            for title, inp, budget in planned]
     doc: Any = docs[0] if len(docs) == 1 and not args.filename else docs
     print(json.dumps(doc, indent=2) if args.output == "json" else yaml.safe_dump(doc, sort_keys=False), end="\n")
     return 0
@@ -295,8 +315,8 @@ def render_table(inp: PlanInput, b: Budget) -> str:
     lines = [
         f"model     {m.hf_id}: {m.layers} layers, {m.kv_heads} KV / {m.attention_heads} attention heads, "
         f"head_dim {m.head_dim}, {m.params / 1e9:.3g}B parameters{window}",
-        f"engine    --max-model-len {L}, --max-num-seqs {inp.concurrency}, --tensor-parallel-size {inp.tp}, {inp.weight_dtype} weights, "
-        f"{kv_dtype} KV, {human(inp.gpu_memory)} per GPU × {inp.gpu_memory_utilization}",
+        f"engine    --max-model-len {L}, --max-num-seqs {inp.concurrency}, --tensor-parallel-size {inp.tp}, "
+        f"{inp.weight_dtype} weights, {kv_dtype} KV, {human(inp.gpu_memory)} per GPU × {inp.gpu_memory_utilization}",
         f"offload   backend {inp.backend}",
         f"KV cache  {b.kv_bytes_per_token} B/token per replica ({human(b.kv_bytes_per_token)}), "
         f"{b.kv_bytes_per_token_per_gpu} B/token per GPU; one {L}-token request: {human(b.kv_bytes_per_sequence)}",
@@ -305,10 +325,12 @@ def render_table(inp: PlanInput, b: Budget) -> str:
     ]
     for t in b.tiers:
         lines.append(f"{t.name:<6}{human(t.bytes):>14}{human(t.bytes_per_worker):>14}{t.tokens:>14,}{t.sequences:>11,}")
-    lines += ["", f"memory request = limit: {format_bytes(b.memory_limit)} ({human(b.memory_limit)}), /dev/shm {format_bytes(b.shm)}"]
+    lines += ["", f"memory request = limit: {format_bytes(b.memory_limit)} "
+                  f"({human(b.memory_limit)}), /dev/shm {format_bytes(b.shm)}"]
     lines += [f"  {t.name:<16}{human(t.bytes):>12}  {t.note}" for t in b.memory_terms]
     w = b.weights
-    lines += ["", f"local disk (ephemeral-storage request): {format_bytes(w.ephemeral_storage)} ({human(w.ephemeral_storage)})"]
+    lines += ["", f"local disk (ephemeral-storage request): {format_bytes(w.ephemeral_storage)} "
+                  f"({human(w.ephemeral_storage)})"]
     lines += [f"  {t.name:<16}{human(t.value):>12}  {t.note}" for t in w.storage_terms]
     lines += [f"start-up probe budget: {w.startup_seconds} s ({w.startup_seconds / 60:.3g} min)"]
     lines += [f"  {t.name:<16}{t.value:>10} s  {t.note}" for t in w.startup_terms]

@@ -21,10 +21,12 @@ _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("prepare-disk-tier", help="empty (and, for a hostPath, create and mark) a pod's disk-tier "
-                              "directory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser("prepare-disk-tier", help="empty (and, for a hostPath, create and mark) a pod's "
+                              "disk-tier directory", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--parent", metavar="DIR", help="the mounted <root>/<rel>/<namespace>/<name> directory (hostPath)")
+    where.add_argument("--parent", metavar="DIR",
+                       help="the mounted <root>/<rel>/<namespace>/<name> directory (hostPath)")
     where.add_argument("--dir", metavar="DIR", help="the pod's own volume, emptied in place (ephemeral volume)")
     p.add_argument("--namespace", help="the pod's namespace (with --parent)")
     p.add_argument("--name", help="the KVOffloadServe's name (with --parent)")

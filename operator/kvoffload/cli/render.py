@@ -44,7 +44,8 @@ def desired_from_file(filename: str, namespace: str, operator_config: str | None
 
 
 def render_file(args: argparse.Namespace) -> int:
-    sys.stdout.write(dump_all([c for _, d in desired_from_file(args.filename, args.namespace, args.operator_config) for c in d.children]))
+    sys.stdout.write(dump_all([c for _, d in desired_from_file(args.filename, args.namespace, args.operator_config)
+                               for c in d.children]))
     return 0
 
 

@@ -13,20 +13,21 @@ from ..api.quantity import format_bytes
 from ..engine import router as engine_router
 
 HINTS = {  # Ready/Stalled reason -> what a person does next
-    "InvalidSpec": "Fix the field named above and apply again; nothing was created or changed while the spec is refused.",
-    "ApplyRefused": "The API server refused a child (quota, admission policy, the operator's RBAC): fix the cause named above; "
-                    "the operator retries by itself.",
-    "NameConflict": "An object of that name belongs to someone else: rename this resource or remove that object; the operator "
-                    "retries by itself and never takes it over.",
+    "InvalidSpec": "Fix the field named above and apply again; nothing "
+                   "was created or changed while the spec is refused.",
+    "ApplyRefused": "The API server refused a child (quota, admission policy, the operator's RBAC): fix the cause "
+                    "named above; the operator retries by itself.",
+    "NameConflict": "An object of that name belongs to someone else: rename this resource or remove that object; the "
+                    "operator retries by itself and never takes it over.",
     "Unschedulable": "No node can take the pod: add nodes with that capacity, or lower spec.offload.cpu.size / "
                      "spec.resources (see `kubectl kvs plan`).",
     "PodsFailing": "Look at the pod: `kubectl describe pod` and `kubectl logs` (image, engine arguments, GPU memory).",
     "RollingOut": "The StatefulSet is replacing pods with the new spec; wait, or watch `kubectl get pods -w`.",
     "ReplicasNotReady": "Pods are starting (model download and load can take minutes); watch `kubectl get pods -w`.",
     "Pending": "The operator has just seen this resource; look again in a few seconds.",
-    "RouterNotReady": "The replicas are ready, the router in front of them (spec.routing) is not: `kubectl describe deployment "
-                      "NAME-router`; its /readiness answers 503 until it has discovered a healthy serving pod (its Role must "
-                      "let it list and watch pods).",
+    "RouterNotReady": "The replicas are ready, the router in front of them (spec.routing) is not: `kubectl describe "
+                      "deployment NAME-router`; its /readiness answers 503 until it has discovered a healthy serving "
+                      "pod (its Role must let it list and watch pods).",
 }
 
 
@@ -40,7 +41,8 @@ def kstatus(obj: dict[str, Any]) -> tuple[str, str]:
     if meta.get("deletionTimestamp"):
         return "Terminating", "being deleted"
     if "observedGeneration" in st and st["observedGeneration"] != meta.get("generation"):
-        return "InProgress", f"generation {meta.get('generation')} not yet rolled out (status is at {st['observedGeneration']})"
+        return "InProgress", (f"generation {meta.get('generation')} not yet rolled out "
+                              f"(status is at {st['observedGeneration']})")
     conds = _conditions(obj)
     if conds.get("Reconciling", {}).get("status") == "True":
         return "InProgress", conds["Reconciling"].get("reason", "")
@@ -95,7 +97,8 @@ def _budget(st: dict[str, Any]) -> list[str]:
              for t in b.get("tiers", [])]
     mem = b.get("memory") or {}
     out = ["  KV cache per replica: " + "; ".join(tiers)]
-    out.append(f"  Pod memory request = limit: {format_bytes(mem.get('limit', 0))}; /dev/shm {format_bytes(b.get('shm', 0))}")
+    out.append(f"  Pod memory request = limit: {format_bytes(mem.get('limit', 0))}; /dev/shm "
+               f"{format_bytes(b.get('shm', 0))}")
     out += [f"  warning: {w}" for w in b.get("warnings", [])]
     return out
 
@@ -129,8 +132,8 @@ def _autoscaling(obj: dict[str, Any]) -> list[str]:
     if not a:
         return []
     lines = ["", "Autoscaling:",
-             f"  {a.get('minReplicas', 1)} to {a['maxReplicas']} replicas by {st.get('autoscaler', 'its autoscaler')}; it owns "
-             f"spec.replicas (now {(obj.get('spec') or {}).get('replicas')}): leave it out of manifests"]
+             f"  {a.get('minReplicas', 1)} to {a['maxReplicas']} replicas by {st.get('autoscaler', 'its autoscaler')}; "
+             f"it owns spec.replicas (now {(obj.get('spec') or {}).get('replicas')}): leave it out of manifests"]
     if st:
         lines.append(f"  {st.get('reason', '')}: {st.get('message', '')}")
     return lines
@@ -144,8 +147,9 @@ def _routing(obj: dict[str, Any]) -> list[str]:
     lines = ["", "Routing:", f"  vllm-router {r.get('deployment', '')}: policy {r.get('policy', '')}, "
                              f"{r.get('readyReplicas', 0)} router pod(s) ready"]
     if "maxTreeSize" in r:
-        lines.append(f"  cache_aware remembers {r['maxTreeSize'] // engine_router.TREE_CHARS_PER_TOKEN:,} tokens of prompts per "
-                     f"replica (--max-tree-size {r['maxTreeSize']}: {engine_router.TREE_CHARS_PER_TOKEN} characters per token)")
+        lines.append(f"  cache_aware remembers {r['maxTreeSize'] // engine_router.TREE_CHARS_PER_TOKEN:,} tokens of "
+                     f"prompts per replica (--max-tree-size {r['maxTreeSize']}: "
+                     f"{engine_router.TREE_CHARS_PER_TOKEN} characters per token)")
     lines.append(f"  a hit's credit per offload tier (1 - reload/recompute; 0: slower than recompute): {figures}")
     return lines
 
@@ -165,12 +169,13 @@ def explain(obj: dict[str, Any], sts: dict[str, Any] | None, pods: list[dict[str
             events: list[dict[str, Any]], now: datetime) -> str:
     meta, st = obj["metadata"], obj.get("status") or {}
     ks, why = kstatus(obj)
-    lines = [f"KVOffloadServe {meta['name']} in namespace {meta['namespace']} (generation {meta.get('generation')})", ""]
+    lines = [f"KVOffloadServe {meta['name']} in namespace {meta['namespace']} "
+             f"(generation {meta.get('generation')})", ""]
     lines += verdict(obj)
     lines += [f"Helm --wait / Flux (kstatus) read: {ks} ({why}).", "", "Conditions:"]
     for c in (st.get("conditions") or []):
-        lines.append(f"  {c.get('type', ''):14} {c.get('status', ''):8} {c.get('reason', ''):20} {c.get('message', '')} "
-                     f"(since {_ago(c.get('lastTransitionTime'), now)})")
+        lines.append(f"  {c.get('type', ''):14} {c.get('status', ''):8} {c.get('reason', ''):20} "
+                     f"{c.get('message', '')} (since {_ago(c.get('lastTransitionTime'), now)})")
     if not st.get("conditions"):
         lines.append("  none")
     lines += ["", "Budget:"] + _budget(st)

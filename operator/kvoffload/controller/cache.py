@@ -52,7 +52,8 @@ def kinds(child_kinds: Kinds = render.CHILD_KINDS) -> Kinds:
 KINDS = kinds()
 RELIST_SETTLE = 2.0  # seconds after a relist's last object before what it did not list is dropped
 
-_PATH = re.compile(r"^(?P<base>/api/v1|/apis/[^/]+/[^/]+)/namespaces/(?P<ns>[^/]+)/(?P<plural>[^/]+)(?:/(?P<name>[^/]+))?$")
+_PATH = re.compile(r"^(?P<base>/api/v1|/apis/[^/]+/[^/]+)/namespaces/(?P<ns>[^/]+)"
+                   r"/(?P<plural>[^/]+)(?:/(?P<name>[^/]+))?$")
 
 
 def _rv(obj: Obj) -> int | None:

@@ -15,10 +15,13 @@ class Metrics:
                                   "deferred, invalid, conflict, gone, failed, status-refused).", ["outcome"],
                                   registry=self.registry)
         self.status_refused = Counter("kvoffload_operator_status_writes_refused",
-                                      "Status writes the API server refused (422 Invalid): the status a reader sees is stale.",
+                                      "Status writes the API server refused (422 "
+                                      "Invalid): the status a reader sees is stale.",
                                       registry=self.registry)
-        self.queued = Gauge("kvoffload_operator_queue_depth", "Resources waiting for a reconcile.", registry=self.registry)
-        self.dead_tasks = Gauge("kvoffload_operator_dead_tasks", "Runtime tasks (workers, resync, leader election) that "
+        self.queued = Gauge("kvoffload_operator_queue_depth", "Resources waiting for a reconcile.",
+                            registry=self.registry)
+        self.dead_tasks = Gauge("kvoffload_operator_dead_tasks",
+                                "Runtime tasks (workers, resync, leader election) that "
                                 "died; the liveness probe fails while it is above 0.", registry=self.registry)
 
     def serve(self, listen: str) -> None:

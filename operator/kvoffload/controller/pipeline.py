@@ -52,7 +52,9 @@ class Desired:
 
 
 def bandwidths(spec: Spec) -> sizing.Bandwidths:
-    """The figures behind "slower than recompute", from the spec or the operator's settings (parse chose), with their sources."""
+    """The figures behind "slower than recompute", with their sources.
+
+    From the spec or the operator's settings (parse chose)."""
     o, b = spec.offload, sizing.Bandwidths()
     if o.cpu_read_gbps:
         b = dataclasses.replace(b, cpu_read=o.cpu_read_gbps.value * 1e9, cpu_read_from=o.cpu_read_gbps.source)
@@ -83,7 +85,8 @@ def plan_input(spec: Spec) -> sizing.PlanInput:
         backend=spec.offload.backend,
         vllm_version=spec.engine.vllm_version,
         memory=sizing.MemoryDefaults(engine_baseline=r.engine_baseline, per_worker_overhead=r.per_worker_overhead,
-                                     staging_per_worker=r.staging_per_worker, server_baseline=r.server_baseline, shm=r.shm,
+                                     staging_per_worker=r.staging_per_worker, server_baseline=r.server_baseline,
+                                     shm=r.shm,
                                      headroom_percent=r.headroom_percent),
         bandwidths=bandwidths(spec),
         weights_on_pvc=spec.model.cache_claim is not None,
@@ -101,7 +104,8 @@ def plan_for(spec: Spec) -> sizing.Budget:
     if r.memory is not None:
         # An explicit figure replaces the sum; the terms stay visible so users see what they overrode.
         if r.memory < budget.memory_request:
-            note = f"spec.resources.memory {format_bytes(r.memory)} is below the computed {format_bytes(budget.memory_request)}"
+            note = (f"spec.resources.memory {format_bytes(r.memory)} is below the computed "
+                    f"{format_bytes(budget.memory_request)}")
             budget = dataclasses.replace(budget, warnings=(*budget.warnings, note))
         budget = dataclasses.replace(budget, memory_request=r.memory, memory_limit=r.memory)
     return budget
@@ -127,7 +131,8 @@ class DesiredCache:
 
     def __init__(self, size: int = 4096) -> None:
         self.size = size
-        self.entries: OrderedDict[tuple[str, str, str], tuple[dict[str, Any], Settings, Desired | ConfigError]] = OrderedDict()
+        self.entries: OrderedDict[tuple[str, str, str], tuple[dict[str, Any], Settings, Desired | ConfigError]] = (
+            OrderedDict())
         self.lock = threading.Lock()
 
     def get(self, name: str, namespace: str, uid: str, spec_dict: dict[str, Any], settings: Settings) -> Desired:

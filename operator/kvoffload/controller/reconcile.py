@@ -73,7 +73,8 @@ def _key(obj: dict[str, Any]) -> tuple[str, str, str]:
     return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
 
 
-def _live_children(kube: Kube, namespace: str, name: str, kinds: tuple[tuple[str, str], ...]) -> dict[tuple[str, str, str], dict[str, Any]]:
+def _live_children(kube: Kube, namespace: str, name: str,
+                   kinds: tuple[tuple[str, str], ...]) -> dict[tuple[str, str, str], dict[str, Any]]:
     selector = f"{render.OWNER_LABEL}={name}"
     live = {}
     for api_version, kind in kinds:
@@ -85,7 +86,8 @@ def _live_children(kube: Kube, namespace: str, name: str, kinds: tuple[tuple[str
 
 
 def _owned_by(obj: dict[str, Any], uid: str) -> bool:
-    return any(ref.get("uid") == uid and ref.get("controller") for ref in obj["metadata"].get("ownerReferences", []) or [])
+    refs = obj["metadata"].get("ownerReferences", []) or []
+    return any(ref.get("uid") == uid and ref.get("controller") for ref in refs)
 
 
 class Refused(ConfigError):
@@ -129,8 +131,8 @@ def _check_names(kube: Kube, namespace: str, uid: str, changed: list[dict[str, A
         current = kube.get_live(f"{collection(key[0], key[1], namespace)}/{key[2]}")
         if current is not None and not _owned_by(current, uid):
             raise Refused(NAME_CONFLICT, child, f"{key[1]} {namespace}/{key[2]} already exists and is held by "
-                                                           f"{_holder(current)}: kvoffload never takes over another owner's "
-                                                           "object; rename this resource or remove that object")
+                                                           f"{_holder(current)}: kvoffload never takes over another "
+                                                           "owner's object; rename this resource or remove that object")
 
 
 def _unserved(child: dict[str, Any]) -> ConfigError:
@@ -138,7 +140,8 @@ def _unserved(child: dict[str, Any]) -> ConfigError:
     # only the kinds served when the operator started (handlers.watch_optional_kinds).
     return ConfigError("spec.autoscaling", f"the operator's autoscaler is keda, but the API server served no "
                                            f"{child['apiVersion']} {child['kind']} when the operator started: install "
-                                           "KEDA (its CRDs) and restart the operator, or set the operator's autoscaler to hpa")
+                                           "KEDA (its CRDs) and restart the operator, "
+                                           "or set the operator's autoscaler to hpa")
 
 
 def _to_validate(changed: list[dict[str, Any]], unchecked: bool) -> list[dict[str, Any]]:
@@ -217,7 +220,8 @@ class StatusRefused(Exception):
         self.message = exc.message
 
 
-def _write_status(kube: Kube, namespace: str, name: str, status: dict[str, Any], resource_version: str) -> dict[str, Any] | None:
+def _write_status(kube: Kube, namespace: str, name: str, status: dict[str, Any],
+                  resource_version: str) -> dict[str, Any] | None:
     """The object after the write, or None when it is gone or changed under us (the next event reconciles
     again). A refusal (422) is not the same: it raises StatusRefused."""
     try:
@@ -234,7 +238,8 @@ def _refused_status(body: dict[str, Any], exc: StatusRefused, recorder: events.R
     log.error("status of %s/%s refused by the API server: %s", body["metadata"]["namespace"], body["metadata"]["name"],
               exc.message)
     if recorder is not None:
-        recorder.record(body, [events.Event("Warning", "StatusRefused", f"the API server refused the status: {exc.message}")])
+        recorder.record(body, [events.Event("Warning", "StatusRefused", "the API server refused "
+                                                                        f"the status: {exc.message}")])
     return REFUSED
 
 
@@ -262,7 +267,8 @@ def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: date
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     if not (body.get("status") or {}).get("conditions"):
         # First sight: say "working on it" before the slow part, so no reader takes silence for success.
-        written = _write_status(kube, namespace, name, conditions.initial(body, clock), body["metadata"]["resourceVersion"])
+        written = _write_status(kube, namespace, name, conditions.initial(body, clock),
+                                body["metadata"]["resourceVersion"])
         if written is None:
             return "conflict"
         body = written
@@ -287,8 +293,10 @@ def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: date
             pods = kube.list(collection("v1", "Pod", namespace), f"{render.OWNER_LABEL}={name}")
         if settings.probe_exporters and desired.spec.metrics_enabled:
             probes = probe.probe_exporters(pods, desired.spec.metrics_port)
-    hpa = live.get((*autoscaling.HPA, autoscaling.name(name, settings))) if desired and desired.spec.autoscaling else None
-    router = live.get(("apps/v1", "Deployment", render.names(name)["router"])) if desired and desired.spec.routing else None
+    hpa = (live.get((*autoscaling.HPA, autoscaling.name(name, settings)))
+           if desired and desired.spec.autoscaling else None)
+    router = (live.get(("apps/v1", "Deployment", render.names(name)["router"]))
+              if desired and desired.spec.routing else None)
     new_status = conditions.status(body, desired, error, conditions.Observed(sts, pods, probes, hpa, router, apis),
                                    clock)
     previous = (body.get("status") or {}).get("conditions")
@@ -296,7 +304,8 @@ def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: date
         if applied and recorder is not None:  # drift repaired: children changed, status did not
             recorder.record(body, events.transitions(previous, new_status["conditions"], applied))
         return CHILD_REFUSED if isinstance(error, Refused) else "unchanged"
-    if not urgent(body.get("status") or {}, new_status) and kube.status_written_within(cr_path(namespace, name), STATUS_SPACING):
+    if not urgent(body.get("status") or {},
+                  new_status) and kube.status_written_within(cr_path(namespace, name), STATUS_SPACING):
         return "deferred"  # the Runtime reconciles it again once the spacing has passed
     written = _write_status(kube, namespace, name, new_status, meta["resourceVersion"])
     if written is None:

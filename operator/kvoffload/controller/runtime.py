@@ -62,12 +62,16 @@ class Runtime:
     def __init__(self, kube: Kube | None, settings: Settings, reconcile: Callable[..., str] | None = None,
                  namespaces: list[str] | None = None, workers: int = WORKERS,
                  child_kinds: tuple[tuple[str, str], ...] = render.CHILD_KINDS) -> None:
-        """`child_kinds`: the kinds kopf watches (handlers.watch_optional_kinds), cached and the only ones reconciled."""
+        """`child_kinds`: the kinds kopf watches (handlers.watch_optional_kinds).
+
+        They are cached and the only ones reconciled."""
         self.discovered = discovery.Discovered()  # refreshed on the resync timer (_discover_forever)
         if reconcile is None:
-            # One Events recorder, and so one token bucket, for the whole operator (posts go to the API server, not the cache).
+            # One Events recorder, and so one token bucket, for the whole operator
+            # (posts go to the API server, not the cache).
             assert kube is not None
-            recorder = events.recorder(settings, lambda ns, body: kube.request("POST", f"/api/v1/namespaces/{ns}/events", body))
+            recorder = events.recorder(settings, lambda ns,
+                                       body: kube.request("POST", f"/api/v1/namespaces/{ns}/events", body))
             reconcile = functools.partial(reconcile_one, recorder=recorder, memos=Memos(), child_kinds=child_kinds,
                                           discovered=self.discovered)
         self.settings, self.reconcile, self.workers = settings, reconcile, workers

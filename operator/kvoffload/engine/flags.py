@@ -34,7 +34,8 @@ MANAGED = "the operator sets it from the spec"
 # Why a dest may not be set through extraArgs. Dests, not spellings: every alias of a dest is covered.
 REFUSED_DESTS: dict[str, str] = {
     "model": MANAGED + " (spec.model.name)", "served_model_name": MANAGED + " (spec.model.servedName)",
-    "host": MANAGED + " (the pod's probes and Service use it)", "port": MANAGED + " (the pod's probes and Service use it)",
+    "host": MANAGED + " (the pod's probes and Service use it)", "port": MANAGED
+    + " (the pod's probes and Service use it)",
     "max_model_len": MANAGED + " (spec.engine.maxModelLen)",
     "gpu_memory_utilization": MANAGED + " (spec.engine.gpuMemoryUtilization)",
     "max_num_seqs": MANAGED + " (spec.engine.maxNumSeqs)", "dtype": MANAGED + " (spec.engine.dtype)",
@@ -46,8 +47,10 @@ REFUSED_DESTS: dict[str, str] = {
     "cpu_offload_gb": "it changes the memory budget (weights in CPU memory the operator did not size)",
     "kv_cache_memory_bytes": "it changes the memory budget (overrides spec.engine.gpuMemoryUtilization's KV share)",
     "num_gpu_blocks_override": "it changes the memory budget (overrides the KV cache size vLLM measured)",
-    "enable_shm_tensor_arena": "it changes the memory budget (vLLM 0.33's shared-memory arena reserves /dev/shm the operator did not size)",
-    "download_dir": "it moves the weights off the pod volume the operator sized for them (HF_HOME, status.budget.weights)",
+    "enable_shm_tensor_arena": "it changes the memory budget (vLLM 0.33's shared-memory "
+                               "arena reserves /dev/shm the operator did not size)",
+    "download_dir": "it moves the weights off the pod volume the operator "
+                    "sized for them (HF_HOME, status.budget.weights)",
     "config": "it reads more flags from a file the operator cannot check",
     "help": "vLLM prints help and exits: the pod would restart forever",
     "headless": "it starts no API server: the pod's probes and Service would never answer",
@@ -57,14 +60,17 @@ REFUSED_DESTS: dict[str, str] = {
     "allowed_local_media_path": "clients could read any file of the container below it through file:// media URLs",
     "kv_events_config": MANAGED + " (the KV event publisher the router reads, spec.routing, on a port it manages)",
     "uds": "vLLM would listen on a Unix socket instead of its port: the pod's probes and Service would never answer",
-    "enable_ssl_refresh": "TLS on vLLM's port breaks the pod's HTTP probes and the exporter's scrape: terminate TLS in front",
+    "enable_ssl_refresh": "TLS on vLLM's port breaks the pod's HTTP probes "
+                          "and the exporter's scrape: terminate TLS in front",
     "api_server_count": "it changes the memory budget (each API server is a process the operator did not size)",
     "nnodes": "multi-node serving: the pod is one node (spec.engine.tensorParallelSize GPUs)",
     "node_rank": "multi-node serving: the pod is one node (spec.engine.tensorParallelSize GPUs)",
     "master_addr": "multi-node serving: the pod is one node (spec.engine.tensorParallelSize GPUs)",
     "master_port": "multi-node serving: the pod is one node (spec.engine.tensorParallelSize GPUs)",
-    "speculative_config": "it changes the memory budget (a draft model's weights and KV cache the operator did not size)",
-    "hf_overrides": "it changes the model's shape (layers, heads) the KV bytes per token and the memory budget come from",
+    "speculative_config": "it changes the memory budget (a draft model's "
+                          "weights and KV cache the operator did not size)",
+    "hf_overrides": "it changes the model's shape (layers, heads) the "
+                    "KV bytes per token and the memory budget come from",
 }
 REFUSED_DEST_PREFIXES: dict[str, str] = {
     "data_parallel_": "it changes the GPU count (data parallelism is spec.replicas: one pod per replica)",
@@ -94,7 +100,8 @@ class Option:
     @property
     def name(self) -> str:
         """The flag's long spelling (--tensor-parallel-size for -tp)."""
-        return next((s for s in self.option_strings if s.startswith("--") and not s.startswith("--no-")), self.option_strings[0])
+        return next((s for s in self.option_strings if s.startswith("--") and not s.startswith("--no-")),
+                    self.option_strings[0])
 
 
 def refusal(option: Option, spelling: str) -> str | None:
@@ -118,7 +125,8 @@ class FlagTable:
 
 def refused_spellings() -> tuple[str, ...]:
     """Every option string refused in any supported vLLM (for the API server's version-blind CEL rule)."""
-    return tuple(sorted({s for v in supported_versions() for s in table(v).refused_spellings()}))  # type: ignore[union-attr]
+    spellings = {s for v in supported_versions() for s in table(v).refused_spellings()}  # type: ignore[union-attr]
+    return tuple(sorted(spellings))
 
 
 def supported_versions() -> list[str]:
@@ -161,7 +169,8 @@ def check_args(args: tuple[str, ...] | list[str], vllm: str) -> None:
         return
     flags = table(vllm)
     if flags is None:
-        raise ConfigError(FIELD, f"vLLM {vllm} has no flag table in this operator (tables: {', '.join(supported_versions())}), "
+        raise ConfigError(FIELD, f"vLLM {vllm} has no flag table in this operator (tables: "
+                                 f"{', '.join(supported_versions())}), "
                                  "so extra arguments cannot be checked against it; use an image with a supported vLLM "
                                  "or leave extraArgs empty")
     i = 0
@@ -189,8 +198,8 @@ def check_args(args: tuple[str, ...] | list[str], vllm: str) -> None:
         i += 1
         if not option.takes_value:
             if value is not None:
-                raise ConfigError(FIELD, f"{where}: {spelling} takes no value (vLLM would refuse the pod's command line); "
-                                         f"write {' or '.join(s for s in option.option_strings if s.startswith('--'))} alone")
+                longs = " or ".join(s for s in option.option_strings if s.startswith("--"))
+                raise ConfigError(FIELD, f"{where}: {spelling} takes no value; write {longs} alone")
             continue
         values = [value] if value is not None else []
         if value is None:
@@ -205,15 +214,18 @@ def check_args(args: tuple[str, ...] | list[str], vllm: str) -> None:
 
 def _unknown(flags: FlagTable, spelling: str, where: str) -> None:
     # argparse's allow_abbrev: the option strings that start with what was written, one per flag.
-    matches = sorted({flags.options[s].dest: s for s in sorted(flags.options, reverse=True) if s.startswith(spelling)}.values())
+    matches = sorted({flags.options[s].dest: s for s in sorted(flags.options, reverse=True)
+                      if s.startswith(spelling)}.values())
     refused = [s for s in matches if refusal(flags.options[s], s)]
     if refused:
         option = flags.options[refused[0]]
-        full = refused[0] if refused[0] in REFUSED_SPELLINGS or refused[0] == option.name else f"{refused[0]} ({option.name})"
+        plain = refused[0] in REFUSED_SPELLINGS or refused[0] == option.name
+        full = refused[0] if plain else f"{refused[0]} ({option.name})"
         raise ConfigError(FIELD, f"{where} abbreviates {full} (vLLM's parser accepts prefixes of flags), "
                                  f"which extraArgs may not set: {refusal(option, refused[0])}")
     if len(matches) > 1:
-        raise ConfigError(FIELD, f"{where} is an ambiguous abbreviation ({', '.join(matches[:6])}{', ...' if len(matches) > 6 else ''}); "
+        raise ConfigError(FIELD, f"{where} is an ambiguous abbreviation "
+                                 f"({', '.join(matches[:6])}{', ...' if len(matches) > 6 else ''}); "
                                  "write the whole flag")
     if matches:
         raise ConfigError(FIELD, f"{where} abbreviates {matches[0]}; write the whole flag (an abbreviation becomes "
@@ -228,7 +240,8 @@ def _check_value(option: Option, spelling: str, value: str, where: str, dotted: 
     if dotted:
         return  # a JSON sub-key: its value is JSON or a string, checked by vLLM's config classes
     if option.choices is not None and value not in option.choices:
-        raise ConfigError(FIELD, f"{where}: {value!r} is not a value of {spelling}; allowed: {', '.join(option.choices)}")
+        raise ConfigError(FIELD, f"{where}: {value!r} is not a value of {spelling}; allowed: "
+                                 f"{', '.join(option.choices)}")
     convert = {"int": int, "float": float}.get(option.value or "")
     if convert is not None:
         try:
@@ -257,7 +270,8 @@ MATCHING_KV_DTYPE_FROM = (0, 33, 0)
 
 
 def check_dtypes(kv_dtype: str, dtype: str, vllm: str) -> None:
-    if kv_dtype == "bf16" and dtype not in ("auto", "bfloat16") and tuple(int(p) for p in vllm.split(".")) >= MATCHING_KV_DTYPE_FROM:
-        raise ConfigError("spec.model.kvDtype", f"bf16 with spec.engine.dtype {dtype}: vLLM {vllm} refuses a bfloat16 KV cache "
-                                                f"for a {dtype} model; allowed: kvDtype auto (the model's dtype) or fp8, "
-                                                "or spec.engine.dtype bfloat16")
+    if (kv_dtype == "bf16" and dtype not in ("auto", "bfloat16")
+            and tuple(int(p) for p in vllm.split(".")) >= MATCHING_KV_DTYPE_FROM):
+        raise ConfigError("spec.model.kvDtype", f"bf16 with spec.engine.dtype {dtype}: vLLM {vllm} refuses a bfloat16 "
+                                                f"KV cache for a {dtype} model; allowed: kvDtype auto (the model's "
+                                                "dtype) or fp8, or spec.engine.dtype bfloat16")

@@ -42,11 +42,13 @@ KNOWN_IMAGES: dict[str, KnownImage] = {
     DEFAULT_IMAGE: KnownImage(vllm=DEFAULT_PAIR.vllm, lmcache=DEFAULT_PAIR.lmcache, why="built by images/serving/Dockerfile"),
     f"{SERVING_REPOSITORY}:0.33.0-0.5.6": KnownImage(
         vllm="0.33.0", lmcache="0.5.6", lmcache_from="source",
-        why="built by images/serving/Dockerfile with LMCACHE_FROM=source (LMCache compiled against vLLM 0.33.0's torch 2.14.0)"),
+        why="built by images/serving/Dockerfile with LMCACHE_FROM=source "
+            "(LMCache compiled against vLLM 0.33.0's torch 2.14.0)"),
     # LMCache's published image (docker/Dockerfile of the 0.5.4 sdist) pip-installs an unpinned vLLM:
     # its vLLM is whatever was newest when it was built.
     "lmcache/vllm-openai:v0.5.4": KnownImage(vllm=None, lmcache="0.5.4",
-                                             why="it installs an unpinned vLLM; set spec.engine.vllmVersion to the one it holds"),
+                                             why="it installs an unpinned vLLM; set "
+                                                 "spec.engine.vllmVersion to the one it holds"),
 }
 
 # Environment the vllm container needs for LMCacheConnectorV1 (in-process LMCache) to really load KV,
@@ -78,8 +80,8 @@ CONNECTOR_ENV: dict[EnginePair, dict[str, str]] = {
 }
 # Why the operator owns each of these variables (a user value would undo the fix).
 CONNECTOR_ENV_WHY = {
-    "VLLM_USE_V2_MODEL_RUNNER": "the operator picks vLLM's model runner for the engine pair: vLLM's default V2 runner skips "
-                                "LMCache's KV loads (vLLM 0.26.0 and 0.33.0, docs/compatibility.md)",
+    "VLLM_USE_V2_MODEL_RUNNER": "the operator picks vLLM's model runner for the engine pair: vLLM's default V2 runner "
+                                "skips LMCache's KV loads (vLLM 0.26.0 and 0.33.0, docs/compatibility.md)",
 }
 
 
@@ -196,8 +198,8 @@ def resolve(image: str, vllm: str | None, lmcache: str | None, *, needs_lmcache:
     if vllm is None or lmcache is None:
         missing = "spec.engine.vllmVersion" if vllm is None else "spec.engine.lmcacheVersion"
         if known:
-            raise ConfigError(missing, f"the operator's version table does not know the {missing.rsplit('.', 1)[1][:-7]} "
-                                       f"version in image {image!r}: {known.why}")
+            raise ConfigError(missing, "the operator's version table does not know the "
+                                       f"{missing.rsplit('.', 1)[1][:-7]} version in image {image!r}: {known.why}")
         raise ConfigError(missing, f"image {image!r} is not in the operator's version table "
                                    f"({', '.join(sorted(table))}); set spec.engine.vllmVersion and spec.engine.lmcacheVersion "
                                    "(or the admin lists it in the operator config imageVersions)")
@@ -218,4 +220,5 @@ def check_backend(backend: str, need_vllm: str, need_lmcache: str | None, pair: 
     need = " and ".join(f"{name} >= {'.'.join(map(str, low))}" for name, low in (("vLLM", min_vllm), ("LMCache", min_lmcache)) if low)
     if (min_vllm and v < min_vllm) or (min_lmcache and lmc < min_lmcache):
         raise ConfigError("spec.offload.backend", f"{backend} needs {need}; the image holds vLLM {pair.vllm} and "
-                                                  f"LMCache {pair.lmcache or 'none'} (spec.engine.image / vllmVersion / lmcacheVersion)")
+                                                  f"LMCache {pair.lmcache or 'none'} "
+                                                  "(spec.engine.image / vllmVersion / lmcacheVersion)")

@@ -58,8 +58,8 @@ class Discovery:
 DISCOVERY: dict[str, Discovery] = {
     "0.26.0": Discovery(False, False, "vLLM 0.26.0 serves neither GET /get_server_info nor GET /kv_event_sources "
                                       "(only a dev-mode /server_info without kv_block_size)"),
-    "0.33.0": Discovery(False, True, "vLLM 0.33.0 serves GET /kv_event_sources but no GET /get_server_info, so the router "
-                                     "never learns the block size"),
+    "0.33.0": Discovery(False, True, "vLLM 0.33.0 serves GET /kv_event_sources but no GET /get_server_info, so the "
+                                     "router never learns the block size"),
 }
 
 

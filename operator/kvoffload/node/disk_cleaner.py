@@ -113,7 +113,8 @@ def live_from_json(data: Any, source: str = "--live-json") -> dict[Key, str | No
             ns, name, uid = meta.get("namespace"), meta.get("name"), meta.get("uid")
         else:
             ns, name, uid = item.get("namespace"), item.get("name"), item.get("uid")
-        if not isinstance(ns, str) or not isinstance(name, str) or not ns or not name or not isinstance(uid, (str, type(None))):
+        if (not isinstance(ns, str) or not isinstance(name, str) or not ns or not name
+                or not isinstance(uid, (str, type(None)))):
             raise ConfigError(source, f"entry {item!r} needs a namespace and a name (and a uid, if any, as a string)")
         live[(ns, name)] = uid or None
     return live
@@ -213,13 +214,15 @@ class _Walk:
             complete = False
         return freed, files, complete
 
-    def remove_tree(self, parent_fd: int, name: str, st: os.stat_result, rel: str, depth: int = 0) -> tuple[int, int, bool]:
+    def remove_tree(self, parent_fd: int, name: str, st: os.stat_result, rel: str,
+                    depth: int = 0) -> tuple[int, int, bool]:
         """Remove directory `name` (listed as `st`) and everything in it. Returns (bytes, files, complete)."""
         if st.st_dev != self.root_dev:
             self.report.skipped.append({"path": rel, "reason": "another file system is mounted here; not crossing it"})
             return 0, 0, False
         if depth > MAX_DEPTH:
-            self.report.skipped.append({"path": rel, "reason": f"nested deeper than {MAX_DEPTH} directories; left for the admin"})
+            self.report.skipped.append({"path": rel,
+                                        "reason": f"nested deeper than {MAX_DEPTH} directories; left for the admin"})
             return 0, 0, False
         try:
             fd = _open_dir(parent_fd, name, st)
@@ -260,7 +263,8 @@ def clean(root: str, live: Live, *, deleted: Mapping[str, str] | None = None, un
     root_fd = open_root(root)
     try:
         walk = _Walk(report, os.fstat(root_fd).st_dev, dry_run)
-        _Sweep(walk, live, deleted or {}, unknown_policy, min_age, time.time() if now is None else now).visit(root_fd, ())
+        sweep = _Sweep(walk, live, deleted or {}, unknown_policy, min_age, time.time() if now is None else now)
+        sweep.visit(root_fd, ())
     finally:
         os.close(root_fd)
     return report
@@ -351,7 +355,8 @@ class _Sweep:
                     continue
                 freed, files, ok = self.walk.remove_tree(fd, pod, st, pod_rel)
                 if ok or files:  # a partial removal still freed something; its errors are reported
-                    report.removed.append({"path": pod_rel, "bytes": freed, "files": files, "complete": ok, "reason": why})
+                    report.removed.append({"path": pod_rel, "bytes": freed, "files": files, "complete": ok,
+                                           "reason": why})
                 if not ok:
                     report.referenced.add(owner.uid)
                     continue

@@ -173,13 +173,17 @@ class JanitorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.reclaimed = Counter("kvoffload_janitor_reclaimed_bytes", "Bytes of regular files removed from disk-tier roots",
+        self.reclaimed = Counter("kvoffload_janitor_reclaimed_bytes",
+                                 "Bytes of regular files removed from disk-tier roots",
                                  ["root"], registry=r)
-        self.removed = Counter("kvoffload_janitor_removed_directories", "Pod directories of deleted KVOffloadServes removed",
+        self.removed = Counter("kvoffload_janitor_removed_directories",
+                               "Pod directories of deleted KVOffloadServes removed",
                                ["root"], registry=r)
         self.reclaimable = Gauge("kvoffload_janitor_reclaimable_bytes",
-                                 "Bytes the last dry-run sweep would have removed (0 when not in dry-run)", ["root"], registry=r)
-        self.errors = Counter("kvoffload_janitor_errors", "Entries the janitor could not remove or enter", ["root"], registry=r)
+                                 "Bytes the last dry-run sweep would have removed (0 when not in dry-run)", ["root"],
+                                 registry=r)
+        self.errors = Counter("kvoffload_janitor_errors", "Entries the janitor could not remove or enter", ["root"],
+                              registry=r)
         self.sweeps = Counter("kvoffload_janitor_sweeps", "Sweeps by result (failed: the live set could not be read)",
                               ["result"], registry=r)
         self.last_success = Gauge("kvoffload_janitor_last_success_timestamp_seconds", "When the last sweep finished",

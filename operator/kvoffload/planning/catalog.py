@@ -183,7 +183,8 @@ def resolve_model(model_id: str, *, layers: int | None = None, kv_heads: int | N
     if missing:
         if base is None and not config_json and len(missing) == len(required):
             raise InputError("model", f"{model_id!r} is not in the built-in catalog; set {{architecture}} "
-                              f"(layers, kvHeads, headDim, parameters) or a config.json; known: {', '.join(known_models())}")
+                              "(layers, kvHeads, headDim, parameters) or a config.json; known: "
+                              f"{', '.join(known_models())}")
         raise InputError(missing[0], f"{model_id!r} needs {', '.join(required[k] for k in missing)} "
                           "(the catalog and config.json do not give them)")
     for key in (*required, "attention_heads"):

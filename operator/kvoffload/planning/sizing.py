@@ -85,10 +85,14 @@ KV_DTYPES = ("auto", *DTYPE_BYTES)
 @dataclass(frozen=True)
 class MemoryDefaults:
     """Every pod-memory term, overridable; the defaults are the operator's settings."""
-    engine_baseline: int = to_bytes(_DEFAULTS.engine_baseline, "engineBaseline")  # vLLM API server + engine core process
-    per_worker_overhead: int = to_bytes(_DEFAULTS.per_worker_overhead, "perWorkerOverhead")  # each TP worker: torch/CUDA runtime
-    staging_per_worker: int = to_bytes(_DEFAULTS.staging_per_worker, "stagingPerWorker")  # pinned GPU<->CPU<->disk staging
-    server_baseline: int = to_bytes(_DEFAULTS.server_baseline, "serverBaseline")  # LMCache server (lmcache-server), before its L1
+    # vLLM API server + engine core process
+    engine_baseline: int = to_bytes(_DEFAULTS.engine_baseline, "engineBaseline")
+    # each TP worker: torch/CUDA runtime
+    per_worker_overhead: int = to_bytes(_DEFAULTS.per_worker_overhead, "perWorkerOverhead")
+    # pinned GPU<->CPU<->disk staging
+    staging_per_worker: int = to_bytes(_DEFAULTS.staging_per_worker, "stagingPerWorker")
+    # LMCache server (lmcache-server), before its L1
+    server_baseline: int = to_bytes(_DEFAULTS.server_baseline, "serverBaseline")
     shm: int | None = None  # /dev/shm; None = 1Gi + 1Gi per TP rank
     headroom_percent: int = _DEFAULTS.headroom_percent  # of the sum above, at least headroom_min
     headroom_min: int = 1 * GiB
@@ -230,19 +234,24 @@ class Budget:
                         "reloadSeconds": round(r.reload_s, 4), "recomputeSeconds": round(r.recompute_s, 4),
                         "slowerThanRecompute": r.slower_than_recompute} for r in self.reload],
             # The figures that decided each verdict, and where each came from (an option, a spec field, a setting).
-            "reloadFigures": [{"tier": r.tier, "readBytesPerSecond": round(r.read_bytes_per_s, 4), "readFrom": r.read_from,
-                               "prefillTokensPerSecond": round(r.prefill_tokens_per_s, 4), "prefillFrom": r.prefill_from}
+            "reloadFigures": [{"tier": r.tier, "readBytesPerSecond": round(r.read_bytes_per_s, 4),
+                               "readFrom": r.read_from,
+                               "prefillTokensPerSecond": round(r.prefill_tokens_per_s, 4),
+                               "prefillFrom": r.prefill_from}
                               for r in self.reload],
             "weights": {"bytes": self.weights.bytes, "volume": self.weights.volume,
                         "ephemeralStorage": self.weights.ephemeral_storage,
-                        "storageTerms": [{"name": t.name, "bytes": t.value, "note": t.note} for t in self.weights.storage_terms],
+                        "storageTerms": [{"name": t.name, "bytes": t.value, "note": t.note}
+                                         for t in self.weights.storage_terms],
                         "startupSeconds": self.weights.startup_seconds,
-                        "startupTerms": [{"name": t.name, "seconds": t.value, "note": t.note} for t in self.weights.startup_terms]},
+                        "startupTerms": [{"name": t.name, "seconds": t.value, "note": t.note}
+                                         for t in self.weights.startup_terms]},
             "warnings": list(self.warnings),
         }
         if self.server_memory:
             out["serverMemory"] = {"request": self.server_memory, "limit": self.server_memory_limit,
-                                   "terms": [{"name": m.name, "bytes": m.bytes, "note": m.note} for m in self.server_memory_terms]}
+                                   "terms": [{"name": m.name, "bytes": m.bytes, "note": m.note}
+                                             for m in self.server_memory_terms]}
         return out
 
 
@@ -289,7 +298,8 @@ def check(inp: PlanInput) -> None:
         _int(getattr(mem, key), 0, key)
     if mem.shm is not None:
         _int(mem.shm, 0, "shm")
-    if isinstance(mem.headroom_percent, bool) or not isinstance(mem.headroom_percent, int) or not 0 <= mem.headroom_percent <= 100:
+    headroom = mem.headroom_percent
+    if isinstance(headroom, bool) or not isinstance(headroom, int) or not 0 <= headroom <= 100:
         raise InputError("headroom_percent", f"must be an integer in [0, 100], got {mem.headroom_percent!r}")
     _number(inp.bandwidths.cpu_read, "cpu_read")
     _number(inp.bandwidths.disk_read, "disk_read")
@@ -312,8 +322,9 @@ def _refuse(inp: PlanInput) -> None:
     backend = backends.REGISTRY[inp.backend]
     if inp.disk_size and not backend.disk_tier:
         with_disk = " or ".join(b.name for b in backends.REGISTRY.values() if b.disk_tier)
-        raise InputError("disk_size", f"{{backend}} {backend.name} has no disk tier ({backend.refuses['offload.disk'].why}); "
-                         f"set {{disk_size}} to 0 or use {{backend}} {with_disk}")
+        raise InputError("disk_size", f"{{backend}} {backend.name} has no disk tier "
+                         f"({backend.refuses['offload.disk'].why}); set "
+                         f"{{disk_size}} to 0 or use {{backend}} {with_disk}")
     if inp.disk_size and not inp.cpu_size:
         raise InputError("cpu_size", "the disk tier needs a CPU tier (LMCache reads disk hits back through it); "
                          "set {cpu_size} > 0 or {disk_size} to 0")
@@ -323,8 +334,8 @@ def prefill_from(inp: PlanInput) -> str:
     """Where the recompute rate comes from."""
     if inp.bandwidths.prefill_tokens_per_s is not None:
         return inp.bandwidths.prefill_from
-    return (f"derived: {MEASURED_PREFILL_TOKENS / MEASURED_PREFILL_S:,.0f} tokens/s measured for an 8B Llama on one H200, "
-            f"× 8B / parameters × TP ({inp.bandwidths.prefill_from} unset)")
+    return (f"derived: {MEASURED_PREFILL_TOKENS / MEASURED_PREFILL_S:,.0f} tokens/s measured for an 8B Llama on one "
+            f"H200, × 8B / parameters × TP ({inp.bandwidths.prefill_from} unset)")
 
 
 def prefill_tokens_per_s(inp: PlanInput) -> float:
@@ -373,7 +384,8 @@ def _offload_tier(name: str, size: int, inp: PlanInput, per_gpu_bpt: int, unit: 
 def _with_headroom(terms: list[MemoryTerm], mem: MemoryDefaults) -> tuple[tuple[MemoryTerm, ...], int]:
     subtotal = sum(t.bytes for t in terms)
     headroom = max(mem.headroom_min, math.ceil(subtotal * (mem.headroom_percent / 100)))
-    terms.append(MemoryTerm("headroom", headroom, f"{mem.headroom_percent / 100:g} of the terms above, at least {human(mem.headroom_min)}"))
+    terms.append(MemoryTerm("headroom", headroom, f"{mem.headroom_percent / 100:g} of the terms above, at least "
+                                                  f"{human(mem.headroom_min)}"))
     return tuple(terms), -(-(subtotal + headroom) // MiB) * MiB
 
 
@@ -389,7 +401,8 @@ def _memory(inp: PlanInput, offload: bool, s: Sizing) -> tuple[tuple[MemoryTerm,
         backend.cpu_tier(s),
         MemoryTerm("staging", mem.staging_per_worker * tp if staging else 0,
                    f"pinned staging buffers, {tp} rank(s) × {human(mem.staging_per_worker)}" if staging else
-                   "none: vLLM copies between GPU blocks and its pinned CPU blocks directly" if offload else "no offload tier: none"),
+                   "none: vLLM copies between GPU blocks and its pinned CPU blocks directly" if offload
+                   else "no offload tier: none"),
         MemoryTerm("shm", shm, "memory-backed /dev/shm for NCCL and worker IPC, charged to the pod"),
     ]
     terms_, total = _with_headroom(terms, mem)
@@ -413,16 +426,18 @@ STARTUP_PROBE_PERIOD_S = 10
 def _weights(inp: PlanInput) -> WeightBudget:
     st, bw = inp.storage, inp.bandwidths
     weights = inp.model.params * DTYPE_BYTES[inp.weight_dtype]
-    volume = 0 if inp.weights_on_pvc else -(-(math.ceil(weights * (100 + st.weights_percent) / 100) + st.weights_extra) // GiB) * GiB
+    volume = 0 if inp.weights_on_pvc else -(-(math.ceil(weights * (100 + st.weights_percent) / 100)
+                                              + st.weights_extra) // GiB) * GiB
     storage = (
         Term("weights", volume, "on the model cache PVC (spec.model.cache): none here" if inp.weights_on_pvc else
-             f"{human(weights)} {inp.weight_dtype} weights + {st.weights_percent}% + {human(st.weights_extra)}, whole GiB: "
-             "emptyDir HF_HOME, kept across container restarts"),
+             f"{human(weights)} {inp.weight_dtype} weights + {st.weights_percent}% + {human(st.weights_extra)}, whole "
+             "GiB: emptyDir HF_HOME, kept across container restarts"),
         Term("compile_cache", st.compile_cache, "HOME: vLLM/torch.compile, Triton and FlashInfer caches"),
         Term("tmp", st.tmp, "/tmp"),
     )
     startup = (
-        Term("download", math.ceil(weights / bw.weight_download), f"{human(weights)} at {bw.weight_download / 1e6:.3g} MB/s (assumed)"),
+        Term("download", math.ceil(weights / bw.weight_download),
+             f"{human(weights)} at {bw.weight_download / 1e6:.3g} MB/s (assumed)"),
         Term("load", math.ceil(weights / bw.weight_load), f"read back at {bw.weight_load / 1e9:.3g} GB/s"),
         Term("engine", ENGINE_START_S, "torch.compile and CUDA graph capture"),
     )
@@ -449,23 +464,26 @@ def plan(inp: PlanInput) -> Budget:
                server_baseline=inp.memory.server_baseline,
                vllm=images.version_tuple(inp.vllm_version, "engine.vllmVersion"))
     unit = backend.unit(s)
-    tiers = (gpu, _offload_tier("cpu", inp.cpu_size, inp, per_gpu_bpt, unit), _offload_tier("disk", inp.disk_size, inp, per_gpu_bpt, unit))
+    tiers = (gpu, _offload_tier("cpu", inp.cpu_size, inp, per_gpu_bpt, unit),
+             _offload_tier("disk", inp.disk_size, inp, per_gpu_bpt, unit))
     terms, total, shm = _memory(inp, offload, s)
     server_terms, server_total, server_limit = _sidecar_memory(inp, s)
 
     warnings: list[str] = []
     if m.max_context and L > m.max_context:
-        warnings.append(f"{{max_model_len}} {L} exceeds {m.hf_id}'s max_position_embeddings {m.max_context}: vLLM refuses "
-                        "it unless the model's rope scaling is overridden or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set")
+        warnings.append(f"{{max_model_len}} {L} exceeds {m.hf_id}'s max_position_embeddings {m.max_context}: vLLM "
+                        "refuses it unless the model's rope scaling is "
+                        "overridden or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set")
     if tp > m.kv_heads:
         warnings.append(f"{{tp}} {tp} > {m.kv_heads} KV heads: each KV head is replicated on {tp // m.kv_heads} "
                         f"GPUs, so every tier stores {per_gpu_bpt * tp} B/token instead of {per_gpu_bpt * m.kv_heads}")
     if m.sliding_window and m.sliding_window_layers:
         warnings.append(
             f"{m.sliding_window_layers} of {m.layers} layers use a {m.sliding_window}-token sliding window: " + (
-                "the GPU tier assumes vLLM's hybrid KV cache manager keeps only the window in those layers" if windowed else
-                "vLLM turns its hybrid KV cache manager off when a KV connector is set, so those layers take full-length "
-                "GPU memory; LMCache tiers are sized as storing every layer of every token"))
+                "the GPU tier assumes vLLM's hybrid KV cache manager keeps only the window in those layers"
+                if windowed else
+                "vLLM turns its hybrid KV cache manager off when a KV connector is set, so those layers take "
+                "full-length GPU memory; LMCache tiers are sized as storing every layer of every token"))
     if gpu.sequences < inp.concurrency:
         warnings.append(f"the GPU tier holds {gpu.sequences} full-length ({L}-token) sequences but {{concurrency}} is "
                         f"{inp.concurrency}: vLLM preempts or queues requests when that many long ones run at once")
@@ -488,9 +506,10 @@ def plan(inp: PlanInput) -> Budget:
                              bw, source, prefill, prefill_from(inp))
         reload.append(est)
         if est.slower_than_recompute:
-            warnings.append(f"{name} tier: reloading a {L}-token prefix ({human(prefix)}) takes {est.reload_s:.3g} s at "
-                            f"{bw / 1e9:.3g} GB/s ({source}), recomputing it {est.recompute_s:.3g} s: hits from this tier are "
-                            f"SLOWER than recompute (it pays off above {read_bytes / est.recompute_s / 1e9:.3g} GB/s)")
+            warnings.append(f"{name} tier: reloading a {L}-token prefix ({human(prefix)}) takes {est.reload_s:.3g} s "
+                            f"at {bw / 1e9:.3g} GB/s ({source}), recomputing it {est.recompute_s:.3g} s: hits from "
+                            "this tier are SLOWER than recompute (it pays off above "
+                            f"{read_bytes / est.recompute_s / 1e9:.3g} GB/s)")
 
     return Budget(
         backend=inp.backend,

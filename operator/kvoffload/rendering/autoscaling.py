@@ -56,7 +56,8 @@ class Target:
         series, query = {
             "waitingRequestsPerReplica": ("vllm:num_requests_waiting",
                                           "sum(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)"),
-            "kvCacheUsagePercent": ("vllm:kv_cache_usage_perc", "max(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)"),
+            "kvCacheUsagePercent": ("vllm:kv_cache_usage_perc",
+                                    "max(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)"),
             # Per pod; an idle pod's NaN is dropped (no sample: the HPA averages over the pods that have one).
             "queueTimeP90Milliseconds": (QUEUE_TIME, _p90_ms("<<.Series>>{<<.LabelMatchers>>}", "le, <<.GroupBy>>")
                                          + " >= 0"),
@@ -72,8 +73,8 @@ TARGETS = {t.field: t for t in (
     Target("queueTimeP90Milliseconds", "vllm_request_queue_time_p90_milliseconds", 1, False,
            "90th percentile of the time requests wait in vLLM's queue, ms"),
 )}
-assert list(TARGETS) == [t for t in crd.schema_at("autoscaling.targets")["properties"] if t not in crd.REMOVED_TARGETS], \
-    "one Target per CRD field"
+assert list(TARGETS) == [t for t in crd.schema_at("autoscaling.targets")["properties"]
+                         if t not in crd.REMOVED_TARGETS], "one Target per CRD field"
 
 
 def name(owner_name: str, settings: Settings) -> str:
@@ -127,7 +128,8 @@ def keda_triggers(sel: str, a: AutoscalingSpec) -> list[tuple[str, dict[str, Any
     out = [(f, _trigger(TARGETS[f].query(sel), v, TARGETS[f].per_replica)) for f, v in a.targets.items()]
     if a.wake_query:
         # Demand seen while no pod runs: above 0 it activates; then it counts like waiting requests per replica.
-        out.append(("wakeQuery", _trigger(a.wake_query, a.targets.get("waitingRequestsPerReplica", 1), True, activation=0)))
+        out.append(("wakeQuery", _trigger(a.wake_query, a.targets.get("waitingRequestsPerReplica", 1), True,
+                                          activation=0)))
     return out
 
 
@@ -141,7 +143,8 @@ def scaled_object(meta: dict[str, Any], owner_name: str, namespace: str, a: Auto
         t["metadata"]["serverAddress"] = settings.prometheus_address
     _, down = windows(a, budget)
     return {"apiVersion": SCALED_OBJECT[0], "kind": SCALED_OBJECT[1], "metadata": meta,
-            "spec": {"scaleTargetRef": _ref(owner_name), "minReplicaCount": a.min_replicas, "maxReplicaCount": a.max_replicas,
+            "spec": {"scaleTargetRef": _ref(owner_name), "minReplicaCount": a.min_replicas,
+                     "maxReplicaCount": a.max_replicas,
                      "pollingInterval": KEDA_POLLING_SECONDS, "cooldownPeriod": down,
                      "advanced": {"horizontalPodAutoscalerConfig": {"name": name(owner_name, settings),
                                                                     "behavior": behavior(a, budget)}},

@@ -14,11 +14,13 @@ NAMESPACE_NAME = "kubernetes.io/metadata.name"  # set by the API server on every
 
 
 def _from(namespaces: list[str]) -> list[dict[str, Any]]:
-    return [{"namespaceSelector": {"matchExpressions": [{"key": NAMESPACE_NAME, "operator": "In", "values": namespaces}]}}]
+    names = {"key": NAMESPACE_NAME, "operator": "In", "values": namespaces}
+    return [{"namespaceSelector": {"matchExpressions": [names]}}]
 
 
 def network_policy(meta: dict[str, Any], spec: Spec, settings: Settings, selector: dict[str, str],
-                   http_port: int, router: dict[str, str] | None = None, router_ports: tuple[int, ...] = ()) -> dict[str, Any] | None:
+                   http_port: int, router: dict[str, str] | None = None,
+                   router_ports: tuple[int, ...] = ()) -> dict[str, Any] | None:
     """`router`: the labels of this resource's router pods (spec.routing), which must reach the serving port (and
     `router_ports`: the KV-event publisher's, for kv_aware)."""
     policy = spec.network_policy

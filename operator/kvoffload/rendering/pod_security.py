@@ -38,7 +38,9 @@ HOSTPATH_INIT_CAPS = ["CHOWN", "DAC_OVERRIDE", "FOWNER"]
 
 
 def restricted(**extra: Any) -> dict[str, Any]:
-    """A fresh container security context that Pod Security "restricted" admits (fresh: children share no mutable parts)."""
+    """A fresh container security context that Pod Security "restricted" admits.
+
+    Fresh: children share no mutable parts."""
     return {"allowPrivilegeEscalation": False, "privileged": False, "capabilities": {"drop": ["ALL"]},
             "seccompProfile": {"type": "RuntimeDefault"}, **extra}
 
@@ -76,7 +78,8 @@ def disk_init_security_context(spec: Spec) -> dict[str, Any]:
 def engine_env(spec: Spec) -> list[dict[str, Any]]:
     """Where the engine writes: every path on a volume, none on the read-only root file system."""
     return [{"name": "HOME", "value": HOME_DIR},
-            {"name": "USER", "value": "vllm"},  # getpass.getuser() (torch's cache paths) needs a name without /etc/passwd
+            # getpass.getuser() (torch's cache paths) needs a name without /etc/passwd
+            {"name": "USER", "value": "vllm"},
             {"name": "XDG_CACHE_HOME", "value": f"{HOME_DIR}/.cache"},
             {"name": "XDG_CONFIG_HOME", "value": f"{HOME_DIR}/.config"},
             {"name": "HF_HOME", "value": MODELS_DIR},
@@ -91,7 +94,8 @@ def tmp_mount() -> dict[str, Any]:
 def engine_mounts(spec: Spec) -> list[dict[str, Any]]:
     mounts: list[dict[str, Any]] = [{"name": "home", "mountPath": HOME_DIR}, tmp_mount()]
     if spec.model.cache_claim:
-        mounts.append({"name": "model-cache", "mountPath": MODELS_DIR, **({"readOnly": True} if spec.model.cache_read_only else {})})
+        mounts.append({"name": "model-cache", "mountPath": MODELS_DIR,
+                       **({"readOnly": True} if spec.model.cache_read_only else {})})
     else:
         mounts.append({"name": "models", "mountPath": MODELS_DIR})
     return mounts

@@ -146,7 +146,8 @@ def _vllm_env(spec: Spec, settings: Settings, backend: Backend) -> list[dict[str
 
 
 def _probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 5}
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures,
+            "timeoutSeconds": 5}
 
 
 _restricted = pod_security.restricted
@@ -285,7 +286,8 @@ def _exporter_container(owner: Owner, spec: Spec, budget: Budget, settings: Sett
         "resources": {"requests": {"cpu": "20m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}},
         "volumeMounts": mounts,
         "livenessProbe": _probe("/healthz", "metrics", 20, 3),
-        "securityContext": _restricted(readOnlyRootFilesystem=True, runAsNonRoot=True, runAsUser=65532, runAsGroup=65532),
+        "securityContext": _restricted(readOnlyRootFilesystem=True, runAsNonRoot=True, runAsUser=65532,
+                                       runAsGroup=65532),
     }
 
 
@@ -376,7 +378,8 @@ def services(owner: Owner, spec: Spec, settings: Settings) -> list[dict[str, Any
 
 
 def pdb(owner: Owner, settings: Settings) -> dict[str, Any]:
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(names(owner.name)["pdb"], owner, settings),
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _meta(names(owner.name)["pdb"], owner, settings),
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner)}}}
 
 
@@ -390,8 +393,8 @@ def endpoint(owner: Owner, spec: Spec | None = None) -> str:
 def check_name(name: str) -> None:
     """Children are <name>, <name>-lmcache, <name>-pods and pods <name>-<ordinal>; Services need DNS-1035 labels."""
     if not isinstance(name, str) or len(name) > crd.MAX_NAME or not re.fullmatch(crd.NAME_PATTERN.strip("^$"), name):
-        raise ConfigError("metadata.name", f"{name!r} must be a DNS-1035 label (a-z, 0-9, '-', starting with a letter) of at "
-                                           f"most {crd.MAX_NAME} characters so child and pod names fit in 63")
+        raise ConfigError("metadata.name", f"{name!r} must be a DNS-1035 label (a-z, 0-9, '-', starting with a letter) "
+                                           f"of at most {crd.MAX_NAME} characters so child and pod names fit in 63")
 
 
 def children(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> list[dict[str, Any]]:
@@ -401,13 +404,17 @@ def children(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> li
     files = backend.config_files(spec, budget)  # None: the backend's flags say it all
     config = [configmap(owner, files, settings)] if files is not None else []
     # The pods roll when the config changes (or the backend does).
-    sts = statefulset(owner, spec, budget, settings, _hash(files if files is not None else backend.name), config=bool(config))
+    sts = statefulset(owner, spec, budget, settings, _hash(files if files is not None else backend.name),
+                      config=bool(config))
     policy = network_policy(_meta(names(owner.name)["networkpolicy"], owner, settings), spec, settings,
                             selector_labels(owner), HTTP_PORT,
-                            {routing.ROUTER_LABEL: owner.name} if spec.routing is not None else None, routing.event_ports(spec))
-    scaler = autoscaling.autoscaler(_meta(names(owner.name)["autoscaler"], owner, settings), owner.name, owner.namespace,
+                            {routing.ROUTER_LABEL: owner.name} if spec.routing is not None else None,
+                            routing.event_ports(spec))
+    scaler = autoscaling.autoscaler(_meta(names(owner.name)["autoscaler"], owner, settings), owner.name,
+                                    owner.namespace,
                                     spec, budget, settings)
-    rbac, router = routing.children(lambda: _meta(names(owner.name)["router"], owner, settings), owner.name, owner.namespace,
+    rbac, router = routing.children(lambda: _meta(names(owner.name)["router"], owner, settings), owner.name,
+                                    owner.namespace,
                                     spec, serving_labels(owner), budget, settings)
     return [*config, *services(owner, spec, settings), *rbac, *router[:1], sts, *router[1:], pdb(owner, settings),
             *([policy] if policy else []), *([scaler] if scaler else [])]

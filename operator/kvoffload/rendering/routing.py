@@ -23,7 +23,8 @@ from . import pod_security
 
 ROUTER_LABEL = "kvoffload.io/router"
 # Kinds this module renders (render.CHILD_KINDS lists them with the rest, in apply order: RBAC before the pods).
-KINDS = (("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+KINDS = (("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "Role"),
+         ("rbac.authorization.k8s.io/v1", "RoleBinding"),
          ("apps/v1", "Deployment"))
 # The engine's KV-event publisher (kv_aware only): vLLM's KVEventsConfig, bound on the pod's port KV_EVENTS_PORT.
 KV_EVENTS_TOPIC = "kv-events"
@@ -87,10 +88,12 @@ def _args(owner_name: str, namespace: str, serving: dict[str, str], routing: Rou
 
 
 def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": 3}
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures,
+            "timeoutSeconds": 3}
 
 
-def deployment(meta: dict[str, Any], owner_name: str, namespace: str, spec: Spec, serving: dict[str, str], budget: Budget,
+def deployment(meta: dict[str, Any], owner_name: str, namespace: str, spec: Spec, serving: dict[str, str],
+               budget: Budget,
                settings: Settings) -> dict[str, Any]:
     routing = spec.routing
     assert routing is not None
@@ -136,7 +139,8 @@ def deployment(meta: dict[str, Any], owner_name: str, namespace: str, spec: Spec
 def service(meta: dict[str, Any], owner_name: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Service", "metadata": meta,
             "spec": {"type": "ClusterIP", "selector": {ROUTER_LABEL: owner_name},
-                     "ports": [{"name": "http", "port": engine_router.HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+                     "ports": [{"name": "http", "port": engine_router.HTTP_PORT, "targetPort": "http",
+                                "protocol": "TCP"},
                                {"name": "metrics", "port": engine_router.METRICS_PORT, "targetPort": "metrics",
                                 "protocol": "TCP"}]}}
 
@@ -158,7 +162,8 @@ def children(meta: Callable[[], dict[str, Any]], owner_name: str, namespace: str
     (one name for all five), `serving` are the labels of exactly this resource's serving pods."""
     if spec.routing is None:
         return [], []
-    return rbac(meta), [service(meta(), owner_name), deployment(meta(), owner_name, namespace, spec, serving, budget, settings)]
+    return rbac(meta), [service(meta(), owner_name), deployment(meta(), owner_name, namespace, spec, serving, budget,
+                                                                settings)]
 
 
 def endpoint(owner_name: str, namespace: str) -> str:

@@ -25,6 +25,7 @@ from .operator import OperatorProcess, sentinel
 from .paths import ROOT, bin_dir, missing_binaries, missing_node_binaries
 from .procs import listening_sockets, proc_stat, wait_until
 
-__all__ = ["ROOT", "ApiError", "Client", "Cluster", "ClusterError", "KubectlError", "OperatorProcess", "bin_dir", "listening_sockets",
+__all__ = ["ROOT", "ApiError", "Client", "Cluster", "ClusterError", "KubectlError", "OperatorProcess", "bin_dir",
+           "listening_sockets",
            "load_fleet", "make_fleet", "missing_binaries", "missing_node_binaries", "node", "proc_stat", "condition",
            "sentinel", "wait_until"]

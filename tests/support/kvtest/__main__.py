@@ -11,10 +11,12 @@ from .fleet import load_fleet
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvtest", description="A real local Kubernetes control plane for tests and the demo.")
+    ap = argparse.ArgumentParser(prog="python -m kvtest",
+                                 description="A real local Kubernetes control plane for tests and the demo.")
     ap.add_argument("command", choices=["up", "down", "status", "bin-dir", "load-images"])
     ap.add_argument("images", nargs="*",
-                    help="load-images: any of kvtest.images NAMES (operator, standin-slim, router, ...) into the real node")
+                    help="load-images: any of kvtest.images NAMES (operator, "
+                         "standin-slim, router, ...) into the real node")
     ap.add_argument("--nodes-config", help="fleet YAML (default tests/cluster/nodes.yaml)")
     ap.add_argument("--real-node", action="store_true",
                     help="a real kubelet + containerd node beside the kwok fleet (root; tests/cluster/build-node.sh)")

@@ -39,7 +39,8 @@ def wait(name: str, timeout: float = TIMEOUT) -> None:
                 break
             except BlockingIOError:
                 if time.monotonic() - t0 > timeout:
-                    raise TimeoutError(f"the background build {name} still runs after {timeout:.0f}s: {log(name)}") from None
+                    raise TimeoutError(
+                        f"the background build {name} still runs after {timeout:.0f}s: {log(name)}") from None
                 time.sleep(5)
         fcntl.flock(fh, fcntl.LOCK_UN)
     waited = time.monotonic() - t0

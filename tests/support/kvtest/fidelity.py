@@ -17,11 +17,13 @@ def model_config(spec) -> dict:
     """A Llama-shaped HF config.json with the operator's own architecture figures for the model."""
     arch = catalog.resolve_model(spec.model.name, **{k: v for k, v in {
         "layers": spec.model.architecture.get("layers"), "kv_heads": spec.model.architecture.get("kvHeads"),
-        "attention_heads": spec.model.architecture.get("attentionHeads"), "head_dim": spec.model.architecture.get("headDim"),
+        "attention_heads": spec.model.architecture.get("attentionHeads"),
+        "head_dim": spec.model.architecture.get("headDim"),
         "params": spec.model.architecture.get("parameters")}.items() if v is not None})
     hidden = arch.attention_heads * arch.head_dim
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-            "intermediate_size": 4 * hidden, "num_hidden_layers": arch.layers, "num_attention_heads": arch.attention_heads,
+            "intermediate_size": 4 * hidden, "num_hidden_layers": arch.layers,
+            "num_attention_heads": arch.attention_heads,
             "num_key_value_heads": arch.kv_heads, "head_dim": arch.head_dim,
             # A custom model's context is the user's to know: take the spec's word for it.
             "max_position_embeddings": arch.max_context or spec.engine.max_model_len,

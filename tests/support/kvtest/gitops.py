@@ -55,7 +55,8 @@ def normalize(obj: dict[str, Any], namespace: str) -> dict[str, Any]:
     out = {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "metadata": keep, "spec": obj.get("spec")}
     if "status" in obj:
         out["status"] = obj["status"]
-    text = json.dumps(out).replace(f".{namespace}.", f".{PLACEHOLDER_NS}.").replace(f"/{namespace}/", f"/{PLACEHOLDER_NS}/")
+    text = json.dumps(out).replace(f".{namespace}.", f".{PLACEHOLDER_NS}.")
+    text = text.replace(f"/{namespace}/", f"/{PLACEHOLDER_NS}/")
     out = json.loads(text)
     for c in (out.get("status") or {}).get("conditions") or []:
         c["lastTransitionTime"] = PLACEHOLDER_TIME

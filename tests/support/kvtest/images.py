@@ -18,9 +18,9 @@ and pip installs from a local wheelhouse mounted into the build (build args PIP_
 PIP_FIND_LINKS), under `--network=none --pull=never`. The wheelhouse is fetched beforehand (`make
 serving-wheels [PAIR=<vLLM>-<LMCache>]`, `wheels` below): a wheel pair's LMCache wheel; a source pair's
 LMCache sdist and the toolchain images/serving/build-lmcache.sh installs (nvcc and the CUDA headers from
-PyPI, ninja, setuptools...), as its `--download` mode resolves them in that pair's engine venv. Each image carries the hash of its inputs
-(Dockerfile, build args, context files, wheelhouse, base image id) as a label and is rebuilt only
-when that changes; the rootfs is cached under ~/.cache/kvoffload by suite and package list.
+PyPI, ninja, setuptools...), as its `--download` mode resolves them in that pair's engine venv. Each
+image carries the hash of its inputs (Dockerfile, build args, context files, wheelhouse, base image id) as a
+label and is rebuilt only when that changes; the rootfs is cached under ~/.cache/kvoffload by suite and package list.
 
 The stand-in engines for the CPU-only real node serve recorded H200 pages (tests/fixtures/fake_vllm);
 their names say so: `standin-slim` (tests/images/vllm-standin-slim, ~0.2 GB, what `make test` runs on
@@ -72,7 +72,8 @@ VLLM_VERSION, LMCACHE_VERSION = "0.26.0", "0.5.3"  # the Makefile's and images/s
 ENGINE_VENV = CACHE / f"engine-vllm-{VLLM_VERSION}-lmcache-{LMCACHE_VERSION}"
 OPERATOR_WHEELHOUSE = CACHE / "wheelhouse"  # `make operator-wheels`
 SERVING_WHEELHOUSE = CACHE / f"wheelhouse-lmcache-{LMCACHE_VERSION}"  # `make serving-wheels`: the LMCache wheel
-ROUTER_VERSION = "0.1.17"  # the Makefile's ROUTER_VERSION, images/router/Dockerfile's, kvoffload/engine/router.py VERSION
+# the Makefile's ROUTER_VERSION, images/router/Dockerfile's, kvoffload/engine/router.py VERSION
+ROUTER_VERSION = "0.1.17"
 ROUTER_WHEELHOUSE = CACHE / f"wheelhouse-vllm-router-{ROUTER_VERSION}"  # `make router-wheels`: the router and its deps
 
 OPERATOR = "ghcr.io/kvoffload/kvoffload:0.1.0"
@@ -232,8 +233,10 @@ def images(extension: str | None = None, tag: str | None = None, pair_name: str 
     if thin:
         return {
             "vllm-base": Image(p.thin_base, ROOT / "tests/images/vllm-base-thin/Dockerfile",
-                               ROOT / "tests/images/vllm-base-thin", PYTHON_DEV_BASE, volumes={p.engine_venv: "/engine"}),
-            "serving": Image(tag or p.thin_tag, ROOT / "images/serving/Dockerfile", ROOT / "images/serving", p.thin_base,
+                               ROOT / "tests/images/vllm-base-thin", PYTHON_DEV_BASE,
+                               volumes={p.engine_venv: "/engine"}),
+            "serving": Image(tag or p.thin_tag, ROOT / "images/serving/Dockerfile", ROOT / "images/serving",
+                             p.thin_base,
                              serving_args, p.wheelhouse, volumes=thin_mounts(p.name)),
         }
     return {
@@ -245,8 +248,10 @@ def images(extension: str | None = None, tag: str | None = None, pair_name: str 
         "serving": Image(tag or p.tag, ROOT / "images/serving/Dockerfile", ROOT / "images/serving", p.vllm_base,
                          serving_args, p.wheelhouse),
         "standin": Image(STANDIN, ROOT / "tests/images/vllm-standin/Dockerfile", ROOT / "tests", SERVING,
-                         inputs=("fixtures/fake_vllm", *RECORDED, "engine/engine_check.py", "images/vllm-standin/vllm")),
-        "standin-slim": Image(STANDIN_SLIM, ROOT / "tests/images/vllm-standin-slim/Dockerfile", ROOT / "tests", PYTHON_BASE,
+                         inputs=("fixtures/fake_vllm", *RECORDED, "engine/engine_check.py",
+                                 "images/vllm-standin/vllm")),
+        "standin-slim": Image(STANDIN_SLIM, ROOT / "tests/images/vllm-standin-slim/Dockerfile", ROOT / "tests",
+                              PYTHON_BASE,
                               wheel_args, OPERATOR_WHEELHOUSE,
                               inputs=("fixtures/fake_vllm", "fixtures/lmcache-0.5.3-server-status", *RECORDED,
                                       "images/vllm-standin/vllm", "images/vllm-standin-slim/lmcache")),
@@ -377,7 +382,8 @@ def build_image(img: Image, force: bool = False) -> subprocess.CompletedProcess 
     # docker format: the OCI format drops SHELL, and the serving Dockerfile's pipefail with it. No
     # intermediate images (--layers=false): the build key is the cache, and intermediates would keep a
     # replaced 8 GiB base alive.
-    cmd = ["build", "--format=docker", "--layers=false", "--force-rm", "--network=none", "--pull=never", *RUN_LIMITS, *BACKGROUND,
+    cmd = ["build", "--format=docker", "--layers=false", "--force-rm", "--network=none", "--pull=never", *RUN_LIMITS,
+           *BACKGROUND,
            "-f", str(img.dockerfile), "-t", img.tag,
            "--label", f"{KEY_LABEL}={key}", *[a for k, v in img.labels.items() for a in ("--label", f"{k}={v}")]]
     if img.base:
@@ -412,7 +418,8 @@ def build(name: str, pair_name: str | None = None, thin: bool = False) -> str:
         raise SystemExit("--thin-base is for the serving image only")
     table = images(pair_name=p.name, thin=thin)
     chain = {"operator": ["operator"], "serving": ["vllm-base", "serving"],
-             "standin": ["vllm-base", "serving", "standin"], "standin-slim": ["standin-slim"], "router": ["router"]}[name]
+             "standin": ["vllm-base", "serving", "standin"], "standin-slim": ["standin-slim"],
+             "router": ["router"]}[name]
     python_base()
     if "vllm-base" in chain and table["vllm-base"].base != PYTHON_BASE:
         python_base(table["vllm-base"].base)
@@ -441,7 +448,8 @@ def wheels(pair_name: str | None = None) -> Path:
     if (wh / ".done").exists():
         return wh
     if not (p.engine_venv / ".done").exists():
-        raise SystemExit(f"{p.engine_venv} is not built: run `make engine-venv` first (the toolchain is resolved in it)")
+        raise SystemExit(f"{p.engine_venv} is not built: run `make engine-venv` "
+                         "first (the toolchain is resolved in it)")
     rootfs(PYTHON_BASES[p.python_base])
     with locked(wh.name):
         if not (wh / ".done").exists():
@@ -495,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the serving image FROM tests/images/vllm-base-thin (symlinks into the mounted engine venv)")
     w = sub.add_parser("wheels", help="fetch the serving build's wheelhouse for a pair (make serving-wheels)")
     w.add_argument("--pair", help=f"default {DEFAULT_PAIR}")
-    sv = sub.add_parser("save", help="print the path of a docker-archive tar of the image (built first; cached by image id)")
+    sv = sub.add_parser("save", help="print the path of a docker-archive tar of "
+                                     "the image (built first; cached by image id)")
     sv.add_argument("name", choices=NAMES)
     a = ap.parse_args(argv)
     if a.command == "build":

@@ -102,23 +102,27 @@ class Keda:
         args = c.component_args("kube-apiserver")
         if ROUTING_ON in args:
             self.apiserver_args = args
-            c.restart("kube-apiserver", args=[a for a in args if a != ROUTING_ON] + ["--enable-aggregator-routing=false"])
+            c.restart("kube-apiserver", args=[a for a in args if a != ROUTING_ON]
+                      + ["--enable-aggregator-routing=false"])
         client.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
         grpc, adapter, health, metrics = free_ports(4)
         client.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": SERVICE, "namespace": NAMESPACE},
                       "spec": {"type": "ExternalName", "externalName": LOOPBACK}})
-        client.apply({"apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService", "metadata": {"name": API_SERVICE},
+        client.apply({"apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService",
+                      "metadata": {"name": API_SERVICE},
                       "spec": {"group": "external.metrics.k8s.io", "version": "v1beta1", "groupPriorityMinimum": 100,
                                "versionPriority": 100,
                                "caBundle": base64.b64encode((certs / "ca.crt").read_bytes()).decode(),
                                "service": {"namespace": NAMESPACE, "name": SERVICE, "port": adapter}}})
-        self._spawn("keda", [f"--metrics-bind-address={LOOPBACK}:{metrics}", f"--health-probe-bind-address={LOOPBACK}:{health}",
+        self._spawn("keda", [f"--metrics-bind-address={LOOPBACK}:{metrics}",
+                             f"--health-probe-bind-address={LOOPBACK}:{health}",
                              f"--metrics-service-bind-address={LOOPBACK}:{grpc}", f"--cert-dir={certs}",
                              "--enable-cert-rotation=false", "--enable-webhook-patching=false",
                              "--enable-apiservice-patching=false", "--zap-log-level=info"])
         kc = str(c.kubeconfig)
         self._spawn("keda-adapter", [f"--secure-port={adapter}", f"--bind-address={LOOPBACK}", f"--cert-dir={certs}",
-                                     f"--tls-cert-file={certs / 'tls.crt'}", f"--tls-private-key-file={certs / 'tls.key'}",
+                                     f"--tls-cert-file={certs / 'tls.crt'}",
+                                     f"--tls-private-key-file={certs / 'tls.key'}",
                                      f"--metrics-service-address={LOOPBACK}:{grpc}", f"--port={free_ports(1)[0]}",
                                      f"--lister-kubeconfig={kc}", f"--authentication-kubeconfig={kc}",
                                      f"--authorization-kubeconfig={kc}", "--zap-log-level=info"])
@@ -128,7 +132,8 @@ class Keda:
                 if proc.poll() is not None:
                     raise RuntimeError(f"KEDA exited:\n{self.log('keda')[-2000:]}\n{self.log('keda-adapter')[-2000:]}")
             svc = client.get_or_none("apiservice", API_SERVICE) or {}
-            return any(x["type"] == "Available" and x["status"] == "True" for x in svc.get("status", {}).get("conditions", []))
+            return any(x["type"] == "Available" and x["status"] == "True"
+                       for x in svc.get("status", {}).get("conditions", []))
 
         wait_until(available, timeout=120, interval=0.5, message=f"APIService {API_SERVICE} Available")
         return self

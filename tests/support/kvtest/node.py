@@ -1,8 +1,8 @@
 """The real node: containerd + runc + CNI bridge + kubelet + kube-proxy, joined beside the kwok fleet.
 
-A machine-wide singleton (one bridge cni0; containerd's sockets, state and shim sockets in /run/kvoffload-node): `Cluster(real_node=True)`
-takes the lock /run/kvoffload-node/lock for as long as its node runs. What it adds to the host and
-removes again at teardown, each recorded in state.json["host"]:
+A machine-wide singleton (one bridge cni0; containerd's sockets, state and shim sockets in
+/run/kvoffload-node): `Cluster(real_node=True)` takes the lock /run/kvoffload-node/lock for as long as its node
+runs. What it adds to the host and removes again at teardown, each recorded in state.json["host"]:
 
   bridge cni0 198.18.0.1/24 (pods 198.18.0.0/24), route 198.19.0.0/24 (Services) on cni0
   nft table inet kvoffload_guard: drops anything forwarded from the bridge to another interface and
@@ -143,7 +143,8 @@ def iptables_chains() -> dict[str, list[str]]:
 
 def nft_tables() -> list[str]:
     """Every nft table now, as 'family name' (iptables-nft's tables among them)."""
-    return [" ".join(ln.split()[1:3]) for ln in sh("nft", "list", "tables").stdout.splitlines() if ln.startswith("table ")]
+    return [" ".join(ln.split()[1:3]) for ln in sh("nft", "list", "tables").stdout.splitlines()
+            if ln.startswith("table ")]
 
 
 def _drop(match: str, name: str) -> str:
@@ -527,7 +528,8 @@ def import_pause(c: Cluster) -> None:
 
 
 def load_images(c: Cluster, names: list[str]) -> list[str]:
-    """Images kvtest.images builds (its NAMES: "operator", "standin-slim", "router", ...) into the node's containerd, from
+    """Images kvtest.images builds (its NAMES: "operator", "standin-slim", "router", ...) into the node's containerd,
+    from
     their docker-archive tars; one containerd holds already (same podman image id) is skipped."""
     from . import images as built
 
@@ -636,7 +638,8 @@ STANDIN = "standin" if FULL_STANDIN else "standin-slim"  # a kvtest.images name
 # a small Python process. The CPU tier is the LMCache server's L1 (a /dev/shm segment the stand-in touches).
 STANDIN_SIZES = ({"engineBaseline": "1536Mi", "perWorkerOverhead": "256Mi", "stagingPerWorker": "128Mi",
                   "serverBaseline": "1Gi"} if FULL_STANDIN else
-                 {"engineBaseline": "192Mi", "perWorkerOverhead": "32Mi", "stagingPerWorker": "32Mi", "serverBaseline": "96Mi"})
+                 {"engineBaseline": "192Mi", "perWorkerOverhead": "32Mi", "stagingPerWorker": "32Mi",
+                  "serverBaseline": "96Mi"})
 STANDIN_CPU_TIER = "512Mi" if FULL_STANDIN else "64Mi"
 
 

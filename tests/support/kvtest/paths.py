@@ -73,4 +73,5 @@ def node_bin_dir() -> Path:
 
 def missing_node_binaries() -> list[str]:
     missing = [b for b in NODE_BINARIES if not os.access(node_bin_dir() / b, os.X_OK)]
-    return missing + [t for t in ("nft", "ip", "iptables", "runc") if not shutil.which(t, path="/usr/sbin:/usr/bin:/sbin:/bin")]
+    return missing + [t for t in ("nft", "ip", "iptables", "runc")
+                      if not shutil.which(t, path="/usr/sbin:/usr/bin:/sbin:/bin")]

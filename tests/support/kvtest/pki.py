@@ -13,7 +13,8 @@ from .procs import LOOPBACK
 KUBERNETES_SERVICE_IP = "127.3.0.1"  # the first address of the Service CIDR (components.SERVICE_CIDR)
 
 
-def write_pki(d: Path, api_ips: Iterable[str] = (LOOPBACK, KUBERNETES_SERVICE_IP), node: tuple[str, str] | None = None) -> None:
+def write_pki(d: Path, api_ips: Iterable[str] = (LOOPBACK, KUBERNETES_SERVICE_IP),
+              node: tuple[str, str] | None = None) -> None:
     """CA, serving certs, client certs and the service-account key pair (cryptography).
 
     `api_ips`: the API server's addresses (its certificate's IP SANs). `node` = (name, IP) of a real

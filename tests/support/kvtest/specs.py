@@ -47,9 +47,11 @@ SERVE_SPEC: dict[str, Any] = {
 }
 # The serving image's engine pair (the operator's default image), spelt out in the spec: `spec(**PAIR)`.
 _DEFAULT = images.KNOWN_IMAGES[images.DEFAULT_IMAGE]
-PAIR = {"engine__image": images.DEFAULT_IMAGE, "engine__vllmVersion": _DEFAULT.vllm, "engine__lmcacheVersion": _DEFAULT.lmcache}
+PAIR = {"engine__image": images.DEFAULT_IMAGE, "engine__vllmVersion": _DEFAULT.vllm,
+        "engine__lmcacheVersion": _DEFAULT.lmcache}
 # Llama-3.1-8B's published config.json, the fields vLLM reads (no weights, no tokenizer needed).
-LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+                "intermediate_size": 14336,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32, "head_dim": 128,
                 "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
                 "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
@@ -111,7 +113,8 @@ def child_resources() -> tuple[str, ...]:
     return tuple(_PLURAL.get(kind, kind.lower() + "s") for kind in CHILD_KINDS)
 
 
-def live_children(client: Any, namespace: str, owner: str | None = None, *, labelled: bool = True) -> list[dict[str, Any]]:
+def live_children(client: Any, namespace: str, owner: str | None = None, *,
+                  labelled: bool = True) -> list[dict[str, Any]]:
     """Every object of the renderer's child kinds in `namespace`: those labelled as the operator's (of `owner`, when
     given), or all of them with labelled=False (to see what the operator may have left unlabelled)."""
     labels: Any = None
@@ -137,7 +140,8 @@ def wait_condition(cluster: Any, namespace: str, name: str, type_: str, status: 
     return cluster.wait_until(check, timeout=timeout, message=f"{name} {type_}={status}")
 
 
-def wait_ready(cluster: Any, namespace: str, name: str, generation: int | None = None, timeout: float = 120) -> dict[str, Any]:
+def wait_ready(cluster: Any, namespace: str, name: str, generation: int | None = None,
+               timeout: float = 120) -> dict[str, Any]:
     """The KVOffloadServe once Ready=True for its generation (or `generation`)."""
     from .client import condition
 
@@ -161,7 +165,8 @@ def body(generation: int = 1, status: dict[str, Any] | None = None) -> dict[str,
 
 def sts(replicas: int = 1, ready: int = 1, updated: int = 1, gen: int = 1, observed: int = 1, current: str = "r1",
         update: str = "r1") -> dict[str, Any]:
-    return {"metadata": {"generation": gen}, "status": {"replicas": replicas, "readyReplicas": ready, "updatedReplicas": updated,
+    return {"metadata": {"generation": gen}, "status": {"replicas": replicas, "readyReplicas": ready,
+                                                        "updatedReplicas": updated,
                                                         "observedGeneration": observed, "currentRevision": current,
                                                         "updateRevision": update}}
 
@@ -171,7 +176,8 @@ def pod(name: str = "svc-0", node: str = "gpu-node-0", scheduled: bool = True, m
     conds = [{"type": "PodScheduled", "status": "True" if scheduled else "False",
               **({} if scheduled else {"reason": "Unschedulable", "message": message})},
              {"type": "Initialized", "status": "True" if initialized else "False"}]
-    return {"metadata": {"name": name}, "spec": {"nodeName": node} if scheduled else {}, "status": {"conditions": conds}}
+    return {"metadata": {"name": name}, "spec": {"nodeName": node} if scheduled else {},
+            "status": {"conditions": conds}}
 
 
 def ready_pod(name: str = "svc-0") -> dict[str, Any]:

@@ -41,7 +41,8 @@ class StandInEngines:
         lines = ["# TYPE vllm:num_requests_waiting gauge", f"vllm:num_requests_waiting{{{MODEL}}} {self.waiting / n}",
                  "# TYPE vllm:kv_cache_usage_perc gauge", f"vllm:kv_cache_usage_perc{{{MODEL}}} {self.kv_usage}",
                  "# TYPE vllm:prompt_tokens_by_source_total counter"]
-        lines += [f'vllm:prompt_tokens_by_source_total{{{MODEL},source="{s}"}} {v}' for s, v in self.prompt_tokens.items()]
+        lines += [f'vllm:prompt_tokens_by_source_total{{{MODEL},source="{s}"}} {v}'
+                  for s, v in self.prompt_tokens.items()]
         counts = self._counts(pod)
         lines.append("# TYPE vllm:request_queue_time_seconds histogram")
         lines += [f'vllm:request_queue_time_seconds_bucket{{{MODEL},le="{le}"}} {c}'

@@ -142,7 +142,8 @@ class KvEvents:
             self.seq += 1
 
     def stored(self, chain: list[tuple[bytes, list[int]]], parent: bytes | None, tier: str) -> Any:
-        return self.kv.BlockStored(block_hashes=[_h(k) for k, _ in chain], parent_block_hash=_h(parent) if parent else None,
+        return self.kv.BlockStored(block_hashes=[_h(k) for k, _ in chain], parent_block_hash=_h(parent) if parent
+                                   else None,
                                    token_ids=[t for _, ids in chain for t in ids], block_size=BLOCK, lora_id=None,
                                    medium=self.medium[tier], lora_name=None)
 
@@ -253,16 +254,20 @@ class StandInPrefixEngine:
                 if self.path == "/health":  # 503 while "starting" (a real engine loads its weights first)
                     self._send(200 if engine.healthy else 503, "")
                 elif self.path == "/v1/models":
-                    self._send(200, {"object": "list", "data": [{"id": SERVED, "object": "model", "owned_by": "stand-in"}]})
+                    self._send(200, {"object": "list", "data": [{"id": SERVED, "object": "model",
+                                                                 "owned_by": "stand-in"}]})
                 elif self.path == "/metrics":
                     self._send(200, engine.metrics(), "text/plain; version=0.0.4")
                 elif self.path == "/get_server_info" and engine.events:
-                    self._send(200, {"model_id": SERVED, "model_path": SERVED, "instance_id": engine.name, "kv_block_size": BLOCK})
+                    self._send(200, {"model_id": SERVED, "model_path": SERVED, "instance_id": engine.name,
+                                     "kv_block_size": BLOCK})
                 elif self.path == "/kv_event_sources" and engine.events:
-                    self._send(200, {"0": {"endpoint": engine.events.endpoint, "replay_endpoint": engine.events.replay_endpoint,
+                    self._send(200, {"0": {"endpoint": engine.events.endpoint,
+                                           "replay_endpoint": engine.events.replay_endpoint,
                                            "topic": TOPIC}})
                 elif self.path == "/standin/counts":
-                    self._send(200, {"replica": engine.name, **engine.cache.counts.__dict__, "prompts": len(engine.prompts),
+                    self._send(200, {"replica": engine.name, **engine.cache.counts.__dict__,
+                                     "prompts": len(engine.prompts),
                                      "asked": sorted(engine.asked - {"/standin/counts"})})
                 else:
                     self._send(404, {"error": self.path})
@@ -302,7 +307,8 @@ class StandInPrefixEngine:
             with self.prefill:  # looked up when its prefill starts, as vLLM's scheduler does
                 self.waiting -= 1
                 hits = self.cache.serve(ids)
-                time.sleep((len(ids) - sum(hits.values())) * rate["recompute"] + sum(n * rate.get(t, 0.0) for t, n in hits.items()))
+                time.sleep((len(ids) - sum(hits.values())) * rate["recompute"]
+                           + sum(n * rate.get(t, 0.0) for t, n in hits.items()))
                 self.cache.counts.ttft_s.append(time.monotonic() - arrived)
         self.prompts.append(prompt)
         cached = sum(hits.values())
@@ -320,13 +326,16 @@ class StandInPrefixEngine:
         lines = ["# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{{{m}}} 0",
                  "# TYPE vllm:num_requests_waiting gauge", f"vllm:num_requests_waiting{{{m}}} 0",
                  "# TYPE vllm:kv_cache_usage_perc gauge", f"vllm:kv_cache_usage_perc{{{m}}} {used}",
-                 "# TYPE vllm:prefix_cache_queries_total counter", f"vllm:prefix_cache_queries_total{{{m}}} {c.prompt_tokens}",
+                 "# TYPE vllm:prefix_cache_queries_total counter",
+                 f"vllm:prefix_cache_queries_total{{{m}}} {c.prompt_tokens}",
                  "# TYPE vllm:prefix_cache_hits_total counter", f"vllm:prefix_cache_hits_total{{{m}}} {local}",
                  "# TYPE vllm:external_prefix_cache_queries_total counter",
                  f"vllm:external_prefix_cache_queries_total{{{m}}} {c.prompt_tokens - local}",
-                 "# TYPE vllm:external_prefix_cache_hits_total counter", f"vllm:external_prefix_cache_hits_total{{{m}}} {external}",
+                 "# TYPE vllm:external_prefix_cache_hits_total counter",
+                 f"vllm:external_prefix_cache_hits_total{{{m}}} {external}",
                  "# TYPE vllm:prompt_tokens_by_source_total counter"]
-        for source, v in (("local_compute", c.computed_tokens), ("local_cache_hit", local), ("external_kv_transfer", external)):
+        for source, v in (("local_compute", c.computed_tokens), ("local_cache_hit", local),
+                          ("external_kv_transfer", external)):
             lines.append(f'vllm:prompt_tokens_by_source_total{{{m},source="{source}"}} {v}')
         return "\n".join(lines) + "\n"
 
