@@ -39,7 +39,8 @@ SERVING_REPOSITORY = "ghcr.io/kvoffload/vllm-lmcache"
 DEFAULT_PAIR = EnginePair(vllm="0.26.0", lmcache="0.5.3")
 DEFAULT_IMAGE = f"{SERVING_REPOSITORY}:{DEFAULT_PAIR.vllm}-{DEFAULT_PAIR.lmcache}"
 KNOWN_IMAGES: dict[str, KnownImage] = {
-    DEFAULT_IMAGE: KnownImage(vllm=DEFAULT_PAIR.vllm, lmcache=DEFAULT_PAIR.lmcache, why="built by images/serving/Dockerfile"),
+    DEFAULT_IMAGE: KnownImage(vllm=DEFAULT_PAIR.vllm, lmcache=DEFAULT_PAIR.lmcache,
+                              why="built by images/serving/Dockerfile"),
     f"{SERVING_REPOSITORY}:0.33.0-0.5.6": KnownImage(
         vllm="0.33.0", lmcache="0.5.6", lmcache_from="source",
         why="built by images/serving/Dockerfile with LMCACHE_FROM=source "
@@ -193,7 +194,8 @@ def resolve(image: str, vllm: str | None, lmcache: str | None, *, needs_lmcache:
     lmcache = lmcache or (known.lmcache if known else None)
     if not needs_lmcache and vllm is not None and lmcache is None:
         if version_tuple(vllm, "spec.engine.vllmVersion") < MIN_VLLM:
-            raise ConfigError("spec.engine.vllmVersion", f"vLLM {vllm} is too old; need >= {'.'.join(map(str, MIN_VLLM))}")
+            raise ConfigError("spec.engine.vllmVersion", f"vLLM {vllm} is too old; need >= "
+                                                         f"{'.'.join(map(str, MIN_VLLM))}")
         return EnginePair(vllm=vllm, lmcache="")
     if vllm is None or lmcache is None:
         missing = "spec.engine.vllmVersion" if vllm is None else "spec.engine.lmcacheVersion"
@@ -201,12 +203,15 @@ def resolve(image: str, vllm: str | None, lmcache: str | None, *, needs_lmcache:
             raise ConfigError(missing, "the operator's version table does not know the "
                                        f"{missing.rsplit('.', 1)[1][:-7]} version in image {image!r}: {known.why}")
         raise ConfigError(missing, f"image {image!r} is not in the operator's version table "
-                                   f"({', '.join(sorted(table))}); set spec.engine.vllmVersion and spec.engine.lmcacheVersion "
-                                   "(or the admin lists it in the operator config imageVersions)")
+                                   f"({', '.join(sorted(table))}); set spec.engine.vllmVersion and "
+                                   "spec.engine.lmcacheVersion (or the admin lists "
+                                   "it in the operator config imageVersions)")
     if version_tuple(vllm, "spec.engine.vllmVersion") < MIN_VLLM:
-        raise ConfigError("spec.engine.vllmVersion", f"vLLM {vllm} predates LMCacheConnectorV1; need >= {'.'.join(map(str, MIN_VLLM))}")
+        raise ConfigError("spec.engine.vllmVersion", f"vLLM {vllm} predates LMCacheConnectorV1; need >= "
+                                                     f"{'.'.join(map(str, MIN_VLLM))}")
     if version_tuple(lmcache, "spec.engine.lmcacheVersion") < MIN_LMCACHE:
-        raise ConfigError("spec.engine.lmcacheVersion", f"LMCache {lmcache} is too old; need >= {'.'.join(map(str, MIN_LMCACHE))}")
+        raise ConfigError("spec.engine.lmcacheVersion", f"LMCache {lmcache} is too old; need >= "
+                                                        f"{'.'.join(map(str, MIN_LMCACHE))}")
     return EnginePair(vllm=vllm, lmcache=lmcache)
 
 
@@ -217,7 +222,8 @@ def check_backend(backend: str, need_vllm: str, need_lmcache: str | None, pair: 
     min_lmcache = None if need_lmcache is None else version_tuple(need_lmcache, "spec.offload.backend")
     v = version_tuple(pair.vllm, "spec.engine.vllmVersion")
     lmc = version_tuple(pair.lmcache, "spec.engine.lmcacheVersion") if pair.lmcache else (0,)
-    need = " and ".join(f"{name} >= {'.'.join(map(str, low))}" for name, low in (("vLLM", min_vllm), ("LMCache", min_lmcache)) if low)
+    need = " and ".join(f"{name} >= {'.'.join(map(str, low))}"
+                        for name, low in (("vLLM", min_vllm), ("LMCache", min_lmcache)) if low)
     if (min_vllm and v < min_vllm) or (min_lmcache and lmc < min_lmcache):
         raise ConfigError("spec.offload.backend", f"{backend} needs {need}; the image holds vLLM {pair.vllm} and "
                                                   f"LMCache {pair.lmcache or 'none'} "
