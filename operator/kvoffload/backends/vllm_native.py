@@ -10,8 +10,8 @@ power of two: the cpu_tier term charges what is pinned (native_pinned), e.g. 64 
 tier of a 32-layer model (1.25 GiB tensors → 2 GiB). vLLM 0.33.0 keeps the tier in one /dev/shm region
 instead (SHARED_REGION_FROM): the tier's size, in the pod's /dev/shm volume. Models with both
 sliding-window and full layers keep vLLM's hybrid KV cache manager with this connector (it supports
-HMA), which shares tensors between layer groups; their tensor count is not modelled, so they are charged the bound: 2 × the
-tier (a power-of-two ceiling is < 2 × its argument)."""
+HMA), which shares tensors between layer groups; their tensor count is not modelled, so they are
+charged the bound: 2 × the tier (a power-of-two ceiling is < 2 × its argument)."""
 
 from __future__ import annotations
 
