@@ -115,8 +115,8 @@ class LMCacheServer(Backend):
         # The request is the server process; the limit adds the L1, which it faults in itself when it sees a GPU.
         l1 = MemoryTerm("l1_limit_only", s.cpu_size,
                         "the L1 segment, in the limit only: LMCache's alloc_shm_pinned_ptr writes every page and pins "
-                        "it when the server sees a GPU, charging it here; the "
-                        "pod's requests count it once, in the vLLM container")
+                        "it when the server sees a GPU, charging it here; the pod's requests count it once, in the "
+                        "vLLM container")
         return [MemoryTerm("server_baseline", s.server_baseline, "LMCache server process (ZMQ + HTTP, torch)")], l1
 
     def vllm_args(self, spec: Spec, budget: BudgetView) -> list[str]:

@@ -148,13 +148,13 @@ class VllmNative(Backend):
             return []
         if not p.exact:
             return [f"{{cpu_size}} {human(s.cpu_size)} with {{backend}} vllm-native: this model's hybrid layers make "
-                    "vLLM's pinned tensor sizes unmodelled, so the pod is "
-                    f"charged the {human(p.total)} bound (2 × the tier)"]
+                    f"vLLM's pinned tensor sizes unmodelled, so the pod is charged the {human(p.total)} bound "
+                    "(2 × the tier)"]
         low, high = p.tensors * s.tp * (p.allocated_bytes // 2), p.tensors * s.tp * p.allocated_bytes
         return [f"{{cpu_size}} {human(s.cpu_size)} with {{backend}} vllm-native pins {human(p.total)}: each worker's "
                 f"{p.tensors} per-layer tensors of {human(p.tensor_bytes)} round up to a power of two "
-                f"({human(p.allocated_bytes)}); a {human(low)} or "
-                f"{human(high)} tier pins no more than its size for this model"]
+                f"({human(p.allocated_bytes)}); a {human(low)} or {human(high)} tier pins no more than its size "
+                "for this model"]
 
     def shm_extra(self, s: Sizing) -> int:
         return shared_region_bytes(s) if _shared(s) else 0

@@ -323,8 +323,8 @@ def _refuse(inp: PlanInput) -> None:
     if inp.disk_size and not backend.disk_tier:
         with_disk = " or ".join(b.name for b in backends.REGISTRY.values() if b.disk_tier)
         raise InputError("disk_size", f"{{backend}} {backend.name} has no disk tier "
-                         f"({backend.refuses['offload.disk'].why}); set "
-                         f"{{disk_size}} to 0 or use {{backend}} {with_disk}")
+                         f"({backend.refuses['offload.disk'].why}); set {{disk_size}} to 0 or use "
+                         f"{{backend}} {with_disk}")
     if inp.disk_size and not inp.cpu_size:
         raise InputError("cpu_size", "the disk tier needs a CPU tier (LMCache reads disk hits back through it); "
                          "set {cpu_size} > 0 or {disk_size} to 0")
@@ -472,8 +472,8 @@ def plan(inp: PlanInput) -> Budget:
     warnings: list[str] = []
     if m.max_context and L > m.max_context:
         warnings.append(f"{{max_model_len}} {L} exceeds {m.hf_id}'s max_position_embeddings {m.max_context}: vLLM "
-                        "refuses it unless the model's rope scaling is "
-                        "overridden or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set")
+                        "refuses it unless the model's rope scaling is overridden or "
+                        "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set")
     if tp > m.kv_heads:
         warnings.append(f"{{tp}} {tp} > {m.kv_heads} KV heads: each KV head is replicated on {tp // m.kv_heads} "
                         f"GPUs, so every tier stores {per_gpu_bpt * tp} B/token instead of {per_gpu_bpt * m.kv_heads}")
