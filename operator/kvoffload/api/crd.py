@@ -206,7 +206,8 @@ def _engine() -> Schema:
                 "items": {"type": "string", "maxLength": 1024},
                 "x-kubernetes-validations": [{
                     "rule": "self.all(a, !(" + CEL_REFUSED_ARG.replace("REFUSED", _cel_list(REFUSED_FLAGS)) + "))",
-                    "message": "extraArgs may not set or abbreviate a flag the operator manages: "
+                    "message": "extraArgs may not set or abbreviate a flag the operator manages or one that changes "
+                               "the GPU count or the memory budget (also spelt with _ or as --flag.key): "
                                + ", ".join(REFUSED_FLAGS)}]},
             "env": {"type": "array", "maxItems": 64, "description": (
                 "Extra environment variables for the vLLM container (Kubernetes EnvVar). Variables the operator "
