@@ -6,11 +6,12 @@ router's HTTP port.
 
 - cache_aware (what the operator runs on vLLM 0.26.0): every request of a shared prefix reaches the replica that
   holds it, so repeats are GPU hits; round robin, for contrast, spreads each prefix over the replicas.
-- kv_aware behind Kubernetes discovery (the router as rendered, with the operator's credits): the router asks each
-  discovered pod GET /get_server_info and GET /kv_event_sources, the two routes vLLM 0.26.0 does not serve (why the
-  operator refuses kv_aware there, docs/routing.md). The stand-ins serve them and publish vLLM's own KV event
-  classes (under the engine venv's python: `make test` builds it in the background and this test waits for it,
-  fixture engine_python; without it the test skips, or fails under KVO_REQUIRE_ENGINE).
+- kv_aware as rendered (backend vllm-native: auto picks it): the router is started with the Ready serving pods and
+  their KV-event publishers (static sources, so it asks the engines nothing over HTTP); stand-ins publishing vLLM's
+  own KV event classes (under the engine venv's python: `make test` builds it in the background and this test waits
+  for it, fixture engine_python; without it the test skips, or fails under KVO_REQUIRE_ENGINE) draw each prefix's
+  requests to the replica holding it in its CPU or GPU tier; a replica added through the scale subresource joins
+  the rendered workers once Ready.
 - the slow-tier rule (cache_aware's tree budget counts only the tiers faster than recompute): with the flags the
   operator rendered for two resources whose disks differ only in speed, a document left only in its holder's slow
   disk tier no longer draws its requests there, the same document in a fast disk tier still does.
@@ -214,47 +215,101 @@ def test_router_discovers_the_serving_pods_and_keeps_each_prefix_on_one_replica(
             e.close()
 
 
-def test_kv_aware_asks_each_discovered_pod_for_what_vllm_0_26_lacks(engine_python, cluster, namespace, routed,
-                                                                    tmp_path):
-    """Why the operator refuses kv_aware on vLLM 0.26.0: started as rendered (--service-discovery) with kv_aware and
-    the operator's credits, the router asks every pod it discovers for GET /get_server_info and /kv_event_sources."""
-    obj, pods, args, start = routed
-    credits = obj["status"]["routing"]["credits"]
-    reload = {r["tier"]: r for r in obj["status"]["budget"]["reload"]}
-    assert reload["disk"]["slowerThanRecompute"] and credits["disk"] == 0 and credits["cpu"] > 0.9
-    capacity = {t["name"]: t["tokens"] for t in obj["status"]["budget"]["tiers"]}
+NATIVE = {"offload__backend": "vllm-native", "offload__disk": None}
+
+
+def _worker_urls(args: list[str]) -> list[str]:
+    if "--worker-urls" not in args:
+        return []
+    rest = args[args.index("--worker-urls") + 1:]
+    return [a for a in rest[:next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))]]
+
+
+def test_kv_aware_as_rendered_indexes_every_replicas_events_and_follows_the_replicas(engine_python, cluster, namespace,
+                                                                                    operator, tmp_path, vllm_router):
+    """Backend vllm-native publishes its GPU and CPU tiers' KV events, so auto runs kv_aware. The operator renders the
+    router with the Ready serving pods as --worker-urls, each with its publisher and replay endpoint (static sources:
+    the router asks the engines nothing over HTTP, so the vLLM routes it lacks do not matter). The real router with
+    exactly those arguments, in front of stand-in engines on the pods' addresses that publish vLLM's own event classes
+    (BlockStored, medium GPU or CPU): a prefix held by one replica only in its CPU tier, and one held only in another's
+    GPU tier, draw every request to their holder, which serves them as hits. Scaled up by the scale subresource, the
+    new pod is rendered into the router's workers once it is Ready."""
+    cluster.client.apply(serve("kv", replicas=REPLICAS, routing={}, **NATIVE), namespace)
+    wait_ready(cluster, namespace, "kv", timeout=180)
+    rendered: dict[str, Any] = {}
+
+    def workers_rendered(n: int) -> bool:
+        obj = cluster.client.get("kvs", "kv", namespace)
+        deployment = cluster.client.get("deployment", "kv-router", namespace)
+        rendered.update(obj=obj, args=deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+        return len(_worker_urls(rendered["args"])) == n and (obj.get("status") or {}).get("routing", {}).get(
+            "workers") == n
+
+    cluster.wait_until(lambda: workers_rendered(REPLICAS), timeout=120,
+                       message="the operator renders the router with every Ready serving pod")
+    obj, args = rendered["obj"], rendered["args"]
+    st = obj["status"]["routing"]
+    assert st["policy"] == "kv_aware" and st["eventTiers"] == ["gpu", "cpu"] and "unseenTiers" not in st
+    pods = sorted(cluster.client.list("pods", namespace, labels={"kvoffload.io/serve": "kv"}),
+                  key=lambda p: p["metadata"]["name"])
     hosts = [p["status"]["podIP"] for p in pods]
-    conf = {"engines": [{"name": p["metadata"]["name"], "host": p["status"]["podIP"], "port": 8000} for p in pods],
+    assert _worker_urls(args) == [f"http://{h}:8000" for h in hosts]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--kv-event-source"] == [
+        f"http://{h}:8000=tcp://{h}:5557" for h in hosts]
+    assert args[args.index("--kv-penalty-host") + 1] == repr(st["credits"]["cpu"]) and st["credits"]["cpu"] > 0.9
+    # The engines publish their events where the router reads them (vLLM's KVEventsConfig, with the replay endpoint).
+    sts = cluster.client.get("statefulset", "kv", namespace)
+    vllm = next(c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm")
+    argv = [*vllm.get("command", []), *vllm.get("args", [])]
+    events = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert events["replay_endpoint"] == "tcp://*:5558" and events["endpoint"] == "tcp://*:5557"
+
+    capacity = {t["name"]: t["tokens"] for t in obj["status"]["budget"]["tiers"]}
+    conf = {"engines": [{"name": p["metadata"]["name"], "host": h, "port": 8000} for p, h in zip(pods, hosts)],
             "capacity": capacity, "kv_events": True}
     standins = subprocess.Popen([str(engine_python), "-m", "kvtest.standin_prefix_engine", json.dumps(conf)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=(tmp_path / "standins.log").open("w"),
                                 env={**os.environ, "PYTHONPATH": str(ROOT / "tests" / "support")}, text=True)
+    token = cluster.client.create_token("kv-router", namespace)
+    kubeconfig = cluster.token_kubeconfig(tmp_path / "router.kubeconfig", token, namespace, "kv-router")
     router = None
     try:
         assert standins.stdout is not None
         while "stand-in engines ready" not in (line := standins.stdout.readline()):
             assert line, (tmp_path / "standins.log").read_text()[-3000:]
-        kvo = ["--policy", "kv_aware", *(x for tier, flag in engine_router.CREDIT_FLAGS.items()
-                                        for x in (flag, repr(credits.get(tier, 0.0))))]
-        router = start(args[: args.index("--policy")] + kvo + args[args.index("--prometheus-host"):],
-                       tmp_path / "router.log")
-        health(pods, True)
-        urls = {f"http://{h}:8000" for h in hosts}
-        cluster.wait_until(lambda: router.workers() == urls, timeout=90,
-                           message="the kv_aware router discovers the pods")
-        cluster.wait_until(router.ready, timeout=120, message="the kv_aware router sees healthy workers")
-        for n in range(6):  # each prefix in replica 0's GPU tier, published as vLLM's BlockStored
-            prompt = " ".join(f"discovered{n}w{j}" for j in range(PREFIX_WORDS))
-            _post(f"http://{hosts[0]}:8000/standin/seed", {"prompt": prompt, "tiers": ["gpu"]})
-            time.sleep(1)
-            router.complete(prompt + " and a question")
-        router.stop()
+        router = Router(vllm_router, args, kubeconfig, tmp_path / "router.log")
+        health(pods, True)  # the router waits for every worker it is given before it serves
+        cluster.wait_until(router.ready, timeout=120, message=f"the kv_aware router is ready (log: {router.log})")
+        # Replica k holds document k only in its CPU tier; replica 0 holds one more only in its GPU tier.
+        docs = {k: " ".join(f"kvaware{k}w{j}" for j in range(PREFIX_WORDS)) for k in range(REPLICAS)}
+        for k, h in enumerate(hosts):
+            _post(f"http://{h}:8000/standin/seed", {"prompt": docs[k], "tiers": ["cpu"]})
+        gpu_doc = " ".join(f"kvawaregpu{j}" for j in range(PREFIX_WORDS))
+        _post(f"http://{hosts[0]}:8000/standin/seed", {"prompt": gpu_doc, "tiers": ["gpu"]})
+
+        def routed_to_holders() -> bool:
+            for k in range(REPLICAS):
+                answer = router.complete(f"{docs[k]} probe")["kvoffload_stand_in"]
+                if answer["replica"] != pods[k]["metadata"]["name"]:
+                    return False
+            return True
+
+        # The router indexes what it is sent as it arrives (and what it missed, from the replay endpoint).
+        cluster.wait_until(routed_to_holders, timeout=60, message=f"each CPU-tier document reaches its holder "
+                                                                  f"(log: {router.log})")
+        for r in range(3):
+            for k in range(REPLICAS):
+                answer = router.complete(f"{docs[k]} question {r}")["kvoffload_stand_in"]
+                assert answer["replica"] == pods[k]["metadata"]["name"], (k, answer)
+                assert answer["hit_tokens"]["cpu"] + answer["hit_tokens"]["gpu"] >= PREFIX_WORDS // BLOCK * BLOCK
+            answer = router.complete(f"{gpu_doc} question {r}")["kvoffload_stand_in"]
+            assert answer["replica"] == pods[0]["metadata"]["name"] and answer["hit_tokens"]["gpu"] > 0, answer
         log = _plain(router.log)
-        assert len(re.findall(r"KV prefix decision", log)) >= 6  # the kv_aware policy decided each request
+        assert "using configured static KV event sources" in log  # no GET /get_server_info asked
         for h in hosts:
-            asked = _get(f"http://{h}:8000/standin/counts")["asked"]
-            assert {"/health", "/get_server_info", "/kv_event_sources"} <= set(asked), asked
+            asked = set(_get(f"http://{h}:8000/standin/counts")["asked"])
+            assert not asked & {"/get_server_info", "/kv_event_sources"}, asked
     finally:
         if router is not None and router.proc.poll() is None:
             router.stop()
@@ -262,6 +317,11 @@ def test_kv_aware_asks_each_discovered_pod_for_what_vllm_0_26_lacks(engine_pytho
             standins.stdin.close()
         standins.wait(timeout=30)
 
+    # A replica added the way an autoscaler adds one: once Ready, it is in the router's workers.
+    cluster.client.patch("kvs", "kv", {"spec": {"replicas": REPLICAS + 1}}, namespace, subresource="scale")
+    cluster.wait_until(lambda: workers_rendered(REPLICAS + 1), timeout=120,
+                       message="the new Ready pod is rendered into the router's workers")
+    assert "--service-discovery" in rendered["args"]
 
 
 # A small resource (a 24 GB workstation GPU, Llama-2-7B: 512 KiB of KV per token) so a few requests overflow its GPU

@@ -40,17 +40,33 @@ def router_container(d: pipeline.Desired) -> dict:
 # --- parse
 
 
-def test_auto_runs_cache_aware_on_the_pinned_engine():
+NATIVE = {"offload__backend": "vllm-native", "offload__disk": None}
+WORKERS = ("198.18.0.12", "198.18.0.11")
+
+
+def test_auto_runs_cache_aware_where_a_tier_worth_a_hit_publishes_no_events():
+    """lmcache's CPU tier is worth a hit and publishes no KV events the router can use: kv_aware would not see it,
+    cache_aware's tree budget counts it."""
     d = desired(spec(**PAIR, **ROUTED))
     assert d.spec.routing == RoutingSpec(policy="cache_aware", requested="auto", replicas=1)
+    assert routing.unseen(d.spec, d.budget) == ("cpu",)
 
 
-def test_kv_aware_is_refused_where_the_router_cannot_index_the_engine():
-    with pytest.raises(ConfigError) as err:
-        desired(spec(**PAIR, replicas=2, routing__policy="kv_aware"))
-    assert err.value.field == "spec.routing.policy"
-    assert "vLLM 0.26.0 serves neither GET /get_server_info nor GET /kv_event_sources" in err.value.message
-    assert err.value.message.endswith("allowed values here: auto, cache_aware, round_robin")
+def test_auto_runs_kv_aware_where_the_events_cover_every_tier_worth_a_hit():
+    d = desired(spec(**PAIR, **ROUTED, **NATIVE))
+    assert d.spec.routing == RoutingSpec(policy="kv_aware", requested="auto", replicas=1)
+    assert routing.unseen(d.spec, d.budget) == ()
+    assert desired(spec(**NATIVE, replicas=4, routing__policy="round_robin")).spec.routing.policy == "round_robin"
+
+
+def test_kv_aware_takes_effect_on_every_backend_and_status_says_what_it_cannot_see():
+    for backend, unseen in (("lmcache", ["cpu"]), ("lmcache-server", ["cpu"]), ("vllm-native", None)):
+        s = spec(**PAIR, replicas=2, routing__policy="kv_aware", offload__backend=backend, offload__disk=None)
+        d = desired(s)
+        assert d.spec.routing is not None and d.spec.routing.policy == "kv_aware"
+        st = conditions.status({**BODY, "spec": s}, d, None, conditions.Observed(STS, []))["routing"]
+        assert st.get("unseenTiers") == unseen and st["eventTiers"] == (["gpu", "cpu"] if unseen is None else ["gpu"])
+        assert st["workers"] == 0
 
 
 @pytest.mark.parametrize("patch, field, says", [
@@ -63,13 +79,6 @@ def test_bad_routing_fields_name_the_field_and_what_is_allowed(patch, field, say
     with pytest.raises(ConfigError) as err:
         desired(spec(**patch))
     assert err.value.field == field and says in err.value.message
-
-
-def test_auto_picks_kv_aware_only_where_the_engine_answers_both_routes(monkeypatch):
-    monkeypatch.setitem(engine_router.DISCOVERY, "9.9.9", engine_router.Discovery(True, True, "serves both"))
-    assert engine_router.resolve("auto", "9.9.9") == "kv_aware"
-    assert engine_router.resolve("auto", "0.26.0") == engine_router.resolve("auto", "0.33.0") == "cache_aware"
-    assert engine_router.resolve("round_robin", "9.9.9") == "round_robin"
 
 
 def test_the_crd_declares_the_policies_with_auto_as_default():
@@ -131,12 +140,87 @@ def test_kv_aware_is_given_each_tiers_credit_and_the_engine_publishes_its_events
     assert args == ["--policy", "kv_aware", "--kv-penalty-host", repr(credits["cpu"]), "--kv-penalty-external", "0.0",
                     "--kv-penalty-disk", "0.0"]
     kv_spec = d.spec.__class__(**{**d.spec.__dict__, "routing": RoutingSpec("kv_aware", "kv_aware", 1)})
-    flag, value = routing.kv_events_args(kv_spec)
+    flag, value = routing.kv_events_args(kv_spec, d.budget)
     assert flag == "--kv-events-config" and json.loads(value) == {
-        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}
-    assert routing.kv_events_args(d.spec) == []  # cache_aware: the engine publishes nothing
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
+        "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}
+    assert routing.kv_events_args(d.spec, d.budget) == []  # cache_aware: the engine publishes nothing
     assert ("--kv-events-config"
             not in render.vllm_argv(kind(d, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]))
+
+
+def test_vllm_native_publishes_its_cpu_tiers_events_as_well():
+    """vLLM's OffloadingConnector publishes the CPU tier's BlockStored / BlockRemoved only when asked for
+    self-describing events; vLLM merges this extra config with the one --kv-offloading-size makes."""
+    d = desired(spec(**PAIR, **ROUTED, **NATIVE))
+    argv = render.vllm_argv(kind(d, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0])
+    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert config == {"kv_connector_extra_config": {"self_describing_kv_events": True}}
+    assert argv[argv.index("--kv-offloading-backend") + 1] == "native" and "--kv-events-config" in argv
+    # With a NetworkPolicy, the router's pods may reach the publisher and its replay endpoint.
+    fenced = desired(spec(**PAIR, **ROUTED, **NATIVE, networkPolicy__servingFrom=["clients"]))
+    (rule,) = [r for r in kind(fenced, "NetworkPolicy")[0]["spec"]["ingress"]
+               if r["from"] == [{"podSelector": {"matchLabels": {routing.ROUTER_LABEL: "svc"}}}]]
+    assert {p["port"] for p in rule["ports"]} == {8000, engine_router.KV_EVENTS_PORT, engine_router.KV_EVENTS_REPLAY_PORT}
+
+
+def _pod(name: str, ip: str | None, ready: bool = True, leaving: bool = False, component: str = "serving") -> dict:
+    meta: dict = {"name": name, "labels": {"kvoffload.io/serve": "svc", "app.kubernetes.io/component": component}}
+    if leaving:
+        meta["deletionTimestamp"] = "2026-12-03T00:00:00Z"
+    return {"metadata": meta, "status": {**({"podIP": ip} if ip else {}),
+                                         "conditions": [{"type": "Ready", "status": str(ready)}]}}
+
+
+def test_kv_aware_workers_are_the_ready_serving_pods_in_name_order():
+    labels = {"kvoffload.io/serve": "svc", "app.kubernetes.io/component": "serving"}
+    pods = [_pod("svc-2", "198.18.0.13"), _pod("svc-0", "198.18.0.11"), _pod("svc-1", "198.18.0.12", ready=False),
+            _pod("svc-3", None), _pod("svc-4", "198.18.0.15", leaving=True),
+            _pod("svc-router-x", "198.18.0.16", component="router")]
+    assert routing.workers(pods, labels) == ("198.18.0.11", "198.18.0.13")
+
+
+def test_kv_aware_router_is_started_with_each_worker_and_its_event_sources():
+    """vllm-router 0.1.17 indexes only the workers it starts with, and asks an engine over HTTP for nothing when
+    its event source is given: each worker with its publisher and replay endpoint, vLLM's block size and one
+    model identity. Discovery stays on beside them (a pod that goes is dropped at once)."""
+    s = spec(**PAIR, **ROUTED, **NATIVE)
+    d = pipeline.desired("svc", "team-a", "uid-1", s, Settings(), WORKERS)
+    args = router_container(d)["args"]
+    urls = ["http://198.18.0.12:8000", "http://198.18.0.11:8000"]
+    assert args[args.index("--worker-urls") + 1: args.index("--worker-urls") + 3] == urls
+    sources = [args[i + 1] for i, a in enumerate(args) if a == "--kv-event-source"]
+    replays = [args[i + 1] for i, a in enumerate(args) if a == "--kv-event-replay-source"]
+    assert sources == [f"{u}=tcp://{ip}:5557" for u, ip in zip(urls, WORKERS)]
+    assert replays == [f"{u}=tcp://{ip}:5558" for u, ip in zip(urls, WORKERS)]
+    assert args[args.index("--kv-event-block-size") + 1] == "16"
+    assert args[args.index("--kv-event-model") + 1] == d.spec.model.served_name
+    assert "--service-discovery" in args and d.workers == WORKERS
+    # Without Ready pods (offline rendering, a new resource) the router starts on discovery alone.
+    assert "--worker-urls" not in router_container(desired(s))["args"]
+    # IPv6 pod addresses, as the router spells a discovered one.
+    assert routing.worker_args(d.spec, ("fd00::5",))[:2] == ["--worker-urls", "http://[fd00::5]:8000"]
+
+
+def test_only_kv_aware_reads_the_workers_and_the_cache_follows_them():
+    cache = pipeline.DesiredCache()
+    s = spec(**PAIR, **ROUTED, **NATIVE)
+    one = cache.get("svc", "team-a", "uid-1", s, Settings(), WORKERS[:1])
+    two = cache.get("svc", "team-a", "uid-1", s, Settings(), WORKERS)
+    assert one.workers == WORKERS[:1] and two.workers == WORKERS and one is not two
+    assert cache.get("svc", "team-a", "uid-1", s, Settings(), WORKERS) is two
+    plain = spec(**PAIR, **ROUTED)  # cache_aware: the pods do not change what is rendered
+    first = cache.get("svc", "team-b", "uid-2", plain, Settings(), WORKERS)
+    assert first.workers == () and cache.get("svc", "team-b", "uid-2", plain, Settings(), ()) is first
+
+
+def test_a_router_that_is_replaced_serves_until_its_successor_is_ready_and_drains():
+    deployment = kind(desired(spec(**ROUTED)), "Deployment")[0]
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
+                                              "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["containers"][0]["lifecycle"] == {"preStop": {"sleep": {"seconds": routing.ROUTER_DRAIN_S}}}
+    assert pod["terminationGracePeriodSeconds"] == routing.ROUTER_DRAIN_S + routing.ROUTER_FINISH_S
 
 
 # --- the rendered router
@@ -273,11 +357,11 @@ def test_ready_waits_for_the_router_and_status_names_it():
     assert st["endpoint"] == "http://svc-router.team-a.svc:8000/v1"
     assert st["routing"] == {"policy": "cache_aware", "deployment": "svc-router", "readyReplicas": 0,
                              "credits": plan_routing.credits(d.budget),
-                             "maxTreeSize": plan_routing.max_tree_size(d.budget)}
+                             "maxTreeSize": plan_routing.max_tree_size(d.budget), "unseenTiers": ["cpu"]}
     st = conditions.status({**BODY, "spec": s}, d, None, conditions.Observed(STS, [], None, None, _deployment(1)))
     c = _conds(st)
     assert c["Ready"]["status"] == "True" and c["RouterReady"]["reason"] == "RouterAvailable"
-    assert "policy cache_aware (auto: cache_aware)" in c["RouterReady"]["message"]
+    assert "policy cache_aware (auto)" in c["RouterReady"]["message"]
     assert why.kstatus({**BODY, "spec": s, "status": {**st, "observedGeneration": 1}}) == ("Current", "ready")
 
 
@@ -300,6 +384,14 @@ def test_why_explains_the_router():
     assert re.search(r"credit per offload tier .*: cpu 0\.9\d+, disk 0", text)
     tokens = plan_routing.cached_tokens(desired(s).budget)
     assert f"cache_aware remembers {tokens:,} tokens of prompts per replica (--max-tree-size {8 * tokens}" in text
+    assert "tiers worth a hit whose KV events the engines do not publish: cpu (why auto runs cache_aware)" in text
+    kv = spec(**PAIR, **ROUTED, **NATIVE)
+    d = pipeline.desired("svc", "team-a", "uid-1", kv, Settings(), WORKERS)
+    st = conditions.status({**BODY, "spec": kv}, d, None, conditions.Observed(STS, [], None, None, _deployment(1)))
+    text = why.explain({**BODY, "spec": kv, "status": {**st, "observedGeneration": 1}}, STS, [], [],
+                       datetime.now(timezone.utc))
+    assert "kv_aware indexes the KV events (gpu, cpu tiers) of the 2 serving pod(s) it was started with" in text
+    assert "KV events of 2/4 replicas indexed" in _conds(st)["RouterReady"]["message"]
 
 
 # --- the real router's flags
@@ -311,7 +403,9 @@ def test_every_rendered_flag_is_one_the_real_router_declares(vllm_router):
     declared = set(re.findall(r"(--[a-z0-9-]+)", help_text))
     d = desired(spec(**ROUTED, engine__apiKeySecretRef__name="api"))
     rendered = {a for a in router_container(d)["args"] if a.startswith("--")}
-    rendered |= {a for a in routing.policy_args(RoutingSpec("kv_aware", "kv_aware", 1), d.budget) if a.startswith("--")}
+    kv = pipeline.desired("svc", "team-a", "uid-1", spec(**ROUTED, **NATIVE), Settings(), WORKERS)
+    rendered |= {a for a in router_container(kv)["args"] if a.startswith("--")}
+    assert "--kv-event-source" in rendered and "--worker-urls" in rendered
     assert rendered <= declared, rendered - declared
     for policy in engine_router.POLICIES[1:]:
         assert policy in help_text

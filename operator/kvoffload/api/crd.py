@@ -468,9 +468,10 @@ def _routing() -> Schema:
         {"enabled": {"type": "boolean", "default": True,
                      "description": "Run the router (false keeps the section "
                                     "but removes the router and its children)."},
-         "policy": _s("How the router picks a replica. auto: kv_aware where the engine lets the router index its KV "
-                      "events (GET /get_server_info and /kv_event_sources; no vLLM the operator knows serves both "
-                      "yet), else cache_aware. kv_aware: follows the engines' KV events, crediting a hit in each tier "
+         "policy": _s("How the router picks a replica. auto: kv_aware where the engines' KV events cover every tier "
+                      "worth a hit (backend vllm-native), else cache_aware (status.routing.unseenTiers says why). "
+                      "kv_aware: follows the engines' KV events (the router is started with each Ready replica and "
+                      "its event publisher, and rolls when they change), crediting a hit in each tier "
                       "by what it saves against recomputing (status.routing.credits). cache_aware: a per-replica "
                       "prefix tree of the requests' tokens, sized from the tiers worth reloading "
                       "(status.routing.maxTreeSize). round_robin: no cache affinity.",
@@ -543,7 +544,15 @@ def status_schema() -> Schema:
              "credits": {"type": "object", "additionalProperties": {"type": "number"},
                          "description": "kv_aware: the credit of a hit in each offload tier (1 - reload / recompute "
                                         "time, 0 when reloading is slower than recomputing), as rendered into the "
-                                        "router's --kv-penalty-* flags."}}),
+                                        "router's --kv-penalty-* flags."},
+             "eventTiers": {"type": "array", "items": {"type": "string"}, "x-kubernetes-list-type": "atomic",
+                            "description": "kv_aware: the tiers whose KV events the engines publish to the router "
+                                           "(gpu; cpu with backend vllm-native)."},
+             "unseenTiers": {"type": "array", "items": {"type": "string"}, "x-kubernetes-list-type": "atomic",
+                             "description": "Tiers worth a hit whose KV events the engines do not publish: why auto "
+                                            "runs cache_aware, or what kv_aware cannot see."},
+             "workers": _i("kv_aware: serving pods the router was started with (their KV events indexed); pods "
+                           "that became Ready since are routed on load until the router rolls.", format="int32")}),
          "versions": _o("The engine: the pair the operator rendered for, and what the pods really run.", {
              "image": _s("Serving image."),
              "renderedFor": _o("The vLLM / LMCache pair the pods were rendered for (spec.engine versions, else the "

@@ -17,7 +17,6 @@ from typing import Any
 from kubernetes.utils.quantity import parse_quantity
 
 from ..engine import flags, images
-from ..engine import router as engine_router
 from . import crd, managed, rules
 from .errors import ConfigError
 from .quantity import to_bytes
@@ -195,7 +194,7 @@ class AutoscalingSpec:
 
 @dataclass(frozen=True)
 class RoutingSpec:
-    policy: str  # what the router runs: spec.routing.policy with auto resolved (engine/router.resolve)
+    policy: str  # what the router runs: spec.routing.policy, auto until rendering/routing.resolve decides
     requested: str  # spec.routing.policy as written (or its default)
     replicas: int
 
@@ -537,24 +536,15 @@ def _autoscaling(r: _Reader, settings: Settings) -> AutoscalingSpec | None:
                            scale_down_window=optional("scaleDownWindowSeconds"), wake_query=wake)
 
 
-def _routing(r: _Reader, engine: EngineSpec) -> RoutingSpec | None:
+def _routing(r: _Reader) -> RoutingSpec | None:
     if r.get("routing", None) is None:
         return None
     enabled, requested = _bool(r, "routing.enabled"), _enum(r, "routing.policy")
     replicas = _int(r, "routing.replicas")
-    found = engine_router.discovery(engine.vllm_version)
-    if requested == "kv_aware" and not found.indexable:
-        # The router would start, find no KV events to index and route on load alone: worse than cache_aware.
-        others = [p for p in engine_router.POLICIES if p != "kv_aware"]
-        raise ConfigError("spec.routing.policy", f"kv_aware cannot take effect on this engine: vllm-router "
-                                                 f"{engine_router.VERSION} indexes a pod's KV events only when it "
-                                                 "answers GET /get_server_info (kv_block_size) and GET "
-                                                 f"/kv_event_sources, and {found.why}; "
-                                                 f"allowed values here: {', '.join(others)}")
     if not enabled:
         return None
-    return RoutingSpec(policy=engine_router.resolve(requested, engine.vllm_version), requested=requested,
-                       replicas=replicas)
+    # auto is resolved with the Budget (rendering/routing.resolve): which tiers are worth a hit decides it.
+    return RoutingSpec(policy=requested, requested=requested, replicas=replicas)
 
 
 def parse(spec: dict[str, Any], settings: Settings) -> Spec:
@@ -573,7 +563,7 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
         metrics_port=_int(r, "metrics.port"),
         network_policy=_network_policy(r),
         autoscaling=_autoscaling(r, settings),
-        routing=_routing(r, engine),
+        routing=_routing(r),
     )
     rules.check(spec)  # the CRD's CEL rules, each declared once in api/rules.py
     flags.check_dtypes(parsed.model.kv_dtype, parsed.engine.dtype, parsed.engine.vllm_version)

@@ -165,6 +165,10 @@ class Backend(ABC):
     sources: tuple[Source, ...] = (VLLM,)  # what the exporter reads
     proof: str = ""  # what proves offloading, beyond vLLM asking its KV connector (kvoffload_offload_active)
     unloaded_help: str = ""  # kvoffload_external_hits_unloaded_tokens' help, where unloaded_tokens judges
+    # The tiers whose KV events the engine publishes for the router (spec.routing kv_aware): vLLM's own prefix cache
+    # (medium GPU) always; an offload tier only where its connector publishes a BlockStored and a BlockRemoved.
+    event_tiers: tuple[str, ...] = ("gpu",)
+    events_why: str = ""  # why the offload tiers publish no events the router can use (docs/routing.md)
     reasons: Reasons
 
     @property
@@ -195,6 +199,10 @@ class Backend(ABC):
     @abstractmethod
     def vllm_args(self, spec: Spec, budget: BudgetView) -> list[str]:
         """vLLM flags that turn this backend's offloading on."""
+
+    def kv_events_args(self, spec: Spec, budget: BudgetView) -> list[str]:
+        """vLLM flags beyond --kv-events-config that make the offload tiers publish their KV events (kv_aware)."""
+        return []
 
     def vllm_env_head(self, spec: Spec) -> list[dict[str, Any]]:
         """Variables that come first in the vllm container (where the backend's config is)."""

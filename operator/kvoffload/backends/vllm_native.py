@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..api.quantity import gib, human
+from ..engine import flags
 from .base import VLLM, VLLM_OFFLOAD, Backend, BudgetView, MemoryTerm, ModelShape, Reasons, Refusal, Seen, Sizing
 
 if TYPE_CHECKING:
     from ..api.spec import Spec
 
-NATIVE_BLOCK_TOKENS = 16  # vLLM's CUDA KV block size: the unit vllm-native offloads
+NATIVE_BLOCK_TOKENS = flags.BLOCK_TOKENS  # vLLM's CUDA KV block size: the unit vllm-native offloads
 
 
 def native_offloading_size_gib(size: int) -> float:
@@ -113,6 +114,9 @@ class VllmNative(Backend):
     }
     stages = False
     sources = (VLLM, VLLM_OFFLOAD)
+    # The OffloadingConnector publishes its CPU tier's BlockStored / BlockRemoved (medium CPU) when asked for
+    # self-describing events (vllm/distributed/kv_transfer/kv_connector/v1/offloading/events.py, 0.26.0 and 0.33.0).
+    event_tiers = ("gpu", "cpu")
     proof = ("vLLM's native offload counters are on its page (vllm:kv_offload_store_bytes_total: "
              "the OffloadingConnector is the one configured)")
     reasons = Reasons(
@@ -163,6 +167,11 @@ class VllmNative(Backend):
         # GiB over all TP ranks (vLLM's CacheConfig.kv_offloading_size): OffloadingConnector, CPU tier only.
         size = native_offloading_size_gib(budget.tier("cpu").bytes)
         return ["--kv-offloading-backend", "native", "--kv-offloading-size", repr(size)]
+
+    def kv_events_args(self, spec: Spec, budget: BudgetView) -> list[str]:
+        # Only the extra config: vLLM fills in the connector, its role and cpu_bytes_to_use from the flags above
+        # (VllmConfig._post_init_kv_transfer_config updates kv_connector_extra_config, it does not replace it).
+        return ["--kv-transfer-config", '{"kv_connector_extra_config":{"self_describing_kv_events":true}}']
 
     def exporter_args(self, spec: Spec, budget: BudgetView) -> list[str]:
         return ["--backend", self.name, "--cpu-capacity-bytes", str(budget.tier("cpu").bytes)]

@@ -150,6 +150,12 @@ def _routing(obj: dict[str, Any]) -> list[str]:
         lines.append(f"  cache_aware remembers {r['maxTreeSize'] // engine_router.TREE_CHARS_PER_TOKEN:,} tokens of "
                      f"prompts per replica (--max-tree-size {r['maxTreeSize']}: "
                      f"{engine_router.TREE_CHARS_PER_TOKEN} characters per token)")
+    if "workers" in r:
+        lines.append(f"  kv_aware indexes the KV events ({', '.join(r.get('eventTiers') or [])} tiers) of the "
+                     f"{r['workers']} serving pod(s) it was started with; the router rolls when the Ready pods change")
+    if r.get("unseenTiers"):
+        lines.append(f"  tiers worth a hit whose KV events the engines do not publish: {', '.join(r['unseenTiers'])}"
+                     + (" (why auto runs cache_aware)" if r.get("policy") == "cache_aware" else ""))
     lines.append(f"  a hit's credit per offload tier (1 - reload/recompute; 0: slower than recompute): {figures}")
     return lines
 

@@ -166,7 +166,9 @@ def _router(desired: Desired, obs: Observed) -> Cond:
     if routing is None:
         return Cond("RouterReady", "False", "NotConfigured", "spec.routing is not set: clients call the serving Service, "
                                                               "which spreads requests over the replicas at random")
-    what = f"vllm-router, policy {routing.policy}" + (f" (auto: {routing.policy})" if routing.requested == "auto" else "")
+    what = f"vllm-router, policy {routing.policy}" + (" (auto)" if routing.requested == "auto" else "")
+    if routing.policy == "kv_aware":
+        what += f", KV events of {len(desired.workers)}/{desired.spec.replicas} replicas indexed"
     st = (obs.router or {}).get("status", {}) or {}
     ready = st.get("readyReplicas") or 0
     if router_available(obs.router, routing.replicas):
@@ -423,6 +425,11 @@ def routing_status(desired: Desired, name: str, deployment: dict[str, Any] | Non
                            "credits": plan_routing.credits(desired.budget)}
     if desired.max_tree_size is not None:  # cache_aware: the tree budget the router was rendered with
         out["maxTreeSize"] = desired.max_tree_size
+    if routing.policy == "kv_aware":
+        out["eventTiers"] = list(backends.get(desired.spec.offload.backend).event_tiers)
+        out["workers"] = len(desired.workers)
+    if unseen := render_routing.unseen(desired.spec, desired.budget):
+        out["unseenTiers"] = list(unseen)
     return out
 
 

@@ -49,6 +49,7 @@ class Desired:
     applied: list[dict[str, Any]] = field(default_factory=list)  # as applied: each stamped with its hash
     autoscaler: str = ""  # with spec.autoscaling: what renders it, "hpa" or "keda" (decided here, not read back)
     max_tree_size: int | None = None  # cache_aware routing: the router's --max-tree-size (decided here, not read back)
+    workers: tuple[str, ...] = ()  # kv_aware routing: the Ready serving pods' IPs the router was rendered with
 
 
 def bandwidths(spec: Spec) -> sizing.Bandwidths:
@@ -111,22 +112,29 @@ def plan_for(spec: Spec) -> sizing.Budget:
     return budget
 
 
-def desired(name: str, namespace: str, uid: str, spec_dict: dict[str, Any], settings: Settings) -> Desired:
-    """Everything the operator wants for one KVOffloadServe, or a ConfigError naming the field."""
+def desired(name: str, namespace: str, uid: str, spec_dict: dict[str, Any], settings: Settings,
+            workers: tuple[str, ...] = ()) -> Desired:
+    """Everything the operator wants for one KVOffloadServe, or a ConfigError naming the field. `workers`: the Ready
+    serving pods' IPs (rendering/routing.workers), which only kv_aware's router reads."""
     render.check_name(name)
     spec = parse(spec_dict, settings)
     budget = plan_for(spec)
+    spec = render_routing.resolve(spec, budget)
+    if spec.routing is None or spec.routing.policy != "kv_aware":
+        workers = ()  # nothing else depends on them: one cached answer whatever the pods do
     owner = render.Owner(name=name, namespace=namespace, uid=uid)
-    children = render.children(owner, spec, budget, settings)
+    children = render.children(owner, spec, budget, settings, workers)
     scaler = ("keda" if settings.autoscaler == "keda" else "hpa") if spec.autoscaling else ""
     return Desired(spec=spec, budget=budget, children=children, applied=[stamped(c) for c in children],
-                   autoscaler=scaler, max_tree_size=render_routing.max_tree_size(spec.routing, budget))
+                   autoscaler=scaler, max_tree_size=render_routing.max_tree_size(spec.routing, budget),
+                   workers=workers)
 
 
 class DesiredCache:
     """The last `desired` answer per resource. Reconciles run on every watch event of a resource's
     children and pods, and parse + plan + render take milliseconds, while the spec changes rarely. A hit
-    needs the same uid, an equal spec and equal Settings, so it is exactly what `desired` would return.
+    needs the same uid, an equal spec and equal Settings (and, for kv_aware, the same workers), so it is exactly
+    what `desired` would return.
     Thread-safe (reconciles run in worker threads); one per Runtime, passed to each reconcile."""
 
     def __init__(self, size: int = 4096) -> None:
@@ -135,18 +143,19 @@ class DesiredCache:
             OrderedDict())
         self.lock = threading.Lock()
 
-    def get(self, name: str, namespace: str, uid: str, spec_dict: dict[str, Any], settings: Settings) -> Desired:
+    def get(self, name: str, namespace: str, uid: str, spec_dict: dict[str, Any], settings: Settings,
+            workers: tuple[str, ...] = ()) -> Desired:
         key = (namespace, name, uid)
         with self.lock:
             hit = self.entries.get(key)
-            if hit is not None and hit[0] == spec_dict and hit[1] == settings:
+            if hit is not None and hit[0] == spec_dict and hit[1] == settings and _same_workers(hit[2], workers):
                 self.entries.move_to_end(key)
                 result = hit[2]
             else:
                 hit = None
         if hit is None:
             try:
-                result = desired(name, namespace, uid, spec_dict, settings)
+                result = desired(name, namespace, uid, spec_dict, settings, workers)
             except ConfigError as exc:
                 result = exc
             with self.lock:
@@ -157,6 +166,13 @@ class DesiredCache:
         if isinstance(result, ConfigError):
             raise result
         return result
+
+
+def _same_workers(result: Desired | ConfigError, workers: tuple[str, ...]) -> bool:
+    """A cached answer holds for these workers: it did not read them (not kv_aware), or read the same."""
+    if isinstance(result, ConfigError) or result.spec.routing is None or result.spec.routing.policy != "kv_aware":
+        return True
+    return result.workers == workers
 
 
 def unchecked(spec: Spec) -> bool:

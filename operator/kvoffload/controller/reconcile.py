@@ -16,6 +16,7 @@ from ..api.conditions import APPLY_REFUSED, NAME_CONFLICT
 from ..api.errors import ConfigError
 from ..api.settings import Settings
 from ..rendering import autoscaling, render
+from ..rendering import routing as render_routing
 from . import conditions, events, pipeline, probe
 from .discovery import AutoscalingApis, Discovered
 from .kube import ApiError, Kube, collection
@@ -275,22 +276,29 @@ def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: date
     meta = body["metadata"]
     desired: pipeline.Desired | None = None
     error: ConfigError | None = None
+    pods: list[dict[str, Any]] | None = None
+    workers: tuple[str, ...] = ()
+    if (body.get("spec") or {}).get("routing"):  # kv_aware's router is rendered with the Ready serving pods
+        pods = kube.list(collection("v1", "Pod", namespace), f"{render.OWNER_LABEL}={name}")
+        workers = render_routing.workers(pods, render.serving_labels(render.Owner(name, namespace, meta["uid"])))
     try:
-        desired = memos.desired.get(name, namespace, meta["uid"], body.get("spec") or {}, settings)
+        desired = memos.desired.get(name, namespace, meta["uid"], body.get("spec") or {}, settings, workers)
     except ConfigError as exc:
         error = exc  # no child is created or changed while the spec is invalid
     applied: list[str] = []
     live: dict[tuple[str, str, str], dict[str, Any]] = {}
-    sts, pods, probes = None, [], None
+    sts, probes = None, None
     if desired is not None:
         try:
             sts, applied, live = sync_children(kube, namespace, name, meta["uid"], desired.applied,
                                                pipeline.unchecked(desired.spec), memos.covered, child_kinds)
         except ConfigError as exc:
             desired, error = None, exc
+    if desired is None or not desired.spec.replicas:
+        pods = []
+    elif pods is None:
+        pods = kube.list(collection("v1", "Pod", namespace), f"{render.OWNER_LABEL}={name}")
     if desired is not None:
-        if desired.spec.replicas:
-            pods = kube.list(collection("v1", "Pod", namespace), f"{render.OWNER_LABEL}={name}")
         if settings.probe_exporters and desired.spec.metrics_enabled:
             probes = probe.probe_exporters(pods, desired.spec.metrics_port)
     hpa = (live.get((*autoscaling.HPA, autoscaling.name(name, settings)))

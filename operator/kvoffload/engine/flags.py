@@ -31,6 +31,9 @@ DATA = Path(__file__).parent / "data"
 FIELD = "spec.engine.extraArgs"
 
 MANAGED = "the operator sets it from the spec"
+# vLLM's KV block size on CUDA (its default). The operator counts in it: vllm-native's offload unit and the tier sizes
+# it plans, and the block size the router indexes KV events in (spec.routing kv_aware, --kv-event-block-size).
+BLOCK_TOKENS = 16
 # Why a dest may not be set through extraArgs. Dests, not spellings: every alias of a dest is covered.
 REFUSED_DESTS: dict[str, str] = {
     "model": MANAGED + " (spec.model.name)", "served_model_name": MANAGED + " (spec.model.servedName)",
@@ -71,6 +74,8 @@ REFUSED_DESTS: dict[str, str] = {
                           "weights and KV cache the operator did not size)",
     "hf_overrides": "it changes the model's shape (layers, heads) the "
                     "KV bytes per token and the memory budget come from",
+    "block_size": f"the operator counts in vLLM's {BLOCK_TOKENS}-token KV blocks (vllm-native's offload unit, the "
+                  "router's KV index)",
 }
 REFUSED_DEST_PREFIXES: dict[str, str] = {
     "data_parallel_": "it changes the GPU count (data parallelism is spec.replicas: one pod per replica)",

@@ -114,7 +114,7 @@ def _vllm_args(spec: Spec, budget: Budget, backend: Backend) -> list[str]:
             "--dtype", e.dtype]
     if spec.model.kv_dtype != "auto":
         args += ["--kv-cache-dtype", KV_DTYPE_FLAG[spec.model.kv_dtype]]
-    return args + [*backend.vllm_args(spec, budget), *routing.kv_events_args(spec), *e.extra_args]
+    return args + [*backend.vllm_args(spec, budget), *routing.kv_events_args(spec, budget), *e.extra_args]
 
 
 def _telemetry_off_env() -> list[dict[str, Any]]:
@@ -397,9 +397,11 @@ def check_name(name: str) -> None:
                                            f"of at most {crd.MAX_NAME} characters so child and pod names fit in 63")
 
 
-def children(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> list[dict[str, Any]]:
+def children(owner: Owner, spec: Spec, budget: Budget, settings: Settings,
+             workers: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Every child, in apply order (owner.name passed check_name: pipeline.desired checks it first), for every
-    backend: the generic ones, plus the backend's config child and its fragments of the pod."""
+    backend: the generic ones, plus the backend's config child and its fragments of the pod. `spec` has its routing
+    policy resolved (routing.resolve); `workers` are the Ready serving pods' IPs (routing.workers)."""
     backend = backends.get(spec.offload.backend)
     files = backend.config_files(spec, budget)  # None: the backend's flags say it all
     config = [configmap(owner, files, settings)] if files is not None else []
@@ -415,6 +417,6 @@ def children(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> li
                                     spec, budget, settings)
     rbac, router = routing.children(lambda: _meta(names(owner.name)["router"], owner, settings), owner.name,
                                     owner.namespace,
-                                    spec, serving_labels(owner), budget, settings)
+                                    spec, serving_labels(owner), budget, settings, workers)
     return [*config, *services(owner, spec, settings), *rbac, *router[:1], sts, *router[1:], pdb(owner, settings),
             *([policy] if policy else []), *([scaler] if scaler else [])]
