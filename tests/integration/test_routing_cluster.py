@@ -28,14 +28,13 @@ import re
 import socket
 import subprocess
 import threading
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from kvoffload.engine import router as engine_router
 from kvtest import ROOT, background, condition, images
 from kvtest.specs import serve, wait_ready
 from kvtest.standin_prefix_engine import BLOCK, PrefixCache, StandInPrefixEngine, tokens
@@ -215,9 +214,6 @@ def test_router_discovers_the_serving_pods_and_keeps_each_prefix_on_one_replica(
             e.close()
 
 
-NATIVE = {"offload__backend": "vllm-native", "offload__disk": None}
-
-
 def _worker_urls(args: list[str]) -> list[str]:
     if "--worker-urls" not in args:
         return []
@@ -227,14 +223,17 @@ def _worker_urls(args: list[str]) -> list[str]:
 
 def test_kv_aware_as_rendered_indexes_every_replicas_events_and_follows_the_replicas(engine_python, cluster, namespace,
                                                                                     operator, tmp_path, vllm_router):
-    """Backend vllm-native publishes its GPU and CPU tiers' KV events, so auto runs kv_aware. The operator renders the
+    """examples/routing/native-qwen25-7b.yaml: backend vllm-native publishes its GPU and CPU tiers' KV events, so auto
+    runs kv_aware. The operator renders the
     router with the Ready serving pods as --worker-urls, each with its publisher and replay endpoint (static sources:
     the router asks the engines nothing over HTTP, so the vLLM routes it lacks do not matter). The real router with
     exactly those arguments, in front of stand-in engines on the pods' addresses that publish vLLM's own event classes
     (BlockStored, medium GPU or CPU): a prefix held by one replica only in its CPU tier, and one held only in another's
     GPU tier, draw every request to their holder, which serves them as hits. Scaled up by the scale subresource, the
     new pod is rendered into the router's workers once it is Ready."""
-    cluster.client.apply(serve("kv", replicas=REPLICAS, routing={}, **NATIVE), namespace)
+    example = yaml.safe_load((ROOT / "examples" / "routing" / "native-qwen25-7b.yaml").read_text())
+    cluster.client.apply({**example, "metadata": {"name": "kv"}, "spec": {**example["spec"], "replicas": REPLICAS}},
+                         namespace)
     wait_ready(cluster, namespace, "kv", timeout=180)
     rendered: dict[str, Any] = {}
 

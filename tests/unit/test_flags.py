@@ -40,7 +40,7 @@ EVERY_VLLM = pytest.mark.parametrize("v", OFFERED)
     # what vLLM 0.26.0 and 0.33.0 refuse
     (["--swap-space", "4"], "not a flag of vLLM"),
     (["--enable-prefix-caching=False"], "takes no value"),
-    (["--block-size", "big"], "takes an integer"), (["--gpu-memory-utilization-x"], "not a flag"),
+    (["--dbo-decode-token-threshold", "big"], "takes an integer"), (["--gpu-memory-utilization-x"], "not a flag"),
     (["--collect-detailed-traces", "bogus"], "allowed:"),
     (["--seed"], "needs a value"), (["stray"], "not a flag"), (["--enable-pr"], "ambiguous"),
     (["--enforce"], "abbreviates --enforce-eager"),

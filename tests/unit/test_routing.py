@@ -10,6 +10,7 @@ import subprocess
 from datetime import datetime, timezone
 
 import pytest
+import yaml
 
 from kvoffload.api import crd
 from kvoffload.api.errors import ConfigError
@@ -20,6 +21,7 @@ from kvoffload.controller import conditions, pipeline
 from kvoffload.engine import router as engine_router
 from kvoffload.planning import routing as plan_routing
 from kvoffload.rendering import render, routing
+from kvtest import ROOT
 from kvtest.specs import PAIR, spec
 
 ROUTED = {"replicas": 4, "routing__policy": "auto"}
@@ -57,6 +59,14 @@ def test_auto_runs_kv_aware_where_the_events_cover_every_tier_worth_a_hit():
     assert d.spec.routing == RoutingSpec(policy="kv_aware", requested="auto", replicas=1)
     assert routing.unseen(d.spec, d.budget) == ()
     assert desired(spec(**NATIVE, replicas=4, routing__policy="round_robin")).spec.routing.policy == "round_robin"
+
+
+def test_the_routing_example_runs_kv_aware_with_the_cpu_tiers_credit():
+    doc = yaml.safe_load((ROOT / "examples" / "routing" / "native-qwen25-7b.yaml").read_text())
+    d = pipeline.desired(doc["metadata"]["name"], doc["metadata"]["namespace"], "", doc["spec"], Settings())
+    assert d.spec.routing is not None and d.spec.routing.policy == "kv_aware"
+    args = router_container(d)["args"]
+    assert args[args.index("--kv-penalty-host") + 1] == repr(plan_routing.credit(d.budget, "cpu")) != "0.0"
 
 
 def test_kv_aware_takes_effect_on_every_backend_and_status_says_what_it_cannot_see():
@@ -161,7 +171,8 @@ def test_vllm_native_publishes_its_cpu_tiers_events_as_well():
     fenced = desired(spec(**PAIR, **ROUTED, **NATIVE, networkPolicy__servingFrom=["clients"]))
     (rule,) = [r for r in kind(fenced, "NetworkPolicy")[0]["spec"]["ingress"]
                if r["from"] == [{"podSelector": {"matchLabels": {routing.ROUTER_LABEL: "svc"}}}]]
-    assert {p["port"] for p in rule["ports"]} == {8000, engine_router.KV_EVENTS_PORT, engine_router.KV_EVENTS_REPLAY_PORT}
+    events = {engine_router.KV_EVENTS_PORT, engine_router.KV_EVENTS_REPLAY_PORT}
+    assert {p["port"] for p in rule["ports"]} == {8000, *events}
 
 
 def _pod(name: str, ip: str | None, ready: bool = True, leaving: bool = False, component: str = "serving") -> dict:
