@@ -165,6 +165,8 @@ def check_vllm(case: dict, root_dir: str) -> dict:
             "kv_connector_extra_config": (config.kv_transfer_config.kv_connector_extra_config
                                           if config.kv_transfer_config else None),
             "connector_class": _connector_class(config),
+            "kv_events_config": (vars(config.kv_events_config).copy() if getattr(config, "kv_events_config", None)
+                                 else None),
             "host": args.host, "port": args.port,
         })
         if case.get("native_pinned"):

@@ -48,6 +48,8 @@ CASES = {
     "server-tp2-nodisk": dict(offload__backend="lmcache-server", offload__disk=None, engine__tensorParallelSize=2),
     "native": dict(offload__backend="vllm-native", offload__disk=None),
     "native-tp2": dict(offload__backend="vllm-native", offload__disk=None, engine__tensorParallelSize=2),
+    # spec.routing auto runs kv_aware on vllm-native: vLLM's KV events with a replay endpoint, the CPU tier's too.
+    "native-kv-aware": dict(offload__backend="vllm-native", offload__disk=None, replicas=2, routing={}),
 }
 
 
@@ -117,7 +119,7 @@ def test_server_command_line_through_lmcaches_parser(engine, case_id):
         assert p["l2_adapters"] == []
 
 
-@pytest.mark.parametrize("case_id", ["native", "native-tp2"])
+@pytest.mark.parametrize("case_id", ["native", "native-tp2", "native-kv-aware"])
 def test_native_command_line_through_vllms_parser(engine, case_id):
     d = desired(CASES[case_id])
     r = engine["vllm"][case_id]
@@ -128,6 +130,15 @@ def test_native_command_line_through_vllms_parser(engine, case_id):
     # vLLM turns --kv-offloading-size (GiB over all ranks) into bytes for the whole replica.
     assert abs(p["kv_connector_extra_config"]["cpu_bytes_to_use"] - d.budget.tier("cpu").bytes) < 1024
     assert p["tensor_parallel_size"] == d.spec.engine.tensor_parallel_size
+    events = p["kv_events_config"] or {}
+    if d.spec.routing is not None:  # kv_aware: vLLM merged the rendered extra config with --kv-offloading-size's
+        assert d.spec.routing.policy == "kv_aware"
+        assert p["kv_connector_extra_config"]["self_describing_kv_events"] is True
+        assert events["enable_kv_cache_events"] and events["publisher"] == "zmq"
+        assert (events["endpoint"], events["replay_endpoint"]) == ("tcp://*:5557", "tcp://*:5558")
+    else:
+        assert "self_describing_kv_events" not in p["kv_connector_extra_config"]
+        assert not events.get("enable_kv_cache_events")
 
 
 VLLM_PAGE = (ROOT / "tests" / "fixtures" / "vllm-0.26.0-lmcache-0.5.3-h200"
