@@ -25,8 +25,11 @@ $(VENV)/.done: operator/pyproject.toml tests/support/pyproject.toml
 
 # The operator's dependencies as wheels (cached), so the test that installs ./operator in a clean venv
 # like the operator image does runs offline (tests never reach the network).
+# Also what the slim stand-in engine image installs beside them (tests/images/vllm-standin-slim): vLLM's KV-event
+# transport, ZMQ and msgpack, at the versions vLLM 0.26.0's engine venv holds.
 operator-wheels: venv
-	$(BIN)/pip download -q -d $(HOME)/.cache/kvoffload/wheelhouse ./operator 'setuptools>=68' wheel
+	$(BIN)/pip download -q -d $(HOME)/.cache/kvoffload/wheelhouse ./operator 'setuptools>=68' wheel \
+	  'pyzmq==27.3.0' 'msgspec==0.23.0'
 
 # The serving image of one offered pair: PAIR=<vLLM>-<LMCache> (engine/images.py), default the default pair.
 PAIR ?= $(VLLM_VERSION)-$(LMCACHE_VERSION)

@@ -45,10 +45,10 @@ def _with(args: list[str], flag: str, value: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def stand_in(port: int, name: str, container: dict, tmp: Path) -> Iterator[str]:
+def stand_in(port: int, name: str, container: dict, tmp: Path, host: str = "127.0.0.1") -> Iterator[str]:
     """The stand-in `vllm serve` with the rendered engine container's arguments and plain environment values (its
-    multiprocess metrics directory in `tmp`), on 127.0.0.1:`port`, named `name`."""
-    argv = _with(_with(container["args"], "--host", "127.0.0.1"), "--port", str(port))
+    multiprocess metrics directory in `tmp`), on `host`:`port`, named `name`."""
+    argv = _with(_with(container["args"], "--host", host), "--port", str(port))
     metrics = tmp / f"prometheus-{name}"
     metrics.mkdir()
     rendered_env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
@@ -57,7 +57,7 @@ def stand_in(port: int, name: str, container: dict, tmp: Path) -> Iterator[str]:
            "KVO_STANDIN_RECORDED": str(ROOT / "tests" / "fixtures"), "KVO_STANDIN_REPLICA": name}
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *argv], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
     try:
         wait_until(lambda: proc.poll() is not None or urllib.request.urlopen(f"{url}/health", timeout=2).status == 200,
                    timeout=30, interval=0.1, message=f"stand-in {name} on {url}")
@@ -138,6 +138,69 @@ def test_the_real_router_keeps_each_document_on_one_stand_in(vllm_router, tmp_pa
             # the completions of its own document.
             seen = {c["replica"]: c for c in rw.counts([url_a, url_b])}
             assert all(c["render"] >= 8 and c["completions"] == 4 for c in seen.values()), seen
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
+
+
+def test_the_real_router_as_rendered_for_kv_aware_follows_the_stand_ins_kv_events(vllm_router, tmp_path):
+    """kv_aware as the operator renders it (backend vllm-native, auto), the workers two stand-ins on their own loopback
+    addresses at the rendered port 8000, each publishing vLLM's KV event classes (the STAND-IN module, byte-equal to
+    vLLM's: tests/engine/test_kv_events_mirror.py) on the rendered publisher and replay ports: every later question on
+    a document reaches the replica that computed it, and still does once that replica's GPU tier evicted it (its
+    BlockRemoved GPU), served from its CPU tier, whose BlockStored CPU the router credited."""
+    body = node.kv_routed_spec("kv", "stand-in")["spec"]
+    ips = ("127.0.0.2", "127.0.0.3")
+    d = pipeline.desired("kv", "ns", "uid-1", body, Settings(allowed_images=("stand-in",)), ips)
+    router_args = containers(d, "Deployment")["router"]["args"]
+    assert router_args[router_args.index("--policy") + 1] == "kv_aware"
+    vllm = containers(d, "StatefulSet")["vllm"]
+    port, metrics = free_ports(2)
+    with (stand_in(8000, "replica-a", vllm, tmp_path, host=ips[0]) as url_a,
+          stand_in(8000, "replica-b", vllm, tmp_path, host=ips[1]) as url_b):
+        assert (url_a, url_b) == tuple(f"http://{ip}:8000" for ip in ips)
+        argv = [x.replace("$(POD_IP)", "127.0.0.1") for x in router_args]
+        # No API server here: without its discovery flags the router is exactly the rendered static workers.
+        start, end = argv.index("--service-discovery"), argv.index("--policy")
+        argv = _with(_with(argv[:start] + argv[end:], "--port", str(port)), "--prometheus-port", str(metrics))
+        log = tmp_path / "router.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+        proc = subprocess.Popen([str(vllm_router), *argv, "--log-level", "debug"], env=env, stdout=log.open("w"),
+                                stderr=subprocess.STDOUT)
+        router = f"http://127.0.0.1:{port}"
+        try:
+            wait_until(lambda: urllib.request.urlopen(f"{router}/readiness", timeout=5).status == 200, timeout=60,
+                       message=f"the router ready ({log})")
+            doc = " ".join(f"kvdoc{j}" for j in range(320))  # 20 blocks of 16 tokens
+            # One replica is kept busy by a held request (both idle, load picks the first worker), so the document
+            # is computed on the other: the holder is never where load alone would send the next request.
+            blocker = threading.Thread(target=rw.complete, args=(router, MODEL, "one held request"),
+                                       kwargs={"hold_s": 4.0})
+            blocker.start()
+            wait_until(lambda: any(c["in_flight"] for c in rw.counts([url_a, url_b])), timeout=10,
+                       message="the held request arrives")
+            busy = next(c["replica"] for c in rw.counts([url_a, url_b]) if c["in_flight"])
+            holder = rw.complete(router, MODEL, f"{doc} first")["kvoffload_stand_in"]["replica"]
+            assert holder != busy
+            blocker.join(timeout=30)
+            holder_url = url_a if holder == "replica-a" else url_b
+            wait_until(lambda: rw.complete(router, MODEL, f"{doc} again")["kvoffload_stand_in"]["replica"] == holder,
+                       timeout=30, message=f"the document reaches its holder ({log})")
+            # The holder's GPU tier evicts it (BlockRemoved, medium GPU): its CPU tier still holds it, and the
+            # router, which indexed the CPU tier's BlockStored, still sends it there: CPU hits.
+            assert rw.post_json(f"{holder_url}/standin/evict", {"tier": "gpu"})[1]["evicted_blocks"] >= 20
+            for r in range(3):
+                answer = rw.complete(router, MODEL, f"{doc} after the GPU evicted it {r}")["kvoffload_stand_in"]
+                assert answer["replica"] == holder, (answer, log.read_text()[-2000:])
+                if r == 0:
+                    assert answer["hit_tokens"]["cpu"] == 20 * 16, answer
+            # And once its CPU tier evicts it too, nothing credits the holder: load decides (the first worker).
+            rw.post_json(f"{holder_url}/standin/evict", {"tier": "gpu"})
+            rw.post_json(f"{holder_url}/standin/evict", {"tier": "cpu"})
+            answer = rw.complete(router, MODEL, f"{doc} after both evicted it")["kvoffload_stand_in"]
+            assert answer["replica"] == busy, answer
+            text = log.read_text()  # the rendered sources, no GET /get_server_info (neither vLLM serves it)
+            assert "using configured static KV event sources" in text and "no block_size" not in text
         finally:
             proc.terminate()
             proc.wait(timeout=20)

@@ -153,7 +153,7 @@ def test_kv_aware_is_given_each_tiers_credit_and_the_engine_publishes_its_events
     flag, value = routing.kv_events_args(kv_spec, d.budget)
     assert flag == "--kv-events-config" and json.loads(value) == {
         "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
-        "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}
+        "replay_endpoint": "tcp://*:5558", "topic": ""}  # vllm-router 0.1.17 reads only topic "" from static sources
     assert routing.kv_events_args(d.spec, d.budget) == []  # cache_aware: the engine publishes nothing
     assert ("--kv-events-config"
             not in render.vllm_argv(kind(d, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]))

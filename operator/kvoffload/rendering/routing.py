@@ -34,8 +34,10 @@ ROUTER_LABEL = "kvoffload.io/router"
 KINDS = (("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "Role"),
          ("rbac.authorization.k8s.io/v1", "RoleBinding"),
          ("apps/v1", "Deployment"))
-# The engine's KV-event publisher (kv_aware only): vLLM's KVEventsConfig, bound on the pod's port KV_EVENTS_PORT.
-KV_EVENTS_TOPIC = "kv-events"
+# The engine's KV-event topic (kv_aware only): vLLM's KVEventsConfig default, "". vllm-router 0.1.17 drops every message
+# whose topic frame is not exactly the static source's topic, which its command line leaves "" (src/kv_index/
+# subscriber.rs; src/config/mod.rs parse_static_kv_event_sources).
+KV_EVENTS_TOPIC = ""
 # A replaced router pod: seconds it keeps serving after it is told to go (its Service endpoint is removed meanwhile),
 # then seconds its requests in flight have to finish (a long completion streams for minutes).
 ROUTER_DRAIN_S = 5

@@ -254,7 +254,8 @@ def images(extension: str | None = None, tag: str | None = None, pair_name: str 
                               PYTHON_BASE,
                               wheel_args, OPERATOR_WHEELHOUSE,
                               inputs=("fixtures/fake_vllm", "fixtures/lmcache-0.5.3-server-status", *RECORDED,
-                                      "images/vllm-standin/vllm", "images/vllm-standin-slim/lmcache")),
+                                      "images/vllm-standin/vllm", "images/vllm-standin-slim/lmcache",
+                                      "support/kvtest/standin_prefix_engine.py")),
         "router": Image(ROUTER, ROOT / "images/router/Dockerfile", ROOT / "images/router", PYTHON_BASE,
                         {**wheel_args, "VLLM_ROUTER_VERSION": ROUTER_VERSION}, ROUTER_WHEELHOUSE),
     }

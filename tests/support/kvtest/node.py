@@ -657,12 +657,23 @@ def serve_spec(name: str, image: str, disk: Path, *, env=(), reclaim: str = "Del
 
 
 def routed_spec(name: str, image: str, disk: Path, *, replicas: int = 2) -> dict:
-    """serve_spec with spec.routing (cache_aware, what vLLM 0.26.0 allows) and `replicas` replicas, backend lmcache
-    (in-process; the same disk tier): the lmcache-server backend's server sidecar requests a whole CPU per pod, so two
-    of its pods do not fit a 2-CPU node."""
+    """serve_spec with spec.routing (cache_aware) and `replicas` replicas, backend lmcache (in-process; the same disk
+    tier): the lmcache-server backend's server sidecar requests a whole CPU per pod, so two of its pods do not fit a
+    2-CPU node."""
     body = serve_spec(name, image, disk)
     spec = body["spec"]
     spec["offload"]["backend"] = "lmcache"
     spec["resources"] = {k: v for k, v in spec["resources"].items() if k != "serverBaseline"}
     spec.update(replicas=replicas, routing={"policy": "cache_aware"})
+    return body
+
+
+def kv_routed_spec(name: str, image: str, *, replicas: int = 2) -> dict:
+    """spec.routing with policy auto on backend vllm-native (CPU tier only): its engines publish the GPU and CPU tiers'
+    KV events, so auto runs kv_aware."""
+    body = serve_spec(name, image, Path("/unused"))
+    spec = body["spec"]
+    spec["offload"] = {"backend": "vllm-native", "cpu": {"size": STANDIN_CPU_TIER}}
+    spec["resources"] = {k: v for k, v in spec["resources"].items() if k not in ("serverBaseline", "stagingPerWorker")}
+    spec.update(replicas=replicas, routing={})
     return body

@@ -24,7 +24,9 @@ With `kv_events` (a pod address), it also does what kv_aware needs from an engin
 GET /get_server_info (kv_block_size) and GET /kv_event_sources, and a ZMQ PUB socket on <pod address>:5557 that
 publishes vLLM's own event classes (vllm.distributed.kv_events: BlockStored / BlockRemoved in a KVEventBatch,
 msgpack-encoded and framed as vLLM's ZmqEventPublisher does: topic, 8-byte sequence, payload), one medium per tier.
-Those need vLLM: run it with the engine venv's python (`python -m kvtest.standin_prefix_engine`, below).
+Those need vLLM's event classes: run it with the engine venv's python (`python -m kvtest.standin_prefix_engine`,
+below), or beside the STAND-IN module tests/fixtures/fake_vllm/vllm/distributed/kv_events.py (the slim stand-in image
+copies this file there: its recorded `vllm serve` publishes through KvEvents and PrefixCache).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class Counts:
 
 
 KV_EVENTS_PORT = 5557
-TOPIC = "kv-events"
+TOPIC = ""  # vLLM's default topic, the one the operator renders (rendering/routing.KV_EVENTS_TOPIC)
 
 
 class KvEvents:
@@ -217,6 +219,15 @@ class PrefixCache:
                 events.append(self.events.removed(evicted, t))
         if self.events:
             self.events.publish(events)
+
+    def evict(self, tier: str) -> int:
+        """Drop every block of `tier` (as the engine evicts under pressure), publishing a BlockRemoved; the count."""
+        with self.lock:
+            keys = list(self.tiers[tier].blocks)
+            self.tiers[tier].blocks.clear()
+            if self.events and keys:
+                self.events.publish([self.events.removed(keys, tier)])
+            return len(keys)
 
 
 class StandInPrefixEngine:
