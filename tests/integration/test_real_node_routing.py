@@ -94,12 +94,125 @@ def test_the_rendered_router_pod_routes_to_the_serving_pods_on_the_real_node(dem
         raise
 
 
-def print_router(demo, ns: str) -> None:
+KV_NAME = "kvrouted"
+
+
+def _router_args(demo, ns: str, name: str) -> list[str]:
+    deployment = demo.client.get("deployments", f"{name}-router", ns)
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def _flag_values(args: list[str], flag: str) -> list[str]:
+    return [args[i + 1] for i, a in enumerate(args) if a == flag]
+
+
+def _ready_router_with(demo, ns: str, name: str, ips: set[str]) -> dict | None:
+    """The router pod that runs the template naming exactly `ips` as its workers, once it is Ready and alone."""
+    args = _router_args(demo, ns, name)
+    workers = args[args.index("--worker-urls") + 1:][:len(ips)] if "--worker-urls" in args else []
+    if set(workers) != {f"http://{ip}:8000" for ip in ips}:
+        return None
+    pods = demo.client.list("pods", ns, labels={"kvoffload.io/router": name})
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    if len(live) != 1 or live[0]["spec"]["containers"][0]["args"] != args:
+        return None
+    return live[0] if condition(live[0], "Ready").get("status") == "True" else None
+
+
+def test_kv_aware_on_the_real_node_follows_each_replicas_kv_events(demo, node_ns, engine_image, router_image):
+    """spec.routing auto on backend vllm-native runs kv_aware (its engines publish the GPU and CPU tiers' KV events):
+    the operator renders the router pod with the Ready serving pods' IPs as workers and their publishers as static
+    event sources, and rolls it when they change. On the real node: the router pod reaches each serving pod's
+    publisher on the bridge; a document computed on one replica (the other kept busy, so load alone would not pick
+    it) keeps its requests there, and still does once that replica's GPU tier evicted it (its CPU tier holds it,
+    whose events the router credited): CPU hits. Then a replica added through the scale subresource: once Ready it
+    is rendered into the router's workers, the router pod rolls, and requests sent all through the roll all answer.
+    The serving pods run the slim STAND-IN engine, whose KV events are vLLM's classes (byte-equal to vLLM 0.26.0's:
+    tests/engine/test_kv_events_mirror.py)."""
+    body = node.kv_routed_spec(KV_NAME, engine_image, replicas=REPLICAS)
+    model = body["spec"]["model"]["name"]
+    c = demo.client
+    c.create(body, node_ns)
+    try:
+        wait_cond(demo, node_ns, KV_NAME, "Ready", "True", timeout=600)
+        serving = c.list("pods", node_ns, labels={"kvoffload.io/serve": KV_NAME})
+        ips = {p["status"]["podIP"] for p in serving}
+        rpod = demo.wait_until(lambda: _ready_router_with(demo, node_ns, KV_NAME, ips), timeout=180, interval=1,
+                               message="the router pod rendered with both serving pods as workers is Ready")
+        st = c.get("kvs", KV_NAME, node_ns)["status"]["routing"]
+        assert (st["policy"], st["eventTiers"], st["workers"]) == ("kv_aware", ["gpu", "cpu"], REPLICAS), st
+        args = rpod["spec"]["containers"][0]["args"]
+        assert set(_flag_values(args, "--kv-event-source")) == {f"http://{ip}:8000=tcp://{ip}:5557" for ip in ips}
+        assert rpod["spec"]["nodeName"] == node.NAME
+
+        router = f"http://{c.get('services', f'{KV_NAME}-router', node_ns)['spec']['clusterIP']}:8000"
+        demo.wait_until(lambda: urllib.request.urlopen(f"{router}/readiness", timeout=5).status == 200,  # noqa: S310
+                        timeout=60, interval=1, message="the router's /readiness on its ClusterIP")
+        urls = sorted(f"http://{ip}:8000" for ip in ips)
+        doc = " ".join(f"kvnode{uuid.uuid4().hex[:6]}w{j}" for j in range(320))
+        blocker = threading.Thread(target=rw.complete, args=(router, model, "one held request"),
+                                   kwargs={"hold_s": 6.0}, daemon=True)
+        blocker.start()
+        demo.wait_until(lambda: any(x["in_flight"] for x in rw.counts(urls)), timeout=10, interval=0.05,
+                        message="the held request arrives")
+        busy = next(x["replica"] for x in rw.counts(urls) if x["in_flight"])
+        holder = rw.complete(router, model, f"{doc} first")[rw.STAND_IN]["replica"]
+        assert holder != busy
+        blocker.join(timeout=30)
+        holder_ip = next(p["status"]["podIP"] for p in serving if p["metadata"]["name"] == holder)
+        demo.wait_until(lambda: rw.complete(router, model, f"{doc} again")[rw.STAND_IN]["replica"] == holder,
+                        timeout=60, interval=0.5, message="the document's requests reach its holder")
+        evicted = rw.post_json(f"http://{holder_ip}:8000/standin/evict", {"tier": "gpu"})[1]["evicted_blocks"]
+        assert evicted >= 20
+        answer = rw.complete(router, model, f"{doc} after the GPU evicted it")[rw.STAND_IN]
+        assert answer["replica"] == holder and answer["hit_tokens"]["cpu"] == 320, answer
+        print(f"kv_aware on the real node: {doc[:12]}... stays on {holder} ({busy} was busy), "
+              f"then a CPU-tier hit of {answer['hit_tokens']['cpu']} tokens after its GPU evicted it")
+
+        # --- a replica added the way an autoscaler adds one; requests keep flowing while the router rolls
+        results: list[object] = []  # each request's status, or what failed it
+        stop = threading.Event()
+
+        def traffic() -> None:
+            while not stop.is_set():
+                try:
+                    status, _ = rw.post_json(f"{router}/v1/completions", {"model": model, "prompt": f"{doc} during",
+                                                                           "max_tokens": 1})
+                    results.append(status)
+                except Exception as e:  # noqa: BLE001 - a dropped request is what this counts
+                    results.append(repr(e))
+
+        sender = threading.Thread(target=traffic, daemon=True)
+        sender.start()
+        t0 = time.monotonic()
+        c.patch("kvoffloadserves", KV_NAME, {"spec": {"replicas": REPLICAS + 1}}, node_ns, subresource="scale")
+
+        def grown() -> dict | None:
+            pods = c.list("pods", node_ns, labels={"kvoffload.io/serve": KV_NAME})
+            up = {p["status"]["podIP"] for p in pods if condition(p, "Ready").get("status") == "True"}
+            return _ready_router_with(demo, node_ns, KV_NAME, up) if len(up) == REPLICAS + 1 else None
+
+        demo.wait_until(grown, timeout=300, interval=1, message="the router rolled to the 3 Ready serving pods")
+        time.sleep(3)
+        stop.set()
+        sender.join(timeout=60)
+        print(f"scale {REPLICAS} -> {REPLICAS + 1}: router rolled after {time.monotonic() - t0:.0f}s, "
+              f"{len(results)} requests through the roll")
+        assert results and set(results) == {200}, results
+        assert c.get("kvs", KV_NAME, node_ns)["status"]["routing"]["workers"] == REPLICAS + 1
+    except BaseException:
+        print_router(demo, node_ns, KV_NAME)
+        raise
+    finally:
+        c.delete("kvoffloadserves", KV_NAME, node_ns, missing_ok=True)
+
+
+def print_router(demo, ns: str, name: str = NAME) -> None:
     """What a failure needs: the resource's conditions, the router pod's state and log (through the API server)."""
-    obj = demo.client.get_or_none("kvs", NAME, ns) or {}
+    obj = demo.client.get_or_none("kvs", name, ns) or {}
     print("conditions:", [(c["type"], c["status"], c.get("reason"), c.get("message")) for c in
                           (obj.get("status") or {}).get("conditions", [])])
-    for pod in demo.client.list("pods", ns, labels={"kvoffload.io/router": NAME}):
+    for pod in demo.client.list("pods", ns, labels={"kvoffload.io/router": name}):
         print(f"router pod {pod['metadata']['name']} on {pod['spec'].get('nodeName')}: {pod['status'].get('phase')}, "
               f"{pod['status'].get('containerStatuses')}")
         try:
