@@ -18,7 +18,7 @@ from kubernetes.utils.quantity import parse_quantity
 
 from .. import backends
 from ..api import crd
-from ..api.conditions import INVALID_SPEC, PENDING, TYPES, reasons
+from ..api.conditions import INVALID_SPEC, TYPES, reasons
 from ..api.errors import ConfigError
 from ..api.quantity import format_bytes
 from ..engine import versions as engine_versions
@@ -380,20 +380,6 @@ def autoscaling_ready(desired: Desired, apis: AutoscalingApis | None) -> Cond:
                     f"the custom metrics adapter serves no Pods metric {', '.join(missing)}: "
                     "add its rule (docs/autoscaling.md, autoscaler hpa) and make Prometheus scrape vLLM's /metrics")
     return Cond(t, "True", "MetricsServed", "the custom metrics API serves every metric the targets read")
-
-
-def initial(body: dict[str, Any], clock: datetime | None = None) -> dict[str, Any]:
-    """The first status, written as soon as the operator sees a new resource (before any child is
-    applied): Reconciling=True and every other condition Unknown, so no reader mistakes the gap
-    for success. observedGeneration stays as it was (0): nothing is rolled out yet."""
-    meta, previous = body["metadata"], body.get("status") or {}
-    generation = meta.get("generation", 1)
-    waiting = f"the operator has seen generation {generation} and is working on it"
-    conds = [Cond(t, "Unknown", PENDING, waiting) for t in TYPES if t not in ("Reconciling", "Stalled")]
-    conds += [Cond("Reconciling", "True", PENDING, waiting), Cond("Stalled", "Unknown", PENDING, waiting)]
-    return {"observedGeneration": previous.get("observedGeneration", 0),
-            "conditions": merge(previous.get("conditions"), conds, generation, clock),
-            "replicas": 0, "readyReplicas": 0, "selector": f"{render.OWNER_LABEL}={meta['name']}"}
 
 
 def merge(previous: list[dict[str, Any]] | None, new: list[Cond], generation: int,
