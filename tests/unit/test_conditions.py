@@ -4,6 +4,7 @@
 import pytest
 
 from kvoffload.api import crd
+from kvoffload.api.conditions import TYPES
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
 from kvoffload.controller import conditions, pipeline, reconcile
@@ -23,7 +24,7 @@ def by_type(status):
 def test_all_ready():
     st = conditions.status(body(), desired(), None, conditions.Observed(sts(), [pod()]), T0)
     c = by_type(st)
-    assert [x["type"] for x in st["conditions"]] == list(conditions.TYPES)
+    assert [x["type"] for x in st["conditions"]] == list(TYPES)
     assert (c["Ready"]["status"] == "True" and c["Scheduled"]["status"] == "True"
             and c["ConfigValid"]["status"] == "True")
     assert c["DiskTierReady"]["status"] == "True" and "/mnt/nvme/lmcache" in c["DiskTierReady"]["message"]
@@ -294,7 +295,7 @@ def test_first_status_over_the_crd_default():
     # test_first_status.py shows kstatus and Argo CD read it as in progress already).
     st = conditions.status(body(4, {"observedGeneration": 0}), desired(), None, conditions.Observed(None, []), T0)
     c = by_type(st)
-    assert [x["type"] for x in st["conditions"]] == list(conditions.TYPES)
+    assert [x["type"] for x in st["conditions"]] == list(TYPES)
     assert c["Reconciling"]["status"] == "True" and c["Ready"]["status"] == "False"
     assert all(x["observedGeneration"] == 4 and x["lastTransitionTime"] == "2026-01-01T00:00:00Z"
                for x in st["conditions"])
@@ -328,7 +329,6 @@ def test_every_condition_and_reason_is_declared_once():
     from kvoffload.api import crd
     from kvoffload.cli import generate
 
-    assert conditions.TYPES == declared.TYPES
     with pytest.raises(ValueError, match="not declared"):
         conditions.Cond("Ready", "False", "ConfigInvalid", "x")
     st = conditions.status(body(3), None, ConfigError("spec.offload.disk.path", "'/etc' is outside"),

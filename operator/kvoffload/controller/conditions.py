@@ -18,7 +18,7 @@ from kubernetes.utils.quantity import parse_quantity
 
 from .. import backends
 from ..api import crd
-from ..api.conditions import INVALID_SPEC, TYPES, reasons
+from ..api.conditions import INVALID_SPEC, reasons
 from ..api.errors import ConfigError
 from ..api.quantity import format_bytes
 from ..engine import versions as engine_versions
