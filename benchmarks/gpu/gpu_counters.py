@@ -219,7 +219,8 @@ def compare(exporter_text: str, before: EngineRead, after: EngineRead, *, kv_byt
             by_key[key] += value
     for (name, labels), value in sorted(by_key.items()):
         if name == "kvoffload_source_up":
-            want = 0.0 if labels == "source=lmcache" and not connector else 1.0  # lmcache: LMCache or its server
+            # LMCache's source label (its metrics or its server's /status): down without an LMCache connector.
+            want = 0.0 if labels == f"source={LMCACHE_METRICS.label}" and not connector else 1.0
             checks.append(Check(name, labels, value, want, want,
                                 "source read without error" if want else "no LMCache without the connector",
                                 value == want))

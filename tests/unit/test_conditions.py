@@ -4,6 +4,7 @@
 import pytest
 
 from kvoffload.api import crd
+from kvoffload.api.conditions import TYPES
 from kvoffload.api.errors import ConfigError
 from kvoffload.api.settings import Settings
 from kvoffload.controller import conditions, pipeline, reconcile
@@ -23,7 +24,7 @@ def by_type(status):
 def test_all_ready():
     st = conditions.status(body(), desired(), None, conditions.Observed(sts(), [pod()]), T0)
     c = by_type(st)
-    assert [x["type"] for x in st["conditions"]] == list(conditions.TYPES)
+    assert [x["type"] for x in st["conditions"]] == list(TYPES)
     assert (c["Ready"]["status"] == "True" and c["Scheduled"]["status"] == "True"
             and c["ConfigValid"]["status"] == "True")
     assert c["DiskTierReady"]["status"] == "True" and "/mnt/nvme/lmcache" in c["DiskTierReady"]["message"]
@@ -289,18 +290,18 @@ def test_a_crash_loop_after_an_oom_kill_names_the_kill():
                                      "code 137) (back-off 5m0s)")
 
 
-def test_first_status_says_working_on_it():
-    st = conditions.initial(body(4), T0)
+def test_first_status_over_the_crd_default():
+    # A new resource as the API server serves it: the CRD's status default only (no first-sight write before this:
+    # test_first_status.py shows kstatus and Argo CD read it as in progress already).
+    st = conditions.status(body(4, {"observedGeneration": 0}), desired(), None, conditions.Observed(None, []), T0)
     c = by_type(st)
-    assert [x["type"] for x in st["conditions"]] == list(conditions.TYPES)
-    assert c["Reconciling"]["status"] == "True" and c["Ready"]["status"] == "Unknown"
+    assert [x["type"] for x in st["conditions"]] == list(TYPES)
+    assert c["Reconciling"]["status"] == "True" and c["Ready"]["status"] == "False"
     assert all(x["observedGeneration"] == 4 and x["lastTransitionTime"] == "2026-01-01T00:00:00Z"
                for x in st["conditions"])
-    assert st["observedGeneration"] == 0  # nothing rolled out yet: kstatus reads InProgress either way
-    assert "generation 4" in c["Reconciling"]["message"]
-    # The next status keeps lastTransitionTime of conditions that stayed Unknown.
-    nxt = conditions.status(body(4, st), desired(), None, conditions.Observed(None, []), T1)
-    assert by_type(nxt)["DiskTierReady"]["lastTransitionTime"] == "2026-01-02T00:00:00Z"  # Unknown -> False
+    assert st["observedGeneration"] == 0  # nothing rolled out yet: kstatus reads InProgress
+    # The next status keeps lastTransitionTime of conditions whose status stayed.
+    nxt = conditions.status(body(4, st), desired(), None, conditions.Observed(sts(ready=0), [pod()]), T1)
     assert by_type(nxt)["Reconciling"]["lastTransitionTime"] == "2026-01-01T00:00:00Z"  # True -> True
 
 
@@ -328,7 +329,6 @@ def test_every_condition_and_reason_is_declared_once():
     from kvoffload.api import crd
     from kvoffload.cli import generate
 
-    assert conditions.TYPES == declared.TYPES
     with pytest.raises(ValueError, match="not declared"):
         conditions.Cond("Ready", "False", "ConfigInvalid", "x")
     st = conditions.status(body(3), None, ConfigError("spec.offload.disk.path", "'/etc' is outside"),
@@ -348,9 +348,9 @@ def test_the_declared_conditions_written_out_by_hand():
                               "RouterReady", "AutoscalingReady", "Reconciling", "Stalled")
     reasons = {c.type: set(c.reasons) for c in declared.CONDITIONS}
     assert {"AllReplicasReady", "Unschedulable", "PodsFailing", "RollingOut", "ReplicasNotReady", "RouterNotReady",
-            "InvalidSpec", "ApplyRefused", "NameConflict", "Pending"} <= reasons["Ready"]
+            "InvalidSpec", "ApplyRefused", "NameConflict"} <= reasons["Ready"]
     assert {"Valid", "InvalidSpec"} <= reasons["ConfigValid"]
     assert {"ExternalHitsNotLoaded", "MetricsDisabled", "ProbesDisabled"} <= reasons["OffloadActive"]
     assert {"EngineVersionMismatch", "EngineVersionsMatch"} <= reasons["EngineVerified"]
-    assert reasons["Reconciling"] == {"Converged", "Pending", "Stalled"}
+    assert reasons["Reconciling"] == {"Converged", "Stalled"}
     assert "Ready: Every replica runs the newest pod template and is ready." in generate.conditions_tpl()

@@ -182,6 +182,54 @@ def test_integer_bounds_are_the_crd_schemas(path):
         assert exc.value.field == f"spec.{path}" and f"[{lo}, {hi}]" in str(exc.value)
 
 
+def _too_long(path):
+    return "a" * (crd.schema_at(path)["maxLength"] + 1)
+
+
+def _past(path):
+    return {f"k{i}": "v" for i in range(crd.schema_at(path)["maxProperties"] + 1)}
+
+
+@pytest.mark.parametrize("key, bad, says", [
+    # Each bad value is one past a bound read from the schema, as the parser reads it.
+    ("model__name", lambda: _too_long("model.name"), "must be a Hugging Face id"),
+    ("scheduling__nodeSelector", lambda: _past("scheduling.nodeSelector"),
+     f"at most {crd.schema_at('scheduling.nodeSelector')['maxProperties']} entries"),
+    ("scheduling__nodeSelector",
+     lambda: {"k": "v" * (crd.schema_at("scheduling.nodeSelector")["additionalProperties"]["maxLength"] + 1)},
+     "is not a Kubernetes label"),
+    ("scheduling__nodeSelector", lambda: {"a" * (crd.LABEL_KEY_MAX + 1): "v"}, "is not a Kubernetes label"),
+    ("engine__extraArgs", lambda: ["--x=" + "a" * crd.schema_at("engine.extraArgs")["items"]["maxLength"]],
+     "must be a string of at most"),
+    ("engine__env",
+     lambda: [{"name": "A" * (crd.schema_at("engine.env")["items"]["properties"]["name"]["maxLength"] + 1)}],
+     "every entry needs a name"),
+    ("engine__gpuMemoryUtilization", lambda: crd.schema_at("engine.gpuMemoryUtilization")["maximum"] + 0.01,
+     "must be a number in (0, 1]"),
+    ("engine__gpuMemoryUtilization", lambda: crd.schema_at("engine.gpuMemoryUtilization")["minimum"],
+     "must be a number in (0, 1]"),
+    ("offload__cpu__size", lambda: "1" * (crd.MAX_QUANTITY_LENGTH + 1), "is not a Kubernetes quantity"),
+])
+def test_other_bounds_are_the_crd_schemas(key, bad, says):
+    with pytest.raises(ConfigError) as exc:
+        parse(spec(**{key: bad()}), S)
+    assert exc.value.field == "spec." + key.replace("__", ".") and says in exc.value.message, exc.value
+
+
+def test_namespace_names_take_the_schemas_length():
+    path = "networkPolicy.metricsFrom"
+    with pytest.raises(ConfigError) as exc:
+        parse(spec(networkPolicy__metricsFrom=["a" * (crd.schema_at(path)["items"]["maxLength"] + 1)]), S)
+    assert exc.value.field == f"spec.{path}" and "is not a namespace name" in exc.value.message
+
+
+def test_the_headroom_setting_takes_the_fields_bounds():
+    hi = crd.schema_at("resources.headroomPercent")["maximum"]
+    with pytest.raises(ConfigError) as exc:
+        parse(spec(), Settings(allowed_images=S.allowed_images, headroom_percent=hi + 1))
+    assert exc.value.field == "operator setting headroomPercent" and f"[0, {hi}]" in exc.value.message
+
+
 @pytest.mark.parametrize("key, bad, message", [
     ("replicas", -1, "-1 must be an integer in [0, 1000]"),
     ("engine__tensorParallelSize", 65, "65 must be an integer in [1, 64]"),

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Reasons every condition but Reconciling can carry.
-PENDING = "Pending"  # first sight: the operator has seen the generation and works on it
 # The spec is refused: ConfigValid=False, and every other condition says why it is not evaluated.
 INVALID_SPEC = "InvalidSpec"
 # A valid spec whose children cannot be written: ConfigValid=False with one of these, the rest as for InvalidSpec.
@@ -24,13 +23,11 @@ class ConditionType:
     reasons: dict[str, str]  # reason -> when it is set
 
 
-_COMMON = {PENDING: "the operator has seen this generation and is working on it",
-           INVALID_SPEC: "the spec is refused (ConfigValid says which field and why): nothing is created or changed",
+_COMMON = {INVALID_SPEC: "the spec is refused (ConfigValid says which field and why): nothing is created or changed",
            APPLY_REFUSED: "the API server refused a rendered child (ConfigValid names it and the API server's cause); "
                           "nothing after it is written, and the operator retries with backoff",
            NAME_CONFLICT: "a child's name is held by an object that is not this resource's (ConfigValid names it and "
                           "its owner): the operator never takes it over, writes nothing, and retries with backoff"}
-_REFUSED = {r: _COMMON[r] for r in (INVALID_SPEC, APPLY_REFUSED, NAME_CONFLICT)}
 _PROBES = {"MetricsDisabled": "spec.metrics.enabled is false: no exporter to ask",
            "ProbesDisabled": "the operator does not probe exporters (operator setting probeExporters: false)"}
 
@@ -47,7 +44,6 @@ CONDITIONS: tuple[ConditionType, ...] = (
                           "of them (spec.routing) is not available yet"}),
     ConditionType("ConfigValid", "The spec was accepted (parsed, planned and rendered); "
                                  "its message carries the planner's warnings.", {
-        PENDING: _COMMON[PENDING],
         "Valid": "the spec is valid (warnings, if any, in the message)",
         INVALID_SPEC: "the spec is refused: the message names the field and what is allowed",
         APPLY_REFUSED: _COMMON[APPLY_REFUSED], NAME_CONFLICT: _COMMON[NAME_CONFLICT]}),
@@ -99,13 +95,11 @@ CONDITIONS: tuple[ConditionType, ...] = (
         "DiscoveryPending": "the operator has not read the API server's discovery yet"}),
     ConditionType("Reconciling", "True while a valid spec is not yet Ready (kstatus, read by Helm --wait and Flux); "
                                  "its reason is Ready's.", {
-        PENDING: _COMMON[PENDING],
         "Converged": "Ready is True",
         "Stalled": "the spec is refused: nothing to converge to until it changes"}),
     ConditionType("Stalled", "True while the spec cannot be acted on (kstatus); its reason is ConfigValid's.", {
-        PENDING: _COMMON[PENDING],
         "SpecAccepted": "the spec can be acted on",
-        **_REFUSED}),
+        **_COMMON}),
 )
 BY_TYPE = {c.type: c for c in CONDITIONS}
 TYPES = tuple(BY_TYPE)

@@ -47,6 +47,7 @@ CEL_FLAG = "a.split('=')[0].split('.')[0].replace('_', '-')"
 CEL_REFUSED_ARG = f"a.startsWith('-') && REFUSED.exists(m, m.startsWith({CEL_FLAG}))"
 # Largest quantity accepted anywhere (1 PiB): far beyond any node, and sums of terms stay well inside int64.
 MAX_QUANTITY = "1Pi"
+MAX_QUANTITY_LENGTH = 32  # characters of a quantity string (the API server's limit is longer; bounded for CEL's cost)
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 # Child and pod names derive from metadata.name, and Service names must be DNS-1035 labels.
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
@@ -56,6 +57,7 @@ MAX_VERSION_PODS = 10  # pod names listed per running version set in status.vers
 EXTENDED_RESOURCE = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?[.])*[a-z0-9]([-a-z0-9]*[a-z0-9])?"
                      r"/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+LABEL_KEY_MAX = 317  # characters: a 253-character DNS prefix, '/', a 63-character name
 LABEL_KEY = (r"^(([a-z0-9]([-a-z0-9]*[a-z0-9])?[.])*[a-z0-9]([-a-z0-9]*[a-z0-9])?/)?"
              r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
@@ -77,7 +79,7 @@ def _q(description: str, *, positive: bool = True, **kw: Any) -> Schema:
     """A Kubernetes quantity as a string (`40Gi`, `500G`), checked by the API server's CEL quantity library."""
     rule = POSITIVE_QUANTITY_RULE if positive else QUANTITY_RULE
     allowed = "> 0" if positive else ">= 0"
-    return _s(description, maxLength=32, **kw,
+    return _s(description, maxLength=MAX_QUANTITY_LENGTH, **kw,
               **{"x-kubernetes-validations": [{"rule": rule, "message": f"must be a Kubernetes quantity {allowed} "
                                                                            f"and at most {MAX_QUANTITY}, "
                                                                            "e.g. 40Gi or 500G"}]})
@@ -106,7 +108,8 @@ def _labels(description: str) -> Schema:
     # Bounded so the CEL cost estimator accepts rules over these maps.
     return {"type": "object", "description": description, "maxProperties": 32,
             "additionalProperties": {"type": "string", "maxLength": 63, "pattern": LABEL_VALUE},
-            "x-kubernetes-validations": [{"rule": f"self.all(k, k.size() <= 317 && k.matches('{LABEL_KEY}'))",
+            "x-kubernetes-validations": [{"rule": f"self.all(k, k.size() <= {LABEL_KEY_MAX} "
+                                                  f"&& k.matches('{LABEL_KEY}'))",
                                           "message": "keys must be Kubernetes label keys ([prefix/]name)"}]}
 
 

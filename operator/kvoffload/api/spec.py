@@ -237,7 +237,7 @@ def _enum(r: _Reader, path: str) -> str:
 def quantity_bytes(value: Any, field_: str, *, allow_zero: bool) -> int:
     """A quantity the API server would accept (string in its grammar, or a plain integer), at most MAX_BYTES."""
     if isinstance(value, bool) or not isinstance(value, (str, int)) or (
-            isinstance(value, str) and (len(value) > 32 or not _QUANTITY.fullmatch(value))):
+            isinstance(value, str) and (len(value) > crd.MAX_QUANTITY_LENGTH or not _QUANTITY.fullmatch(value))):
         raise ConfigError(field_, f"{value!r} is not a Kubernetes quantity (examples: 40Gi, 500G, 1073741824)")
     try:
         too_big = parse_quantity(value) > Decimal(MAX_BYTES)
@@ -314,18 +314,22 @@ def _str_map(r: _Reader, path: str) -> dict[str, str]:
     value = r.get(path) or {}
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise ConfigError(f"spec.{path}", "must be a map of string to string")
-    if len(value) > 32:
-        raise ConfigError(f"spec.{path}", "must have at most 32 entries")
+    node = _node(path)
+    if len(value) > node["maxProperties"]:
+        raise ConfigError(f"spec.{path}", f"must have at most {node['maxProperties']} entries")
+    longest = node["additionalProperties"]["maxLength"]
     for k, v in value.items():
-        if len(k) > 317 or not _matches(crd.LABEL_KEY, k) or len(v) > 63 or not _matches(crd.LABEL_VALUE, v):
+        if (len(k) > crd.LABEL_KEY_MAX or not _matches(crd.LABEL_KEY, k)
+                or len(v) > longest or not _matches(node["additionalProperties"]["pattern"], v)):
             raise ConfigError(f"spec.{path}", f"{k!r}: {v!r} is not a Kubernetes label (key "
-                                              "[prefix/]name, value <= 63 characters)")
+                                              f"[prefix/]name, value <= {longest} characters)")
     return dict(value)
 
 
 def _model(r: _Reader) -> ModelSpec:
-    name = r.get("model.name")
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_./-]{1,256}", name):
+    name, node = r.get("model.name"), _node("model.name")
+    if (not isinstance(name, str) or not node["minLength"] <= len(name) <= node["maxLength"]
+            or not _matches(node["pattern"], name)):
         raise ConfigError("spec.model.name", f"{name!r} must be a Hugging Face id or path (letters, digits, _ . / -)")
     arch = {k: _int(r, f"model.architecture.{k}")
             for k in ("layers", "attentionHeads", "kvHeads", "headDim", "parameters")
@@ -349,20 +353,21 @@ def _engine(r: _Reader, settings: Settings) -> EngineSpec:
     images.check_allowed(image, (settings.default_image, *settings.allowed_images), table)
     pair = images.resolve(image, _str(r, "engine.vllmVersion"), _str(r, "engine.lmcacheVersion"),
                           needs_lmcache=backend is None or backend["minLmcache"] is not None, table=table)
-    util = r.get("engine.gpuMemoryUtilization")
-    if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
-        raise ConfigError("spec.engine.gpuMemoryUtilization", f"{util!r} must be a number in (0, 1]")
+    util = _number("engine.gpuMemoryUtilization", r.get("engine.gpuMemoryUtilization"))
     extra = tuple(_list(r, "engine.extraArgs"))
+    longest = _node("engine.extraArgs")["items"]["maxLength"]
     for arg in extra:
-        if not isinstance(arg, str) or len(arg) > 1024:
-            raise ConfigError("spec.engine.extraArgs", f"{arg!r} must be a string of at most 1024 characters")
+        if not isinstance(arg, str) or len(arg) > longest:
+            raise ConfigError("spec.engine.extraArgs", f"{arg!r} must be a string of at most {longest} characters")
     flags.check_args(extra, pair.vllm)  # against the flag table of the image's vLLM version
     env = tuple(_list(r, "engine.env"))
     seen: set[str] = set()
+    longest = _node("engine.env")["items"]["properties"]["name"]["maxLength"]
     for var in env:
         name = var.get("name", "") if isinstance(var, dict) else ""
-        if not name or not isinstance(name, str) or len(name) > 256:
-            raise ConfigError("spec.engine.env", "every entry needs a name (a string of at most 256 characters)")
+        if not name or not isinstance(name, str) or len(name) > longest:
+            raise ConfigError("spec.engine.env",
+                              f"every entry needs a name (a string of at most {longest} characters)")
         if not isinstance(var.get("value", ""), str) or not isinstance(var.get("valueFrom", {}), dict):
             raise ConfigError("spec.engine.env", f"{name}: value must be a string and valueFrom an object")
         if name in seen:  # the CRD's list-map refuses it too; a pod spec with it fails server-side apply
@@ -417,10 +422,18 @@ def _figure(r: _Reader, path: str, setting: str, default: float) -> Figure:
         if isinstance(default, bool) or not isinstance(default, (int, float)) or not default > 0:
             raise ConfigError(f"operator setting {setting}", f"{default!r} must be a number > 0")
         return Figure(float(default), f"operator setting {setting}")
+    return Figure(float(_number(path, value)), f"spec.{path}")
+
+
+def _number(path: str, value: Any) -> float:
+    """A number in the schema's (minimum, maximum], returned as given (every number field of the spec has an
+    exclusive minimum)."""
     node = _node(path)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= node["maximum"]:
-        raise ConfigError(f"spec.{path}", f"{value!r} must be a number in (0, {node['maximum']}]")
-    return Figure(float(value), f"spec.{path}")
+    assert node.get("exclusiveMinimum") is True, path
+    lo, hi = node["minimum"], node["maximum"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo < value <= hi:
+        raise ConfigError(f"spec.{path}", f"{value!r} must be a number in ({lo}, {hi}]")
+    return value
 
 
 def _offload(r: _Reader, settings: Settings) -> OffloadSpec:
@@ -463,9 +476,10 @@ def _resources(r: _Reader, settings: Settings) -> ResourcesSpec:
     if r.has("resources.headroomPercent"):
         headroom = _int(r, "resources.headroomPercent")
     else:
-        headroom = settings.headroom_percent
-        if isinstance(headroom, bool) or not isinstance(headroom, int) or not 0 <= headroom <= 100:
-            raise ConfigError("operator setting headroomPercent", f"{headroom!r} must be an integer in [0, 100]")
+        headroom, node = settings.headroom_percent, _node("resources.headroomPercent")
+        lo, hi = node["minimum"], node["maximum"]  # the setting takes the field's bounds
+        if isinstance(headroom, bool) or not isinstance(headroom, int) or not lo <= headroom <= hi:
+            raise ConfigError("operator setting headroomPercent", f"{headroom!r} must be an integer in [{lo}, {hi}]")
     return ResourcesSpec(
         gpu_resource_name=_text(r, "resources.gpuResourceName"),
         gpu_memory=_size(r, "resources.gpuMemory")
@@ -502,7 +516,8 @@ def _scheduling(r: _Reader) -> SchedulingSpec:
 def _namespaces(r: _Reader, path: str) -> tuple[str, ...]:
     values = _list(r, path)
     for v in values:
-        if not isinstance(v, str) or not _matches(_node(path)["items"]["pattern"], v) or len(v) > 63:
+        item = _node(path)["items"]
+        if not isinstance(v, str) or not _matches(item["pattern"], v) or len(v) > item["maxLength"]:
             raise ConfigError(f"spec.{path}", f"{v!r} is not a namespace name (a DNS-1123 label)")
     if len(set(values)) != len(values):
         raise ConfigError(f"spec.{path}", "lists a namespace twice")

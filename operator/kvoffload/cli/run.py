@@ -18,7 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "dead tasks) on ADDR:PORT; '' for none")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--leader-election", action="store_true",
-                   help="several replicas: only the holder of a coordination.k8s.io Lease reconciles (default: standalone)")
+                   help="several replicas: only the holder of a coordination.k8s.io Lease reconciles "
+                        "(default: standalone)")
     p.add_argument("--leader-election-namespace", default=None,
                    help="namespace of the Lease (default: the pod's own, else the one --namespace, else default)")
     p.add_argument("--lease-name", default=None, help="name of the Lease (default: kvoffload-operator)")

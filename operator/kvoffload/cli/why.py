@@ -24,7 +24,6 @@ HINTS = {  # Ready/Stalled reason -> what a person does next
     "PodsFailing": "Look at the pod: `kubectl describe pod` and `kubectl logs` (image, engine arguments, GPU memory).",
     "RollingOut": "The StatefulSet is replacing pods with the new spec; wait, or watch `kubectl get pods -w`.",
     "ReplicasNotReady": "Pods are starting (model download and load can take minutes); watch `kubectl get pods -w`.",
-    "Pending": "The operator has just seen this resource; look again in a few seconds.",
     "RouterNotReady": "The replicas are ready, the router in front of them (spec.routing) is not: `kubectl describe "
                       "deployment NAME-router`; its /readiness answers 503 until it has discovered a healthy serving "
                       "pod (its Role must let it list and watch pods).",

@@ -18,7 +18,7 @@ from kubernetes.utils.quantity import parse_quantity
 
 from .. import backends
 from ..api import crd
-from ..api.conditions import INVALID_SPEC, PENDING, TYPES, reasons
+from ..api.conditions import INVALID_SPEC, reasons
 from ..api.errors import ConfigError
 from ..api.quantity import format_bytes
 from ..engine import versions as engine_versions
@@ -34,7 +34,8 @@ FAILING = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImage
            "CreateContainerError", "RunContainerError")
 
 
-_BACKEND_REASONS = {"OffloadActive": {r for b in backends.REGISTRY.values() for r in (b.reasons.active, b.reasons.idle)}}
+_BACKEND_REASONS = {"OffloadActive": {r for b in backends.REGISTRY.values()
+                                      for r in (b.reasons.active, b.reasons.idle)}}
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ class Cond:
         # Every type and reason is declared once: in api/conditions.py (the CRD text and the chart's NOTES read it),
         # and each backend's OffloadActive reasons in its module.
         if self.reason not in reasons(self.type) | _BACKEND_REASONS.get(self.type, set()):
-            raise ValueError(f"condition {self.type} reason {self.reason!r} is not declared in kvoffload.api.conditions")
+            raise ValueError(f"condition {self.type} reason {self.reason!r} "
+                             "is not declared in kvoffload.api.conditions")
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,8 @@ class Observed:
     statefulset: dict[str, Any] | None
     pods: list[dict[str, Any]]
     probes: Probes | None = None  # running pod -> its exporter's answer, or an error; None: not probed
-    hpa: dict[str, Any] | None = None  # the HorizontalPodAutoscaler that decides (ours or KEDA's), with spec.autoscaling
+    # The HorizontalPodAutoscaler that decides (ours or KEDA's), with spec.autoscaling.
+    hpa: dict[str, Any] | None = None
     router: dict[str, Any] | None = None  # the router's Deployment, with spec.routing
     apis: AutoscalingApis | None = None  # what the API server serves for autoscaling (discovery.py); None: not read yet
 
@@ -88,7 +91,8 @@ def _failing(pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
     for pod in pods:
         st = pod.get("status", {}) or {}
         if st.get("phase") == "Failed":
-            out.append((pod["metadata"]["name"], f"pod failed: {st.get('reason') or ''} {st.get('message') or ''}".strip()))
+            why = f"pod failed: {st.get('reason') or ''} {st.get('message') or ''}".strip()
+            out.append((pod["metadata"]["name"], why))
             continue
         for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
             waiting = (cs.get("state") or {}).get("waiting") or {}
@@ -126,8 +130,9 @@ def _scheduled(replicas: int, pods: list[dict[str, Any]]) -> Cond:
         nodes = sorted({p["spec"]["nodeName"] for p in pods if p.get("spec", {}).get("nodeName")})
         return Cond("Scheduled", "True", "AllPodsScheduled", f"{bound}/{replicas} pods on nodes {', '.join(nodes)}")
     missing = replicas - len(pods)
-    hint = (f"; {missing} pod(s) not created yet: the StatefulSet's events say why (a hostPath disk tier in a namespace "
-            "at Pod Security baseline or restricted is refused: FailedCreate ... violates PodSecurity)") if missing > 0 else ""
+    hint = (f"; {missing} pod(s) not created yet: the StatefulSet's events say why "
+            "(a hostPath disk tier in a namespace at Pod Security baseline or restricted is refused: "
+            "FailedCreate ... violates PodSecurity)") if missing > 0 else ""
     return Cond("Scheduled", "Unknown", "PodsPending", f"{bound}/{replicas} pods bound to a node{hint}")
 
 
@@ -164,8 +169,9 @@ def router_available(deployment: dict[str, Any] | None, replicas: int) -> bool:
 def _router(desired: Desired, obs: Observed) -> Cond:
     routing = desired.spec.routing
     if routing is None:
-        return Cond("RouterReady", "False", "NotConfigured", "spec.routing is not set: clients call the serving Service, "
-                                                              "which spreads requests over the replicas at random")
+        return Cond("RouterReady", "False", "NotConfigured",
+                    "spec.routing is not set: clients call the serving Service, "
+                    "which spreads requests over the replicas at random")
     what = f"vllm-router, policy {routing.policy}" + (" (auto)" if routing.requested == "auto" else "")
     if routing.policy == "kv_aware":
         what += f", KV events of {len(desired.workers)}/{desired.spec.replicas} replicas indexed"
@@ -174,7 +180,8 @@ def _router(desired: Desired, obs: Observed) -> Cond:
     if router_available(obs.router, routing.replicas):
         return Cond("RouterReady", "True", "RouterAvailable", f"{ready}/{routing.replicas} router pods ready ({what})")
     why = next((c.get("message", "") for c in st.get("conditions") or [] if c.get("status") != "True"), "")
-    waits = "; its /readiness answers 503 until a serving pod is healthy" if desired.spec.replicas == 0 or ready == 0 else ""
+    waits = ("; its /readiness answers 503 until a serving pod is healthy"
+             if desired.spec.replicas == 0 or ready == 0 else "")
     return Cond("RouterReady", "False", "RouterNotReady",
                 f"{ready}/{routing.replicas} router pods ready ({what}){waits}" + (f"; {why}" if why else ""))
 
@@ -183,16 +190,19 @@ def _disk(desired: Desired, pods: list[dict[str, Any]]) -> Cond:
     disk = desired.spec.offload.disk
     if not disk:
         return Cond("DiskTierReady", "False", "NotConfigured", "spec.offload.disk is not set: CPU tier only")
-    where = (f"hostPath {disk.path}/<namespace>/<name>/<pod>" if disk.path else f"ephemeral volume ({disk.storage_class})")
+    where = (f"hostPath {disk.path}/<namespace>/<name>/<pod>" if disk.path
+             else f"ephemeral volume ({disk.storage_class})")
     cleanup = ("emptied at every pod start; node directories are left in place when the resource is deleted "
-               "(remove them with the node cleaner, see docs)" if disk.reclaim_policy == "Delete" else "reclaimPolicy Retain: kept")
+               "(remove them with the node cleaner, see docs)" if disk.reclaim_policy == "Delete"
+               else "reclaimPolicy Retain: kept")
     initialized = [p for p in pods if (_pod_condition(p, "Initialized") or {}).get("status") == "True"]
     replicas = desired.spec.replicas
     if replicas and len(initialized) >= replicas:
         return Cond("DiskTierReady", "True", "DirectoriesPrepared",
                     f"{format_bytes(desired.budget.tier('disk').bytes)} per replica on {where}; "
                     f"{len(initialized)}/{replicas} pod directories {cleanup}")
-    return Cond("DiskTierReady", "False", "Preparing", f"{len(initialized)}/{replicas} pod directories prepared on {where}")
+    return Cond("DiskTierReady", "False", "Preparing",
+                f"{len(initialized)}/{replicas} pod directories prepared on {where}")
 
 
 def _offload(desired: Desired, ready: Cond, pods: list[dict[str, Any]], probes: Probes | None) -> Cond:
@@ -208,7 +218,8 @@ def _offload(desired: Desired, ready: Cond, pods: list[dict[str, Any]], probes: 
         return Cond("OffloadActive", "Unknown", "EngineNotReady", f"{configured}; engine not ready yet")
     if probes is None:
         return Cond("OffloadActive", "Unknown", "ProbesDisabled",
-                    f"{configured}; the operator does not probe exporters (probeExporters: false): read kvoffload_offload_active")
+                    f"{configured}; the operator does not probe exporters (probeExporters: false): "
+                    "read kvoffload_offload_active")
     ready_pods = {p["metadata"]["name"] for p in pods if (_pod_condition(p, "Ready") or {}).get("status") == "True"}
     probes = {pod: v for pod, v in probes.items() if pod in ready_pods}
     failed = sorted((pod, v) for pod, v in probes.items() if isinstance(v, str))
@@ -221,17 +232,22 @@ def _offload(desired: Desired, ready: Cond, pods: list[dict[str, Any]], probes: 
         pod, tokens = unloaded[0]
         engine = desired.spec.engine
         return Cond("OffloadActive", "False", "ExternalHitsNotLoaded",
-                    f"{len(unloaded)}/{len(probes)} pods skip prefill for KV that LMCache never loaded ({pod}: vLLM counted "
-                    f"{tokens:,.0f} prompt tokens as loaded from LMCache, vllm:external_prefix_cache_hits_total, while "
-                    "LMCache retrieved nothing, lmcache:num_retrieve_requests_total 0): answers for those prompts are wrong. "
-                    f"Rendered for vLLM {engine.vllm_version} + LMCache {engine.lmcache_version}; vLLM 0.26.0's V2 model "
-                    "runner does this (the operator renders VLLM_USE_V2_MODEL_RUNNER=0 for the pairs it knows need it). "
-                    "Check that the image holds the rendered pair (EngineVerified) and the vllm container's environment; "
+                    f"{len(unloaded)}/{len(probes)} pods skip prefill for KV that LMCache never loaded "
+                    f"({pod}: vLLM counted {tokens:,.0f} prompt tokens as loaded from LMCache, "
+                    "vllm:external_prefix_cache_hits_total, "
+                    "while LMCache retrieved nothing, lmcache:num_retrieve_requests_total 0): "
+                    "answers for those prompts are wrong. "
+                    f"Rendered for vLLM {engine.vllm_version} + LMCache {engine.lmcache_version}; "
+                    "vLLM 0.26.0's V2 model runner does this "
+                    "(the operator renders VLLM_USE_V2_MODEL_RUNNER=0 for the pairs it knows need it). "
+                    "Check that the image holds the rendered pair (EngineVerified) "
+                    "and the vllm container's environment; "
                     "for an image the operator does not know, report the pair (docs/compatibility.md)")
     if idle:
         return Cond("OffloadActive", "False", idle_reason,
-                    f"{len(idle)}/{len(probes)} pods show no offload activity ({', '.join(idle[:3])}): {missing}; normal "
-                    "before the first requests, while vLLM serves traffic it means offloading is not wired (see troubleshooting)")
+                    f"{len(idle)}/{len(probes)} pods show no offload activity ({', '.join(idle[:3])}): {missing}; "
+                    "normal before the first requests, "
+                    "while vLLM serves traffic it means offloading is not wired (see troubleshooting)")
     active = len(probes) - len(failed)
     return Cond("OffloadActive", "True", active_reason,
                 f"{configured}; {proof} on {active}/{len(probes)} pods" +
@@ -248,27 +264,36 @@ def _engine(desired: Desired, probes: Probes | None) -> Cond:
     e = desired.spec.engine
     rendered = f"rendered for {_pair(e.vllm_version, e.lmcache_version)}"
     if not desired.spec.metrics_enabled:
-        return Cond("EngineVerified", "Unknown", "MetricsDisabled", f"{rendered}; enable spec.metrics to see what the pods run")
+        return Cond("EngineVerified", "Unknown", "MetricsDisabled",
+                    f"{rendered}; enable spec.metrics to see what the pods run")
     if probes is None:
         return Cond("EngineVerified", "Unknown", "ProbesDisabled",
-                    f"{rendered}; the operator does not probe exporters (probeExporters: false): read kvoffload_engine_info")
+                    f"{rendered}; the operator does not probe exporters (probeExporters: false): "
+                    "read kvoffload_engine_info")
     reported = {pod: v.engine for pod, v in sorted(probes.items()) if isinstance(v, Reading) and v.engine}
-    wrong = [(pod, found) for pod, found in reported.items()
-             if not (engine_versions.matches(e.vllm_version, found.get("vllm", engine_versions.NOT_INSTALLED))
-                     and (not e.lmcache_version  # vllm-native with a plain vLLM image: no LMCache to compare
-                          or engine_versions.matches(e.lmcache_version, found.get("lmcache", engine_versions.NOT_INSTALLED))))]
+    def runs_rendered(found: dict[str, str]) -> bool:
+        if not engine_versions.matches(e.vllm_version, found.get("vllm", engine_versions.NOT_INSTALLED)):
+            return False
+        # vllm-native with a plain vLLM image: no LMCache to compare
+        return not e.lmcache_version or engine_versions.matches(
+            e.lmcache_version, found.get("lmcache", engine_versions.NOT_INSTALLED))
+
+    wrong = [(pod, found) for pod, found in reported.items() if not runs_rendered(found)]
     if wrong:
         pod, found = wrong[0]
         more = f" ({len(wrong) - 1} more pods differ)" if len(wrong) > 1 else ""
         return Cond("EngineVerified", "False", "EngineVersionMismatch",
                     f"{rendered}, pod {pod} runs {_pair(found.get('vllm', '?'), found.get('lmcache', '?'))}{more}; "
-                    "set spec.engine.vllmVersion/lmcacheVersion to what the image holds, or use an image with the rendered pair")
+                    "set spec.engine.vllmVersion/lmcacheVersion to what the image holds, "
+                    "or use an image with the rendered pair")
     if not reported:
         failed = sorted((pod, v) for pod, v in probes.items() if isinstance(v, str))
         detail = f"; {failed[0][0]}: {failed[0][1]}" if failed else ""
-        return Cond("EngineVerified", "Unknown", "VersionsNotReported", f"{rendered}; no pod's exporter reported its versions yet{detail}")
+        return Cond("EngineVerified", "Unknown", "VersionsNotReported",
+                    f"{rendered}; no pod's exporter reported its versions yet{detail}")
     return Cond("EngineVerified", "True", "EngineVersionsMatch",
-                f"{len(reported)}/{len(probes)} pods run {_pair(e.vllm_version, e.lmcache_version)}, the pair the operator rendered for")
+                f"{len(reported)}/{len(probes)} pods run {_pair(e.vllm_version, e.lmcache_version)}, "
+                "the pair the operator rendered for")
 
 
 def running_versions(probes: Probes | None) -> list[dict[str, Any]]:
@@ -301,13 +326,14 @@ def evaluate(desired: Desired | None, error: ConfigError | None, obs: Observed) 
         return [ready, valid,
                 Cond("Scheduled", "Unknown", why, "no children created or changed while the spec is invalid"
                      if why == INVALID_SPEC else "not evaluated while a child cannot be written"),
-                *(Cond(t, "Unknown", why, msg) for t in ("OffloadActive", "EngineVerified", "DiskTierReady", "RouterReady",
-                                                                 "AutoscalingReady")),
+                *(Cond(t, "Unknown", why, msg)
+                  for t in ("OffloadActive", "EngineVerified", "DiskTierReady", "RouterReady", "AutoscalingReady")),
                 *progress(ready, valid)]
     replicas = desired.spec.replicas
     scheduled = _scheduled(replicas, obs.pods)
     ready, router = _ready(replicas, obs, scheduled), _router(desired, obs)
-    if ready.status == "True" and router.reason == "RouterNotReady" and replicas:  # clients call the router: Ready waits for it
+    # Clients call the router: Ready waits for it.
+    if ready.status == "True" and router.reason == "RouterNotReady" and replicas:
         ready = Cond("Ready", "False", "RouterNotReady", f"{ready.message}; router: {router.message}")
     warnings = "; ".join(desired.budget.warnings)
     valid = Cond("ConfigValid", "True", "Valid", "spec is valid" + (f"; warnings: {warnings}" if warnings else ""))
@@ -329,50 +355,43 @@ def autoscaling_ready(desired: Desired, apis: AutoscalingApis | None) -> Cond:
         return Cond(t, "Unknown", "DiscoveryPending", "the operator has not read the API server's discovery yet")
     if desired.autoscaler == "keda":
         if apis.keda.state != SERVED or "scaledobjects" not in apis.keda.resources:
-            return Cond(t, "False", "KedaNotInstalled", "the operator's autoscaler is keda but the API server serves no "
-                        "keda.sh/v1alpha1 ScaledObject: install KEDA (its CRDs and operator) and restart the operator")
+            return Cond(t, "False", "KedaNotInstalled",
+                        "the operator's autoscaler is keda but the API server serves no keda.sh/v1alpha1 ScaledObject: "
+                        "install KEDA (its CRDs and operator) and restart the operator")
         em = apis.external_metrics
         if em.state != SERVED:
             why = em.state + (f" ({em.detail})" if em.detail else "")
-            return Cond(t, "False", "KedaMetricsUnavailable", f"KEDA's HorizontalPodAutoscaler reads external.metrics.k8s.io, "
-                        f"which is {why}: is KEDA's metrics server (keda-operator-metrics-apiserver) running and its "
-                        "APIService v1beta1.external.metrics.k8s.io Available?")
+            return Cond(t, "False", "KedaMetricsUnavailable",
+                        f"KEDA's HorizontalPodAutoscaler reads external.metrics.k8s.io, which is {why}: "
+                        "is KEDA's metrics server (keda-operator-metrics-apiserver) running "
+                        "and its APIService v1beta1.external.metrics.k8s.io Available?")
         return Cond(t, "True", "KedaServed", "KEDA's ScaledObject and the external metrics API are served")
     cm = apis.custom_metrics
     if cm.state == NOT_REGISTERED:
-        return Cond(t, "False", "NoCustomMetricsAdapter", "the operator's autoscaler is hpa but no APIService serves "
-                    f"custom.metrics.k8s.io/v1beta1, so the HorizontalPodAutoscaler cannot read its Pods metrics: {_ADAPTER_FIX}")
+        return Cond(t, "False", "NoCustomMetricsAdapter",
+                    "the operator's autoscaler is hpa but no APIService serves custom.metrics.k8s.io/v1beta1, "
+                    f"so the HorizontalPodAutoscaler cannot read its Pods metrics: {_ADAPTER_FIX}")
     if cm.state != SERVED:
-        return Cond(t, "False", "CustomMetricsUnavailable", "the APIService v1beta1.custom.metrics.k8s.io is registered "
+        return Cond(t, "False", "CustomMetricsUnavailable",
+                    "the APIService v1beta1.custom.metrics.k8s.io is registered "
                     f"but not Available ({cm.detail or cm.state}): check the adapter's pods and Service")
     missing = [m for m in (autoscaling.TARGETS[f].adapter_metric for f in a.targets) if f"pods/{m}" not in cm.resources]
     if missing:
-        return Cond(t, "False", "MetricsNotServed", f"the custom metrics adapter serves no Pods metric {', '.join(missing)}: "
+        return Cond(t, "False", "MetricsNotServed",
+                    f"the custom metrics adapter serves no Pods metric {', '.join(missing)}: "
                     "add its rule (docs/autoscaling.md, autoscaler hpa) and make Prometheus scrape vLLM's /metrics")
     return Cond(t, "True", "MetricsServed", "the custom metrics API serves every metric the targets read")
 
 
-def initial(body: dict[str, Any], clock: datetime | None = None) -> dict[str, Any]:
-    """The first status, written as soon as the operator sees a new resource (before any child is
-    applied): Reconciling=True and every other condition Unknown, so no reader mistakes the gap
-    for success. observedGeneration stays as it was (0): nothing is rolled out yet."""
-    meta, previous = body["metadata"], body.get("status") or {}
-    generation = meta.get("generation", 1)
-    waiting = f"the operator has seen generation {generation} and is working on it"
-    conds = [Cond(t, "Unknown", PENDING, waiting) for t in TYPES if t not in ("Reconciling", "Stalled")]
-    conds += [Cond("Reconciling", "True", PENDING, waiting), Cond("Stalled", "Unknown", PENDING, waiting)]
-    return {"observedGeneration": previous.get("observedGeneration", 0),
-            "conditions": merge(previous.get("conditions"), conds, generation, clock),
-            "replicas": 0, "readyReplicas": 0, "selector": f"{render.OWNER_LABEL}={meta['name']}"}
-
-
-def merge(previous: list[dict[str, Any]] | None, new: list[Cond], generation: int, clock: datetime | None = None) -> list[dict[str, Any]]:
+def merge(previous: list[dict[str, Any]] | None, new: list[Cond], generation: int,
+          clock: datetime | None = None) -> list[dict[str, Any]]:
     """Conditions as API objects; keep lastTransitionTime where status did not change."""
     before = {c.get("type"): c for c in previous or []}
     out = []
     for c in new:
         old = before.get(c.type)
-        since = old["lastTransitionTime"] if old and old.get("status") == c.status and old.get("lastTransitionTime") else now_iso(clock)
+        since = (old["lastTransitionTime"] if old and old.get("status") == c.status and old.get("lastTransitionTime")
+                 else now_iso(clock))
         out.append({"type": c.type, "status": c.status, "reason": c.reason, "message": c.message[:32768],
                     "lastTransitionTime": since, "observedGeneration": generation})
     return out
@@ -400,8 +419,9 @@ def status(body: dict[str, Any], desired: Desired | None, error: ConfigError | N
     out["observedGeneration"] = generation if rolled else previous.get("observedGeneration", 0)
     b = desired.budget
     out["endpoint"] = render.endpoint(render.Owner(meta["name"], meta["namespace"]), desired.spec)
-    out["versions"] = {"image": desired.spec.engine.image,
-                       "renderedFor": {"vllm": desired.spec.engine.vllm_version, "lmcache": desired.spec.engine.lmcache_version},
+    engine = desired.spec.engine
+    out["versions"] = {"image": engine.image,
+                       "renderedFor": {"vllm": engine.vllm_version, "lmcache": engine.lmcache_version},
                        "running": running_versions(obs.probes)}
     out["summary"] = {"gpuTokens": b.tier("gpu").tokens, "cpuTokens": b.tier("cpu").tokens,
                       "diskTokens": b.tier("disk").tokens, "memory": format_bytes(b.memory_limit)}
@@ -477,7 +497,8 @@ def autoscaler_status(desired: Desired, name: str, hpa: dict[str, Any] | None) -
     limited = conds.get("ScalingLimited")
     chosen = limited if limited and limited.get("status") == "True" else conds.get("ScalingActive")
     if chosen is None:
-        return {**out, "reason": "NotComputedYet", "message": f"{wants}; the HorizontalPodAutoscaler has not computed yet"}
+        return {**out, "reason": "NotComputedYet",
+                "message": f"{wants}; the HorizontalPodAutoscaler has not computed yet"}
     return {**out, "reason": chosen.get("reason", ""), "message": f"{wants}; {chosen.get('message', '')}"}
 
 

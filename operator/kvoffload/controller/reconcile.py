@@ -1,6 +1,6 @@
 """One idempotent, level-based reconcile of a KVOffloadServe: I/O at the two ends of the pure pipeline.
 
-read CR -> (first status) -> desired (pure) -> apply what differs -> prune -> read children -> status (pure)
+read CR -> desired (pure) -> apply what differs -> prune -> read children -> status (pure)
 -> write if changed -> events for what changed (pure transitions, rate-limited).
 """
 
@@ -266,13 +266,8 @@ def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: date
                recorder: events.Recorder | None, memos: Memos, child_kinds: tuple[tuple[str, str], ...],
                apis: AutoscalingApis | None) -> str:
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    if not (body.get("status") or {}).get("conditions"):
-        # First sight: say "working on it" before the slow part, so no reader takes silence for success.
-        written = _write_status(kube, namespace, name, conditions.initial(body, clock),
-                                body["metadata"]["resourceVersion"])
-        if written is None:
-            return "conflict"
-        body = written
+    # No "working on it" status on first sight: the CRD's status default (observedGeneration 0) already makes kstatus
+    # and Argo CD read a resource the operator has not written to as in progress (tests/unit/test_first_status.py).
     meta = body["metadata"]
     desired: pipeline.Desired | None = None
     error: ConfigError | None = None

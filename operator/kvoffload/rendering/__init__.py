@@ -1,1 +1,3 @@
-"""Rendering: (owner, Spec, Budget, Settings) -> child objects as plain dicts. Imports api/, engine/, planning/."""
+"""Rendering: (owner, Spec, Budget, Settings) -> child objects as plain dicts.
+
+Imports api/, engine/, backends/, planning/."""

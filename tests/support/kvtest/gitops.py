@@ -90,3 +90,10 @@ def write_fixture(name: str, obj: dict[str, Any]) -> None:
     head = ("# Captured from the real API server by tests/integration/test_gitops.py "
             "(KVO_CAPTURE_GITOPS_FIXTURES=1); do not edit by hand.\n")
     path.write_text(head + yaml.safe_dump(obj, sort_keys=False, width=120))
+
+
+def kstatus_file(obj: dict[str, Any]) -> dict[str, Any]:
+    """kstatus' verdict (status, message, conditions) for one object, computed offline (kstatus-check -file)."""
+    out = subprocess.run([tools()["kstatus-check"], "-file", "-"], input=json.dumps(obj), text=True,
+                         capture_output=True, check=True, timeout=60).stdout
+    return json.loads(out)
