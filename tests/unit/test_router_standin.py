@@ -8,23 +8,29 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
+from kvoffload.planning import routing as plan_routing
 from kvtest import ROOT, node, wait_until
 from kvtest import router_workload as rw
 from kvtest.procs import free_ports
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+# The router's debug line for each kv_aware decision: the worker it chose and the prefix tokens it credited there.
+DECISION = re.compile(r'KV prefix decision outcome="[a-z_]+" worker="([^"]+)" input_tokens=\d+ new_prefill_tokens=\d+ '
+                      r'credited_prefix_tokens=(\d+)')
 
 
 def rendered() -> pipeline.Desired:
@@ -146,9 +152,10 @@ def test_the_real_router_keeps_each_document_on_one_stand_in(vllm_router, tmp_pa
 def test_the_real_router_as_rendered_for_kv_aware_follows_the_stand_ins_kv_events(vllm_router, tmp_path):
     """kv_aware as the operator renders it (backend vllm-native, auto), the workers two stand-ins on their own loopback
     addresses at the rendered port 8000, each publishing vLLM's KV event classes (the STAND-IN module, byte-equal to
-    vLLM's: tests/engine/test_kv_events_mirror.py) on the rendered publisher and replay ports: every later question on
-    a document reaches the replica that computed it, and still does once that replica's GPU tier evicted it (its
-    BlockRemoved GPU), served from its CPU tier, whose BlockStored CPU the router credited."""
+    vLLM's: tests/engine/test_kv_events_mirror.py) on the rendered publisher and replay ports. The router's own
+    account (its debug log's decision: the worker and the prefix tokens credited there): a document in one replica's
+    GPU tier is credited whole and sent there (GPU hits); one only in its CPU tier is credited at kvoffload's CPU
+    credit (--kv-penalty-host) and sent there (CPU hits); one its CPU tier stored and evicted is credited nowhere."""
     body = node.kv_routed_spec("kv", "stand-in")["spec"]
     ips = ("127.0.0.2", "127.0.0.3")
     d = pipeline.desired("kv", "ns", "uid-1", body, Settings(allowed_images=("stand-in",)), ips)
@@ -171,34 +178,46 @@ def test_the_real_router_as_rendered_for_kv_aware_follows_the_stand_ins_kv_event
         try:
             wait_until(lambda: urllib.request.urlopen(f"{router}/readiness", timeout=5).status == 200, timeout=60,
                        message=f"the router ready ({log})")
-            doc = " ".join(f"kvdoc{j}" for j in range(320))  # 20 blocks of 16 tokens
-            # One replica is kept busy by a held request (both idle, load picks the first worker), so the document
-            # is computed on the other: the holder is never where load alone would send the next request.
-            blocker = threading.Thread(target=rw.complete, args=(router, MODEL, "one held request"),
-                                       kwargs={"hold_s": 4.0})
-            blocker.start()
-            wait_until(lambda: any(c["in_flight"] for c in rw.counts([url_a, url_b])), timeout=10,
-                       message="the held request arrives")
-            busy = next(c["replica"] for c in rw.counts([url_a, url_b]) if c["in_flight"])
-            holder = rw.complete(router, MODEL, f"{doc} first")["kvoffload_stand_in"]["replica"]
-            assert holder != busy
-            blocker.join(timeout=30)
-            holder_url = url_a if holder == "replica-a" else url_b
-            wait_until(lambda: rw.complete(router, MODEL, f"{doc} again")["kvoffload_stand_in"]["replica"] == holder,
-                       timeout=30, message=f"the document reaches its holder ({log})")
-            # The holder's GPU tier evicts it (BlockRemoved, medium GPU): its CPU tier still holds it, and the
-            # router, which indexed the CPU tier's BlockStored, still sends it there: CPU hits.
-            assert rw.post_json(f"{holder_url}/standin/evict", {"tier": "gpu"})[1]["evicted_blocks"] >= 20
-            for r in range(3):
-                answer = rw.complete(router, MODEL, f"{doc} after the GPU evicted it {r}")["kvoffload_stand_in"]
-                assert answer["replica"] == holder, (answer, log.read_text()[-2000:])
-                if r == 0:
-                    assert answer["hit_tokens"]["cpu"] == 20 * 16, answer
-            # And once its CPU tier evicts it too, nothing credits the holder: load decides (the first worker).
-            rw.post_json(f"{holder_url}/standin/evict", {"tier": "gpu"})
-            rw.post_json(f"{holder_url}/standin/evict", {"tier": "cpu"})
-            answer = rw.complete(router, MODEL, f"{doc} after both evicted it")["kvoffload_stand_in"]
-            assert answer["replica"] == busy, answer
+            holder, holder_url = "replica-b", url_b  # not the worker load alone would pick on a tie
+            cpu = plan_routing.credit(d.budget, "cpu")
+
+            def decided(prompt: str) -> tuple[str, str, int, dict]:
+                """(replica that answered, worker the router chose, prefix tokens it credited there, the answer's
+                hits per tier), the router's account from its debug log."""
+                answer = rw.complete(router, MODEL, prompt)["kvoffload_stand_in"]
+                worker, credited = DECISION.findall(re.sub(r"\x1b\[[0-9;]*m", "", log.read_text()))[-1]
+                return answer["replica"], worker, int(credited), answer["hit_tokens"]
+
+            def seeded(tiers: tuple[str, ...], evict: str | None = None) -> Callable[[], tuple]:
+                """Each try a new document (320 tokens: 20 blocks), put in the holder's `tiers` (their BlockStored),
+                optionally evicted again from one (its BlockRemoved); the router's decision once it had time to read
+                the events (the events are asynchronous, as a real engine's are: a try that came too early leaves its
+                document elsewhere, and the next try uses another)."""
+                tries = iter(range(1000))
+
+                def attempt() -> tuple:
+                    k = next(tries)
+                    doc = " ".join(f"kv{'-'.join(tiers)}{evict}{k}w{j}" for j in range(320))
+                    rw.post_json(f"{holder_url}/standin/seed", {"prompt": doc, "tiers": list(tiers)})
+                    if evict:
+                        rw.post_json(f"{holder_url}/standin/evict", {"tier": evict})
+                    time.sleep(min(0.1 * 2 ** k, 2.0))  # give the events that long to reach the router
+                    return decided(f"{doc} question")
+                return attempt
+
+            # A document only in the holder's GPU tier: the router credits all of it there (a GPU hit counts 1).
+            got = wait_until(lambda: (r := seeded(("gpu",))())[:3] == (holder, holder_url, 320) and r, timeout=60,
+                             message=f"the router credits the holder's GPU tier ({log})")
+            assert got[3]["gpu"] == 320, got
+            # Only in its CPU tier (vllm-native's CPU BlockStored): credited at kvoffload's CPU credit, a CPU hit.
+            want = int(320 * cpu)
+            got = wait_until(lambda: (r := seeded(("cpu",))())[:3] == (holder, holder_url, want) and r, timeout=60,
+                             message=f"the router credits the holder's CPU tier at {cpu} ({log})")
+            assert got[3]["cpu"] == 320, got
+            # Stored and then evicted from the CPU tier (its BlockRemoved): the router credits nothing anywhere.
+            got = wait_until(lambda: (r := seeded(("cpu",), evict="cpu")())[2] == 0 and r, timeout=60,
+                             message=f"the router forgets what the CPU tier evicted ({log})")
+            assert sum(got[3].values()) == 0, got
             text = log.read_text()  # the rendered sources, no GET /get_server_info (neither vLLM serves it)
             assert "using configured static KV event sources" in text and "no block_size" not in text
         finally:
