@@ -148,26 +148,28 @@ def test_kv_aware_on_the_real_node_follows_each_replicas_kv_events(demo, node_ns
         router = f"http://{c.get('services', f'{KV_NAME}-router', node_ns)['spec']['clusterIP']}:8000"
         demo.wait_until(lambda: urllib.request.urlopen(f"{router}/readiness", timeout=5).status == 200,  # noqa: S310
                         timeout=60, interval=1, message="the router's /readiness on its ClusterIP")
-        urls = sorted(f"http://{ip}:8000" for ip in ips)
+        # A document only in one replica's CPU tier (its BlockStored, medium CPU, over the bridge): the router finds
+        # it in its index (a placement lookup hit: only those events could tell it) and sends it there, CPU hits.
+        holder = sorted(serving, key=lambda p: p["metadata"]["name"])[-1]
+        holder_url = f"http://{holder['status']['podIP']}:8000"
+        metrics = f"http://{rpod['status']['podIP']}:29000/metrics"
+
+        def lookup_hits() -> float:
+            return rw.total(rw.parse_metrics(rw.metrics_text(metrics)), "vllm_router_kv_placement_lookups_total",
+                            result="hit")
+
+        try_cpu = rw.kv_seeded(router, model, holder_url, ("cpu",), None)
+
+        def credited() -> tuple | None:
+            before = lookup_hits()
+            got = try_cpu()
+            return got if got[0] == holder["metadata"]["name"] and lookup_hits() > before else None
+
+        got = demo.wait_until(credited, timeout=90, interval=0.5, message="the router credits a CPU-tier document")
+        assert got[3]["cpu"] == 320, got
+        print(f"kv_aware on the real node: a document only in {got[0]}'s CPU tier reached it, {got[3]['cpu']} "
+              "CPU-tier hit tokens")
         doc = " ".join(f"kvnode{uuid.uuid4().hex[:6]}w{j}" for j in range(320))
-        blocker = threading.Thread(target=rw.complete, args=(router, model, "one held request"),
-                                   kwargs={"hold_s": 6.0}, daemon=True)
-        blocker.start()
-        demo.wait_until(lambda: any(x["in_flight"] for x in rw.counts(urls)), timeout=10, interval=0.05,
-                        message="the held request arrives")
-        busy = next(x["replica"] for x in rw.counts(urls) if x["in_flight"])
-        holder = rw.complete(router, model, f"{doc} first")[rw.STAND_IN]["replica"]
-        assert holder != busy
-        blocker.join(timeout=30)
-        holder_ip = next(p["status"]["podIP"] for p in serving if p["metadata"]["name"] == holder)
-        demo.wait_until(lambda: rw.complete(router, model, f"{doc} again")[rw.STAND_IN]["replica"] == holder,
-                        timeout=60, interval=0.5, message="the document's requests reach its holder")
-        evicted = rw.post_json(f"http://{holder_ip}:8000/standin/evict", {"tier": "gpu"})[1]["evicted_blocks"]
-        assert evicted >= 20
-        answer = rw.complete(router, model, f"{doc} after the GPU evicted it")[rw.STAND_IN]
-        assert answer["replica"] == holder and answer["hit_tokens"]["cpu"] == 320, answer
-        print(f"kv_aware on the real node: {doc[:12]}... stays on {holder} ({busy} was busy), "
-              f"then a CPU-tier hit of {answer['hit_tokens']['cpu']} tokens after its GPU evicted it")
 
         # --- a replica added the way an autoscaler adds one; requests keep flowing while the router rolls
         results: list[object] = []  # each request's status, or what failed it

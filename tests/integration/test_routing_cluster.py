@@ -36,6 +36,7 @@ import pytest
 import yaml
 
 from kvtest import ROOT, background, condition, images
+from kvtest import router_workload as rw
 from kvtest.specs import serve, wait_ready
 from kvtest.standin_prefix_engine import BLOCK, PrefixCache, StandInPrefixEngine, tokens
 
@@ -280,30 +281,21 @@ def test_kv_aware_as_rendered_indexes_every_replicas_events_and_follows_the_repl
         router = Router(vllm_router, args, kubeconfig, tmp_path / "router.log")
         health(pods, True)  # the router waits for every worker it is given before it serves
         cluster.wait_until(router.ready, timeout=120, message=f"the kv_aware router is ready (log: {router.log})")
-        # Replica k holds document k only in its CPU tier; replica 0 holds one more only in its GPU tier.
-        docs = {k: " ".join(f"kvaware{k}w{j}" for j in range(PREFIX_WORDS)) for k in range(REPLICAS)}
+        # Each replica's CPU tier, then replica 0's GPU tier, holds a document no other replica has: the router's
+        # own account (its decision: the worker it chose, the prefix tokens credited there) credits that replica, at
+        # kvoffload's CPU credit for the CPU tier and whole for the GPU tier, and the replica serves it as hits.
+        cpu_credit = int(PREFIX_WORDS * st["credits"]["cpu"])
         for k, h in enumerate(hosts):
-            _post(f"http://{h}:8000/standin/seed", {"prompt": docs[k], "tiers": ["cpu"]})
-        gpu_doc = " ".join(f"kvawaregpu{j}" for j in range(PREFIX_WORDS))
-        _post(f"http://{hosts[0]}:8000/standin/seed", {"prompt": gpu_doc, "tiers": ["gpu"]})
-
-        def routed_to_holders() -> bool:
-            for k in range(REPLICAS):
-                answer = router.complete(f"{docs[k]} probe")["kvoffload_stand_in"]
-                if answer["replica"] != pods[k]["metadata"]["name"]:
-                    return False
-            return True
-
-        # The router indexes what it is sent as it arrives (and what it missed, from the replay endpoint).
-        cluster.wait_until(routed_to_holders, timeout=60, message=f"each CPU-tier document reaches its holder "
-                                                                  f"(log: {router.log})")
-        for r in range(3):
-            for k in range(REPLICAS):
-                answer = router.complete(f"{docs[k]} question {r}")["kvoffload_stand_in"]
-                assert answer["replica"] == pods[k]["metadata"]["name"], (k, answer)
-                assert answer["hit_tokens"]["cpu"] + answer["hit_tokens"]["gpu"] >= PREFIX_WORDS // BLOCK * BLOCK
-            answer = router.complete(f"{gpu_doc} question {r}")["kvoffload_stand_in"]
-            assert answer["replica"] == pods[0]["metadata"]["name"] and answer["hit_tokens"]["gpu"] > 0, answer
+            url = f"http://{h}:8000"
+            try_cpu = rw.kv_seeded(router.url, "stand-in", url, ("cpu",), lambda: router.log.read_text())
+            got = cluster.wait_until(lambda: (r := try_cpu())[1:3] == (url, cpu_credit) and r, timeout=60,
+                                     message=f"the router credits {url}'s CPU tier (log: {router.log})")
+            assert got[0] == pods[k]["metadata"]["name"] and got[3]["cpu"] >= PREFIX_WORDS // BLOCK * BLOCK, got
+        url = f"http://{hosts[0]}:8000"
+        try_gpu = rw.kv_seeded(router.url, "stand-in", url, ("gpu",), lambda: router.log.read_text())
+        got = cluster.wait_until(lambda: (r := try_gpu())[1:3] == (url, PREFIX_WORDS) and r, timeout=60,
+                                 message=f"the router credits {url}'s GPU tier (log: {router.log})")
+        assert got[3]["gpu"] == PREFIX_WORDS, got
         log = _plain(router.log)
         assert "using configured static KV event sources" in log  # no GET /get_server_info asked
         for h in hosts:

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -28,9 +26,6 @@ from kvtest import router_workload as rw
 from kvtest.procs import free_ports
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-# The router's debug line for each kv_aware decision: the worker it chose and the prefix tokens it credited there.
-DECISION = re.compile(r'KV prefix decision outcome="[a-z_]+" worker="([^"]+)" input_tokens=\d+ new_prefill_tokens=\d+ '
-                      r'credited_prefix_tokens=(\d+)')
 
 
 def rendered() -> pipeline.Desired:
@@ -181,29 +176,8 @@ def test_the_real_router_as_rendered_for_kv_aware_follows_the_stand_ins_kv_event
             holder, holder_url = "replica-b", url_b  # not the worker load alone would pick on a tie
             cpu = plan_routing.credit(d.budget, "cpu")
 
-            def decided(prompt: str) -> tuple[str, str, int, dict]:
-                """(replica that answered, worker the router chose, prefix tokens it credited there, the answer's
-                hits per tier), the router's account from its debug log."""
-                answer = rw.complete(router, MODEL, prompt)["kvoffload_stand_in"]
-                worker, credited = DECISION.findall(re.sub(r"\x1b\[[0-9;]*m", "", log.read_text()))[-1]
-                return answer["replica"], worker, int(credited), answer["hit_tokens"]
-
             def seeded(tiers: tuple[str, ...], evict: str | None = None) -> Callable[[], tuple]:
-                """Each try a new document (320 tokens: 20 blocks), put in the holder's `tiers` (their BlockStored),
-                optionally evicted again from one (its BlockRemoved); the router's decision once it had time to read
-                the events (the events are asynchronous, as a real engine's are: a try that came too early leaves its
-                document elsewhere, and the next try uses another)."""
-                tries = iter(range(1000))
-
-                def attempt() -> tuple:
-                    k = next(tries)
-                    doc = " ".join(f"kv{'-'.join(tiers)}{evict}{k}w{j}" for j in range(320))
-                    rw.post_json(f"{holder_url}/standin/seed", {"prompt": doc, "tiers": list(tiers)})
-                    if evict:
-                        rw.post_json(f"{holder_url}/standin/evict", {"tier": evict})
-                    time.sleep(min(0.1 * 2 ** k, 2.0))  # give the events that long to reach the router
-                    return decided(f"{doc} question")
-                return attempt
+                return rw.kv_seeded(router, MODEL, holder_url, tiers, log.read_text, evict=evict)
 
             # A document only in the holder's GPU tier: the router credits all of it there (a GPU hit counts 1).
             got = wait_until(lambda: (r := seeded(("gpu",))())[:3] == (holder, holder_url, 320) and r, timeout=60,

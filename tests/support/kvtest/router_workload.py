@@ -16,7 +16,9 @@ later requests follow their own document, prefix hits the router counts in vllm_
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -27,6 +29,9 @@ from typing import Any
 STAND_IN = "kvoffload_stand_in"
 HOLD = "kvoffload_stand_in_hold_s"
 PREFIX_DECISIONS = "vllm_router_prefix_routing_decisions_total"
+# kv_aware's debug line per decision (src/policies/kv_aware.rs): the worker it chose, the prefix tokens credited there.
+KV_DECISION = re.compile(r'KV prefix decision outcome="[a-z_]+" worker="([^"]+)" input_tokens=\d+ '
+                         r'new_prefill_tokens=\d+ credited_prefix_tokens=(\d+)')
 
 
 def get_json(url: str, timeout: float = 10) -> Any:
@@ -123,3 +128,33 @@ def affinity(router: str, replicas: list[str], model: str, *, rounds: int = 3, w
             served[k].append(complete(router, model, f"{docs[k]} question {r}")[STAND_IN]["replica"])
             time.sleep(0.05)
     return served
+
+
+def kv_decided(router: str, model: str, prompt: str,
+               log: Callable[[], str] | None) -> tuple[str, str, int, dict[str, int]]:
+    """One request through a kv_aware router, and the router's account of it where its debug log is at hand: (replica
+    that answered, worker the router chose, prefix tokens it credited there, the answer's hit tokens per tier); without
+    a log the worker is "" and the credit -1."""
+    answer = complete(router, model, prompt)[STAND_IN]
+    worker, credited = (KV_DECISION.findall(re.sub(r"\x1b\[[0-9;]*m", "", log()))[-1] if log else ("", "-1"))
+    return answer["replica"], worker, int(credited), answer.get("hit_tokens") or {}
+
+
+def kv_seeded(router: str, model: str, holder: str, tiers: tuple[str, ...], log: Callable[[], str] | None, *,
+              evict: str | None = None, words: int = 320) -> Callable[[], tuple[str, str, int, dict[str, int]]]:
+    """A try for wait_until: each call a new document of `words` tokens put in replica `holder`'s `tiers` (POST
+    /standin/seed: their BlockStored), evicted again from `evict` if given (its BlockRemoved), then asked for through
+    the router: kv_decided. KV events reach the router asynchronously, as a real engine's do: a try that came too early
+    leaves its document elsewhere, and the next one, a little later, uses another."""
+    tries = itertools.count()
+    tag = f"{'-'.join(tiers)}{evict or ''}{time.monotonic_ns()}"
+
+    def attempt() -> tuple[str, str, int, dict[str, int]]:
+        k = next(tries)
+        doc = " ".join(f"kv{tag}d{k}w{j}" for j in range(words))
+        post_json(f"{holder}/standin/seed", {"prompt": doc, "tiers": list(tiers)})
+        if evict:
+            post_json(f"{holder}/standin/evict", {"tier": evict})
+        time.sleep(min(0.1 * 2 ** k, 2.0))  # how long the events had to reach the router: longer each try
+        return kv_decided(router, model, f"{doc} question", log)
+    return attempt
