@@ -5,8 +5,9 @@ Here every expected value is a literal, worked out by hand from the documented f
 planning/routing.py's docstrings, docs/backends.md) and the documented inputs: the operator's default settings
 (api/settings.py: engineBaseline 4Gi, perWorkerOverhead 2Gi, stagingPerWorker 1Gi, serverBaseline 2Gi, headroom
 10% (at least 1Gi), cpuReadGbps 54.847573715916525, diskReadGbps 0.9384999892678052), the model shapes
-(planning/catalog.py) and the measured prefill (32768 tokens in 1.3815045919999989 s for an 8,030,261,248-parameter
-Llama on one H200). The arithmetic is in the comments. Change a literal only after redoing it by hand.
+(planning/catalog.py) and vLLM 0.26.0's measured prefill (32768 tokens in 1.121 s for an 8,030,261,248-parameter
+Llama on one H200, planning/sizing.MEASURED_PREFILL_S). The arithmetic is in the comments. Change a literal only
+after redoing it by hand.
 
 The code is called only to render the examples (the renderer the golden tests use) and to plan them.
 """
@@ -106,14 +107,13 @@ def test_cpu_tier_qwen25_7b_plan():
     # 32,768 = 18.
     assert (b.tier("cpu").tokens, b.tier("cpu").sequences) == (599040, 18)
     (cpu,) = b.reload
-    # prefill = 32,768 / 1.3815045919999989 = 23,719.067 tokens/s for 8,030,261,248 params; × 8,030,261,248 /
-    # 7,615,616,512
-    # × TP 1 = 25,010.49 tokens/s; recompute 32,768 tokens = 1.31017 s.
-    assert cpu.recompute_s == pytest.approx(1.31017, abs=1e-5)
+    # prefill = 32,768 / 1.121 = 29,231.04 tokens/s for 8,030,261,248 params; × 8,030,261,248 / 7,615,616,512
+    # × TP 1 = 30,822.58 tokens/s; recompute 32,768 tokens = 1.063117 s.
+    assert cpu.recompute_s == pytest.approx(1.063117, abs=1e-6)
     # reload = 32,768 × 57,344 = 1,879,048,192 B / TP 1 / 54.847573715916525e9 B/s = 0.0342595 s.
     assert cpu.reload_s == pytest.approx(0.0342595, abs=1e-7)
-    # credit = 1 − 0.0342595 / 1.31017 = 0.97385 → 0.9739 (4 places); no disk tier: 0.
-    assert routing.credits(b) == {"cpu": 0.9739, "disk": 0.0}
+    # credit = 1 − 0.0342595 / 1.063117 = 0.96777 → 0.9678 (4 places); no disk tier: 0.
+    assert routing.credits(b) == {"cpu": 0.9678, "disk": 0.0}
     # --max-tree-size: the largest worthwhile tier, max(GPU 2,073,087, CPU 599,040) = 2,073,087 tokens × 8 chars
     # = 16,584,696.
     assert routing.max_tree_size(b) == 16584696
@@ -174,14 +174,13 @@ def test_server_llama31_8b_plan():
     # = 1,638,400 tokens.
     assert (b.tier("cpu").tokens, b.tier("disk").tokens) == (327680, 1638400)
     cpu, disk = b.reload
-    # recompute: 65,536 / 23,719.067 tokens/s (the measured 8B itself, TP 1) = 2.763009 s.
-    assert cpu.recompute_s == pytest.approx(2.763009, abs=1e-6)
-    # CPU reload: 65,536 × 131,072 = 8,589,934,592 B / 54.847573715916525e9 = 0.1566147 s: credit 1 − 0.1566147
-    # / 2.763009
-    # = 0.94332 → 0.9433. Disk reload: 8,589,934,592 / 0.9384999892678052e9 = 9.15283 s > 2.763 s: slower, credit 0.
+    # recompute: 65,536 / 29,231.04 tokens/s (the measured 8B itself, TP 1) = 2 × 1.121 = 2.242000 s.
+    assert cpu.recompute_s == pytest.approx(2.242000, abs=1e-6)
+    # CPU reload: 65,536 × 131,072 = 8,589,934,592 B / 54.847573715916525e9 = 0.1566147 s: credit 1 − 0.1566147 / 2.242
+    # = 0.93015 → 0.9301. Disk reload: 8,589,934,592 / 0.9384999892678052e9 = 9.15283 s > 2.242 s: slower, credit 0.
     assert cpu.reload_s == pytest.approx(0.1566147, abs=1e-7)
     assert disk.reload_s == pytest.approx(9.15283, abs=1e-5) and disk.slower_than_recompute
-    assert routing.credits(b) == {"cpu": 0.9433, "disk": 0.0}
+    assert routing.credits(b) == {"cpu": 0.9301, "disk": 0.0}
     # --max-tree-size: the disk tier is slower than recompute, so it does not count: max(GPU 900,648, CPU 327,680)
     # = 900,648 tokens × 8 = 7,205,184.
     assert routing.max_tree_size(b) == 7205184
@@ -213,12 +212,12 @@ def test_tp8_llama33_70b_plan():
     # disk: 256Gi / 10,485,760 = 26,214.4 → 26,214 chunks = 6,710,784 tokens.
     assert (b.tier("cpu").tokens, b.tier("disk").tokens) == (2097152, 6710784)
     cpu, disk = b.reload
-    # prefill: 23,719.067 × 8,030,261,248 / 70,553,706,496 × TP 8 = 21,597.20 tokens/s; 131,072 tokens: 6.068935 s.
-    assert cpu.recompute_s == pytest.approx(6.068935, abs=1e-6)
-    # CPU: 131,072 × 327,680 = 42,949,672,960 B / 8 ranks / 54.847573715916525e9 = 0.0978842 s: 1 − 0.0978842 / 6.068935
-    # = 0.98387 → 0.9839. Disk: 42,949,672,960 / 0.9384999892678052e9 = 45.7642 s > 6.07 s: slower, credit 0.
+    # prefill: 29,231.04 × 8,030,261,248 / 70,553,706,496 × TP 8 = 26,616.08 tokens/s; 131,072 tokens: 4.924541 s.
+    assert cpu.recompute_s == pytest.approx(4.924541, abs=1e-6)
+    # CPU: 131,072 × 327,680 = 42,949,672,960 B / 8 ranks / 54.847573715916525e9 = 0.0978842 s: 1 − 0.0978842 / 4.924541
+    # = 0.98012 → 0.9801. Disk: 42,949,672,960 / 0.9384999892678052e9 = 45.7642 s > 4.92 s: slower, credit 0.
     assert cpu.reload_s == pytest.approx(0.0978842, abs=1e-7)
     assert disk.reload_s == pytest.approx(45.7642, abs=1e-4) and disk.slower_than_recompute
-    assert routing.credits(b) == {"cpu": 0.9839, "disk": 0.0}
+    assert routing.credits(b) == {"cpu": 0.9801, "disk": 0.0}
     # max(GPU 2,843,552, CPU 2,097,152) = 2,843,552 tokens × 8 = 22,748,416 (the slower disk tier does not count).
     assert routing.max_tree_size(b) == 22748416

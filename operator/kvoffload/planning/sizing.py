@@ -68,11 +68,15 @@ from .catalog import ModelArch
 
 # The defaults are the operator's settings (api/settings.py, the one table the chart's values mirror).
 _DEFAULTS = Settings()
-# h200-tier-physics.json: pinned host→GPU copy, disk read, and the 32K prefill of an 8B Llama.
+# h200-tier-physics.json: pinned host→GPU copy and disk read.
 H2D_PINNED_BPS = _DEFAULTS.cpu_read_gbps * 1e9
 DISK_READ_BPS = _DEFAULTS.disk_read_gbps * 1e9
+# vLLM's own cold prefill of a 32,768-token prompt, Llama-3.1-8B on one H200, no KV connector (docs/benchmarks.md
+# "GPU"), per vLLM version: 0.26.0 the median of its five runs (1.100, 1.114, 1.121, 1.220, 1.229 s), 0.33.0 its one
+# (1.169 s). A version between or past them takes the newest measured one at or below it, an older one the oldest.
+# (h200-tier-physics.json's 1.3815 s was transformers' sdpa prefill, not vLLM's: 18 % slower than vLLM 0.26.0.)
 MEASURED_PREFILL_TOKENS = 32768
-MEASURED_PREFILL_S = 1.3815045919999989
+MEASURED_PREFILL_S: dict[tuple[int, ...], float] = {(0, 26, 0): 1.121, (0, 33, 0): 1.169}
 MEASURED_PARAMS = 8_030_261_248  # the Llama-3.1-8B shape that was measured
 
 # Assumed weight download rate (bytes/s): 400 Mbit/s, a conservative Hugging Face Hub rate.
@@ -113,7 +117,7 @@ class Bandwidths:
     the figure came from (an option, a spec field, an operator setting), for status and `kvoffload plan`."""
     cpu_read: float = H2D_PINNED_BPS
     disk_read: float = DISK_READ_BPS
-    # None = derive: measured 8B on H200 (32768 tokens / 1.3815 s) scaled by 8B/params × TP
+    # None = derive: vLLM's measured 32K prefill of an 8B on one H200 (MEASURED_PREFILL_S) scaled by 8B/params × TP
     prefill_tokens_per_s: float | None = _DEFAULTS.prefill_tokens_per_second or None
     weight_download: float = WEIGHT_DOWNLOAD_BPS
     weight_load: float = DISK_READ_BPS
@@ -330,18 +334,27 @@ def _refuse(inp: PlanInput) -> None:
                          "set {cpu_size} > 0 or {disk_size} to 0")
 
 
+def measured_prefill(vllm_version: str) -> tuple[str, float]:
+    """(the measured vLLM version it comes from, its 32K prefill in seconds) for the image's vLLM."""
+    want = images.version_tuple(vllm_version, "engine.vllmVersion")
+    at_or_below = [v for v in MEASURED_PREFILL_S if v <= want]
+    version = max(at_or_below) if at_or_below else min(MEASURED_PREFILL_S)
+    return ".".join(map(str, version)), MEASURED_PREFILL_S[version]
+
+
 def prefill_from(inp: PlanInput) -> str:
     """Where the recompute rate comes from."""
     if inp.bandwidths.prefill_tokens_per_s is not None:
         return inp.bandwidths.prefill_from
-    return (f"derived: {MEASURED_PREFILL_TOKENS / MEASURED_PREFILL_S:,.0f} tokens/s measured for an 8B Llama on one "
-            f"H200, × 8B / parameters × TP ({inp.bandwidths.prefill_from} unset)")
+    version, seconds = measured_prefill(inp.vllm_version)
+    return (f"derived: {MEASURED_PREFILL_TOKENS / seconds:,.0f} tokens/s measured with vLLM {version} for an 8B Llama "
+            f"on one H200, × 8B / parameters × TP ({inp.bandwidths.prefill_from} unset)")
 
 
 def prefill_tokens_per_s(inp: PlanInput) -> float:
     if inp.bandwidths.prefill_tokens_per_s is not None:
         return inp.bandwidths.prefill_tokens_per_s
-    measured = MEASURED_PREFILL_TOKENS / MEASURED_PREFILL_S
+    measured = MEASURED_PREFILL_TOKENS / measured_prefill(inp.vllm_version)[1]
     return measured * MEASURED_PARAMS / inp.model.params * inp.tp
 
 
