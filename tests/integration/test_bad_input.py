@@ -335,8 +335,11 @@ CASES = [
     Case("op flag unambiguous abbreviation", {"spec.engine.extraArgs": ["--enforce"]}, OPERATOR,
          "spec.engine.extraArgs",
          "abbreviates --enforce-eager"),
-    Case("op flag integer value", {"spec.engine.extraArgs": ["--block-size", "big"]}, OPERATOR,
-         "spec.engine.extraArgs", "--block-size takes an integer"),
+    Case("op flag integer value", {"spec.engine.extraArgs": ["--dbo-decode-token-threshold", "big"]}, OPERATOR,
+         "spec.engine.extraArgs", "--dbo-decode-token-threshold takes an integer"),
+    # --block-size is refused outright now (the router's KV index and vllm-native count in 16-token blocks).
+    Case("flag block size", {"spec.engine.extraArgs": ["--block-size", "32"]}, API, "spec.engine.extraArgs",
+         "--block-size"),
     Case("op flag stray positional", {"spec.engine.extraArgs": ["--enforce-eager", "yes"]}, OPERATOR,
          "spec.engine.extraArgs",
          "is not a flag"),
