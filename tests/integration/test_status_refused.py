@@ -55,8 +55,9 @@ def test_a_refused_status_is_an_error_an_event_and_a_metric(cluster, crd_install
         assert metric(port, "kvoffload_operator_status_writes_refused_total") >= 1
         assert metric(port, 'kvoffload_operator_reconciles_total{outcome="status-refused"}') >= 1
         obj = cluster.client.get("kvs", "svc", namespace)
-        # the first status only
-        assert "summary" not in obj["status"] and condition(obj, "Reconciling")["status"] == "True"
+        # Nothing the operator wrote is stored (it writes no first-sight status: tests/unit/test_first_status.py).
+        print("status while refused:", obj.get("status"))
+        assert not (obj.get("status") or {}).get("conditions") and "summary" not in (obj.get("status") or {})
     finally:
         cluster.client.patch("crd", crd_name, [{"op": "remove", "path": STATUS_RULES}], type="json")
     try:
