@@ -102,15 +102,10 @@ def _router_args(demo, ns: str, name: str) -> list[str]:
     return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
-def _flag_values(args: list[str], flag: str) -> list[str]:
-    return [args[i + 1] for i, a in enumerate(args) if a == flag]
-
-
 def _ready_router_with(demo, ns: str, name: str, ips: set[str]) -> dict | None:
     """The router pod that runs the template naming exactly `ips` as its workers, once it is Ready and alone."""
     args = _router_args(demo, ns, name)
-    workers = args[args.index("--worker-urls") + 1:][:len(ips)] if "--worker-urls" in args else []
-    if set(workers) != {f"http://{ip}:8000" for ip in ips}:
+    if set(rw.worker_urls(args)) != {f"http://{ip}:8000" for ip in ips}:
         return None
     pods = demo.client.list("pods", ns, labels={"kvoffload.io/router": name})
     live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
@@ -142,7 +137,7 @@ def test_kv_aware_on_the_real_node_follows_each_replicas_kv_events(demo, node_ns
         st = c.get("kvs", KV_NAME, node_ns)["status"]["routing"]
         assert (st["policy"], st["eventTiers"], st["workers"]) == ("kv_aware", ["gpu", "cpu"], REPLICAS), st
         args = rpod["spec"]["containers"][0]["args"]
-        assert set(_flag_values(args, "--kv-event-source")) == {f"http://{ip}:8000=tcp://{ip}:5557" for ip in ips}
+        assert set(rw.flag_values(args, "--kv-event-source")) == {f"http://{ip}:8000=tcp://{ip}:5557" for ip in ips}
         assert rpod["spec"]["nodeName"] == node.NAME
 
         router = f"http://{c.get('services', f'{KV_NAME}-router', node_ns)['spec']['clusterIP']}:8000"

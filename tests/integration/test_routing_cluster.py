@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import socket
 import subprocess
 import threading
@@ -114,8 +113,7 @@ def health(pods: list[dict[str, Any]], up: bool) -> None:
 
 
 def _plain(log: Path) -> str:
-    """The router's log without its colour codes."""
-    return re.sub(r"\x1b\[[0-9;]*m", "", log.read_text())
+    return rw.plain(log.read_text())
 
 
 def _run(router: Router, prompts: list[tuple[int, str]]) -> dict[int, list[str]]:
@@ -215,13 +213,6 @@ def test_router_discovers_the_serving_pods_and_keeps_each_prefix_on_one_replica(
             e.close()
 
 
-def _worker_urls(args: list[str]) -> list[str]:
-    if "--worker-urls" not in args:
-        return []
-    rest = args[args.index("--worker-urls") + 1:]
-    return [a for a in rest[:next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))]]
-
-
 def test_kv_aware_as_rendered_indexes_every_replicas_events_and_follows_the_replicas(engine_python, cluster, namespace,
                                                                                     operator, tmp_path, vllm_router):
     """examples/routing/native-qwen25-7b.yaml: backend vllm-native publishes its GPU and CPU tiers' KV events, so auto
@@ -242,7 +233,7 @@ def test_kv_aware_as_rendered_indexes_every_replicas_events_and_follows_the_repl
         obj = cluster.client.get("kvs", "kv", namespace)
         deployment = cluster.client.get("deployment", "kv-router", namespace)
         rendered.update(obj=obj, args=deployment["spec"]["template"]["spec"]["containers"][0]["args"])
-        return len(_worker_urls(rendered["args"])) == n and (obj.get("status") or {}).get("routing", {}).get(
+        return len(rw.worker_urls(rendered["args"])) == n and (obj.get("status") or {}).get("routing", {}).get(
             "workers") == n
 
     cluster.wait_until(lambda: workers_rendered(REPLICAS), timeout=120,
@@ -253,8 +244,8 @@ def test_kv_aware_as_rendered_indexes_every_replicas_events_and_follows_the_repl
     pods = sorted(cluster.client.list("pods", namespace, labels={"kvoffload.io/serve": "kv"}),
                   key=lambda p: p["metadata"]["name"])
     hosts = [p["status"]["podIP"] for p in pods]
-    assert _worker_urls(args) == [f"http://{h}:8000" for h in hosts]
-    assert [args[i + 1] for i, a in enumerate(args) if a == "--kv-event-source"] == [
+    assert rw.worker_urls(args) == [f"http://{h}:8000" for h in hosts]
+    assert rw.flag_values(args, "--kv-event-source") == [
         f"http://{h}:8000=tcp://{h}:5557" for h in hosts]
     assert args[args.index("--kv-penalty-host") + 1] == repr(st["credits"]["cpu"]) and st["credits"]["cpu"] > 0.9
     # The engines publish their events where the router reads them (vLLM's KVEventsConfig, with the replay endpoint).

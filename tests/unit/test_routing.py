@@ -22,6 +22,7 @@ from kvoffload.engine import router as engine_router
 from kvoffload.planning import routing as plan_routing
 from kvoffload.rendering import render, routing
 from kvtest import ROOT
+from kvtest import router_workload as rw
 from kvtest.specs import PAIR, spec
 
 ROUTED = {"replicas": 4, "routing__policy": "auto"}
@@ -199,9 +200,8 @@ def test_kv_aware_router_is_started_with_each_worker_and_its_event_sources():
     d = pipeline.desired("svc", "team-a", "uid-1", s, Settings(), WORKERS)
     args = router_container(d)["args"]
     urls = ["http://198.18.0.12:8000", "http://198.18.0.11:8000"]
-    assert args[args.index("--worker-urls") + 1: args.index("--worker-urls") + 3] == urls
-    sources = [args[i + 1] for i, a in enumerate(args) if a == "--kv-event-source"]
-    replays = [args[i + 1] for i, a in enumerate(args) if a == "--kv-event-replay-source"]
+    assert rw.worker_urls(args) == urls
+    sources, replays = rw.flag_values(args, "--kv-event-source"), rw.flag_values(args, "--kv-event-replay-source")
     assert sources == [f"{u}=tcp://{ip}:5557" for u, ip in zip(urls, WORKERS)]
     assert replays == [f"{u}=tcp://{ip}:5558" for u, ip in zip(urls, WORKERS)]
     assert args[args.index("--kv-event-block-size") + 1] == "16"

@@ -168,7 +168,6 @@ class Backend(ABC):
     # The tiers whose KV events the engine publishes for the router (spec.routing kv_aware): vLLM's own prefix cache
     # (medium GPU) always; an offload tier only where its connector publishes a BlockStored and a BlockRemoved.
     event_tiers: tuple[str, ...] = ("gpu",)
-    events_why: str = ""  # why the offload tiers publish no events the router can use (docs/routing.md)
     reasons: Reasons
 
     @property

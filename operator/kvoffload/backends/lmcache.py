@@ -101,8 +101,8 @@ class LMCache(Backend):
     min_vllm, min_lmcache = images.MIN_VLLM, images.MIN_LMCACHE  # LMCacheConnectorV1 with the config file
     refuses = {"resources.serverBaseline": Refusal("there is no LMCache server: LMCache runs inside the vLLM process")}
     in_process = True
-    events_why = ("LMCache's in-process tiers publish a BlockStored per stored chunk (medium \"cpu\", lower case) "
-                  "and never a BlockRemoved: the router would keep crediting evicted chunks, so they stay off")
+    # KV events: the GPU tier's only. LMCache's in-process tiers publish a BlockStored per stored chunk (medium "cpu",
+    # lower case) and never a BlockRemoved: the router would keep crediting evicted chunks, so they stay off.
     sources = (VLLM, LMCACHE_METRICS)
     proof = "LMCache's metrics are present (the connector is LMCache and its engine started)"
     unloaded_help = UNLOADED_HELP

@@ -94,9 +94,9 @@ class LMCacheServer(Backend):
     min_vllm, min_lmcache = (0, 26, 0), (0, 5, 3)
     refuses = {"offload.cpu.evictionPolicy": Refusal("the only policy the LMCache server offers", allowed=("LRU",))}
     sources = (VLLM, SERVER_STATUS)
-    events_why = ("LMCache 0.5.3's LMCacheMPConnector publishes no KV events; 0.5.6's publishes the server's CPU "
-                  "stores and evictions in whole LMCache chunks (block_size = chunkSize), and vllm-router 0.1.17 "
-                  "admits only events in the engine's 16-token blocks")
+    # KV events: the GPU tier's only. LMCache 0.5.3's LMCacheMPConnector publishes none; 0.5.6's publishes the
+    # server's CPU stores and evictions in whole LMCache chunks (block_size = chunkSize), and vllm-router 0.1.17
+    # admits only events in the engine's 16-token blocks.
     proof = ("the LMCache server's /status is healthy and lists at least one registered engine "
              "(vLLM's workers registered their KV caches with it over ZMQ)")
     reasons = Reasons(

@@ -46,5 +46,3 @@ POLICIES = ("auto", "kv_aware", "cache_aware", "round_robin")
 # endpoint beside it (KVEventsConfig.replay_endpoint: a ZMQ ROUTER that resends the last buffer_steps batches).
 KV_EVENTS_PORT = 5557
 KV_EVENTS_REPLAY_PORT = 5558
-# The router's name for each tier in vLLM's KV events (vllm.distributed.kv_events: MEDIUM_GPU, MEDIUM_CPU).
-EVENT_MEDIA = {"gpu": "GPU", "cpu": "CPU"}

@@ -104,13 +104,18 @@ def workers(pods: Iterable[Mapping[str, Any]], serving: Mapping[str, str]) -> tu
     return tuple(p["status"]["podIP"] for p in sorted(live, key=lambda p: p["metadata"]["name"]))
 
 
+def _host(ip: str) -> str:
+    """An IP as a URL's host: an IPv6 address in brackets."""
+    return f"[{ip}]" if ":" in ip else ip
+
+
 def _worker_url(ip: str) -> str:
     # The router's own spelling of a discovered pod (http://<SocketAddr>), so discovery and the static list agree.
-    return f"http://[{ip}]:{HTTP_PORT}" if ":" in ip else f"http://{ip}:{HTTP_PORT}"
+    return f"http://{_host(ip)}:{HTTP_PORT}"
 
 
 def _zmq(ip: str, port: int) -> str:
-    return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
+    return f"tcp://{_host(ip)}:{port}"
 
 
 def worker_args(spec: Spec, ips: tuple[str, ...]) -> list[str]:

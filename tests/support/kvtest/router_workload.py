@@ -130,13 +130,31 @@ def affinity(router: str, replicas: list[str], model: str, *, rounds: int = 3, w
     return served
 
 
+def plain(log: str) -> str:
+    """The router's log without its colour codes."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", log)
+
+
+def flag_values(args: list[str], flag: str) -> list[str]:
+    """The value after each occurrence of a repeated flag in a rendered command line (--kv-event-source ...)."""
+    return [args[i + 1] for i, a in enumerate(args) if a == flag]
+
+
+def worker_urls(args: list[str]) -> list[str]:
+    """The URLs a rendered router command line lists after --worker-urls (none without it)."""
+    if "--worker-urls" not in args:
+        return []
+    rest = args[args.index("--worker-urls") + 1:]
+    return rest[:next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))]
+
+
 def kv_decided(router: str, model: str, prompt: str,
                log: Callable[[], str] | None) -> tuple[str, str, int, dict[str, int]]:
     """One request through a kv_aware router, and the router's account of it where its debug log is at hand: (replica
     that answered, worker the router chose, prefix tokens it credited there, the answer's hit tokens per tier); without
     a log the worker is "" and the credit -1."""
     answer = complete(router, model, prompt)[STAND_IN]
-    worker, credited = (KV_DECISION.findall(re.sub(r"\x1b\[[0-9;]*m", "", log()))[-1] if log else ("", "-1"))
+    worker, credited = KV_DECISION.findall(plain(log()))[-1] if log else ("", "-1")
     return answer["replica"], worker, int(credited), answer.get("hit_tokens") or {}
 
 
