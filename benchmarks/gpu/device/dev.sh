@@ -17,6 +17,8 @@
 #   bash <bundle>/dev/dev.sh plan034 TOTAL_S     issue 34 (0.33.0-0.5.6): the check, then lmcache-server eager, lazy and
 #                                            no connector under load; plan034-rest: vllm-native, the disk tier, the
 #                                            server at 32K; plan-load (default pair): the server and no connector under load
+#   bash <bundle>/dev/dev.sh plan-routing TOTAL_S [BUDGET_S]  issue 33: the rendered router per policy before two rendered
+#                                            vllm-native replicas (routing_gpu.py), detached; plan-routing-wait TOTAL_S
 #   bash <bundle>/dev/dev.sh plan033 TOTAL_S [RUNS]  vLLM 0.33.0 + LMCache 0.5.6: check, then its rendered example under
 #                                            crun (RUNS: connector,baseline by default)
 set -u -o pipefail
@@ -53,6 +55,11 @@ install)
          "$(find "$S/site/nvidia" -maxdepth 1 -type l -printf '%f ')"
   fi
   cp -r $G/operator/kvoffload $IMG/operator/site/
+  if [ -d "$G/router" ]; then  # vLLM's router (stage.sh: its wheel and what the host lacks of its imports)
+    rm -rf $IMG/router && mkdir -p $IMG/router/site
+    python3 -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' \
+      $IMG/router/site $G/router/*.whl || exit 1
+  fi
   cp -r $G/crun/. $IMG/crun/
   printf '#!/bin/sh\nLD_LIBRARY_PATH=%s/crun/lib exec %s/crun/crun "$@"\n' $IMG $IMG > $IMG/crun/run && chmod 755 $IMG/crun/run
   python3 $G/dev/shims.py $IMG "$(command -v python3)" "$(serving "$pair")" operator || exit 1
@@ -143,6 +150,27 @@ plan034|plan034-rest|plan-load)
         --tag-suffix=-server026-load "${LOAD[@]}" ;;
   esac
   echo "$1 done, $(left) s left" ;;
+plan-routing|plan-routing-wait)
+  # Issue 33: vLLM's router as rendered for each policy in front of two rendered vllm-native replicas of Qwen2.5-7B on
+  # this GPU (benchmarks/gpu/routing_gpu.py), each engine at 0.4 of the GPU with its GPU tier cut to 4,096 blocks
+  # (65,536 tokens: the overflow workload's 44 documents of 8,192 tokens overflow it, and the half each replica keeps
+  # under affinity fits its 14 GiB CPU tier). It runs detached (setsid: a call ends at 600 s, the run may not), in
+  # /root/kvout/routing; plan-routing-wait waits for it; each call brings back what it has so far as
+  # $OUT/routing.tar.xz.
+  end=$(( $(date +%s) + $2 )); out=/root/kvout/routing; mkdir -p /root/kvout
+  if [ "$1" = plan-routing ] && [ ! -f /root/kvout/routing.pid ]; then
+    rm -rf $out && mkdir -p $out
+    ( cd $G/bench && PYTHONPATH=$G/operator setsid python3 routing_gpu.py run --rendered $G/rendered/routing.json \
+        --out $out --router-site "$IMG/router/site:$IMG/$(serving)/site" --budget-s "${3:-1500}" \
+        --engine-arg "--gpu-memory-utilization 0.4 --num-gpu-blocks-override 4096" \
+        > /root/kvout/routing.log 2>&1 < /dev/null & echo $! > /root/kvout/routing.pid )
+  fi
+  pid=$(cat /root/kvout/routing.pid 2>/dev/null)
+  while [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+  kill -0 "$pid" 2>/dev/null && echo "routing: still running (pid $pid)" || echo "routing: finished"
+  tail -40 /root/kvout/routing.log
+  cp /root/kvout/routing.log $out/ 2>/dev/null
+  tar -C /root/kvout -cJf "${OUT:-/root}/routing.tar.xz" routing ;;
 plan-layerwise)
   # Issue 21's cold-request cost: does LMCache 0.5.3's layer-wise store (which overlaps the forward pass; its GPU
   # connector refuses vLLM 0.26.0's fp8 cache) bring it to <= 3 %? The workstation example with a bf16 cache
@@ -172,5 +200,5 @@ plan-rest)
   b disk 150 --rendered $R/workstation-llama31-8b.yaml --oci $O/lmcache --runs disk --tag-suffix=-disk-oci
   echo "plan-rest done, $(left) s left" ;;
 *)
-  echo "usage: dev.sh install [PAIR] | check PAIR | bench ARGS... | plan TOTAL_S | plan-rest TOTAL_S | plan-layerwise TOTAL_S | plan033 TOTAL_S [RUNS] | plan034|plan034-rest|plan-load TOTAL_S" >&2; exit 2 ;;
+  echo "usage: dev.sh install [PAIR] | check PAIR | bench ARGS... | plan TOTAL_S | plan-rest TOTAL_S | plan-layerwise TOTAL_S | plan033 TOTAL_S [RUNS] | plan034|plan034-rest|plan-load TOTAL_S | plan-routing[-wait] TOTAL_S [BUDGET_S]" >&2; exit 2 ;;
 esac

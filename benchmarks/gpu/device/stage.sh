@@ -42,6 +42,15 @@ render "$SRC/examples/server-llama31-8b.yaml" server-llama31-8b.yaml
 render "$SRC/benchmarks/gpu/native-llama31-8b.yaml" native-llama31-8b.yaml
 render "$SRC/benchmarks/gpu/workstation-llama31-8b-bf16.yaml" workstation-llama31-8b-bf16.yaml
 for f in "$SRC"/benchmarks/gpu/*-vllm-*.yaml; do render "$f" "$(basename "$f")"; done
+# The routing benchmark (dev.sh plan-routing): each policy's rendering of its resource with two Ready replicas, and
+# vLLM's router as the router image holds it (its PyPI wheel) with what the host's Python lacks of its imports.
+PYTHONPATH=$SRC/operator "$PY" "$SRC/benchmarks/gpu/routing_gpu.py" render --spec "$SRC/benchmarks/gpu/routing-qwen25-7b.yaml" \
+  --out "$tmp/rendered/routing.json"
+ROUTER=$(PYTHONPATH=$SRC/operator "$PY" -c 'from kvoffload.engine.router import VERSION; print(VERSION)')
+mkdir -p "$tmp/router"
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+  -d "$tmp/router" "vllm-router==$ROUTER" setproctitle==1.3.8 orjson==3.13.0
 # What the pair's rendering changes against the default pair's, whose pod its backend's capture is of.
 for f in "$tmp"/rendered/*-vllm-*.yaml; do
   diff "$tmp/rendered/$(basename "${f%-vllm-*}").yaml" "$f" > "${f%.yaml}.diff-from-default.txt" || true
