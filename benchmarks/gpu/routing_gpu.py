@@ -44,6 +44,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from kvoffload.engine import router as engine_router  # noqa: E402  (PYTHONPATH=operator here and on the GPU host)
+
 IPS = ("127.0.0.2", "127.0.0.3")  # the two replicas' pod IPs: one address each, the rendered ports on both
 ROUTER = ("127.0.0.1", 8000)
 POLICIES = ("round_robin", "cache_aware", "kv_aware_constants", "kv_aware")
@@ -108,10 +110,18 @@ def drop_flags(args: list[str], flags: tuple[str, ...]) -> list[str]:
 
 # ---------------------------------------------------------------- the pieces `run` localizes (pure)
 
+def event_ports(index: int) -> tuple[int, int]:
+    """Replica `index`'s KV-event publisher and replay ports on this host. vLLM binds a publisher only on a wildcard
+    endpoint (tcp://*:PORT; to any other it connects: vllm/distributed/kv_events.py), so two replicas on one host
+    cannot share the rendered ports: the second moves 10 up."""
+    return engine_router.KV_EVENTS_PORT + 10 * index, engine_router.KV_EVENTS_REPLAY_PORT + 10 * index
+
+
 def router_argv(rendered: list[str], host: str, port: int, metrics_port: int) -> tuple[list[str], list[str]]:
     """The rendered router arguments as run here, and the changes: $(POD_IP) -> host, the Kubernetes discovery flags
     dropped (from --service-discovery up to --policy), and where the rendering has no static workers (every policy but
-    kv_aware), the replicas discovery would find given as --worker-urls; the ports."""
+    kv_aware), the replicas discovery would find given as --worker-urls; each replica's event sources on its ports
+    (event_ports); the router's ports."""
     args = [a.replace("$(POD_IP)", host) for a in rendered]
     changes = [f"$(POD_IP) -> {host}"]
     if "--service-discovery" in args:
@@ -122,6 +132,13 @@ def router_argv(rendered: list[str], host: str, port: int, metrics_port: int) ->
             urls = [f"http://{ip}:{HTTP_PORT}" for ip in IPS]
             args[start:start] = ["--worker-urls", *urls]
             changes.append(f"--worker-urls {' '.join(urls)}: the Ready replicas its discovery would find")
+    for i, ip in enumerate(IPS):
+        for rendered_port, moved in zip((engine_router.KV_EVENTS_PORT, engine_router.KV_EVENTS_REPLAY_PORT),
+                                        event_ports(i), strict=True):
+            old, new = f"tcp://{ip}:{rendered_port}", f"tcp://{ip}:{moved}"
+            if old != new and any(a.endswith("=" + old) for a in args):
+                args = [a[: -len(old)] + new if a.endswith("=" + old) else a for a in args]
+                changes.append(f"event source {old} -> {new}")
     for flag, value in (("--port", port), ("--prometheus-port", metrics_port)):
         i = args.index(flag) + 1
         if args[i] != str(value):
@@ -130,9 +147,9 @@ def router_argv(rendered: list[str], host: str, port: int, metrics_port: int) ->
     return args, changes
 
 
-def engine_argv(argv: list[str], ip: str) -> tuple[list[str], list[str]]:
-    """A localized engine argv on its own address: --host and the KV-event endpoints (the rendered `tcp://*:PORT`
-    binds every address, and both replicas share this host) on `ip`, --port the rendered one."""
+def engine_argv(argv: list[str], ip: str, index: int) -> tuple[list[str], list[str]]:
+    """A localized engine argv on its own address: --host `ip`, --port the rendered one, and the KV-event endpoints
+    on the replica's ports (event_ports), still wildcards: vLLM connects to any other endpoint instead of binding."""
     out, changes = list(argv), []
     i = out.index("--host") + 1
     changes.append(f"--host {out[i]} -> {ip}")
@@ -144,11 +161,11 @@ def engine_argv(argv: list[str], ip: str) -> tuple[list[str], list[str]]:
     if "--kv-events-config" in out:
         i = out.index("--kv-events-config") + 1
         cfg = json.loads(out[i])
-        for key in ("endpoint", "replay_endpoint"):
-            if str(cfg.get(key, "")).startswith("tcp://*:"):
-                cfg[key] = cfg[key].replace("tcp://*:", f"tcp://{ip}:")
+        for key, port in zip(("endpoint", "replay_endpoint"), event_ports(index), strict=True):
+            if cfg.get(key) != f"tcp://*:{port}":
+                changes.append(f"--kv-events-config {key} {cfg.get(key)} -> tcp://*:{port}")
+                cfg[key] = f"tcp://*:{port}"
         out[i] = json.dumps(cfg, separators=(",", ":"))
-        changes.append(f"--kv-events-config endpoints tcp://* -> tcp://{ip}")
     return out, changes
 
 
@@ -309,6 +326,9 @@ def run(args: argparse.Namespace) -> int:
     import gpu_manifests
     import gpu_pod
 
+    # Absolute: the engines' environment puts the serving image's PATH first (gpu_pod.image_env).
+    args.engine_python = shutil.which(args.engine_python) or args.engine_python
+    args.router_python = shutil.which(args.router_python) or args.router_python
     rendered = json.loads(Path(args.rendered).read_text())
     out_dir = Path(args.out)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -339,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
                                       disk_dir=str(work / f"disk-{i}"), port=18000 + i, exporter_port=19400 + i,
                                       python=args.engine_python)
         lr = gpu_manifests.localize(r, layout, connector=True, model_config=cfg, extra_args=extra)
-        argv, changes = engine_argv(lr.engine_argv, ip)
+        argv, changes = engine_argv(lr.engine_argv, ip, i)
         home0 = str(work / "replica-0" / "volumes")
         env = {k: v.replace(f"{layout.root}/volumes/home", f"{home0}/home") for k, v in lr.engine_env.items()}
         if i:

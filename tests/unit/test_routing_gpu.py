@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
@@ -66,24 +65,33 @@ def test_the_router_runs_as_rendered_but_for_discovery_and_its_ports(rendered):
         urls = args[args.index("--worker-urls") + 1: args.index("--worker-urls") + 3]
         assert urls == [f"http://{ip}:8000" for ip in routing_gpu.IPS]
         start = src.index("--service-discovery")
-        kept = src[:start] + src[src.index("--policy"):]
-        if "--worker-urls" in src:  # kv_aware: its static workers and event sources untouched
-            assert [a.replace("$(POD_IP)", "127.0.0.1") for a in kept] == [
-                a.replace("18000", "8000").replace("29001", "29000") for a in args]
+        kept = [a.replace("$(POD_IP)", "127.0.0.1") for a in src[:start] + src[src.index("--policy"):]]
+        assert args[args.index("--port") + 1] == "18000" and args[args.index("--prometheus-port") + 1] == "29001"
+        if "--worker-urls" in src:  # kv_aware: its static workers as rendered, the second replica's sources moved
+            moved = {"=tcp://127.0.0.3:5557": "=tcp://127.0.0.3:5567", "=tcp://127.0.0.3:5558": "=tcp://127.0.0.3:5568"}
+            want = [next((a.replace(o, n) for o, n in moved.items() if a.endswith(o)), a) for a in kept]
+            for flag, value in (("--port", "18000"), ("--prometheus-port", "29001")):
+                want[want.index(flag) + 1] = value
+            assert args == want
+            assert "http://127.0.0.2:8000=tcp://127.0.0.2:5557" in args  # the first replica keeps the rendered ports
+            assert "http://127.0.0.3:8000=tcp://127.0.0.3:5567" in args
         else:
             assert any("--worker-urls" in c for c in changes)
-        assert args[args.index("--port") + 1] == "18000" and args[args.index("--prometheus-port") + 1] == "29001"
 
 
-def test_each_engine_publishes_on_its_own_address():
+def test_each_engine_binds_its_publisher_on_its_own_ports():
+    """vLLM binds a KV-event publisher only on a wildcard endpoint (else it connects): the second replica on the host
+    moves to other wildcard ports, which the router is then given (event_ports)."""
+    cfg = {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}
     argv = ["python3", "-m", "vllm.entrypoints.cli.main", "serve", "/m", "--host", "127.0.0.1", "--port", "18001",
-            "--kv-events-config", json.dumps({"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
-                                              "topic": ""})]
-    out, changes = routing_gpu.engine_argv(argv, "127.0.0.3")
+            "--kv-events-config", json.dumps(cfg)]
+    first, changes = routing_gpu.engine_argv(argv, "127.0.0.2", 0)
+    assert json.loads(first[first.index("--kv-events-config") + 1]) == cfg and len(changes) == 2
+    out, changes = routing_gpu.engine_argv(argv, "127.0.0.3", 1)
     assert out[out.index("--host") + 1] == "127.0.0.3" and out[out.index("--port") + 1] == "8000"
-    cfg = json.loads(out[out.index("--kv-events-config") + 1])
-    assert (cfg["endpoint"], cfg["replay_endpoint"]) == ("tcp://127.0.0.3:5557", "tcp://127.0.0.3:5558")
-    assert len(changes) == 3
+    got = json.loads(out[out.index("--kv-events-config") + 1])
+    assert (got["endpoint"], got["replay_endpoint"]) == ("tcp://*:5567", "tcp://*:5568")
+    assert len(changes) == 4
 
 
 def test_every_document_is_sent_once_per_round_in_a_shuffled_order():
@@ -119,6 +127,6 @@ def test_the_driver_runs_every_policy_through_the_real_router_before_two_stand_i
         assert entry["overflow"]["requests"] == 3 * 3 and entry["overflow_shared"]["requests"] == 3 * 3
         assert entry["fitting"]["requests"] == 2 * 4
     assert ps["policies"]["kv_aware"]["overhead"]["routed"]["n"] == 3
+    assert any("--kv-events-config endpoint" in c for c in res["engines"][1]["changes"])
     for e in res["engines"]:
-        assert any("--kv-events-config endpoints" in c for c in e["changes"])
         assert "vLLM arguments added: --gpu-memory-utilization 0.4" in e["changes"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The wheel site one engine pair needs on the GPU host (no network there), cached by version:
 #   carry.sh VLLM-LMCACHE   (e.g. 0.33.0-0.5.6)  -> prints the directory holding the parts and SHA256SUMS
-# ~/.cache/kvoffload/gpu-carry-py312-vllm-V-lmcache-L/: <stem>.partaa.. (PART_MIB MiB each, default 56, so
+# ~/.cache/kvoffload/gpu-carry-py312-vllm-V-lmcache-L/: <stem>.partaa.. (PART_MIB MiB each, default 50, so
 # that a part plus the checkout stays under the device's 64 MiB a call), SHA256SUMS, manifest.txt
 # (distribution==version of the site), removed.txt, .done. <stem> is `site` for the default pair
 # (dev.sh's first protocol) and `site-V-L` for another. The parts are one xz stream of the wheels
@@ -19,7 +19,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../../.." && pwd)
 CACHE=${KVO_CACHE:-$HOME/.cache/kvoffload}
 DEST=$CACHE/gpu-carry-py312-vllm-$VLLM-lmcache-$LMCACHE
-PART_MIB=${PART_MIB:-56}
+PART_MIB=${PART_MIB:-50}
 PY=${PY:-python3}
 eval "$(PYTHONPATH=$ROOT/operator "$PY" - "$VLLM" "$LMCACHE" <<'EOF'
 import sys

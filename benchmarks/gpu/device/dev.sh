@@ -161,7 +161,7 @@ plan-routing|plan-routing-wait)
   if [ "$1" = plan-routing ] && [ ! -f /root/kvout/routing.pid ]; then
     rm -rf $out && mkdir -p $out
     ( cd $G/bench && PYTHONPATH=$G/operator setsid python3 routing_gpu.py run --rendered $G/rendered/routing.json \
-        --out $out --router-site "$IMG/router/site:$IMG/$(serving)/site" --budget-s "${3:-1500}" \
+        --out $out --router-site "$IMG/router/site:$IMG/$(serving)/site" --budget-s "${3:-1500}" --settle-s 8 \
         --engine-arg "--gpu-memory-utilization 0.4 --num-gpu-blocks-override 4096" \
         > /root/kvout/routing.log 2>&1 < /dev/null & echo $! > /root/kvout/routing.pid )
   fi

@@ -92,7 +92,7 @@ class KvEvents:
     msgpack payload), on a PUB socket bound to its pod address only, with vLLM's replay endpoint beside it (a ROUTER
     socket on the next port: a subscriber that joins late asks it for what it missed, from a sequence number)."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, port: int = KV_EVENTS_PORT, replay_port: int = KV_EVENTS_PORT + 1) -> None:
         import msgspec
         import zmq
         from vllm.distributed import kv_events
@@ -103,12 +103,12 @@ class KvEvents:
         self.medium = {"gpu": kv_events.MEDIUM_GPU, "cpu": kv_events.MEDIUM_CPU, "disk": "DISK"}
         self.socket = zmq.Context.instance().socket(zmq.PUB)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.bind(f"tcp://{host}:{KV_EVENTS_PORT}")
-        self.endpoint = f"tcp://{host}:{KV_EVENTS_PORT}"
+        self.socket.bind(f"tcp://{host}:{port}")
+        self.endpoint = f"tcp://{host}:{port}"
         self.replay = zmq.Context.instance().socket(zmq.ROUTER)
         self.replay.setsockopt(zmq.LINGER, 0)
-        self.replay.bind(f"tcp://{host}:{KV_EVENTS_PORT + 1}")
-        self.replay_endpoint = f"tcp://{host}:{KV_EVENTS_PORT + 1}"
+        self.replay.bind(f"tcp://{host}:{replay_port}")
+        self.replay_endpoint = f"tcp://{host}:{replay_port}"
         self.seq = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=10_000)
         self.lock = threading.Lock()
