@@ -181,7 +181,7 @@ def test_keda_scales_up_under_load_and_down_after_it(cluster, namespace, stack, 
     # client-side (Argo CD's default sync, kubectl's three-way merge) leaves the count alone.
     server_side_apply(cluster, doc, tmp_path / "serve.yaml")
     cluster.kubectl("apply", "-f", str(tmp_path / "serve.yaml"))  # kubectl under test: client-side apply
-    time.sleep(3)
+    time.sleep(3)  # deliberate: a count that stays has no event to wait for; give a wrong reset time to show
     assert replicas(cluster, namespace, name) == 4
     managers = {f["manager"]: f for f in c.get("kvoffloadserves", name, namespace)["metadata"]["managedFields"]}
     assert "replicas" not in json.dumps(managers["gitops"].get("fieldsV1", {}).get("f:spec", {}))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -93,8 +92,8 @@ def test_dashboard_queries_evaluate_and_hit_ratio_follows_traffic(stack: tuple[P
         'vllm:prefix_cache_queries_total{engine="0",model_name="llama-8b"} 24576.0').replace(
         'vllm:prefix_cache_hits_total{engine="0",model_name="llama-8b"} 4096.0',
         'vllm:prefix_cache_hits_total{engine="0",model_name="llama-8b"} 12288.0')
-    api.wait_for('kvoffload_tier_requested_tokens_total{tier="gpu"} == 24576')
-    time.sleep(2.5)  # a few more scrapes after the change
+    # A few scrapes at the new value (a subquery at the 1 s scrape interval counts them), not a fixed sleep.
+    api.wait_for('count_over_time((kvoffload_tier_requested_tokens_total{tier="gpu"} == 24576)[1m:1s]) >= 3')
 
     dashboard = json.loads(DASHBOARD.read_text())
     values = {"$__rate_interval": "1m", "$namespace": "ns", "$pod": "serve-0"}

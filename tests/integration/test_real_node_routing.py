@@ -190,7 +190,7 @@ def test_kv_aware_on_the_real_node_follows_each_replicas_kv_events(demo, node_ns
             return _ready_router_with(demo, node_ns, KV_NAME, up) if len(up) == REPLICAS + 1 else None
 
         demo.wait_until(grown, timeout=300, interval=1, message="the router rolled to the 3 Ready serving pods")
-        time.sleep(3)
+        time.sleep(3)  # deliberate: traffic goes on through the new router for a moment before it stops
         stop.set()
         sender.join(timeout=60)
         print(f"scale {REPLICAS} -> {REPLICAS + 1}: router rolled after {time.monotonic() - t0:.0f}s, "

@@ -257,7 +257,7 @@ def test_kv_aware_as_rendered_indexes_every_replicas_events_and_follows_the_repl
 
     capacity = {t["name"]: t["tokens"] for t in obj["status"]["budget"]["tiers"]}
     conf = {"engines": [{"name": p["metadata"]["name"], "host": h, "port": 8000} for p, h in zip(pods, hosts)],
-            "capacity": capacity, "kv_events": True}
+            "capacity": capacity, "kv_events": events}  # they bind the ports the operator rendered
     standins = subprocess.Popen([str(engine_python), "-m", "kvtest.standin_prefix_engine", json.dumps(conf)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=(tmp_path / "standins.log").open("w"),

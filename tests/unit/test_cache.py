@@ -150,6 +150,37 @@ def test_slim_drops_managed_fields_and_pod_specs():
     assert cache.slim(body, "v1", "ConfigMap")["data"] == {"k": "v"}
 
 
+def test_slim_keeps_only_who_holds_the_name_of_another_owners_object():
+    refs = [{"kind": "Deployment", "name": "web", "uid": "u9", "controller": True}]
+    theirs = obj("Service", "web", 7, owner=None, spec={"selector": {"app": "web"}}, status={})
+    theirs["metadata"] |= {"uid": "u8", "ownerReferences": refs, "labels": {"app": "web"}, "annotations": {"a": "b"}}
+    assert cache.slim(theirs, "v1", "Service") == {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "web", "namespace": "ns", "uid": "u8", "resourceVersion": "7", "ownerReferences": refs}}
+    # Ours (labelled), the KVOffloadServes and the pods are kept whole.
+    assert cache.slim(obj("Service", "a", 8, spec={}), "v1", "Service")["spec"] == {}
+    assert cache.slim(obj("KVOffloadServe", "a", 9, owner=None, spec={}), cache.CR_API_VERSION,
+                      "KVOffloadServe")["spec"] == {}
+
+
+def test_a_name_another_owner_holds_is_refused_from_the_cache_with_no_request():
+    """reconcile's NameConflict check reads the holder of a child's name from the cache (the child kinds are
+    watched whole): a new resource whose Service name a person's Service holds sends nothing but its status."""
+    api = Recording()
+    c = cache.Cache(None, lambda ns, name, kind: None)
+    kube = cache.CachedKube(api, c)
+    c.by_kind["KVOffloadServe"].apply_event("ADDED", {"apiVersion": cache.CR_API_VERSION, "kind": "KVOffloadServe",
+                                                      "metadata": {"namespace": "ns", "name": "a", "uid": "ua",
+                                                                   "generation": 1, "resourceVersion": "5"},
+                                                      "spec": SPEC})
+    c.put("v1", "Service", obj("Service", "a", 6, owner=None, spec={"selector": {"app": "mine"}}))
+    assert reconcile.reconcile(kube, "ns", "a", Settings()) == reconcile.CHILD_REFUSED
+    assert [(m, p.rsplit("/", 1)[1]) for m, p, _ in api.sent] == [("PATCH", "status")]  # no GET, no apply
+    valid = next(x for x in kube.get(cr_path("ns", "a"))["status"]["conditions"] if x["type"] == "ConfigValid")
+    assert valid["reason"] == "NameConflict" and "Service ns/a already exists" in valid["message"], valid
+    assert "no owner" in valid["message"], valid
+
+
 class Recording(Kube):
     """A Kube that records what would go to the API server and answers writes like it."""
 
@@ -196,7 +227,7 @@ def test_cached_reads_make_no_request_and_writes_are_read_back():
     assert api.sent[-1][0] == "GET"
 
 
-def test_kopf_watches_every_cached_kind_and_only_our_children_and_pods():
+def test_kopf_watches_every_cached_kind_and_only_our_pods():
     registry = kopf.get_default_registry()
     settings = kopf.OperatorSettings()
     handlers.tune(settings)
@@ -209,7 +240,8 @@ def test_kopf_watches_every_cached_kind_and_only_our_children_and_pods():
         assert registry._indexing.has_handlers(resource=resource), kind  # feeds the cache, gates the first reconcile
         assert registry._watching.has_handlers(resource=resource), kind
         assert not registry._changing.has_handlers(resource=resource)  # so no finalizer, no annotations
-        want = [] if kind == "KVOffloadServe" else [OWNER]
+        # Only pods are filtered: the child kinds are watched whole (the NameConflict check reads their names).
+        want = [OWNER] if kind == "Pod" else []
         assert settings.watching.label_selectors.collect(resource) == want, kind
     assert settings.watching.server_timeout == 300 and settings.watching.client_timeout == 310
     first = list(itertools.islice(iter(settings.networking.error_backoffs), 6))
@@ -290,7 +322,7 @@ def test_scaled_objects_are_watched_only_with_autoscaler_keda_and_only_where_ser
     assert registry._indexing.has_handlers(resource=so) and registry._watching.has_handlers(resource=so)
     settings = kopf.OperatorSettings()
     handlers.tune(settings)
-    assert settings.watching.label_selectors.collect(so) == [OWNER]
+    assert settings.watching.label_selectors.collect(so) == []  # watched whole, as every child kind
     rt = runtime.Runtime(kube=Discovery({}), settings=keda, child_kinds=tuple(handlers._watched))
     assert "ScaledObject" in rt.cache.by_kind
     path = collection(*autoscaling.SCALED_OBJECT, "ns")

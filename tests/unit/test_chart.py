@@ -35,17 +35,17 @@ OBJECT_MAPS = {"imageVersions"}  # operator.config.imageVersions: image -> {vllm
 EXPECTED_RULES = {
     ("kvoffload.io", "kvoffloadserves"): {"list", "watch"},
     ("kvoffload.io", "kvoffloadserves/status"): {"patch"},
-    ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("apps", "statefulsets"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("networking.k8s.io", "networkpolicies"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("autoscaling", "horizontalpodautoscalers"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("", "configmaps"): {"list", "watch", "create", "patch", "delete"},
+    ("", "services"): {"list", "watch", "create", "patch", "delete"},
+    ("apps", "statefulsets"): {"list", "watch", "create", "patch", "delete"},
+    ("policy", "poddisruptionbudgets"): {"list", "watch", "create", "patch", "delete"},
+    ("networking.k8s.io", "networkpolicies"): {"list", "watch", "create", "patch", "delete"},
+    ("autoscaling", "horizontalpodautoscalers"): {"list", "watch", "create", "patch", "delete"},
     # spec.routing: the router's Deployment, its ServiceAccount and the Role (pods list/watch) bound to it.
-    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("rbac.authorization.k8s.io", "roles"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("rbac.authorization.k8s.io", "rolebindings"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("apps", "deployments"): {"list", "watch", "create", "patch", "delete"},
+    ("", "serviceaccounts"): {"list", "watch", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "roles"): {"list", "watch", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"list", "watch", "create", "patch", "delete"},
     ("", "pods"): {"list", "watch"},
     ("", "events"): {"create"},
 }
@@ -447,7 +447,7 @@ def test_keda_autoscaler_adds_scaledobjects_only(helm):
     """operator.config.autoscaler keda: the operator also applies, watches and prunes ScaledObjects."""
     docs = helm.render("--set", "operator.config.autoscaler=keda",
                        "--set", "operator.config.prometheusAddress=http://prometheus.monitoring.svc:9090")
-    keda_verbs = {"get", "list", "watch", "create", "patch", "delete"}
+    keda_verbs = {"list", "watch", "create", "patch", "delete"}
     assert _rules(one(docs, "ClusterRole")) == {**EXPECTED_RULES, ("keda.sh", "scaledobjects"): keda_verbs}
     config_map = next(c for c in find(docs, "ConfigMap") if "config.yaml" in c.get("data", {}))
     config = yaml.safe_load(config_map["data"]["config.yaml"])

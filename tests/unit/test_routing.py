@@ -52,13 +52,13 @@ def test_auto_runs_cache_aware_where_a_tier_worth_a_hit_publishes_no_events():
     cache_aware's tree budget counts it."""
     d = desired(spec(**PAIR, **ROUTED))
     assert d.spec.routing == RoutingSpec(policy="cache_aware", requested="auto", replicas=1)
-    assert routing.unseen(d.spec, d.budget) == ("cpu",)
+    assert routing.unseen(d.spec, d.budget) == d.unseen_tiers == ("cpu",)
 
 
 def test_auto_runs_kv_aware_where_the_events_cover_every_tier_worth_a_hit():
     d = desired(spec(**PAIR, **ROUTED, **NATIVE))
     assert d.spec.routing == RoutingSpec(policy="kv_aware", requested="auto", replicas=1)
-    assert routing.unseen(d.spec, d.budget) == ()
+    assert routing.unseen(d.spec, d.budget) == d.unseen_tiers == ()
     assert desired(spec(**NATIVE, replicas=4, routing__policy="round_robin")).spec.routing.policy == "round_robin"
 
 
@@ -390,7 +390,7 @@ def test_why_explains_the_router():
                            conditions.Observed(STS, [], None, None, _deployment(0)))
     obj = {**BODY, "spec": s, "status": {**st, "observedGeneration": 1}}
     text = why.explain(obj, STS, [], [], datetime.now(timezone.utc))
-    assert "Not ready yet (RouterNotReady)" in text and why.HINTS["RouterNotReady"] in text
+    assert "Not ready yet (RouterNotReady)" in text and "the router in front of them (spec.routing) is not" in text
     assert "vllm-router svc-router: policy cache_aware, 0 router pod(s) ready" in text
     assert re.search(r"credit per offload tier .*: cpu 0\.9\d+, disk 0", text)
     tokens = plan_routing.cached_tokens(desired(s).budget)

@@ -96,7 +96,7 @@ any: true
 {{- end }}
 
 {{/*
-RBAC rules: exactly what the operator calls (kvoffload/controller/: informer.py, kube.py, reconcile.py). No
+RBAC rules: exactly what the operator calls (kvoffload/controller/: cache.py, kube.py, reconcile.py). No
 wildcards, no Secrets (a Hugging Face token is referenced by name in the pod spec, never read).
 */}}
 {{- define "kvoffload-operator.rules" -}}
@@ -110,45 +110,44 @@ wildcards, no Secrets (a Hugging Face token is referenced by name in the pod spe
 - apiGroups: ["kvoffload.io"]
   resources: ["kvoffloadserves/status"]
   verbs: ["patch"]
-# Children: server-side apply (PATCH; create for new objects), prune, list/watch into the cache, and get: before
-# writing a child not yet its own the operator reads the live object (the cache holds only its own), to refuse a
-# name another owner holds (NameConflict). list already shows every such object, so get grants nothing more.
+# Children: server-side apply (PATCH; create for new objects), prune, list/watch into the cache. No get: the cache
+# watches these kinds whole, so the check that refuses a name another owner holds (NameConflict) reads it there.
 - apiGroups: [""]
   resources: ["configmaps", "services"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 # spec.routing: the router's Deployment, and its ServiceAccount bound to a Role that lists and watches pods in the
 # resource's namespace (the operator may grant that Role because it holds pods list/watch itself, below).
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["serviceaccounts"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 # spec.networkPolicy: one NetworkPolicy per KVOffloadServe that asks for it.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 # spec.autoscaling: the HorizontalPodAutoscaler (or, with autoscaler keda or auto, the ScaledObject whose HPA
 # KEDA makes and the operator reads into status.autoscaling), list/watch into the cache. What is served (custom
 # and external metrics APIs, keda.sh) is read from discovery, which needs no rule (system:discovery).
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 {{- /* auto picks KEDA only with a prometheusAddress (settings.resolve_autoscaler): grant it only then */}}
 {{- $c := .Values.operator.config }}
 {{- if or (eq $c.autoscaler "keda") (and (eq $c.autoscaler "auto") $c.prometheusAddress) }}
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 {{- end }}
 # Pods drive the Scheduled and Ready conditions (list/watch into the cache).
 - apiGroups: [""]

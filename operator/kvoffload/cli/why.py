@@ -9,6 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from ..api import pod_status
 from ..api.quantity import format_bytes
 from ..engine import router as engine_router
 
@@ -111,18 +112,16 @@ def _children(sts: dict[str, Any] | None, pods: list[dict[str, Any]]) -> list[st
            f"{s.get('updatedReplicas', 0)} on the newest revision"]
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
         ps = pod.get("status") or {}
-        ready = next((c.get("status") for c in ps.get("conditions") or [] if c.get("type") == "Ready"), "False")
         where = (pod.get("spec") or {}).get("nodeName") or "no node"
         why = ""
-        for c in ps.get("conditions") or []:
-            if c.get("type") == "PodScheduled" and c.get("status") == "False":
-                why = f" — unschedulable: {c.get('message', '')}"
+        if (scheduled := pod_status.condition(pod, "PodScheduled")) and scheduled.get("status") == "False":
+            why = f" — unschedulable: {scheduled.get('message', '')}"
         for cs in ps.get("containerStatuses") or []:
             waiting = (cs.get("state") or {}).get("waiting")
             if waiting:
                 why = f" — {cs.get('name')} waiting: {waiting.get('reason', '')}"
         out.append(f"  pod {pod['metadata']['name']}: {ps.get('phase', 'Unknown')} on {where}, "
-                   f"{'ready' if ready == 'True' else 'not ready'}{why}")
+                   f"{'ready' if pod_status.ready(pod) else 'not ready'}{why}")
     return out
 
 

@@ -71,10 +71,18 @@ def newer(new: Obj, old: Obj | None) -> bool:
     return a is None or b is None or a >= b
 
 
+# What the cache keeps of an object of a child kind that is not labelled as any KVOffloadServe's: enough to say who
+# holds its name (reconcile's NameConflict check), nothing of its content.
+HOLDER_FIELDS = ("name", "namespace", "uid", "resourceVersion", "ownerReferences")
+
+
 def slim(obj: Obj, api_version: str, kind: str) -> Obj:
     """What the cache keeps of an object: no managedFields (a third of a child's bytes, never read);
-    of a pod, only its metadata, spec.nodeName and status (its spec is the StatefulSet's template)."""
+    of a pod, only its metadata, spec.nodeName and status (its spec is the StatefulSet's template);
+    of another owner's object of a child kind (no owner label), only who holds its name (HOLDER_FIELDS)."""
     meta = {k: v for k, v in obj.get("metadata", {}).items() if k != "managedFields"}
+    if kind not in (crd.KIND, "Pod") and render.OWNER_LABEL not in (meta.get("labels") or {}):
+        return {"apiVersion": api_version, "kind": kind, "metadata": {k: meta[k] for k in HOLDER_FIELDS if k in meta}}
     out = {**obj, "apiVersion": api_version, "kind": kind, "metadata": meta}
     if kind == "Pod":
         out["spec"] = {"nodeName": (obj.get("spec") or {}).get("nodeName")}

@@ -17,7 +17,7 @@ from typing import Any
 from kubernetes.utils.quantity import parse_quantity
 
 from .. import backends
-from ..api import crd
+from ..api import crd, pod_status
 from ..api.conditions import INVALID_SPEC, reasons
 from ..api.errors import ConfigError
 from ..api.quantity import format_bytes
@@ -69,17 +69,10 @@ def now_iso(clock: datetime | None = None) -> str:
     return (clock or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _pod_condition(pod: dict[str, Any], type_: str) -> dict[str, Any] | None:
-    for c in pod.get("status", {}).get("conditions", []) or []:
-        if c.get("type") == type_:
-            return c
-    return None
-
-
 def _unschedulable(pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
     out = []
     for pod in pods:
-        c = _pod_condition(pod, "PodScheduled")
+        c = pod_status.condition(pod, "PodScheduled")
         if c and c.get("status") == "False" and c.get("reason") == "Unschedulable":
             out.append((pod["metadata"]["name"], c.get("message", "")))
     return out
@@ -195,7 +188,7 @@ def _disk(desired: Desired, pods: list[dict[str, Any]]) -> Cond:
     cleanup = ("emptied at every pod start; node directories are left in place when the resource is deleted "
                "(remove them with the node cleaner, see docs)" if disk.reclaim_policy == "Delete"
                else "reclaimPolicy Retain: kept")
-    initialized = [p for p in pods if (_pod_condition(p, "Initialized") or {}).get("status") == "True"]
+    initialized = [p for p in pods if (pod_status.condition(p, "Initialized") or {}).get("status") == "True"]
     replicas = desired.spec.replicas
     if replicas and len(initialized) >= replicas:
         return Cond("DiskTierReady", "True", "DirectoriesPrepared",
@@ -220,7 +213,7 @@ def _offload(desired: Desired, ready: Cond, pods: list[dict[str, Any]], probes: 
         return Cond("OffloadActive", "Unknown", "ProbesDisabled",
                     f"{configured}; the operator does not probe exporters (probeExporters: false): "
                     "read kvoffload_offload_active")
-    ready_pods = {p["metadata"]["name"] for p in pods if (_pod_condition(p, "Ready") or {}).get("status") == "True"}
+    ready_pods = {p["metadata"]["name"] for p in pods if pod_status.ready(p)}
     probes = {pod: v for pod, v in probes.items() if pod in ready_pods}
     failed = sorted((pod, v) for pod, v in probes.items() if isinstance(v, str))
     idle = sorted(pod for pod, v in probes.items() if isinstance(v, Reading) and v.active < 1)
@@ -448,8 +441,8 @@ def routing_status(desired: Desired, name: str, deployment: dict[str, Any] | Non
     if routing.policy == "kv_aware":
         out["eventTiers"] = list(backends.get(desired.spec.offload.backend).event_tiers)
         out["workers"] = len(desired.workers)
-    if unseen := render_routing.unseen(desired.spec, desired.budget):
-        out["unseenTiers"] = list(unseen)
+    if desired.unseen_tiers:
+        out["unseenTiers"] = list(desired.unseen_tiers)
     return out
 
 

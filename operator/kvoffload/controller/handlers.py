@@ -1,9 +1,10 @@
 """kopf registrations and one startup, nothing else: kopf runs the process and watches; the Runtime
 (runtime.py) queues and reconciles.
 
-kopf watches the KVOffloadServes, each child kind and the pods (children and pods filtered by the
-API server on the owner label): for each kind an index handler stores what kopf sees and kicks the
-owner, and an event handler handles deletions and relists (cache.py). kopf holds every event handler
+kopf watches the KVOffloadServes, each child kind and the pods (pods filtered by the API server on the
+owner label; the child kinds whole, so the cache knows who holds every name a child may take: reconcile's
+NameConflict check): for each kind an index handler stores what kopf sees and kicks the owner, and an event
+handler handles deletions and relists (cache.py). kopf holds every event handler
 until each kind has been listed and indexed, so the first one to run tells the Runtime its caches are
 filled. Only index and event handlers: kopf adds no finalizer and writes no progress or diff-base
 annotation on any object. The liveness probe fails once a task of the Runtime died.
@@ -28,7 +29,7 @@ from ..api import crd
 from ..api.settings import Settings, resolve_autoscaler
 from ..rendering import autoscaling, render
 from . import leader
-from .cache import CR_API_VERSION, KINDS, kinds
+from .cache import CR_API_VERSION, KINDS
 from .kube import ApiError, Kube, collection, load_api_client
 from .runtime import Runtime
 
@@ -151,9 +152,10 @@ def tune(settings: kopf.OperatorSettings) -> None:
     settings.watching.server_timeout = 300  # watches never go idle; the client gives the server 10 s more
     settings.watching.client_timeout = 310
     settings.networking.error_backoffs = Forever()
-    for api_version, kind in kinds(tuple(_watched)):
-        if kind != crd.KIND:  # only our children and pods: the API server filters on the owner label
-            settings.watching.label_selectors[_resource(api_version, kind)] = render.OWNER_LABEL
+    # Only our pods: the API server filters them on the owner label. The child kinds are watched whole, so a name
+    # another owner holds is known before a child takes it, with no GET per new child (cache.slim keeps only who
+    # holds such an object). Pods need no such check: the StatefulSet names them, and pods are never applied.
+    settings.watching.label_selectors[_resource("v1", "Pod")] = render.OWNER_LABEL
 
 
 @kopf.on.startup()

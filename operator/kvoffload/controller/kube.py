@@ -83,10 +83,6 @@ class Kube:
                 return None
             raise
 
-    def get_live(self, path: str) -> dict[str, Any] | None:
-        """GET from the API server itself, never from a cache (CachedKube serves `get` from label-filtered watches)."""
-        return Kube.get(self, path)
-
     def list(self, path: str, label_selector: str) -> list[dict[str, Any]]:
         return self.request("GET", path, query={"labelSelector": label_selector})["items"]
 

@@ -50,6 +50,8 @@ class Desired:
     autoscaler: str = ""  # with spec.autoscaling: what renders it, "hpa" or "keda" (decided here, not read back)
     max_tree_size: int | None = None  # cache_aware routing: the router's --max-tree-size (decided here, not read back)
     workers: tuple[str, ...] = ()  # kv_aware routing: the Ready serving pods' IPs the router was rendered with
+    # With spec.routing: the tiers worth a hit whose KV events the engines do not publish (what `auto` was decided on)
+    unseen_tiers: tuple[str, ...] = ()
 
 
 def bandwidths(spec: Spec) -> sizing.Bandwidths:
@@ -119,7 +121,8 @@ def desired(name: str, namespace: str, uid: str, spec_dict: dict[str, Any], sett
     render.check_name(name)
     spec = parse(spec_dict, settings)
     budget = plan_for(spec)
-    spec = render_routing.resolve(spec, budget)
+    unseen = render_routing.unseen(spec, budget) if spec.routing else ()
+    spec = render_routing.resolve(spec, unseen)
     if spec.routing is None or spec.routing.policy != "kv_aware":
         workers = ()  # nothing else depends on them: one cached answer whatever the pods do
     owner = render.Owner(name=name, namespace=namespace, uid=uid)
@@ -127,7 +130,7 @@ def desired(name: str, namespace: str, uid: str, spec_dict: dict[str, Any], sett
     scaler = ("keda" if settings.autoscaler == "keda" else "hpa") if spec.autoscaling else ""
     return Desired(spec=spec, budget=budget, children=children, applied=[stamped(c) for c in children],
                    autoscaler=scaler, max_tree_size=render_routing.max_tree_size(spec.routing, budget),
-                   workers=workers)
+                   workers=workers, unseen_tiers=unseen)
 
 
 class DesiredCache:

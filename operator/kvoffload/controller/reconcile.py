@@ -123,13 +123,14 @@ def _check_names(kube: Kube, namespace: str, uid: str, changed: list[dict[str, A
     """Never take over an object another owner holds: every child about to be written must be absent or
     controlled by this resource (uid). Names cannot be made collision-free (a resource `foo-pods` renders the
     Service that `foo` renders as its headless one), so the second comer is refused, before anything is written.
-    An object of ours is in `live`; anything else is read from the API server itself, not the label-filtered cache."""
+    An object of ours is in `live`; anything else is read with `kube.get`: the operator's cache watches the child
+    kinds whole (handlers.tune), so that is no request there."""
     for child in changed:
         key = _key(child)
         current = live.get(key)
         if current is not None and _owned_by(current, uid):
             continue
-        current = kube.get_live(f"{collection(key[0], key[1], namespace)}/{key[2]}")
+        current = kube.get(f"{collection(key[0], key[1], namespace)}/{key[2]}")
         if current is not None and not _owned_by(current, uid):
             raise Refused(NAME_CONFLICT, child, f"{key[1]} {namespace}/{key[2]} already exists and is held by "
                                                            f"{_holder(current)}: kvoffload never takes over another "

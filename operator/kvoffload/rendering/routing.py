@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .. import backends
+from ..api import pod_status
 from ..api.settings import Settings
 from ..api.spec import RoutingSpec, Spec
 from ..backends.base import HTTP_PORT, field_env
@@ -61,14 +62,14 @@ def unseen(spec: Spec, budget: Budget) -> tuple[str, ...]:
     return tuple(t for t, c in plan_routing.credits(budget).items() if c > 0 and t not in shown)
 
 
-def resolve(spec: Spec, budget: Budget) -> Spec:
+def resolve(spec: Spec, unseen_tiers: tuple[str, ...]) -> Spec:
     """The spec with spec.routing.policy's `auto` resolved: kv_aware where the engines' KV events cover every tier
-    worth a hit (the router then sees each hit at its credit), else cache_aware (whose tree budget counts those
-    tiers)."""
+    worth a hit (`unseen_tiers`, from `unseen`, is empty: the router then sees each hit at its credit), else
+    cache_aware (whose tree budget counts those tiers)."""
     routing = spec.routing
     if routing is None or routing.policy != "auto":
         return spec
-    policy = "cache_aware" if unseen(spec, budget) else "kv_aware"
+    policy = "cache_aware" if unseen_tiers else "kv_aware"
     return dataclasses.replace(spec, routing=dataclasses.replace(routing, policy=policy))
 
 
@@ -90,17 +91,13 @@ def kv_events_args(spec: Spec, budget: Budget) -> list[str]:
             *backends.get(spec.offload.backend).kv_events_args(spec, budget)]
 
 
-def _ready(pod: Mapping[str, Any]) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-
-
 def workers(pods: Iterable[Mapping[str, Any]], serving: Mapping[str, str]) -> tuple[str, ...]:
     """The pod IPs kv_aware's router is started with: the serving pods (labels `serving`) that are Ready and not
     leaving, in name order (a pod that is not Ready would hold the router's start-up: it waits for every worker it
     is given)."""
     live = [p for p in pods if serving.items() <= (p["metadata"].get("labels") or {}).items()
-            and not p["metadata"].get("deletionTimestamp") and (p.get("status") or {}).get("podIP") and _ready(p)]
+            and not p["metadata"].get("deletionTimestamp") and (p.get("status") or {}).get("podIP")
+            and pod_status.ready(p)]
     return tuple(p["status"]["podIP"] for p in sorted(live, key=lambda p: p["metadata"]["name"]))
 
 

@@ -20,8 +20,9 @@ at their tier's reload rate (a GPU hit costs nothing). One replica runs its pref
 compute-bound: requests arriving together share the GPU and wait for each other), so a router that piles requests on
 one replica sees its load (requests in flight) grow and its clients wait, as with a real engine.
 
-With `kv_events` (a pod address), it also does what kv_aware needs from an engine that lets the router index it:
-GET /get_server_info (kv_block_size) and GET /kv_event_sources, and a ZMQ PUB socket on <pod address>:5557 that
+With `kv_events` (the engine's rendered --kv-events-config), it also does what kv_aware needs from an engine that lets
+the router index it: GET /get_server_info (kv_block_size) and GET /kv_event_sources, and a ZMQ PUB socket on the pod
+address and the port the config's endpoint names (its replay endpoint beside it, on the port that one names) that
 publishes vLLM's own event classes (vllm.distributed.kv_events: BlockStored / BlockRemoved in a KVEventBatch,
 msgpack-encoded and framed as vLLM's ZmqEventPublisher does: topic, 8-byte sequence, payload), one medium per tier.
 Those need vLLM's event classes: run it with the engine venv's python (`python -m kvtest.standin_prefix_engine`,
@@ -83,16 +84,23 @@ class Counts:
     ttft_s: list[float] = field(default_factory=list)  # with seconds_per_token: arrival to the end of its prefill
 
 
-KV_EVENTS_PORT = 5557
 TOPIC = ""  # vLLM's default topic, the one the operator renders (rendering/routing.KV_EVENTS_TOPIC)
+
+
+def config_ports(config: dict[str, Any]) -> tuple[int, int]:
+    """The ports of a --kv-events-config's publisher and replay endpoints (tcp://*:PORT each), where vLLM binds them:
+    the stand-in takes them from what the operator rendered, as the engine does, and knows no port of its own."""
+    if config.get("topic", "") != TOPIC or not config.get("endpoint") or not config.get("replay_endpoint"):
+        raise ValueError(f"stand-in vLLM publishes on topic {TOPIC!r} with a replay endpoint; the config asks {config}")
+    return int(config["endpoint"].rsplit(":", 1)[1]), int(config["replay_endpoint"].rsplit(":", 1)[1])
 
 
 class KvEvents:
     """vLLM's KV events of one stand-in engine, framed as vLLM's ZmqEventPublisher frames them (topic, 8-byte sequence,
     msgpack payload), on a PUB socket bound to its pod address only, with vLLM's replay endpoint beside it (a ROUTER
-    socket on the next port: a subscriber that joins late asks it for what it missed, from a sequence number)."""
+    socket on `replay_port`: a subscriber that joins late asks it for what it missed, from a sequence number)."""
 
-    def __init__(self, host: str, port: int = KV_EVENTS_PORT, replay_port: int = KV_EVENTS_PORT + 1) -> None:
+    def __init__(self, host: str, port: int, replay_port: int) -> None:
         import msgspec
         import zmq
         from vllm.distributed import kv_events
@@ -103,12 +111,11 @@ class KvEvents:
         self.medium = {"gpu": kv_events.MEDIUM_GPU, "cpu": kv_events.MEDIUM_CPU, "disk": "DISK"}
         self.socket = zmq.Context.instance().socket(zmq.PUB)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.bind(f"tcp://{host}:{port}")
-        self.endpoint = f"tcp://{host}:{port}"
+        self.endpoint, self.replay_endpoint = f"tcp://{host}:{port}", f"tcp://{host}:{replay_port}"
+        self.socket.bind(self.endpoint)
         self.replay = zmq.Context.instance().socket(zmq.ROUTER)
         self.replay.setsockopt(zmq.LINGER, 0)
-        self.replay.bind(f"tcp://{host}:{replay_port}")
-        self.replay_endpoint = f"tcp://{host}:{replay_port}"
+        self.replay.bind(self.replay_endpoint)
         self.seq = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=10_000)
         self.lock = threading.Lock()
@@ -233,16 +240,16 @@ class PrefixCache:
 class StandInPrefixEngine:
     """A stand-in engine on (host, port) with a PrefixCache of the operator's tier capacities."""
 
-    def __init__(self, name: str, host: str, port: int, capacity: dict[str, int], kv_events: bool = False,
-                 seconds_per_token: dict[str, float] | None = None) -> None:
+    def __init__(self, name: str, host: str, port: int, capacity: dict[str, int],
+                 kv_events: dict[str, Any] | None = None, seconds_per_token: dict[str, float] | None = None) -> None:
         self.name = name
         self.seconds_per_token = seconds_per_token
         self.prefill = threading.Lock()  # one prefill at a time per replica (with seconds_per_token)
         self.waiting = 0  # requests that wait for the prefill lock (a test may hold it to keep this replica busy)
         # With KV events the engine starts "starting": vllm-router 0.1.17 subscribed to the publishers of workers that
         # became healthy after it started, and in our runs never to those already healthy at its first check.
-        self.healthy = not kv_events
-        self.events = KvEvents(host) if kv_events else None
+        self.healthy = kv_events is None
+        self.events = KvEvents(host, *config_ports(kv_events)) if kv_events is not None else None
         self.cache = PrefixCache(capacity, self.events)
         self.prompts: list[str] = []
         self.asked: set[str] = set()  # the GET paths asked so far (what the router wanted to know)
@@ -358,11 +365,11 @@ class StandInPrefixEngine:
 def main() -> None:
     """Stand-in engines in their own process (the engine venv's python has vLLM's event classes):
     python -m kvtest.standin_prefix_engine '{"engines": [{"name": ..., "host": ..., "port": ...}], "capacity": {...},
-    "kv_events": true, "seconds_per_token": {...}}'; runs until stdin closes."""
+    "kv_events": {the rendered --kv-events-config}, "seconds_per_token": {...}}'; runs until stdin closes."""
     import sys
 
     conf = json.loads(sys.argv[1])
-    engines = [StandInPrefixEngine(e["name"], e["host"], e["port"], conf["capacity"], conf.get("kv_events", False),
+    engines = [StandInPrefixEngine(e["name"], e["host"], e["port"], conf["capacity"], conf.get("kv_events"),
                                    conf.get("seconds_per_token")) for e in conf["engines"]]
     print("stand-in engines ready:", " ".join(e.url for e in engines), flush=True)
     sys.stdin.read()
