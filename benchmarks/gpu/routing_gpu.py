@@ -10,8 +10,8 @@ that fit its GPU tier (`fitting`); and the same short requests sent direct and t
         python3 routing_gpu.py run --rendered routing.json --out DIR --router-site DIR [--budget-s S]
 
 `render` runs the operator's pipeline (controller.pipeline.desired) with the two replicas Ready at 127.0.0.2 and
-127.0.0.3, once per policy: round_robin, cache_aware, kv_aware (what `auto` resolves to for vllm-native). A fourth
-policy, kv_aware with the router's own credits, is the kv_aware rendering without its --kv-penalty-* flags.
+127.0.0.3, once per policy: round_robin, cache_aware (what `auto` resolves to), kv_aware. A fourth policy, kv_aware
+with the router's own credits, is the kv_aware rendering without its --kv-penalty-* flags.
 
 `run` starts both engines from the kv_aware rendering (gpu_manifests.localize, each change listed), then per policy
 the router, its arguments as rendered with only these changes: $(POD_IP) -> 127.0.0.1 and the discovery flags dropped
@@ -72,7 +72,7 @@ def render(spec_path: str) -> dict[str, Any]:
     name, ns = doc["metadata"]["name"], doc["metadata"]["namespace"]
     out: dict[str, Any] = {"spec": spec_path, "ips": list(IPS), "policies": {}}
     engines: dict[str, list[str]] = {}
-    for policy in ("round_robin", "cache_aware", "auto"):
+    for policy in ("round_robin", "cache_aware", "kv_aware"):
         body = copy.deepcopy(doc["spec"])
         body["routing"] = {**(body.get("routing") or {}), "policy": policy}
         d = pipeline.desired(name, ns, "uid-routing-bench", body, Settings(), IPS)
@@ -87,7 +87,7 @@ def render(spec_path: str) -> dict[str, Any]:
             out["credits"] = plan_routing.credits(d.budget)
             out["tiers"] = {t.name: t.tokens for t in d.budget.tiers}
     if set(out["policies"]) != {"round_robin", "cache_aware", "kv_aware"}:
-        raise SystemExit(f"render: policies {sorted(out['policies'])}, expected auto to resolve to kv_aware")
+        raise SystemExit(f"render: policies {sorted(out['policies'])}")
     kv = out["policies"]["kv_aware"]["router_args"]
     out["policies"]["kv_aware_constants"] = {"router_args": drop_flags(kv, PENALTY_FLAGS),
                                              "router_command": out["policies"]["kv_aware"]["router_command"]}

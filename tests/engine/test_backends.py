@@ -48,8 +48,8 @@ CASES = {
     "server-tp2-nodisk": dict(offload__backend="lmcache-server", offload__disk=None, engine__tensorParallelSize=2),
     "native": dict(offload__backend="vllm-native", offload__disk=None),
     "native-tp2": dict(offload__backend="vllm-native", offload__disk=None, engine__tensorParallelSize=2),
-    # spec.routing auto runs kv_aware on vllm-native: vLLM's KV events with a replay endpoint, the CPU tier's too.
-    "native-kv-aware": dict(offload__backend="vllm-native", offload__disk=None, replicas=2, routing={}),
+    # spec.routing kv_aware on vllm-native: vLLM's KV events with a replay endpoint, the CPU tier's too.
+    "native-kv-aware": dict(offload__backend="vllm-native", offload__disk=None, replicas=2, routing__policy="kv_aware"),
 }
 
 

@@ -115,7 +115,7 @@ def _ready_router_with(demo, ns: str, name: str, ips: set[str]) -> dict | None:
 
 
 def test_kv_aware_on_the_real_node_follows_each_replicas_kv_events(demo, node_ns, engine_image, router_image):
-    """spec.routing auto on backend vllm-native runs kv_aware (its engines publish the GPU and CPU tiers' KV events):
+    """spec.routing kv_aware on backend vllm-native (its engines publish the GPU and CPU tiers' KV events):
     the operator renders the router pod with the Ready serving pods' IPs as workers and their publishers as static
     event sources, and rolls it when they change. On the real node: the router pod reaches each serving pod's
     publisher on the bridge; a document computed on one replica (the other kept busy, so load alone would not pick

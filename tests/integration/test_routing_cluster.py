@@ -4,14 +4,14 @@ the real API server; stand-in engines on those pods' loopback addresses (kwok ru
 cache with the operator's tier capacities (kvtest.standin_prefix_engine) and answer real requests sent to the
 router's HTTP port.
 
-- cache_aware (what the operator runs on vLLM 0.26.0): every request of a shared prefix reaches the replica that
-  holds it, so repeats are GPU hits; round robin, for contrast, spreads each prefix over the replicas.
-- kv_aware as rendered (backend vllm-native: auto picks it): the router is started with the Ready serving pods and
-  their KV-event publishers (static sources, so it asks the engines nothing over HTTP); stand-ins publishing vLLM's
-  own KV event classes (under the engine venv's python: `make test` builds it in the background and this test waits
-  for it, fixture engine_python; without it the test skips, or fails under KVO_REQUIRE_ENGINE) draw each prefix's
-  requests to the replica holding it in its CPU or GPU tier; a replica added through the scale subresource joins
-  the rendered workers once Ready.
+- cache_aware (what policy auto runs): every request of a shared prefix reaches the replica that holds it, so repeats
+  are GPU hits; round robin, for contrast, spreads each prefix over the replicas.
+- kv_aware as rendered (the routing example, backend vllm-native, with policy kv_aware): the router is started with the
+  Ready serving pods and their KV-event publishers (static sources, so it asks the engines nothing over HTTP);
+  stand-ins publishing vLLM's own KV event classes (under the engine venv's python: `make test` builds it in the
+  background and this test waits for it, fixture engine_python; without it the test skips, or fails under
+  KVO_REQUIRE_ENGINE) draw each prefix's requests to the replica holding it in its CPU or GPU tier; a replica added
+  through the scale subresource joins the rendered workers once Ready.
 - the slow-tier rule (cache_aware's tree budget counts only the tiers faster than recompute): with the flags the
   operator rendered for two resources whose disks differ only in speed, a document left only in its holder's slow
   disk tier no longer draws its requests there, the same document in a fast disk tier still does.
@@ -215,8 +215,8 @@ def test_router_discovers_the_serving_pods_and_keeps_each_prefix_on_one_replica(
 
 def test_kv_aware_as_rendered_indexes_every_replicas_events_and_follows_the_replicas(engine_python, cluster, namespace,
                                                                                     operator, tmp_path, vllm_router):
-    """examples/routing/native-qwen25-7b.yaml: backend vllm-native publishes its GPU and CPU tiers' KV events, so auto
-    runs kv_aware. The operator renders the
+    """examples/routing/native-qwen25-7b.yaml with policy kv_aware: backend vllm-native publishes its GPU and CPU tiers'
+    KV events. The operator renders the
     router with the Ready serving pods as --worker-urls, each with its publisher and replay endpoint (static sources:
     the router asks the engines nothing over HTTP, so the vLLM routes it lacks do not matter). The real router with
     exactly those arguments, in front of stand-in engines on the pods' addresses that publish vLLM's own event classes
@@ -224,8 +224,8 @@ def test_kv_aware_as_rendered_indexes_every_replicas_events_and_follows_the_repl
     GPU tier, draw every request to their holder, which serves them as hits. Scaled up by the scale subresource, the
     new pod is rendered into the router's workers once it is Ready."""
     example = yaml.safe_load((ROOT / "examples" / "routing" / "native-qwen25-7b.yaml").read_text())
-    cluster.client.apply({**example, "metadata": {"name": "kv"}, "spec": {**example["spec"], "replicas": REPLICAS}},
-                         namespace)
+    kv_spec = {**example["spec"], "replicas": REPLICAS, "routing": {"policy": "kv_aware"}}
+    cluster.client.apply({**example, "metadata": {"name": "kv"}, "spec": kv_spec}, namespace)
     wait_ready(cluster, namespace, "kv", timeout=180)
     rendered: dict[str, Any] = {}
 

@@ -26,6 +26,7 @@ from kvtest import router_workload as rw
 from kvtest.specs import PAIR, spec
 
 ROUTED = {"replicas": 4, "routing__policy": "auto"}
+KV_ROUTED = {"replicas": 4, "routing__policy": "kv_aware"}
 
 
 def desired(s: dict, settings: Settings | None = None) -> pipeline.Desired:
@@ -47,25 +48,30 @@ NATIVE = {"offload__backend": "vllm-native", "offload__disk": None}
 WORKERS = ("198.18.0.12", "198.18.0.11")
 
 
-def test_auto_runs_cache_aware_where_a_tier_worth_a_hit_publishes_no_events():
-    """lmcache's CPU tier is worth a hit and publishes no KV events the router can use: kv_aware would not see it,
-    cache_aware's tree budget counts it."""
-    d = desired(spec(**PAIR, **ROUTED))
-    assert d.spec.routing == RoutingSpec(policy="cache_aware", requested="auto", replicas=1)
-    assert routing.unseen(d.spec, d.budget) == d.unseen_tiers == ("cpu",)
-
-
-def test_auto_runs_kv_aware_where_the_events_cover_every_tier_worth_a_hit():
-    d = desired(spec(**PAIR, **ROUTED, **NATIVE))
-    assert d.spec.routing == RoutingSpec(policy="kv_aware", requested="auto", replicas=1)
-    assert routing.unseen(d.spec, d.budget) == d.unseen_tiers == ()
+def test_auto_runs_cache_aware_on_every_backend():
+    """What served best on real engines (docs/benchmarks.md "GPU: routing on real engines"), also where the engines'
+    KV events cover every tier worth a hit (vllm-native)."""
+    for backend in ({}, NATIVE, {"offload__backend": "lmcache-server"}):
+        d = desired(spec(**PAIR, **ROUTED, **backend))
+        assert d.spec.routing == RoutingSpec(policy="cache_aware", requested="auto", replicas=1)
+        assert d.unseen_tiers == ()  # kv_aware's blind spots: nothing to say under cache_aware
     assert desired(spec(**NATIVE, replicas=4, routing__policy="round_robin")).spec.routing.policy == "round_robin"
 
 
-def test_the_routing_example_runs_kv_aware_with_the_cpu_tiers_credit():
+def test_kv_aware_names_the_tiers_worth_a_hit_whose_events_it_cannot_see():
+    """lmcache's CPU tier is worth a hit and publishes no KV events the router can use; vllm-native's does."""
+    d = desired(spec(**PAIR, replicas=4, routing__policy="kv_aware"))
+    assert routing.unseen(d.spec, d.budget) == d.unseen_tiers == ("cpu",)
+    d = desired(spec(**PAIR, replicas=4, routing__policy="kv_aware", **NATIVE))
+    assert routing.unseen(d.spec, d.budget) == d.unseen_tiers == ()
+
+
+def test_the_routing_example_runs_cache_aware_and_kv_aware_by_name_with_the_cpu_tiers_credit():
     doc = yaml.safe_load((ROOT / "examples" / "routing" / "native-qwen25-7b.yaml").read_text())
     d = pipeline.desired(doc["metadata"]["name"], doc["metadata"]["namespace"], "", doc["spec"], Settings())
-    assert d.spec.routing is not None and d.spec.routing.policy == "kv_aware"
+    assert d.spec.routing is not None and d.spec.routing.policy == "cache_aware"
+    body = {**doc["spec"], "routing": {"policy": "kv_aware"}}
+    d = pipeline.desired(doc["metadata"]["name"], doc["metadata"]["namespace"], "", body, Settings())
     args = router_container(d)["args"]
     assert args[args.index("--kv-penalty-host") + 1] == repr(plan_routing.credit(d.budget, "cpu")) != "0.0"
 
@@ -163,13 +169,13 @@ def test_kv_aware_is_given_each_tiers_credit_and_the_engine_publishes_its_events
 def test_vllm_native_publishes_its_cpu_tiers_events_as_well():
     """vLLM's OffloadingConnector publishes the CPU tier's BlockStored / BlockRemoved only when asked for
     self-describing events; vLLM merges this extra config with the one --kv-offloading-size makes."""
-    d = desired(spec(**PAIR, **ROUTED, **NATIVE))
+    d = desired(spec(**PAIR, **KV_ROUTED, **NATIVE))
     argv = render.vllm_argv(kind(d, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0])
     config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert config == {"kv_connector_extra_config": {"self_describing_kv_events": True}}
     assert argv[argv.index("--kv-offloading-backend") + 1] == "native" and "--kv-events-config" in argv
     # With a NetworkPolicy, the router's pods may reach the publisher and its replay endpoint.
-    fenced = desired(spec(**PAIR, **ROUTED, **NATIVE, networkPolicy__servingFrom=["clients"]))
+    fenced = desired(spec(**PAIR, **KV_ROUTED, **NATIVE, networkPolicy__servingFrom=["clients"]))
     (rule,) = [r for r in kind(fenced, "NetworkPolicy")[0]["spec"]["ingress"]
                if r["from"] == [{"podSelector": {"matchLabels": {routing.ROUTER_LABEL: "svc"}}}]]
     events = {engine_router.KV_EVENTS_PORT, engine_router.KV_EVENTS_REPLAY_PORT}
@@ -196,7 +202,7 @@ def test_kv_aware_router_is_started_with_each_worker_and_its_event_sources():
     """vllm-router 0.1.17 indexes only the workers it starts with, and asks an engine over HTTP for nothing when
     its event source is given: each worker with its publisher and replay endpoint, vLLM's block size and one
     model identity. Discovery stays on beside them (a pod that goes is dropped at once)."""
-    s = spec(**PAIR, **ROUTED, **NATIVE)
+    s = spec(**PAIR, **KV_ROUTED, **NATIVE)
     d = pipeline.desired("svc", "team-a", "uid-1", s, Settings(), WORKERS)
     args = router_container(d)["args"]
     urls = ["http://198.18.0.12:8000", "http://198.18.0.11:8000"]
@@ -215,7 +221,7 @@ def test_kv_aware_router_is_started_with_each_worker_and_its_event_sources():
 
 def test_only_kv_aware_reads_the_workers_and_the_cache_follows_them():
     cache = pipeline.DesiredCache()
-    s = spec(**PAIR, **ROUTED, **NATIVE)
+    s = spec(**PAIR, **KV_ROUTED, **NATIVE)
     one = cache.get("svc", "team-a", "uid-1", s, Settings(), WORKERS[:1])
     two = cache.get("svc", "team-a", "uid-1", s, Settings(), WORKERS)
     assert one.workers == WORKERS[:1] and two.workers == WORKERS and one is not two
@@ -368,7 +374,7 @@ def test_ready_waits_for_the_router_and_status_names_it():
     assert st["endpoint"] == "http://svc-router.team-a.svc:8000/v1"
     assert st["routing"] == {"policy": "cache_aware", "deployment": "svc-router", "readyReplicas": 0,
                              "credits": plan_routing.credits(d.budget),
-                             "maxTreeSize": plan_routing.max_tree_size(d.budget), "unseenTiers": ["cpu"]}
+                             "maxTreeSize": plan_routing.max_tree_size(d.budget)}
     st = conditions.status({**BODY, "spec": s}, d, None, conditions.Observed(STS, [], None, None, _deployment(1)))
     c = _conds(st)
     assert c["Ready"]["status"] == "True" and c["RouterReady"]["reason"] == "RouterAvailable"
@@ -395,8 +401,14 @@ def test_why_explains_the_router():
     assert re.search(r"credit per offload tier .*: cpu 0\.9\d+, disk 0", text)
     tokens = plan_routing.cached_tokens(desired(s).budget)
     assert f"cache_aware remembers {tokens:,} tokens of prompts per replica (--max-tree-size {8 * tokens}" in text
-    assert "tiers worth a hit whose KV events the engines do not publish: cpu (why auto runs cache_aware)" in text
-    kv = spec(**PAIR, **ROUTED, **NATIVE)
+    assert "KV events the engines do not publish" not in text  # kv_aware's blind spots: not cache_aware's
+    blind = spec(**PAIR, **KV_ROUTED)  # lmcache's CPU tier publishes no events the router can use
+    st = conditions.status({**BODY, "spec": blind}, desired(blind), None, conditions.Observed(STS, []))
+    text = why.explain({**BODY, "spec": blind, "status": {**st, "observedGeneration": 1}}, STS, [], [],
+                       datetime.now(timezone.utc))
+    assert ("tiers worth a hit whose KV events the engines do not publish: cpu (kv_aware cannot credit their hits; "
+            "cache_aware's tree budget counts them)") in text
+    kv = spec(**PAIR, **KV_ROUTED, **NATIVE)
     d = pipeline.desired("svc", "team-a", "uid-1", kv, Settings(), WORKERS)
     st = conditions.status({**BODY, "spec": kv}, d, None, conditions.Observed(STS, [], None, None, _deployment(1)))
     text = why.explain({**BODY, "spec": kv, "status": {**st, "observedGeneration": 1}}, STS, [], [],
@@ -414,7 +426,7 @@ def test_every_rendered_flag_is_one_the_real_router_declares(vllm_router):
     declared = set(re.findall(r"(--[a-z0-9-]+)", help_text))
     d = desired(spec(**ROUTED, engine__apiKeySecretRef__name="api"))
     rendered = {a for a in router_container(d)["args"] if a.startswith("--")}
-    kv = pipeline.desired("svc", "team-a", "uid-1", spec(**ROUTED, **NATIVE), Settings(), WORKERS)
+    kv = pipeline.desired("svc", "team-a", "uid-1", spec(**KV_ROUTED, **NATIVE), Settings(), WORKERS)
     rendered |= {a for a in router_container(kv)["args"] if a.startswith("--")}
     assert "--kv-event-source" in rendered and "--worker-urls" in rendered
     assert rendered <= declared, rendered - declared

@@ -471,8 +471,8 @@ def _routing() -> Schema:
         {"enabled": {"type": "boolean", "default": True,
                      "description": "Run the router (false keeps the section "
                                     "but removes the router and its children)."},
-         "policy": _s("How the router picks a replica. auto: kv_aware where the engines' KV events cover every tier "
-                      "worth a hit (backend vllm-native), else cache_aware (status.routing.unseenTiers says why). "
+         "policy": _s("How the router picks a replica. auto: cache_aware, on every backend (it served best on real "
+                      "engines: docs/benchmarks.md). "
                       "kv_aware: follows the engines' KV events (the router is started with each Ready replica and "
                       "its event publisher, and rolls when they change), crediting a hit in each tier "
                       "by what it saves against recomputing (status.routing.credits). cache_aware: a per-replica "
@@ -552,8 +552,8 @@ def status_schema() -> Schema:
                             "description": "kv_aware: the tiers whose KV events the engines publish to the router "
                                            "(gpu; cpu with backend vllm-native)."},
              "unseenTiers": {"type": "array", "items": {"type": "string"}, "x-kubernetes-list-type": "atomic",
-                             "description": "Tiers worth a hit whose KV events the engines do not publish: why auto "
-                                            "runs cache_aware, or what kv_aware cannot see."},
+                             "description": "kv_aware: the tiers worth a hit whose KV events the engines do not "
+                                            "publish (the router cannot credit their hits)."},
              "workers": _i("kv_aware: serving pods the router was started with (their KV events indexed); pods "
                            "that became Ready since are routed on load until the router rolls.", format="int32")}),
          "versions": _o("The engine: the pair the operator rendered for, and what the pods really run.", {

@@ -152,8 +152,8 @@ def _routing(obj: dict[str, Any]) -> list[str]:
         lines.append(f"  kv_aware indexes the KV events ({', '.join(r.get('eventTiers') or [])} tiers) of the "
                      f"{r['workers']} serving pod(s) it was started with; the router rolls when the Ready pods change")
     if r.get("unseenTiers"):
-        lines.append(f"  tiers worth a hit whose KV events the engines do not publish: {', '.join(r['unseenTiers'])}"
-                     + (" (why auto runs cache_aware)" if r.get("policy") == "cache_aware" else ""))
+        lines.append(f"  tiers worth a hit whose KV events the engines do not publish: {', '.join(r['unseenTiers'])} "
+                     "(kv_aware cannot credit their hits; cache_aware's tree budget counts them)")
     lines.append(f"  a hit's credit per offload tier (1 - reload/recompute; 0: slower than recompute): {figures}")
     return lines
 

@@ -121,9 +121,10 @@ def desired(name: str, namespace: str, uid: str, spec_dict: dict[str, Any], sett
     render.check_name(name)
     spec = parse(spec_dict, settings)
     budget = plan_for(spec)
-    unseen = render_routing.unseen(spec, budget) if spec.routing else ()
-    spec = render_routing.resolve(spec, unseen)
-    if spec.routing is None or spec.routing.policy != "kv_aware":
+    spec = render_routing.resolve(spec)
+    kv_aware = spec.routing is not None and spec.routing.policy == "kv_aware"
+    unseen = render_routing.unseen(spec, budget) if kv_aware else ()
+    if not kv_aware:
         workers = ()  # nothing else depends on them: one cached answer whatever the pods do
     owner = render.Owner(name=name, namespace=namespace, uid=uid)
     children = render.children(owner, spec, budget, settings, workers)

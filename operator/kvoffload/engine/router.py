@@ -39,8 +39,7 @@ MIN_EVICTION_INTERVAL_S = 1
 DEFAULT_CREDITS = {"cpu": 0.8, "external": 0.6, "disk": 0.3}  # kv_aware's constants (--kv-penalty-*)
 # The router's flag per tier credit (the GPU tier's credit is 1, not a flag).
 CREDIT_FLAGS = {"cpu": "--kv-penalty-host", "external": "--kv-penalty-external", "disk": "--kv-penalty-disk"}
-# spec.routing.policy: auto picks kv_aware where the engines' KV events cover every tier worth a hit, else cache_aware
-# (rendering/routing.resolve).
+# spec.routing.policy: auto runs cache_aware (rendering/routing.AUTO_POLICY: what served best on real engines)
 POLICIES = ("auto", "kv_aware", "cache_aware", "round_robin")
 # What the engine's KV-event publisher binds in the pod (vLLM's KVEventsConfig.endpoint default), and its replay
 # endpoint beside it (KVEventsConfig.replay_endpoint: a ZMQ ROUTER that resends the last buffer_steps batches).

@@ -57,20 +57,25 @@ def pod_labels(owner_name: str, settings: Settings) -> dict[str, str]:
 
 def unseen(spec: Spec, budget: Budget) -> tuple[str, ...]:
     """The offload tiers worth a hit (credit above 0) whose KV events the engine does not publish: kv_aware's router
-    cannot see what they hold."""
+    cannot see what they hold (status.routing.unseenTiers, under kv_aware)."""
     shown = backends.get(spec.offload.backend).event_tiers
     return tuple(t for t, c in plan_routing.credits(budget).items() if c > 0 and t not in shown)
 
 
-def resolve(spec: Spec, unseen_tiers: tuple[str, ...]) -> Spec:
-    """The spec with spec.routing.policy's `auto` resolved: kv_aware where the engines' KV events cover every tier
-    worth a hit (`unseen_tiers`, from `unseen`, is empty: the router then sees each hit at its credit), else
-    cache_aware (whose tree budget counts those tiers)."""
+# What `auto` runs: the policy that served best on real engines. On an H200, two vllm-native replicas behind the
+# rendered router (docs/benchmarks.md "GPU: routing on real engines"), cache_aware with the operator's tree budget had
+# the lowest mean TTFT on every workload: 16-18% below kv_aware with the operator's credits when documents overflow
+# the GPU tier into the CPU tier, whose events kv_aware does see (its load weighting sent a quarter of the repeats to a
+# replica that had to recompute them), and it recomputed nothing after the cold round.
+AUTO_POLICY = "cache_aware"
+
+
+def resolve(spec: Spec) -> Spec:
+    """The spec with spec.routing.policy's `auto` resolved (AUTO_POLICY, on every backend)."""
     routing = spec.routing
     if routing is None or routing.policy != "auto":
         return spec
-    policy = "cache_aware" if unseen_tiers else "kv_aware"
-    return dataclasses.replace(spec, routing=dataclasses.replace(routing, policy=policy))
+    return dataclasses.replace(spec, routing=dataclasses.replace(routing, policy=AUTO_POLICY))
 
 
 def event_ports(spec: Spec) -> tuple[int, ...]:

@@ -669,11 +669,11 @@ def routed_spec(name: str, image: str, disk: Path, *, replicas: int = 2) -> dict
 
 
 def kv_routed_spec(name: str, image: str, *, replicas: int = 2) -> dict:
-    """spec.routing with policy auto on backend vllm-native (CPU tier only): its engines publish the GPU and CPU tiers'
-    KV events, so auto runs kv_aware."""
+    """spec.routing with policy kv_aware on backend vllm-native (CPU tier only): its engines publish the GPU and CPU
+    tiers' KV events, which the router indexes."""
     body = serve_spec(name, image, Path("/unused"))
     spec = body["spec"]
     spec["offload"] = {"backend": "vllm-native", "cpu": {"size": STANDIN_CPU_TIER}}
     spec["resources"] = {k: v for k, v in spec["resources"].items() if k not in ("serverBaseline", "stagingPerWorker")}
-    spec.update(replicas=replicas, routing={})
+    spec.update(replicas=replicas, routing={"policy": "kv_aware"})
     return body
