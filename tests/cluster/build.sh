@@ -6,10 +6,15 @@ set -euo pipefail
 
 # shellcheck source=tests/cluster/k8s-module.sh
 source "$(dirname "$0")/k8s-module.sh"
+# shellcheck source=tests/support/cached-build.sh
+source "$(dirname "$0")/../support/cached-build.sh"
 KWOK_VERSION="${KWOK_VERSION:-v0.8.0}"
 HELM_VERSION="${HELM_VERSION:-v4.3.1}"
 BIN="$CACHE/bin-k8s-v$K8S_VERSION-kwok-$KWOK_VERSION-helm-$HELM_VERSION"
 WORK="$CACHE/src"
+# One builder at a time: each binary's -x test below is its done-marker, and two builders (two checkouts on one
+# machine) would otherwise build into one work dir and one binary path at once.
+cached_build_lock cluster
 mkdir -p "$BIN" "$WORK"
 
 build_k8s() {
