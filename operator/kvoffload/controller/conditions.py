@@ -10,6 +10,7 @@ acted on (ConfigValid=False, with its reason), Reconciling=True while a valid sp
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -198,11 +199,36 @@ def _disk(desired: Desired, pods: list[dict[str, Any]]) -> Cond:
     initialized = [p for p in pods if (_pod_condition(p, "Initialized") or {}).get("status") == "True"]
     replicas = desired.spec.replicas
     if replicas and len(initialized) >= replicas:
-        return Cond("DiskTierReady", "True", "DirectoriesPrepared",
+        reports = {p["metadata"]["name"]: disk_report(p) for p in initialized}
+        kept = sorted(n for n, r in reports.items() if r.get("disk") == "kept")
+        if kept:  # a backend whose engine reads its old files again (docs/disk-tier.md, "Kept or emptied")
+            cleanup = cleanup.replace("emptied at every pod start", "kept or emptied at pod start by the fingerprint")
+        return Cond("DiskTierReady", "True", "DirectoriesKept" if kept else "DirectoriesPrepared",
                     f"{format_bytes(desired.budget.tier('disk').bytes)} per replica on {where}; "
-                    f"{len(initialized)}/{replicas} pod directories {cleanup}")
+                    f"{len(initialized)}/{replicas} pod directories {cleanup}" + _kept_or_emptied(reports))
     return Cond("DiskTierReady", "False", "Preparing",
                 f"{len(initialized)}/{replicas} pod directories prepared on {where}")
+
+
+def disk_report(pod: dict[str, Any]) -> dict[str, Any]:
+    """What the disk-tier init container reported (kept or emptied, and why: node/disk_prepare.py), from the
+    termination message kubelet copied into the pod's status; {} when there is none (an older operator's pod)."""
+    for st in (pod.get("status") or {}).get("initContainerStatuses") or []:
+        if st.get("name") == render.DISK_INIT:
+            done = (st.get("state") or {}).get("terminated") or (st.get("lastState") or {}).get("terminated") or {}
+            try:
+                body = json.loads(done.get("message") or "")
+            except ValueError:
+                return {}
+            return body if isinstance(body, dict) else {}
+    return {}
+
+
+def _kept_or_emptied(reports: dict[str, dict[str, Any]]) -> str:
+    said = [f"{pod} {r['disk']}" + (f" ({format_bytes(int(r.get('keptBytes') or 0))})" if r["disk"] == "kept" else "")
+            + f": {str(r.get('why', '')).partition(': ')[2] or r.get('why', '')}"
+            for pod, r in sorted(reports.items()) if r.get("disk") in ("kept", "emptied")]
+    return ("; " + "; ".join(said)) if said else ""
 
 
 def _offload(desired: Desired, ready: Cond, pods: list[dict[str, Any]], probes: Probes | None) -> Cond:
