@@ -248,7 +248,11 @@ def test_disk_tier_ready_says_kept_or_emptied_and_why():
     assert (c["status"], c["reason"]) == ("True", "DirectoriesKept")
     assert "svc-0 kept (3Gi): the same resource and fingerprint" in c["message"], c["message"]
     assert "svc-1 emptied: the fingerprint changed (chunkSize)" in c["message"], c["message"]
-    assert "kept or emptied at pod start by the fingerprint" in c["message"]
+    assert "kept or emptied at pod start by the disk fingerprint" in c["message"]
     c = disk_condition([with_report("svc-0", emptied), with_report("svc-1", None)])  # svc-1: an older operator's pod
     assert (c["status"], c["reason"]) == ("True", "DirectoriesPrepared") and "svc-1" not in c["message"]
     assert "svc-0 emptied: the fingerprint changed (chunkSize)" in c["message"]
+    assert "kept or emptied at pod start by the disk fingerprint" in c["message"]  # what this backend does
+    lm = conditions.status(body(), pipeline.desired("svc", "ns", "u", spec(), Settings()), None,
+                           conditions.Observed(sts(), [pod()]), T0)
+    assert "emptied at every pod start" in next(c for c in lm["conditions"] if c["type"] == "DiskTierReady")["message"]

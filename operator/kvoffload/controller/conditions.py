@@ -24,7 +24,7 @@ from ..api.errors import ConfigError
 from ..api.quantity import format_bytes
 from ..engine import versions as engine_versions
 from ..planning import routing as plan_routing
-from ..rendering import autoscaling, render
+from ..rendering import autoscaling, disk_tier, render
 from ..rendering import routing as render_routing
 from .discovery import NOT_REGISTERED, SERVED, AutoscalingApis
 from .pipeline import Desired
@@ -193,7 +193,9 @@ def _disk(desired: Desired, pods: list[dict[str, Any]]) -> Cond:
         return Cond("DiskTierReady", "False", "NotConfigured", "spec.offload.disk is not set: CPU tier only")
     where = (f"hostPath {disk.path}/<namespace>/<name>/<pod>" if disk.path
              else f"ephemeral volume ({disk.storage_class})")
-    cleanup = ("emptied at every pod start; node directories are left in place when the resource is deleted "
+    keeps = disk_tier.reusable(desired.spec, desired.budget, backends.get(desired.spec.offload.backend)) is not None
+    start = "kept or emptied at pod start by the disk fingerprint" if keeps else "emptied at every pod start"
+    cleanup = (f"{start}; node directories are left in place when the resource is deleted "
                "(remove them with the node cleaner, see docs)" if disk.reclaim_policy == "Delete"
                else "reclaimPolicy Retain: kept")
     initialized = [p for p in pods if (_pod_condition(p, "Initialized") or {}).get("status") == "True"]
@@ -201,8 +203,6 @@ def _disk(desired: Desired, pods: list[dict[str, Any]]) -> Cond:
     if replicas and len(initialized) >= replicas:
         reports = {p["metadata"]["name"]: disk_report(p) for p in initialized}
         kept = sorted(n for n, r in reports.items() if r.get("disk") == "kept")
-        if kept:  # a backend whose engine reads its old files again (docs/disk-tier.md, "Kept or emptied")
-            cleanup = cleanup.replace("emptied at every pod start", "kept or emptied at pod start by the fingerprint")
         return Cond("DiskTierReady", "True", "DirectoriesKept" if kept else "DirectoriesPrepared",
                     f"{format_bytes(desired.budget.tier('disk').bytes)} per replica on {where}; "
                     f"{len(initialized)}/{replicas} pod directories {cleanup}" + _kept_or_emptied(reports))
