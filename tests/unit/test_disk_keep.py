@@ -220,6 +220,7 @@ def test_the_cli_keeps_and_reports(tmp_path, capsys):
                                               "keptFiles": 1, "keptBytes": 10, "removedFiles": 0, "removedBytes": 0,
                                               "errors": 0}
     assert "kvoffload: kept ns/svc/svc-0: 1 files" in capsys.readouterr().out
+    assert cli_main.main([*argv[:-2], "--report", str(tmp_path / "no" / "such" / "dir")]) == 0  # a detail lost only
     assert cli_main.main([*argv[:-6], "--fingerprint", "[1]"]) == 2  # not a JSON object
     assert cli_main.main([*argv[:-4], "--keep-bytes", "-1"]) == 2
 

@@ -74,8 +74,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"kvoffload: emptied {done.path} ({done.files} files, {human(done.bytes)}): {done.why}", flush=True)
     if args.report:
-        with open(args.report, "w") as fh:
-            json.dump(done.report(), fh, sort_keys=True)
+        try:
+            with open(args.report, "w") as fh:
+                json.dump(done.report(), fh, sort_keys=True)
+        except OSError as exc:  # status loses a detail; the pod must still start
+            print(f"kvoffload: WARNING cannot write the report to {args.report}: {exc.strerror}", file=sys.stderr)
     return 1 if done.errors else 0
 
 
