@@ -31,7 +31,6 @@ class DiskReuse:
     """What a backend whose engine re-reads its disk tier after a restart tells the disk-tier init step."""
     layout: Mapping[str, Any]  # what besides the spec's model, dtypes, chunk, pair, seed and TP decides files' contents
     keep_bytes: int  # at most this many bytes of the earlier process's files are kept (the newest first)
-    why: str  # for docs and status: why kept files are read again, and why they are capped at keep_bytes
 
 
 @dataclass(frozen=True)

@@ -176,10 +176,8 @@ class LMCacheServer(Backend):
         }]
 
     def disk_reuse(self, spec: Spec, budget: BudgetView) -> DiskReuse | None:
-        return DiskReuse(layout=L2_LAYOUT, keep_bytes=kept_bytes(budget.tier("disk").bytes),
-                         why=("the LMCache server's fs_native L2 finds a chunk by its file's name, so a new server "
-                              "reads the files an earlier one wrote; it never counts or evicts them, so at most "
-                              f"{round((1 - L2_EVICTION['trigger_watermark']) * 100)}% of the budget is kept"))
+        # The server's fs_native L2 finds a chunk by its file's name, so a new server reads what an earlier one wrote.
+        return DiskReuse(layout=L2_LAYOUT, keep_bytes=kept_bytes(budget.tier("disk").bytes))
 
     def exporter_args(self, spec: Spec, budget: BudgetView) -> list[str]:
         args = ["--backend", self.name, "--cpu-capacity-bytes", str(budget.tier("cpu").bytes),
