@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import pytest
 from kvoffload.api.settings import Settings
 from kvoffload.backends import lmcache_server
 from kvoffload.cli import main as cli_main
+from kvoffload.cli import why
 from kvoffload.controller import conditions, pipeline
 from kvoffload.engine import images
 from kvoffload.node import disk_prepare, owner_marker
@@ -257,3 +259,13 @@ def test_disk_tier_ready_says_kept_or_emptied_and_why():
     lm = conditions.status(body(), pipeline.desired("svc", "ns", "u", spec(), Settings()), None,
                            conditions.Observed(sts(), [pod()]), T0)
     assert "emptied at every pod start" in next(c for c in lm["conditions"] if c["type"] == "DiskTierReady")["message"]
+
+
+def test_kubectl_kvs_why_says_it():
+    kept = {"disk": "kept", "why": "kept: the same resource and fingerprint", "keptBytes": 2**30}
+    pods = [with_report("svc-0", kept)]
+    st = conditions.status(body(), desired(), None, conditions.Observed(sts(), pods), T0)
+    obj = {"metadata": {"name": "svc", "namespace": "ns", "generation": 1}, "status": st}
+    text = why.explain(obj, None, pods, [], datetime(2026, 12, 3, tzinfo=timezone.utc))
+    (line,) = [ln for ln in text.splitlines() if ln.strip().startswith("DiskTierReady")]
+    assert "DirectoriesKept" in line and "svc-0 kept (1Gi): the same resource and fingerprint" in line, line
