@@ -20,7 +20,12 @@ SIZE = 1 << 16
 
 
 def memory_obj(fill: int) -> TensorMemoryObj:
-    t = torch.full((SIZE,), fill, dtype=torch.uint8)
+    # 4 KiB-aligned, as the server's L1 buffers are: the rendered adapter writes with O_DIRECT, which refuses
+    # (EINVAL) a buffer malloc placed anywhere else, and the store fails.
+    raw = torch.empty(SIZE + 4096, dtype=torch.uint8)
+    start = -raw.data_ptr() % 4096
+    t = raw[start:start + SIZE]
+    t.fill_(fill)
     md = MemoryObjMetadata(shape=t.shape, dtype=torch.uint8, address=0, phy_size=SIZE, ref_count=1,
                            fmt=MemoryFormat.KV_2LTD)
     return TensorMemoryObj(t, md, None)
@@ -46,7 +51,7 @@ def main() -> None:
     if phase == "store":
         task = adapter.submit_store_task([key], [memory_obj(7)])
         result = wait(lambda: adapter.pop_completed_store_tasks().get(task))
-        out["stored"] = bool(result.success) if hasattr(result, "success") else bool(result[0])
+        out["stored"] = int(result) >= 0  # L2StoreResult: an int, the bytes written, -1 on failure
     else:
         task = adapter.submit_lookup_and_lock_task([key], {})
         found = wait(lambda: adapter.query_lookup_and_lock_result(task))
@@ -56,6 +61,7 @@ def main() -> None:
         loaded = wait(lambda: adapter.query_load_result(task))
         out["loaded"] = loaded.popcount()
         out["bytes_match"] = bool(torch.equal(target.raw_data, torch.full((SIZE,), 7, dtype=torch.uint8)))
+        out["aligned"] = target.raw_data.data_ptr() % 4096 == 0
         adapter.submit_unlock([key])
     out["usage_bytes"] = adapter.get_usage().total_bytes_used
     out["files"] = sorted(os.listdir(base))
