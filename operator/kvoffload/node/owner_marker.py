@@ -4,8 +4,10 @@ A hostPath disk tier lives in `<root>/<rel>/<namespace>/<name>/<pod>`. kubelet m
 `<name>` as root when it expands the init container's subPath, and tenant containers only ever mount the `<pod>`
 directories below it, so `<name>/` is a place a tenant cannot write. The disk-tier init container (the operator's
 image, as root; node/disk_prepare.py) writes `.kvoffload-owner-<pod>.json` there before it hands `<pod>` to the
-serving user: the namespace, name, pod and the resource's metadata.uid. The janitor decides on a pod directory
-by that uid, so a later KVOffloadServe of the same name never decides for an earlier one's files.
+serving user: the namespace, name, pod and the resource's metadata.uid (and, once the directory is ready, the
+digests of its disk fingerprint, by which a later pod start keeps or empties it: node/disk_prepare.py). The janitor
+decides on a pod directory by that uid, so a later KVOffloadServe of the same name never decides for an earlier
+one's files.
 
 Only a regular file owned by root, opened without following a link, is believed; anything else reads as "no
 marker" (the janitor then applies its unknown policy, Retain by default).
