@@ -267,6 +267,9 @@ def check_server(case: dict) -> dict:
             "l2_adapters": [{"class": type(a).__name__, **{k: v for k, v in vars(a).items()
                                                            if isinstance(v, (str, int, float, bool))}}
                             for a in sm.l2_adapter_config.adapters],
+            # None: LMCache builds no L2 eviction for the adapter, and max_capacity_gb bounds nothing.
+            "l2_eviction": [vars(a.eviction_config) if a.eviction_config is not None else None
+                            for a in sm.l2_adapter_config.adapters],
         })
     except SystemExit as exc:
         out.update(ok=False, stage="parse", error=err.getvalue().strip().splitlines()[-1:] or [str(exc)])

@@ -115,6 +115,10 @@ def test_server_command_line_through_lmcaches_parser(engine, case_id):
     if d.spec.offload.disk:
         (l2,) = p["l2_adapters"]
         assert l2["base_path"] == "/kvcache" and abs(l2["max_capacity_gb"] - gib(d.budget.tier("disk").bytes)) < 1e-5
+        # An L2 eviction LMCache builds: without one, max_capacity_gb bounds nothing (docs/disk-tier.md).
+        (ev,) = p["l2_eviction"]
+        assert ev is not None and {k: ev[k] for k in ("eviction_policy", "trigger_watermark", "eviction_ratio")} == {
+            "eviction_policy": "LRU", "trigger_watermark": 0.8, "eviction_ratio": 0.2}, p["l2_eviction"]
     else:
         assert p["l2_adapters"] == []
 

@@ -145,7 +145,9 @@ def test_server_pod():
     # Eager L1 (the H200 run: LMCache's default lazy L1 turned the /dev/shm transfer off).
     assert "--no-l1-use-lazy" in args and "--l1-use-lazy" not in args
     l2 = json.loads(arg(args, "--l2-adapter"))
-    assert l2 == {"type": "fs_native", "base_path": render.DISK_DIR, "max_capacity_gb": 200.0, "use_odirect": True}
+    # The eviction block is what bounds the L2 by max_capacity_gb (LMCache builds no L2 eviction without one).
+    assert l2 == {"type": "fs_native", "base_path": render.DISK_DIR, "max_capacity_gb": 200.0, "use_odirect": True,
+                  "eviction": {"eviction_policy": "LRU", "trigger_watermark": 0.8, "eviction_ratio": 0.2}}
     kv = json.loads(arg(vllm["args"], "--kv-transfer-config"))
     assert kv["kv_connector"] == "LMCacheMPConnector"
     assert kv["kv_connector_extra_config"]["lmcache.mp.port"] == int(arg(args, "--port"))

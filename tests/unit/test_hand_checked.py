@@ -159,9 +159,11 @@ def test_server_llama31_8b_server_flags():
     assert flag(server, "--l1-size-gb") == "40.0"  # 40Gi / TP 1, as GiB
     assert "--no-l1-use-lazy" in server["args"]  # a lazy L1 fell back to pickled transfers (docs/backends.md)
     assert flag(server, "--supported-transfer-mode") == "engine_driven"
-    # disk 200Gi as GiB, written with O_DIRECT
+    # disk 200Gi as GiB, written with O_DIRECT, and evicted (LRU) from 80% of it: without the eviction block
+    # LMCache 0.5.3/0.5.6 never evict from L2 and max_capacity_gb bounds nothing
     assert flag(server, "--l2-adapter") == (
-        '{"base_path":"/kvcache","max_capacity_gb":200.0,"type":"fs_native","use_odirect":true}')
+        '{"base_path":"/kvcache","eviction":{"eviction_policy":"LRU","eviction_ratio":0.2,"trigger_watermark":0.8},'
+        '"max_capacity_gb":200.0,"type":"fs_native","use_odirect":true}')
 
 
 def test_server_llama31_8b_plan():

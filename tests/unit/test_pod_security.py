@@ -94,7 +94,8 @@ def test_host_path_pods_are_privileged_only_and_say_why():
 def test_ephemeral_disk_init_container_runs_as_the_serving_user():
     init = by_name(pod_of(spec(offload__disk=EPHEMERAL_DISK))["initContainers"], "prepare-disk-tier")
     assert init["securityContext"]["runAsUser"] == pod_security.SERVING_UID
-    assert "--chown" not in init["args"] and init["args"] == ["prepare-disk-tier", "--dir", "/kvcache"]
+    assert "--chown" not in init["args"] and init["args"] == ["prepare-disk-tier", "--dir", "/kvcache", "--report",
+                                                               "/dev/termination-log"]
 
 
 def test_engine_writes_only_to_volumes():

@@ -66,10 +66,13 @@ CONDITIONS: tuple[ConditionType, ...] = (
         "EngineVersionsMatch": "every reporting pod runs the rendered pair",
         "EngineVersionMismatch": "a pod runs another pair than the one rendered for",
         "VersionsNotReported": "no pod's exporter reported its versions yet"}),
-    ConditionType("DiskTierReady", "The disk tier's per-pod directories are prepared (emptied) on their nodes.", {
+    ConditionType("DiskTierReady", "The disk tier's per-pod directories are prepared on their nodes: emptied, or "
+                                   "kept where the engine reads them again and the disk fingerprint is unchanged.", {
         **_COMMON,
         "NotConfigured": "spec.offload.disk is not set: CPU tier only",
-        "DirectoriesPrepared": "every pod's directory is prepared",
+        "DirectoriesPrepared": "every pod's directory is prepared, each emptied (the message says why)",
+        "DirectoriesKept": "every pod's directory is prepared, and at least one kept the files of the pod before it "
+                           "(the same resource and disk fingerprint): that replica starts warm",
         "Preparing": "pod directories are being prepared"}),
     ConditionType("RouterReady",
                   "The router in front of the replicas (spec.routing) is available and routes to them.", {

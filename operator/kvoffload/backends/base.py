@@ -27,6 +27,13 @@ CONFIG_VOLUME = "lmcache-config"
 
 
 @dataclass(frozen=True)
+class DiskReuse:
+    """What a backend whose engine re-reads its disk tier after a restart tells the disk-tier init step."""
+    layout: Mapping[str, Any]  # what besides the spec's model, dtypes, chunk, pair, seed and TP decides files' contents
+    keep_bytes: int  # at most this many bytes of the earlier process's files are kept (the newest first)
+
+
+@dataclass(frozen=True)
 class MemoryTerm:
     name: str
     bytes: int
@@ -218,6 +225,12 @@ class Backend(ABC):
     def sidecars(self, spec: Spec, budget: BudgetView, pod: Sidecar) -> list[dict[str, Any]]:
         """Containers that run beside vLLM (native sidecars: init containers that keep running)."""
         return []
+
+    # The disk tier across pod restarts (docs/disk-tier.md, "Kept or emptied at pod start").
+    def disk_reuse(self, spec: Spec, budget: BudgetView) -> DiskReuse | None:
+        """How a restarted pod may reuse the files its hostPath disk directory holds; None: the engine never reads
+        an earlier process's files again (its index is lost), so the directory is emptied at every pod start."""
+        return None
 
     @abstractmethod
     def exporter_args(self, spec: Spec, budget: BudgetView) -> list[str]:

@@ -1,7 +1,8 @@
 """Backend lmcache-server: an LMCache server (`lmcache server`, LMCache 0.5.3's multiprocess server) in a
 native sidecar of the serving pod, reached by vLLM's LMCacheMPConnector over ZMQ on the pod's loopback.
 Its L1 is a named /dev/shm segment vLLM's workers copy into (engine-driven transfer: the server needs no
-GPU); the tiers survive vLLM container restarts, not pod replacement.
+GPU); the L1 survives vLLM container restarts, and the L2's files a replaced pod on the same node (the
+disk-tier init step keeps them while the resource's disk fingerprint is unchanged: docs/disk-tier.md).
 
 Memory: the server holds the whole replica's L1 (--l1-size-gb) as a named /dev/shm segment, so
 /dev/shm = the NCCL/IPC share + L1. Who first faults the segment in decides which container's cgroup
@@ -28,6 +29,7 @@ from .base import (
     VLLM,
     Backend,
     BudgetView,
+    DiskReuse,
     MemoryTerm,
     Reasons,
     Refusal,
@@ -72,11 +74,27 @@ def server_args(spec: Spec, budget: BudgetView) -> list[str]:
         # O_DIRECT: buffered L2 writes leave page cache charged to the server's cgroup, whose limit is the L1
         # + a few GiB; at that limit every write waits for reclaim and writeback (H200, 1 Dec: the server sat
         # at its limit and reloads after the first took 1.2-1.4 s instead of 0.15 s; docs/benchmarks.md).
-        adapter = {"type": "fs_native", "base_path": DISK_DIR,
-                   "max_capacity_gb": round(gib(budget.tier("disk").bytes), 6),
-                   "use_odirect": True}
+        adapter = {**L2_LAYOUT, "base_path": DISK_DIR, "max_capacity_gb": round(gib(budget.tier("disk").bytes), 6),
+                   # Without an `eviction` block LMCache never evicts from L2: max_capacity_gb only feeds its usage
+                   # figures (0.5.3 and 0.5.6: storage_manager.py builds an L2 eviction state only for an adapter
+                   # config with one; 0.5.6's fs_native warns "will NOT bound disk usage").
+                   "eviction": {"eviction_policy": spec.offload.eviction_policy, **L2_EVICTION}}
         args += ["--l2-adapter", json.dumps(adapter, separators=(",", ":"), sort_keys=True)]
     return args
+
+
+# The L2 adapter's fields that decide what its files hold: part of the disk tier's fingerprint (rendering/disk_tier.py).
+L2_LAYOUT = {"type": "fs_native", "use_odirect": True}
+# LMCache's own defaults (0.5.3 and 0.5.6 EvictionConfig), written out: the kept share below is derived from them.
+# Its L2 eviction loop (once a second) deletes eviction_ratio of the keys it tracks once usage reaches the watermark.
+L2_EVICTION = {"trigger_watermark": 0.8, "eviction_ratio": 0.2}
+
+
+def kept_bytes(disk_bytes: int) -> int:
+    """What a restarted pod keeps of its L2 directory. The fs_native adapter finds kept files (a lookup is a file
+    existence check) but never counts nor evicts them (its usage and LRU start empty), so the init step caps them:
+    the share above the eviction watermark, and the directory stays near its budget (tracked files ≈ watermark)."""
+    return round(disk_bytes * (1 - L2_EVICTION["trigger_watermark"]))
 
 
 def offload_active(vllm: Any, server: Any) -> bool:
@@ -88,7 +106,8 @@ def offload_active(vllm: Any, server: Any) -> bool:
 class LMCacheServer(Backend):
     name = "lmcache-server"
     summary = ("an LMCache server in a sidecar container of the serving pod (vLLM's LMCacheMPConnector over ZMQ on "
-               "127.0.0.1); the tiers survive vLLM container restarts, not pod replacement.")
+               "127.0.0.1); its L1 survives vLLM container restarts, its disk tier a replaced pod on the same node "
+               "while the disk fingerprint holds.")
     # vLLM 0.26.0 registers LMCacheMPConnector; LMCache 0.5.3 ships `lmcache server` and the engine-driven
     # shared-memory transfer (checked in the installed sources of that pair; older pairs were not checked).
     min_vllm, min_lmcache = (0, 26, 0), (0, 5, 3)
@@ -155,6 +174,10 @@ class LMCacheServer(Backend):
             "livenessProbe": {**exec_probe, "periodSeconds": 10, "failureThreshold": 6},
             "securityContext": pod.security_context,
         }]
+
+    def disk_reuse(self, spec: Spec, budget: BudgetView) -> DiskReuse | None:
+        # The server's fs_native L2 finds a chunk by its file's name, so a new server reads what an earlier one wrote.
+        return DiskReuse(layout=L2_LAYOUT, keep_bytes=kept_bytes(budget.tier("disk").bytes))
 
     def exporter_args(self, spec: Spec, budget: BudgetView) -> list[str]:
         args = ["--backend", self.name, "--cpu-capacity-bytes", str(budget.tier("cpu").bytes),

@@ -1,7 +1,10 @@
 """`kvoffload prepare-disk-tier`: the disk-tier init container (node/disk_prepare.py).
 
 hostPath form (as root, the operator's image):
-  kvoffload prepare-disk-tier --parent DIR --namespace NS --name NAME --pod POD --owner-uid UID --chown 1000:1000
+  kvoffload prepare-disk-tier --parent DIR --namespace NS --name NAME --pod POD --owner-uid UID --chown 1000:1000 \
+      [--fingerprint JSON --keep-bytes N] [--report FILE]
+  With --fingerprint the directory keeps up to N bytes of its newest chunk files when this incarnation (UID)
+  prepared it last for the same fingerprint; without, it is emptied.
 Ephemeral-volume form (as the serving user):
   kvoffload prepare-disk-tier --dir DIR
 Exit status: 0 done, 1 some entries could not be removed, 2 bad input (a link where the pod directory belongs).
@@ -10,6 +13,7 @@ Exit status: 0 done, 1 some entries could not be removed, 2 bad input (a link wh
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 
@@ -33,6 +37,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--pod", help="the pod's name, <name>-<ordinal> (with --parent)")
     p.add_argument("--owner-uid", default="", help="the KVOffloadServe's metadata.uid, written to the owner marker")
     p.add_argument("--chown", metavar="UID:GID", help="hand the pod directory to this user (with --parent)")
+    p.add_argument("--fingerprint", metavar="JSON", help="the disk tier's fingerprint, a JSON object (with --parent): "
+                   "keep the directory's chunk files while it and the owner uid are unchanged")
+    p.add_argument("--keep-bytes", type=int, default=0, help="at most this many bytes of chunk files are kept")
+    p.add_argument("--report", metavar="FILE", help="write kept or emptied, and why, as JSON to FILE (kubelet's "
+                   "termination message)")
     p.set_defaults(func=run)
 
 
@@ -53,9 +62,33 @@ def run(args: argparse.Namespace) -> int:
         if not args.pod.startswith(args.name + "-") or not args.pod[len(args.name) + 1:].isdigit():
             raise ConfigError("--pod", f"{args.pod!r} must be <name>-<ordinal> ({args.name}-0, ...)")
         uid, gid = _ids(args.chown)
-        owner = owner_marker.Owner(args.namespace, args.name, args.pod, args.owner_uid)
-        done = disk_prepare.prepare_pod_dir(args.parent, owner, uid, gid)
+        owner = owner_marker.Owner(args.namespace, args.name, args.pod, args.owner_uid, _fingerprint(args.fingerprint))
+        if args.keep_bytes < 0:
+            raise ConfigError("--keep-bytes", f"{args.keep_bytes} must be 0 or more")
+        done = disk_prepare.prepare_pod_dir(args.parent, owner, uid, gid, keep_bytes=args.keep_bytes)
     for err in done.errors:
         print(f"kvoffload: ERROR {err['path']}: {err['error']}", file=sys.stderr)
-    print(f"kvoffload: emptied {done.path} ({done.files} files, {human(done.bytes)})", flush=True)
+    if done.kept:
+        print(f"kvoffload: kept {done.path}: {done.kept_files} files, {human(done.kept_bytes)} "
+              f"({done.why}); removed {done.files} files, {human(done.bytes)}", flush=True)
+    else:
+        print(f"kvoffload: emptied {done.path} ({done.files} files, {human(done.bytes)}): {done.why}", flush=True)
+    if args.report:
+        try:
+            with open(args.report, "w") as fh:
+                json.dump(done.report(), fh, sort_keys=True)
+        except OSError as exc:  # status loses a detail; the pod must still start
+            print(f"kvoffload: WARNING cannot write the report to {args.report}: {exc.strerror}", file=sys.stderr)
     return 1 if done.errors else 0
+
+
+def _fingerprint(value: str | None) -> tuple[tuple[str, str], ...]:
+    if value is None:
+        return ()
+    try:
+        body = json.loads(value)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict) or not body:
+        raise ConfigError("--fingerprint", "must be a non-empty JSON object")
+    return disk_prepare.digests(body)

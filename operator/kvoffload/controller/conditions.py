@@ -10,6 +10,7 @@ acted on (ConfigValid=False, with its reason), Reconciling=True while a valid sp
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -23,7 +24,7 @@ from ..api.errors import ConfigError
 from ..api.quantity import format_bytes
 from ..engine import versions as engine_versions
 from ..planning import routing as plan_routing
-from ..rendering import autoscaling, render
+from ..rendering import autoscaling, disk_tier, render
 from ..rendering import routing as render_routing
 from .discovery import NOT_REGISTERED, SERVED, AutoscalingApis
 from .pipeline import Desired
@@ -185,17 +186,42 @@ def _disk(desired: Desired, pods: list[dict[str, Any]]) -> Cond:
         return Cond("DiskTierReady", "False", "NotConfigured", "spec.offload.disk is not set: CPU tier only")
     where = (f"hostPath {disk.path}/<namespace>/<name>/<pod>" if disk.path
              else f"ephemeral volume ({disk.storage_class})")
-    cleanup = ("emptied at every pod start; node directories are left in place when the resource is deleted "
+    keeps = disk_tier.reusable(desired.spec, desired.budget, backends.get(desired.spec.offload.backend)) is not None
+    start = "kept or emptied at pod start by the disk fingerprint" if keeps else "emptied at every pod start"
+    cleanup = (f"{start}; node directories are left in place when the resource is deleted "
                "(remove them with the node cleaner, see docs)" if disk.reclaim_policy == "Delete"
                else "reclaimPolicy Retain: kept")
     initialized = [p for p in pods if (pod_status.condition(p, "Initialized") or {}).get("status") == "True"]
     replicas = desired.spec.replicas
     if replicas and len(initialized) >= replicas:
-        return Cond("DiskTierReady", "True", "DirectoriesPrepared",
+        reports = {p["metadata"]["name"]: disk_report(p) for p in initialized}
+        kept = sorted(n for n, r in reports.items() if r.get("disk") == "kept")
+        return Cond("DiskTierReady", "True", "DirectoriesKept" if kept else "DirectoriesPrepared",
                     f"{format_bytes(desired.budget.tier('disk').bytes)} per replica on {where}; "
-                    f"{len(initialized)}/{replicas} pod directories {cleanup}")
+                    f"{len(initialized)}/{replicas} pod directories {cleanup}" + _kept_or_emptied(reports))
     return Cond("DiskTierReady", "False", "Preparing",
                 f"{len(initialized)}/{replicas} pod directories prepared on {where}")
+
+
+def disk_report(pod: dict[str, Any]) -> dict[str, Any]:
+    """What the disk-tier init container reported (kept or emptied, and why: node/disk_prepare.py), from the
+    termination message kubelet copied into the pod's status; {} when there is none (an older operator's pod)."""
+    for st in (pod.get("status") or {}).get("initContainerStatuses") or []:
+        if st.get("name") == render.DISK_INIT:
+            done = (st.get("state") or {}).get("terminated") or (st.get("lastState") or {}).get("terminated") or {}
+            try:
+                body = json.loads(done.get("message") or "")
+            except ValueError:
+                return {}
+            return body if isinstance(body, dict) else {}
+    return {}
+
+
+def _kept_or_emptied(reports: dict[str, dict[str, Any]]) -> str:
+    said = [f"{pod} {r['disk']}" + (f" ({format_bytes(int(r.get('keptBytes') or 0))})" if r["disk"] == "kept" else "")
+            + f": {str(r.get('why', '')).partition(': ')[2] or r.get('why', '')}"
+            for pod, r in sorted(reports.items()) if r.get("disk") in ("kept", "emptied")]
+    return ("; " + "; ".join(said)) if said else ""
 
 
 def _offload(desired: Desired, ready: Cond, pods: list[dict[str, Any]], probes: Probes | None) -> Cond:

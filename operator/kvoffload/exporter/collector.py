@@ -264,7 +264,8 @@ def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSna
                               value=disk.free_bytes),
             GaugeMetricFamily(
                 "kvoffload_disk_orphaned_bytes",
-                "Bytes on disk LMCache does not account for and will never reuse or evict: disk "
+                "Bytes on disk LMCache does not account for and never evicts (backend lmcache never reads them "
+                "again; lmcache-server reads the files its pod kept at start, docs/disk-tier.md): disk "
                 "dir bytes - sum of lmcache:local_storage_usage (floor 0); without LMCache metrics, "
                 "bytes in files last modified before vLLM started (its process_start_time_seconds, "
                 "else the exporter's start): files left by an earlier process.",

@@ -4,8 +4,10 @@ A hostPath disk tier lives in `<root>/<rel>/<namespace>/<name>/<pod>`. kubelet m
 `<name>` as root when it expands the init container's subPath, and tenant containers only ever mount the `<pod>`
 directories below it, so `<name>/` is a place a tenant cannot write. The disk-tier init container (the operator's
 image, as root; node/disk_prepare.py) writes `.kvoffload-owner-<pod>.json` there before it hands `<pod>` to the
-serving user: the namespace, name, pod and the resource's metadata.uid. The janitor decides on a pod directory
-by that uid, so a later KVOffloadServe of the same name never decides for an earlier one's files.
+serving user: the namespace, name, pod and the resource's metadata.uid (and, once the directory is ready, the
+digests of its disk fingerprint, by which a later pod start keeps or empties it: node/disk_prepare.py). The janitor
+decides on a pod directory by that uid, so a later KVOffloadServe of the same name never decides for an earlier
+one's files.
 
 Only a regular file owned by root, opened without following a link, is believed; anything else reads as "no
 marker" (the janitor then applies its unknown policy, Retain by default).
@@ -29,6 +31,9 @@ class Owner:
     name: str
     pod: str
     uid: str  # the KVOffloadServe's metadata.uid; empty when rendered offline (no API server, no uid)
+    # The disk tier's fingerprint the pod directory was prepared for, one digest per field (rendering/disk_tier.py;
+    # node/disk_prepare.py): written once the directory is ready, empty while it is being emptied or never kept.
+    fingerprint: tuple[tuple[str, str], ...] = ()
 
 
 def file_name(pod: str) -> str:
@@ -43,8 +48,10 @@ def pod_of(entry: str) -> str | None:
 
 
 def encode(owner: Owner) -> bytes:
-    return (json.dumps({"namespace": owner.namespace, "name": owner.name, "pod": owner.pod, "uid": owner.uid},
-                       sort_keys=True) + "\n").encode()
+    body: dict[str, object] = {"namespace": owner.namespace, "name": owner.name, "pod": owner.pod, "uid": owner.uid}
+    if owner.fingerprint:
+        body["fingerprint"] = dict(owner.fingerprint)
+    return (json.dumps(body, sort_keys=True) + "\n").encode()
 
 
 def decode(data: bytes, namespace: str, name: str, pod: str) -> Owner:
@@ -55,7 +62,10 @@ def decode(data: bytes, namespace: str, name: str, pod: str) -> Owner:
     if (body.get("namespace"), body.get("name"), body.get("pod")) != (namespace, name, pod):
         raise ValueError(f"names {body.get('namespace')}/{body.get('name')}/{body.get('pod')}, "
                          f"not {namespace}/{name}/{pod}")
-    return Owner(namespace, name, pod, body["uid"])
+    fp = body.get("fingerprint") or {}
+    if not isinstance(fp, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in fp.items()):
+        fp = {}  # not one this code wrote: no fingerprint, so the directory is emptied
+    return Owner(namespace, name, pod, body["uid"], tuple(sorted(fp.items())))
 
 
 def write(dir_fd: int, owner: Owner) -> None:

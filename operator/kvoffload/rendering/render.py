@@ -25,7 +25,7 @@ from ..backends.base import CONFIG_DIR, CONFIG_VOLUME, DISK_DIR, HTTP_PORT, MULT
 from ..engine import images
 from ..engine import versions as engine_versions
 from ..planning.sizing import Budget
-from . import autoscaling, pod_security, routing
+from . import autoscaling, disk_tier, pod_security, routing
 from .network_policy import network_policy
 from .placement import topology_spread
 
@@ -193,6 +193,8 @@ def vllm_argv(container: dict[str, Any]) -> list[str]:
 
 # Where the hostPath init container sees <root>/<rel>/<namespace>/<name>, the parent of the pod's directory.
 DISK_PARENT_DIR = "/var/run/kvoffload/disk-parent"
+TERMINATION_LOG = "/dev/termination-log"  # kubelet's default terminationMessagePath
+DISK_INIT = "prepare-disk-tier"  # the disk tier's init container (and the `kvoffload` sub-command it runs)
 
 
 def _disk_sub_path(owner: Owner, spec: Spec, *, pod: bool = True) -> str:
@@ -212,19 +214,27 @@ def _disk_mount(owner: Owner, spec: Spec, *, read_only: bool) -> dict[str, Any]:
     return mount
 
 
-def _disk_init_container(owner: Owner, spec: Spec, settings: Settings) -> dict[str, Any]:
-    # LMCache 0.5.6 starts with an empty index and never counts old files: empty the directory
-    # first or the disk fills past its budget after every restart. The operator's own image (it carries
-    # `kvoffload`), never the tenant's: this container is the only one that runs as root.
+def _disk_init_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings,
+                         backend: Backend) -> dict[str, Any]:
+    # LMCache's in-process disk tier starts with an empty index and never counts old files: its directory is
+    # emptied first or the disk fills past its budget after every restart. A backend whose engine reads its old
+    # files again keeps them while the fingerprint holds (rendering/disk_tier.py). The operator's own image (it
+    # carries `kvoffload`), never the tenant's: this container is the only one that runs as root.
     if pod_security.uses_host_path(spec):
         args = ["prepare-disk-tier", "--parent", DISK_PARENT_DIR, "--namespace", "$(POD_NAMESPACE)",
                 "--name", owner.name, "--pod", "$(POD_NAME)", *(["--owner-uid", owner.uid] if owner.uid else []),
                 "--chown", f"{pod_security.SERVING_UID}:{pod_security.SERVING_GID}"]
+        reuse, fp = disk_tier.reusable(spec, budget, backend), disk_tier.fingerprint(spec, budget, settings, backend)
+        if reuse is not None and fp is not None:
+            args += ["--fingerprint", disk_tier.encode(fp), "--keep-bytes", str(reuse.keep_bytes)]
         mount = {"name": "kv-disk", "mountPath": DISK_PARENT_DIR, "subPathExpr": _disk_sub_path(owner, spec, pod=False)}
     else:
         args, mount = ["prepare-disk-tier", "--dir", DISK_DIR], _disk_mount(owner, spec, read_only=False)
+    # Kept or emptied, and why: kubelet copies this file into the pod's status, which the operator reads
+    # (controller/conditions.py, DiskTierReady).
+    args += ["--report", TERMINATION_LOG]
     return {
-        "name": "prepare-disk-tier",
+        "name": DISK_INIT,
         "image": settings.kvoffload_image,
         "imagePullPolicy": settings.exporter_image_pull_policy,
         "command": ["kvoffload"],
@@ -327,7 +337,7 @@ def statefulset(owner: Owner, spec: Spec, budget: Budget, settings: Settings, co
         "containers": containers,
         "volumes": _volumes(owner, spec, budget, config),
     }
-    init = ([_disk_init_container(owner, spec, settings)] if spec.offload.disk else []) + (
+    init = ([_disk_init_container(owner, spec, budget, settings, backend)] if spec.offload.disk else []) + (
         [_versions_init_container(spec)] if spec.metrics_enabled else []) + _sidecars(owner, spec, budget, backend)
     if init:
         pod["initContainers"] = init
