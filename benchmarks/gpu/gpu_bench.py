@@ -143,8 +143,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_req(port: int, method: str, path: str, body: Any = None, timeout: float = 10) -> tuple[int, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+def http_req(port: int, method: str, path: str, body: Any = None, timeout: float = 10,
+             host: str = "127.0.0.1") -> tuple[int, str]:
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         data = None if body is None else json.dumps(body).encode()
         conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import http.client
 import json
 import math
 import os
@@ -198,14 +197,8 @@ def summary(lat: list[float]) -> dict[str, float]:
 # ---------------------------------------------------------------- run (the GPU host)
 
 def http_req(host: str, port: int, method: str, path: str, body: Any = None, timeout: float = 10) -> tuple[int, str]:
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        data = None if body is None else json.dumps(body).encode()
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
-        r = conn.getresponse()
-        return r.status, r.read().decode("utf-8", "replace")
-    finally:
-        conn.close()
+    import gpu_bench
+    return gpu_bench.http_req(port, method, path, body, timeout, host=host)
 
 
 def wait_ok(host: str, port: int, path: str, deadline_s: float, proc: subprocess.Popen, what: str) -> float:
