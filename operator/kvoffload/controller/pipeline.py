@@ -50,7 +50,7 @@ class Desired:
     autoscaler: str = ""  # with spec.autoscaling: what renders it, "hpa" or "keda" (decided here, not read back)
     max_tree_size: int | None = None  # cache_aware routing: the router's --max-tree-size (decided here, not read back)
     workers: tuple[str, ...] = ()  # kv_aware routing: the Ready serving pods' IPs the router was rendered with
-    # With spec.routing: the tiers worth a hit whose KV events the engines do not publish (what `auto` was decided on)
+    # kv_aware routing: the tiers worth a hit whose KV events the engines do not publish (status.routing.unseenTiers)
     unseen_tiers: tuple[str, ...] = ()
 
 

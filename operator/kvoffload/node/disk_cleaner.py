@@ -192,27 +192,27 @@ class _Walk:
             for child, cst in _entries(fd):
                 if cst is None:
                     continue
-                child_rel = f"{rel}/{child}"
-                if stat.S_ISDIR(cst.st_mode):
-                    b, f, ok = self.remove_tree(fd, child, cst, child_rel, depth + 1)
-                    freed, files, complete = freed + b, files + f, complete and ok
-                    continue
-                try:
-                    if not self.dry_run:
-                        os.unlink(child, dir_fd=fd)  # a link is removed itself, its target is never touched
-                except FileNotFoundError:
-                    continue
-                except OSError as exc:
-                    self.error(child_rel, exc)
-                    complete = False
-                    continue
-                files += 1
-                if stat.S_ISREG(cst.st_mode):
-                    freed += cst.st_size
+                b, f, ok = self.remove(fd, child, cst, f"{rel}/{child}", depth + 1)
+                freed, files, complete = freed + b, files + f, complete and ok
         except OSError as exc:
             self.error(rel, exc)
             complete = False
         return freed, files, complete
+
+    def remove(self, fd: int, name: str, st: os.stat_result, rel: str, depth: int) -> tuple[int, int, bool]:
+        """Remove one entry of the open directory `fd`: a directory with everything in it, anything else itself (a
+        link is removed, its target is never touched). Returns (bytes, files, complete)."""
+        if stat.S_ISDIR(st.st_mode):
+            return self.remove_tree(fd, name, st, rel, depth)
+        try:
+            if not self.dry_run:
+                os.unlink(name, dir_fd=fd)
+        except FileNotFoundError:
+            return 0, 0, True
+        except OSError as exc:
+            self.error(rel, exc)
+            return 0, 0, False
+        return (st.st_size if stat.S_ISREG(st.st_mode) else 0), 1, True
 
     def remove_tree(self, parent_fd: int, name: str, st: os.stat_result, rel: str,
                     depth: int = 0) -> tuple[int, int, bool]:

@@ -114,30 +114,16 @@ def _trim(fd: int, rel: str, keep_bytes: int, why: str) -> Prepared:
         if stat.S_ISREG(st.st_mode) and name.endswith(CHUNK_SUFFIX):
             chunks.append((-st.st_mtime_ns, name, st))
             continue
-        if stat.S_ISDIR(st.st_mode):
-            b, f, _ = walk.remove_tree(fd, name, st, f"{rel}/{name}", 1)
-            freed, files = freed + b, files + f
-            continue
-        try:
-            os.unlink(name, dir_fd=fd)  # a link is removed itself, never followed
-            freed, files = freed + (st.st_size if stat.S_ISREG(st.st_mode) else 0), files + 1
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            walk.error(f"{rel}/{name}", exc)
+        b, f, _ = walk.remove(fd, name, st, f"{rel}/{name}", 1)  # a link is removed itself, never followed
+        freed, files = freed + b, files + f
     full = False
     for _, name, st in sorted(chunks):
         full = full or kept + st.st_size > keep_bytes  # newest first: once one does not fit, every older one goes
         if not full:
             kept, kept_files = kept + st.st_size, kept_files + 1
             continue
-        try:
-            os.unlink(name, dir_fd=fd)
-            freed, files = freed + st.st_size, files + 1
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            walk.error(f"{rel}/{name}", exc)
+        b, f, _ = walk.remove(fd, name, st, f"{rel}/{name}", 1)
+        freed, files = freed + b, files + f
     return Prepared(rel, files, freed, report.errors, kept=True, why=why, kept_files=kept_files, kept_bytes=kept)
 
 
