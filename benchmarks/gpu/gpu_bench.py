@@ -471,27 +471,46 @@ def load_phase(eng: Engine, prompts: list[list[int]], concurrency: int) -> dict[
             **{k: after[k] - before[k] for k in after}}
 
 
+LOAD_MODES = ("repeat", "again")
+
+
+def load_steps(spec: str) -> list[tuple[int, int, tuple[str, ...]]]:
+    """--load C:N[:repeat][:again],...: (concurrency, prompts, modes) per step, modes in the order they run."""
+    steps = []
+    for part in spec.split(","):
+        c, n, *modes = part.split(":")
+        bad = [m for m in modes if m not in LOAD_MODES]
+        if bad or len(set(modes)) != len(modes):
+            raise ValueError(f"--load {part!r}: modes are {', '.join(LOAD_MODES)}, each at most once")
+        steps.append((int(c), int(n), tuple(m for m in LOAD_MODES if m in modes)))
+    return steps
+
+
 def run_load(eng: Engine, spec: str, tokens: int, seed: int, out_dir: Path, tag: str) -> dict[str, Any]:
-    """--load C:N[:again],...: each step N cold prompts at C in flight; after a step marked `again`, a reset of the GPU
-    prefix cache and its prompts again (hits from the offload tiers, or recomputed); then 5 s idle. vLLM's pages
-    over all of it go to out_dir/series/<tag>.jsonl."""
-    steps = [(int(c), int(n), rest == ["again"]) for c, n, *rest in (part.split(":") for part in spec.split(","))]
+    """--load C:N[:repeat][:again],...: each step N cold prompts at C in flight; with `repeat`, the same prompts again
+    at once (no reset: those the GPU tier evicted while the step ran come back from the offload tiers, the eager or
+    the lazy store's test); with `again`, then a reset of the GPU prefix cache and its prompts again (hits from the
+    offload tiers, or recomputed); then 5 s idle. vLLM's pages over all of it go to out_dir/series/<tag>.jsonl."""
+    steps = load_steps(spec)
     sampler = PageSampler(eng.port)
     sampler.start()
     res: dict[str, Any] = {"steps": []}
     try:
-        for k, (conc, n, again) in enumerate(steps):
+        for k, (conc, n, modes) in enumerate(steps):
             prompts = [prompt(seed + 7919 * (k + 1) + i, tokens) for i in range(n)]
             t_start = time.time()
             step = {"cold": load_phase(eng, prompts, conc), "t_start": t_start, "t_end": time.time()}
-            if again:
+            if "repeat" in modes:
+                step["repeat"] = load_phase(eng, prompts, conc)
+            if "again" in modes:
                 step["reset"] = eng.reset_prefix_cache()
                 step["again"] = load_phase(eng, prompts, conc)
             res["steps"].append(step)
             log(f"{tag}: load {conc}x{n}: cold mean {step['cold']['ttft_mean_s']:.3f}s p95 "
                 f"{step['cold']['ttft_p95_s']:.3f}s"
-                + (f"; again mean {step['again']['ttft_mean_s']:.3f}s, external "
-                   f"{step['again']['external_kv_transfer']:.0f} of {n * tokens} tokens" if "again" in step else ""))
+                + "".join(f"; {m} mean {step[m]['ttft_mean_s']:.3f}s, external "
+                          f"{step[m]['external_kv_transfer']:.0f}, GPU hit {step[m]['local_cache_hit']:.0f} "
+                          f"of {n * tokens} tokens" for m in modes))
         time.sleep(5)
     finally:
         sampler.halt.set()
@@ -1073,9 +1092,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="vLLM arguments added to the rendered ones (split on spaces; recorded as a change)")
     ap.add_argument("--kv-extra", metavar="JSON",
                     help="merged into the rendered --kv-transfer-config's kv_connector_extra_config (recorded)")
-    ap.add_argument("--load", metavar="C:N[:again][,...]",
+    ap.add_argument("--load", metavar="C:N[:repeat][:again][,...]",
                     help="after the phases: for each C:N, N cold requests of --load-tokens with C in flight "
-                         "(with :again, then the same prompts again as hits), vLLM's /metrics sampled")
+                         "(:repeat: the same prompts again at once; :again: after a reset of the GPU prefix cache), "
+                         "vLLM's /metrics sampled")
     ap.add_argument("--load-tokens", type=int, default=8192)
     ap.add_argument("--tag-suffix", default="", help="appended to run names (e.g. -v1runner)")
     ap.add_argument("--lmcache-overrides", help="JSON merged into the rendered LMCache config (recorded as a change)")

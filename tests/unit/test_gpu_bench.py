@@ -495,8 +495,8 @@ def test_driver_runs_the_server_and_native_backends_against_stand_ins(tmp_path):
 
 def test_driver_adds_engine_arguments_and_a_load_with_vllms_pages_sampled(tmp_path):
     """--kv-extra (LMCache's lazy store) and --engine-arg reach the rendered vLLM and are listed as changes; --load
-    runs the cold prompts at its concurrency, then (a step marked again) the same prompts again from the store; the
-    sampled pages hold the series the autoscaling queries read."""
+    runs the cold prompts at its concurrency, then (repeat) the same prompts at once, then (again) after a reset from
+    the store; the sampled pages hold the series the autoscaling queries read."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fixtures" / "fake_vllm"),
                                                         str(ROOT / "operator")])}
     rendered = tmp_path / "server.yaml"
@@ -507,7 +507,8 @@ def test_driver_adds_engine_arguments_and_a_load_with_vllms_pages_sampled(tmp_pa
                     "--runs", "connector", "--tag-suffix=-lazy", "--no-smoke", "--no-probe", "--reps", "1",
                     "--prompt-tokens", "64", "--rescan-wait", "2", "--start-timeout", "30", "--quiet-s", "0.3",
                     "--stats-wait-s", "0.05", "--kv-extra", '{"lmcache.mp.lazy_offload": true}',
-                    "--engine-arg", "--num-gpu-blocks-override 512", "--load", "4:8:again,2:4", "--load-tokens", "32"],
+                    "--engine-arg", "--num-gpu-blocks-override 512", "--load", "4:8:repeat:again,2:4",
+                    "--load-tokens", "32"],
                    env=env, check=True, timeout=240, capture_output=True)
     run = json.loads((o / "results.json").read_text())["runs"]["connector-tp1-lazy"]
     assert "error" not in run, run.get("error")
@@ -521,8 +522,26 @@ def test_driver_adds_engine_arguments_and_a_load_with_vllms_pages_sampled(tmp_pa
     first, second = run["load"]["steps"]
     assert (first["cold"]["concurrency"], first["cold"]["requests"], len(first["cold"]["ttft_s"])) == (4, 8, 8)
     assert first["cold"]["local_compute"] == 8 * 32 and first["again"]["external_kv_transfer"] == 8 * 31
-    assert "again" not in second and second["cold"]["requests"] == 4
+    repeat = first["repeat"]
+    assert repeat["requests"] == 8 and sum(repeat[k] for k in ("local_compute", "local_cache_hit",
+                                                             "external_kv_transfer")) == 8 * 32
+    assert "again" not in second and "repeat" not in second and second["cold"]["requests"] == 4
     pages = [json.loads(line) for line in (o / "series" / "connector-tp1-lazy.jsonl").read_text().splitlines()]
     assert len(pages) == run["load"]["pages"] > 0
     assert all("vllm:prompt_tokens_by_source_total" in p["page"] and "cache_config_info" not in p["page"]
                for p in pages)
+
+
+@pytest.mark.parametrize("spec, steps", [
+    ("16:32", [(16, 32, ())]),
+    ("16:32:again,8:16", [(16, 32, ("again",)), (8, 16, ())]),
+    ("16:32:again:repeat", [(16, 32, ("repeat", "again"))]),  # run in that order whatever the spelling
+])
+def test_load_steps(spec, steps):
+    assert gpu_bench.load_steps(spec) == steps
+
+
+@pytest.mark.parametrize("spec", ["16:32:agian", "16:32:again:again"])
+def test_load_steps_refuses_unknown_or_repeated_modes(spec):
+    with pytest.raises(ValueError, match="modes are repeat, again, each at most once"):
+        gpu_bench.load_steps(spec)

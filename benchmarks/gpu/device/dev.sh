@@ -16,7 +16,9 @@
 #   bash <bundle>/dev/dev.sh plan-layerwise TOTAL_S  issue 21: the cold-request cost with LMCache's layer-wise store (bf16 cache)
 #   bash <bundle>/dev/dev.sh plan034 TOTAL_S     issue 34 (0.33.0-0.5.6): the check, then lmcache-server eager, lazy and
 #                                            no connector under load; plan034-rest: vllm-native, the disk tier, the
-#                                            server at 32K; plan-load (default pair): the server and no connector under load
+#                                            server at 32K; plan034-server: the server at 32K with --shm-name, then eager,
+#                                            lazy and no connector under a load with a repeat; plan-load (default pair):
+#                                            the server and no connector under load
 #   bash <bundle>/dev/dev.sh plan-routing TOTAL_S [BUDGET_S]  issue 33: the rendered router per policy before two rendered
 #                                            vllm-native replicas (routing_gpu.py), detached; plan-routing-wait TOTAL_S
 #   bash <bundle>/dev/dev.sh plan033 TOTAL_S [RUNS]  vLLM 0.33.0 + LMCache 0.5.6: check, then its rendered example under
@@ -105,7 +107,7 @@ plan|plan033)
     done
   fi
   echo "$1 done, $(left) s left" ;;
-plan034|plan034-rest|plan-load)
+plan034|plan034-rest|plan034-server|plan-load)
   # Issue 34 on vLLM 0.33.0 + LMCache 0.5.6 (plan034, plan034-rest) and issue 36's signals on the default pair
   # (plan-load). The load runs: 8,192-token prompts on a GPU tier cut to 4,352 blocks (--num-gpu-blocks-override:
   # 16 requests in flight overflow it, so blocks are evicted while requests run, the case a lazy store must keep
@@ -123,6 +125,9 @@ plan034|plan034-rest|plan-load)
   # is that load's alone; the compile cache (home) is kept from the first run on (start-up time only).
   LONG=(--prompt-tokens 8192 --engine-arg "--num-gpu-blocks-override 4352" --load 16:32:again,16:560,8:480)
   LAZY='{"lmcache.mp.lazy_offload": true, "lmcache.mp.lazy_offload_policy": "EVICTION_AWARE"}'
+  # plan034-server: the same load with the repeat (no reset: what the GPU tier evicted while the step ran comes back
+  # from the server, or is recomputed: the lazy store's test) before the again (after a reset).
+  REPEAT=(--prompt-tokens 8192 --engine-arg "--num-gpu-blocks-override 4352" --load 16:32:repeat:again,8:16)
   case "$1" in
   plan034)
     if [ ! -f $out/check033.done ]; then
@@ -143,6 +148,23 @@ plan034|plan034-rest|plan-load)
     b disk033 150 --rendered $R/workstation-llama31-8b-vllm-0.33.0.yaml --oci $O/lmcache --runs disk --tag-suffix=-disk033
     b server033 130 --rendered $R/server-llama31-8b-vllm-0.33.0.yaml --oci $O/lmcache-server --runs connector \
         --tag-suffix=-server033 --rescan-wait 20 ;;
+  plan034-server)
+    # The server on 0.33.0 + 0.5.6 as rendered after plan034-rest (--shm-name, 45 GiB limit): 32K at one request
+    # (reload vs recompute, the token check, memory, the exporter), then eager and lazy under load, then no connector.
+    if [ ! -f $out/check033.done ]; then
+      mkdir -p $out/check033
+      bash $G/dev/dev.sh check 0.33.0-0.5.6 > $out/check033/check.log 2>&1 || { cat $out/check033/check.log; echo "check failed: no bench"; exit 1; }
+      tar -C $out -cJf "${OUT:-/root}/check033.tar.xz" check033; touch $out/check033.done
+    fi
+    S=$R/server-llama31-8b-vllm-0.33.0.yaml
+    b server033-shm 230 --rendered $S --oci $O/lmcache-server --runs connector --tag-suffix=-server033-shm \
+        --rescan-wait 20 --keep-volume home
+    b server033-eager-repeat 200 --rendered $S --oci $O/lmcache-server --runs connector \
+        --tag-suffix=-server033-eager-repeat --rescan-wait 20 --keep-volume home "${REPEAT[@]}"
+    b server033-lazy-repeat 200 --rendered $S --oci $O/lmcache-server --runs connector \
+        --tag-suffix=-server033-lazy-repeat --rescan-wait 20 --kv-extra "$LAZY" --keep-volume home "${REPEAT[@]}"
+    b server033-base-repeat 150 --rendered $S --oci $O/lmcache-server --runs baseline \
+        --tag-suffix=-server033-base-repeat --keep-volume home "${REPEAT[@]}" ;;
   plan-load)
     b server026-eager-load 170 --rendered $R/server-llama31-8b.yaml --oci $O/lmcache-server --runs connector \
         --tag-suffix=-server026-eager-load --rescan-wait 20 "${LOAD[@]}"
@@ -200,5 +222,5 @@ plan-rest)
   b disk 150 --rendered $R/workstation-llama31-8b.yaml --oci $O/lmcache --runs disk --tag-suffix=-disk-oci
   echo "plan-rest done, $(left) s left" ;;
 *)
-  echo "usage: dev.sh install [PAIR] | check PAIR | bench ARGS... | plan TOTAL_S | plan-rest TOTAL_S | plan-layerwise TOTAL_S | plan033 TOTAL_S [RUNS] | plan034|plan034-rest|plan-load TOTAL_S | plan-routing[-wait] TOTAL_S [BUDGET_S]" >&2; exit 2 ;;
+  echo "usage: dev.sh install [PAIR] | check PAIR | bench ARGS... | plan TOTAL_S | plan-rest TOTAL_S | plan-layerwise TOTAL_S | plan033 TOTAL_S [RUNS] | plan034|plan034-rest|plan034-server|plan-load TOTAL_S | plan-routing[-wait] TOTAL_S [BUDGET_S]" >&2; exit 2 ;;
 esac
