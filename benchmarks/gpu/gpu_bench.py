@@ -868,6 +868,7 @@ def run_engine(kind: str, rendered: gpu_manifests.Rendered, cfg: dict[str, Any],
             for r in range(reps):
                 p = prompt(seed + r, n)
                 phases.setdefault("cold", []).append(eng.complete(p))
+                time.sleep(args.gpu_after_s)  # > 0: the cold request's store has time to end first
                 phases.setdefault("gpu", []).append(eng.complete(p))
                 reset = eng.reset_prefix_cache()
                 phases.setdefault("after_reset", []).append({**eng.complete(p), **reset})
@@ -1076,6 +1077,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--prompt-tokens", type=int, default=32768)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--gpu-after-s", type=float, default=0.0, help="pause between the cold and the GPU-hit request")
     ap.add_argument("--disk-cpu-gib", type=float, default=5.0, help="disk run: LMCache max_local_cpu_size per rank")
     ap.add_argument("--start-timeout", type=float, default=420)
     ap.add_argument("--rescan-wait", type=float, default=40, help="max wait for the exporter's disk rescan")

@@ -141,7 +141,8 @@ def test_startup_budget_follows_the_weight_size():
                                                resources__gpuMemory="141Gi", engine__tensorParallelSize=8), Settings())
     for d in (small, big):
         w = d.budget.weights
-        expected = w.bytes / sizing.WEIGHT_DOWNLOAD_BPS + w.bytes / sizing.DISK_READ_BPS + sizing.ENGINE_START_S
+        engine = sizing.engine_start_s(d.spec.engine.vllm_version)[1]
+        expected = w.bytes / sizing.WEIGHT_DOWNLOAD_BPS + w.bytes / sizing.DISK_READ_BPS + engine
         assert expected <= w.startup_seconds < expected + 12
         sts = next(c for c in d.children if c["kind"] == "StatefulSet")
         probe = sts["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
@@ -162,7 +163,19 @@ def test_model_cache_pvc_replaces_the_weights_volume():
     assert to_bytes(pod["containers"][0]["resources"]["requests"]["ephemeral-storage"], "x") == 12 * GiB
     # A cold PVC still downloads: the start-up budget keeps the download term.
     weights = d.budget.weights
-    assert weights.startup_seconds > sizing.ENGINE_START_S + weights.bytes / sizing.WEIGHT_DOWNLOAD_BPS - 1
+    engine = sizing.engine_start_s(d.spec.engine.vllm_version)[1]
+    assert weights.startup_seconds > engine + weights.bytes / sizing.WEIGHT_DOWNLOAD_BPS - 1
+
+
+@pytest.mark.parametrize("vllm, measured, engine", [
+    ("0.26.0", "0.26.0", 347),  # 2 × 173.4 s
+    ("0.30.1", "0.26.0", 347),  # between two measured versions: the older one's
+    ("0.33.0", "0.33.0", 311),  # 2 × 155.2 s
+    ("0.40.0", "0.33.0", 311),
+    ("0.20.0", "0.26.0", 347),  # older than any measured: the oldest measured
+])
+def test_engine_start_term_is_twice_the_slowest_measured_start(vllm, measured, engine):
+    assert sizing.engine_start_s(vllm) == (measured, engine)
 
 
 def test_budget_reports_the_weight_figures():

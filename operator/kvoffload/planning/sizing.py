@@ -40,8 +40,9 @@ Conventions
   rounded up to GiB) on a pod volume unless a PVC holds them, the engine's compile caches
   (torch.compile, Triton, FlashInfer: 10 GiB) and /tmp (2 GiB).
 - Start-up budget: downloading the weights at an assumed 50 MB/s (400 Mbit/s, a conservative
-  Hugging Face Hub rate) + reading them at the measured 0.94 GB/s disk rate + 600 s of engine
-  start (torch.compile, CUDA graph capture), rounded up to the probe period. A PVC that holds the
+  Hugging Face Hub rate) + reading them at the measured 0.94 GB/s disk rate + twice the slowest
+  engine start measured for that vLLM (torch.compile, CUDA graph capture, tiers pinned: 347 s for
+  0.26.0, 311 s for 0.33.0), rounded up to the probe period. A PVC that holds the
   weights still gets the download term: it may be cold.
 - Vocabulary: errors are InputErrors keyed by PlanInput's own names (`tp`, `cpu_size`), and
   messages and warnings name other inputs as `{key}`. The operator maps keys to CRD paths
@@ -81,7 +82,14 @@ MEASURED_PARAMS = 8_030_261_248  # the Llama-3.1-8B shape that was measured
 
 # Assumed weight download rate (bytes/s): 400 Mbit/s, a conservative Hugging Face Hub rate.
 WEIGHT_DOWNLOAD_BPS = 50e6
-ENGINE_START_S = 600  # torch.compile and CUDA graph capture before /health answers, beyond the weights
+# vLLM's start before /health answers, beyond fetching and reading the weights (torch.compile, CUDA graph capture,
+# the KV connector and a 40 GiB CPU tier pinned), per vLLM version: the slowest of the runs on one H200 with dummy
+# weights (docs/benchmarks.md "Engine start-up"; 0.26.0 over 20 runs, 0.33.0 over 10, the slowest with an empty
+# compile cache and the LMCache server's 40 s before vLLM), times ENGINE_START_MARGIN for slower GPUs and CPUs, larger
+# tiers to pin and a busy node. The start-up probe kills a pod that outlasts it, so it errs long. Looked up like
+# MEASURED_PREFILL_S. (It was a flat 600 s before anything was measured.)
+MEASURED_ENGINE_START_S: dict[tuple[int, ...], float] = {(0, 26, 0): 173.4, (0, 33, 0): 155.2}
+ENGINE_START_MARGIN = 2
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
 KV_DTYPES = ("auto", *DTYPE_BYTES)
@@ -334,12 +342,24 @@ def _refuse(inp: PlanInput) -> None:
                          "set {cpu_size} > 0 or {disk_size} to 0")
 
 
+def _measured(table: Mapping[tuple[int, ...], float], vllm_version: str) -> tuple[str, float]:
+    """(the measured vLLM version it comes from, its figure) for the image's vLLM: the newest measured version at or
+    below it, else the oldest measured."""
+    want = images.version_tuple(vllm_version, "engine.vllmVersion")
+    at_or_below = [v for v in table if v <= want]
+    version = max(at_or_below) if at_or_below else min(table)
+    return ".".join(map(str, version)), table[version]
+
+
 def measured_prefill(vllm_version: str) -> tuple[str, float]:
     """(the measured vLLM version it comes from, its 32K prefill in seconds) for the image's vLLM."""
-    want = images.version_tuple(vllm_version, "engine.vllmVersion")
-    at_or_below = [v for v in MEASURED_PREFILL_S if v <= want]
-    version = max(at_or_below) if at_or_below else min(MEASURED_PREFILL_S)
-    return ".".join(map(str, version)), MEASURED_PREFILL_S[version]
+    return _measured(MEASURED_PREFILL_S, vllm_version)
+
+
+def engine_start_s(vllm_version: str) -> tuple[str, int]:
+    """(the measured vLLM version it comes from, the start-up budget's engine term in whole seconds)."""
+    version, seconds = _measured(MEASURED_ENGINE_START_S, vllm_version)
+    return version, math.ceil(seconds * ENGINE_START_MARGIN)
 
 
 def prefill_from(inp: PlanInput) -> str:
@@ -448,11 +468,13 @@ def _weights(inp: PlanInput) -> WeightBudget:
         Term("compile_cache", st.compile_cache, "HOME: vLLM/torch.compile, Triton and FlashInfer caches"),
         Term("tmp", st.tmp, "/tmp"),
     )
+    version, engine = engine_start_s(inp.vllm_version)
     startup = (
         Term("download", math.ceil(weights / bw.weight_download),
              f"{human(weights)} at {bw.weight_download / 1e6:.3g} MB/s (assumed)"),
         Term("load", math.ceil(weights / bw.weight_load), f"read back at {bw.weight_load / 1e9:.3g} GB/s"),
-        Term("engine", ENGINE_START_S, "torch.compile and CUDA graph capture"),
+        Term("engine", engine, f"torch.compile, CUDA graph capture, tiers pinned: {ENGINE_START_MARGIN} × the slowest "
+             f"start measured with vLLM {version} on an H200"),
     )
     seconds = sum(t.value for t in startup)
     seconds = -(-seconds // STARTUP_PROBE_PERIOD_S) * STARTUP_PROBE_PERIOD_S
