@@ -414,11 +414,13 @@ PYTHON_BASES = {PYTHON_BASE: DEBIAN_PACKAGES, PYTHON_DEV_BASE: DEBIAN_PACKAGES +
 def python_base(tag: str = PYTHON_BASE) -> str:
     tar = rootfs(PYTHON_BASES[tag])
     key = hashlib.sha256(f"{tar}:{tar.stat().st_size}:{tar.stat().st_mtime_ns}".encode()).hexdigest()[:16]
-    if label(tag, KEY_LABEL) != key:
-        REPLACED.extend([i for i in [image_id(tag)] if i])
-        podman("import", "--change", f"LABEL {KEY_LABEL}={key}", "--change", 'CMD ["python3"]',
-               str(tar), tag)
-        log(f"imported {tag}")
+    # The engine chain's steps build concurrently (kvtest.background): one imports, the others wait and reuse it.
+    with locked(f"image-{tag.rsplit('/', 1)[1].replace(':', '-')}"):
+        if label(tag, KEY_LABEL) != key:
+            REPLACED.extend([i for i in [image_id(tag)] if i])
+            podman("import", "--change", f"LABEL {KEY_LABEL}={key}", "--change", 'CMD ["python3"]',
+                   str(tar), tag)
+            log(f"imported {tag}")
     return tag
 
 
