@@ -69,8 +69,8 @@ FIELDS = [
     Row("engine.image", "registry.local/vllm:custom",
         needs={**NO_PODS, "engine": {"vllmVersion": "0.26.0", "lmcacheVersion": "0.5.3"}}),
     # On a known image a declared version must be the image's own (engine/images.py resolve): a check, nothing moves.
-    Row("engine.vllmVersion", "0.26.0", renders=False),
-    Row("engine.lmcacheVersion", "0.5.3", renders=False),
+    Row("engine.vllmVersion", "0.33.0", renders=False),
+    Row("engine.lmcacheVersion", "0.5.6", renders=False),
     Row("engine.gpuMemoryUtilization", 0.8),
     Row("engine.maxNumSeqs", 64),
     Row("engine.tensorParallelSize", 2),
