@@ -35,7 +35,6 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .images import STANDIN_PAIR
 from .paths import K8S_VERSION, node_bin_dir
 from .procs import LOOPBACK
 
@@ -648,6 +647,8 @@ def serve_spec(name: str, image: str, disk: Path, *, env=(), reclaim: str = "Del
     """A KVOffloadServe (backend lmcache-server, a hostPath disk tier at `disk`) whose pod runs on this node. It pins
     the stand-in's pair (kvtest.images.STANDIN_PAIR, offered), whose H200 pages the stand-in serves and whose LMCache
     server the full stand-in runs: the operator renders for the pair the image holds."""
+    from .images import STANDIN_PAIR  # not at the top: `import kvtest` would run kvtest.images before `python -m` does
+
     vllm, lmcache = STANDIN_PAIR.split("-")
     return {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe", "metadata": {"name": name},
             "spec": {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
