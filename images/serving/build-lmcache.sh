@@ -68,6 +68,13 @@ PYEOF
 fi
 WHEEL_DIR=${LMCACHE_WHEEL_DIR:-}
 if [ -n "$WHEEL_DIR" ] && [ -f "$WHEEL_DIR/.done" ]; then
+  # Only into the torch it was compiled against (its extension binds that torch's symbols).
+  built_for=$(sed -n 's/^torch=//p' "$WHEEL_DIR/.done")
+  here=$("$PY" -c 'import torch; print(torch.__version__)')
+  if [ "$built_for" != "$here" ]; then
+    echo "$WHEEL_DIR holds LMCache compiled against torch $built_for; $PY has torch $here" >&2
+    exit 1
+  fi
   "${PIP[@]}" "$WHEEL_DIR"/lmcache-"$VERSION"-*.whl
   "$PY" "$HERE/extension_check.py"
   echo "LMCache $VERSION installed from $WHEEL_DIR (compiled before: $(tr '\n' ' ' < "$WHEEL_DIR/.done"))" >&2
