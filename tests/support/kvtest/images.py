@@ -194,8 +194,10 @@ class Pair:
 
     @property
     def nvidia(self) -> Path:
-        (site,) = (self.engine_venv / "lib").glob("python3*/site-packages")
-        return site / "nvidia"
+        # Before the venv is built (the engine chain builds other images meanwhile) the path it will have; a build
+        # that mounts it waits for the venv (_needs).
+        sites = sorted((self.engine_venv / "lib").glob("python3*/site-packages"))
+        return (sites[0] if sites else self.engine_venv / THIN_SITE.removeprefix("/opt/vllm/")) / "nvidia"
 
     @property
     def python_base(self) -> str:
