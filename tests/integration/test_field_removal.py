@@ -67,7 +67,7 @@ FIELDS = [
     Row("model.cache.readOnly", True, needs={**NO_PODS, "model": {"cache": {"claimName": "weights"}}}),
     Row("replicas", 0, needs={}),
     Row("engine.image", "registry.local/vllm:custom",
-        needs={**NO_PODS, "engine": {"vllmVersion": "0.26.0", "lmcacheVersion": "0.5.3"}}),
+        needs={**NO_PODS, "engine": {"vllmVersion": "0.33.0", "lmcacheVersion": "0.5.6"}}),
     # On a known image a declared version must be the image's own (engine/images.py resolve): a check, nothing moves.
     Row("engine.vllmVersion", "0.33.0", renders=False),
     Row("engine.lmcacheVersion", "0.5.6", renders=False),
