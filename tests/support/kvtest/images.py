@@ -509,7 +509,8 @@ def link_lmcache_wheel(p: Pair) -> None:
     wheels = p.lmcache_wheels()
     if wheels is None:
         raise SystemExit(f"no LMCache wheel compiled for {p.name} under {CACHE}: run `make engine-venv` "
-                         "(tests/engine/build-venv.sh compiles it)")
+                         "(tests/engine/build-venv.sh keeps it when it builds the venv; a venv built before it did "
+                         f"has none: remove {p.engine_venv} first)")
     wh = p.prebuilt_wheelhouse
     wh.mkdir(parents=True, exist_ok=True)
     (wheel,) = wheels.glob(f"lmcache-{p.lmcache}-*.whl")
