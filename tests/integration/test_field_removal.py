@@ -99,7 +99,8 @@ FIELDS = [
     Row("resources.engineBaseline", "8Gi"),
     Row("resources.perWorkerOverhead", "4Gi"),
     Row("resources.stagingPerWorker", "2Gi"),
-    Row("resources.serverBaseline", "4Gi", needs={**NO_PODS, "offload": {"backend": "lmcache-server"}}),
+    Row("resources.serverBaseline", "5Gi",  # above LMCache 0.5.6's 4Gi floor, which is also its default
+        needs={**NO_PODS, "offload": {"backend": "lmcache-server"}}),
     Row("resources.shm", "4Gi"),
     Row("resources.headroomPercent", 20),
     Row("scheduling", {"nodeSelector": {"zone": "a"}}),
