@@ -6,9 +6,9 @@ BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 CLUSTER := $(BIN)/python -m kvtest
 KUBECONFIG ?= $(CURDIR)/.cluster/kubeconfig
-# The engine pair the fidelity tests run (the serving image's pins: images/serving/Dockerfile).
-VLLM_VERSION := 0.26.0
-LMCACHE_VERSION := 0.5.3
+# The default engine pair (engine/images.py DEFAULT_PAIR, the serving Dockerfile's defaults; a test checks they agree).
+VLLM_VERSION := 0.33.0
+LMCACHE_VERSION := 0.5.6
 # vLLM's router that spec.routing renders for (kvoffload/engine/router.py VERSION; images/router/Dockerfile).
 ROUTER_VERSION := 0.1.17
 
@@ -32,14 +32,18 @@ operator-wheels: venv
 	  'pyzmq==27.3.0' 'msgspec==0.23.0'
 
 # The serving image of one offered pair: PAIR=<vLLM>-<LMCache> (engine/images.py), default the default pair.
+# COMPILE=1: a pair whose LMCache is compiled compiles it in the image's build, for the Dockerfile's GPU list, as users
+# build it (over an hour on 2 cores); without it the build installs the wheel that pair's engine venv compiled.
 PAIR ?= $(VLLM_VERSION)-$(LMCACHE_VERSION)
+COMPILE_FLAG := $(if $(COMPILE),--compile)
 
-# What the serving image's build installs with pip (cached), so `make images` builds without network: the
-# LMCache wheel, or for a pair whose LMCache is compiled (PAIR=0.33.0-0.5.6; after `make engine-venv`) its sdist
-# and the toolchain images/serving/build-lmcache.sh installs, as its --download mode resolves them in that pair's
-# engine venv; and async-timeout, which LMCache's redis needs on Python < 3.11.3 (the local base's Debian 3.11.2).
+# What the serving images' builds install with pip (cached), so `make images` builds without network: each pair's
+# LMCache wheel from PyPI, or for a pair whose LMCache is compiled nothing more (its engine venv compiles the wheel),
+# with COMPILE=1 (PAIR=0.33.0-0.5.6; after `make engine-venv`) its sdist and the toolchain build-lmcache.sh installs,
+# as its --download mode resolves them in that pair's engine venv; and async-timeout, which LMCache's redis needs on
+# Python < 3.11.3 (the local base's Debian 3.11.2). Without PAIR: every offered pair's (what `make test` builds).
 serving-wheels: venv
-	$(BIN)/python -m kvtest.images wheels --pair $(PAIR)
+	$(BIN)/python -m kvtest.images wheels $(if $(filter command line,$(origin PAIR)),--pair $(PAIR)) $(COMPILE_FLAG)
 
 # vLLM's router and its dependencies as wheels (cached; binary wheels only, so nothing is built offline), so the router
 # image (images/router/Dockerfile) builds without network: the real-node routing test runs it as the rendered pod.
@@ -52,17 +56,17 @@ router-image: venv system-deps router-wheels
 
 # Both images (images/*/Dockerfile) with podman, offline, FROM local bases made from Debian's packages
 # and the engine venv (tests/support/kvtest/images.py; README "Images" builds them FROM the public ones).
-# PAIR=0.33.0-0.5.6: that pair's serving image (LMCache compiled in the build: an hour or more on 2 cores).
+# PAIR=0.26.0-0.5.3: that pair's serving image; COMPILE=1: LMCache compiled in the build (an hour or more on 2 cores).
 images: venv system-deps operator-wheels engine-venv serving-wheels
-	$(BIN)/python -m kvtest.images build operator serving --pair $(PAIR)
+	$(BIN)/python -m kvtest.images build operator serving --pair $(PAIR) $(COMPILE_FLAG)
 
 # The full stand-in engine image (tests/images/vllm-standin, FROM the serving image: vLLM's parser, the real LMCache
 # server), for KVO_STANDIN=full runs on the real node. `make test` builds the slim one itself (kvtest.images standin-slim).
 standin-image: images
 	$(BIN)/python -m kvtest.images build standin
 
-# vLLM + LMCache of every serving image (engine/images.serving_images()) in its own cached venv (~8-9 GB
-# each; the first time ~4 min for a wheel pair, longer for a pair whose LMCache is compiled from source):
+# vLLM + LMCache of every serving image (engine/images.serving_images()) in its own cached venv (~8-10 GB
+# each; the first time ~4 min for a wheel pair, 15-25 min for the default pair, whose LMCache is compiled):
 # the fidelity tests run vLLM's real parser and create_engine_config(), LMCache's real loader and its
 # CUDA extension's load there.
 engine-venv: venv
@@ -151,16 +155,17 @@ integration: venv system-deps operator-wheels router-wheels cluster-build node-b
 # The longest cold builds start in the background once `make check` passed, at the lowest CPU and I/O priority, and
 # the tests start as soon as the control plane and the node are built: the tests that need a background build run
 # last and wait for it (tests/support/kvtest/background.py). Three chains: KEDA (~20 CPU-min cold), Flux's
-# controllers, and the engine chain: the engine venvs (one compiling LMCache: ~17 CPU-min), the images, the
-# compatibility matrix's PyPI metadata. Each holds its lock while it runs; a failed one leaves no result and the
-# tests needing it fail naming its log (~/.cache/kvoffload/<chain>-background.log). Warm, each is a cache check.
+# controllers, and the engine chain (`python -m kvtest.background engine`): both engine venvs at once (one compiling
+# LMCache's wheel: ~15 CPU-min), the images that need no venv beside them, each pair's images after its venv (the
+# default's installs that wheel), then the compatibility matrix's PyPI metadata. Each holds its lock while it runs; a
+# failed one leaves no result and the tests needing it fail naming its log (~/.cache/kvoffload/<chain>-background.log,
+# which has each step's wall and CPU seconds). Warm, each is a cache check.
 KVO_CACHE ?= $(HOME)/.cache/kvoffload
 BACKGROUND := nice -n 19 ionice -c 3
 background-builds: venv operator-wheels serving-wheels router-wheels system-deps
 	@mkdir -p $(KVO_CACHE)
-	@(flock $(KVO_CACHE)/engine-background.lock env KVO_BACKGROUND=1 PY=$(PY) $(BACKGROUND) bash -c \
-	  '$(BIN)/python tests/engine/engine_venv.py build && $(BIN)/python -m kvtest.images build operator standin-slim router serving standin \
-	  && $(BIN)/python tests/engine/compatibility.py --fetch' >$(KVO_CACHE)/engine-background.log 2>&1 &)
+	@(flock $(KVO_CACHE)/engine-background.lock env KVO_BACKGROUND=1 PY=$(PY) $(BACKGROUND) \
+	  $(BIN)/python -m kvtest.background engine >$(KVO_CACHE)/engine-background.log 2>&1 &)
 	@($(BACKGROUND) tests/autoscaling/build-keda.sh >$(KVO_CACHE)/keda-background.log 2>&1 &)
 	@($(BACKGROUND) tests/gitops/flux/build.sh >$(KVO_CACHE)/flux-background.log 2>&1 &)
 

@@ -88,18 +88,24 @@ def host_facts() -> gpu_oci.Host:
                         hugepage_sizes=sizes, apparmor_profiles=profiles, existing=existing, memory_capacity=mem)
 
 
+# The engine pair whose torch the GPU host has (2.11.0): its stand-in image is the host's torch plus the carried wheels
+# under the first protocol's names (serving/, the carry's site.part*, the bundle .gpu/, `dev.sh plan`); any other pair
+# carries its own torch (serving-<pair>/, site-<pair>.part*, .gpup-<pair>/). Not the operator's default pair, which is
+# vLLM 0.33.0 + LMCache 0.5.6 since 3 Dec 2026. dev.sh, stage.sh and carry.sh read this line.
+HOST_PAIR = "0.26.0-0.5.3"
+
+
 def stand_in(image: str) -> str:
     """The directory under IMAGES standing in for an image: operator/ for the operator image; for a serving image
-    serving/ when it holds the default pair (the host's torch + wheels) and serving-<vllm>-<lmcache>/ for another
+    serving/ when it holds HOST_PAIR (the host's torch + wheels) and serving-<vllm>-<lmcache>/ for another
     pair (its own torch: `dev.sh install 0.33.0-0.5.6`). vLLM's official image (backend vllm-native) stands on the
-    serving image of its vLLM version: the same vLLM, LMCache unused."""
+    serving image of its vLLM version: the same vLLM, LMCache unused; an image of no offered pair on HOST_PAIR's."""
     if "kvoffload/kvoffload" in image:
         return "operator"
     pairs = {i: f"{k.vllm}-{k.lmcache}" for i, k in images.serving_images().items()}
     pairs.update({f"vllm/vllm-openai:v{k.vllm}": f"{k.vllm}-{k.lmcache}" for k in images.serving_images().values()})
-    default = pairs[images.DEFAULT_IMAGE]
-    pair = pairs.get(image, default)
-    return "serving" if pair == default else f"serving-{pair}"
+    pair = pairs.get(image, HOST_PAIR)
+    return "serving" if pair == HOST_PAIR else f"serving-{pair}"
 
 
 def image_env(image: str, python: str) -> dict[str, str]:

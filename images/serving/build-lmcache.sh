@@ -9,6 +9,11 @@
 # (tests/engine/build-venv.sh) both run this file.
 #   build-lmcache.sh PYTHON LMCACHE_VERSION      (TORCH_CUDA_ARCH_LIST: the GPU architectures, e.g. "9.0")
 #   build-lmcache.sh --download DIR PYTHON LMCACHE_VERSION
+# LMCACHE_WHEEL_DIR (optional): compile a wheel, install it, and keep it in that directory once the extension
+# check passed (with .done); when the directory already holds one, install it and compile nothing. The caller
+# names the directory by vLLM (its torch), LMCache and TORCH_CUDA_ARCH_LIST, so one compile serves every
+# environment of that torch: `make test` compiles once in the engine venv (tests/engine/build-venv.sh) and
+# its serving image build installs the same wheel (tests/support/kvtest/images.py).
 # --download compiles nothing: it puts into DIR what the build would fetch from the index into PYTHON's
 # environment (the toolchain below as pip resolves it there, and LMCache's sdist), for an offline build
 # (PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR) in an environment holding the same packages as PYTHON's but LMCache:
@@ -61,6 +66,20 @@ PYEOF
   echo "build-lmcache.sh --download: ${#urls[@]} files and lmcache $VERSION's sdist in $DOWNLOAD: $(ls "$DOWNLOAD" | tr '\n' ' ')" >&2
   exit 0
 fi
+WHEEL_DIR=${LMCACHE_WHEEL_DIR:-}
+if [ -n "$WHEEL_DIR" ] && [ -f "$WHEEL_DIR/.done" ]; then
+  # Only into the torch it was compiled against (its extension binds that torch's symbols).
+  built_for=$(sed -n 's/^torch=//p' "$WHEEL_DIR/.done")
+  here=$("$PY" -c 'import torch; print(torch.__version__)')
+  if [ "$built_for" != "$here" ]; then
+    echo "$WHEEL_DIR holds LMCache compiled against torch $built_for; $PY has torch $here" >&2
+    exit 1
+  fi
+  "${PIP[@]}" "$WHEEL_DIR"/lmcache-"$VERSION"-*.whl
+  "$PY" "$HERE/extension_check.py"
+  echo "LMCache $VERSION installed from $WHEEL_DIR (compiled before: $(tr '\n' ' ' < "$WHEEL_DIR/.done"))" >&2
+  exit 0
+fi
 "${PIP[@]}" "${TOOLCHAIN[@]}"
 purelib=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 nvcc=$(find "$purelib/nvidia" -path '*/bin/nvcc' -type f | head -1)
@@ -72,10 +91,17 @@ if [ ! -e "$cuda_home/lib/libcudart.so" ]; then
 fi
 
 start=$(date +%s)
-CUDA_HOME=$cuda_home PATH="$cuda_home/bin:$(dirname "$PY"):$PATH" BUILD_WITH_CUDA=1 LMCACHE_CUDA_MAJOR=${toolkit%%.*} \
-  MAX_JOBS=${MAX_JOBS:-2} NVCC_THREADS=${NVCC_THREADS:-1} \
-  "${PIP[@]}" --no-build-isolation --no-binary lmcache "lmcache==$VERSION"
-echo "LMCache $VERSION compiled in $(( $(date +%s) - start )) s for TORCH_CUDA_ARCH_LIST='$TORCH_CUDA_ARCH_LIST' (CUDA $toolkit)" >&2
+BUILD_ENV=(env CUDA_HOME="$cuda_home" PATH="$cuda_home/bin:$(dirname "$PY"):$PATH" BUILD_WITH_CUDA=1
+  LMCACHE_CUDA_MAJOR="${toolkit%%.*}" MAX_JOBS="${MAX_JOBS:-2}" NVCC_THREADS="${NVCC_THREADS:-1}")
+if [ -n "$WHEEL_DIR" ]; then
+  "${BUILD_ENV[@]}" "$PY" -m pip wheel -q --no-cache-dir --disable-pip-version-check --no-deps --no-build-isolation \
+    --no-binary lmcache -w "$work/wheel" "lmcache==$VERSION"
+  "${PIP[@]}" "$work/wheel"/lmcache-"$VERSION"-*.whl
+else
+  "${BUILD_ENV[@]}" "${PIP[@]}" --no-build-isolation --no-binary lmcache "lmcache==$VERSION"
+fi
+seconds=$(( $(date +%s) - start ))
+echo "LMCache $VERSION compiled in $seconds s for TORCH_CUDA_ARCH_LIST='$TORCH_CUDA_ARCH_LIST' (CUDA $toolkit)" >&2
 
 # The build-only packages go again: what this script added that no installed package requires.
 "$PY" -m pip list --format=freeze > "$work/after.txt"
@@ -113,3 +139,11 @@ if [ -n "$build_only" ]; then
 fi
 # The extension loads against this torch with every symbol bound, without the compiler.
 "$PY" "$HERE/extension_check.py"
+if [ -n "$WHEEL_DIR" ]; then
+  # Kept only now that its extension loaded: a failed build leaves no wheel to reuse.
+  mkdir -p "$WHEEL_DIR"
+  cp "$work/wheel"/lmcache-"$VERSION"-*.whl "$WHEEL_DIR/"
+  printf 'torch=%s\ntorch_cuda_arch_list=%s\ncuda=%s\ncompile_seconds=%s\n' \
+    "$("$PY" -c 'import torch; print(torch.__version__)')" "$TORCH_CUDA_ARCH_LIST" "$toolkit" "$seconds" \
+    > "$WHEEL_DIR/.done"
+fi

@@ -10,7 +10,10 @@
 #   source  LMCache's sdist from PyPI, its CUDA extension compiled here against vLLM's own torch by
 #           images/serving/build-lmcache.sh, the serving image's own build step (nvcc from PyPI, no GPU).
 #           One GPU architecture (TORCH_CUDA_ARCH_LIST, default 9.0: H100/H200) keeps the compile
-#           short; the serving image compiles LMCache's own list (images/serving/Dockerfile).
+#           short; the serving image compiles LMCache's own list (images/serving/Dockerfile). The compiled
+#           wheel is kept in $CACHE/lmcache-wheel-vllm-<v>-lmcache-<v>-arch-<list> (LMCACHE_WHEEL_DIR of
+#           build-lmcache.sh), and `make test`'s build of the pair's serving image installs that wheel
+#           instead of compiling LMCache a second time (tests/support/kvtest/images.py).
 set -euo pipefail
 VLLM_VERSION=${1:-0.26.0}
 LMCACHE_VERSION=${2:-0.5.3}
@@ -33,7 +36,9 @@ if [ "$LMCACHE_FROM" = wheel ]; then
 else
   "${PIP[@]}" "vllm==$VLLM_VERSION" >&2
   compile_start=$(date +%s)
-  TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} "$ROOT/images/serving/build-lmcache.sh" "$DEST/bin/python" "$LMCACHE_VERSION" >&2
+  arch=${TORCH_CUDA_ARCH_LIST:-9.0}
+  TORCH_CUDA_ARCH_LIST=$arch LMCACHE_WHEEL_DIR=$CACHE/lmcache-wheel-vllm-$VLLM_VERSION-lmcache-$LMCACHE_VERSION-arch-${arch// /_} \
+    "$ROOT/images/serving/build-lmcache.sh" "$DEST/bin/python" "$LMCACHE_VERSION" >&2
   lmcache_build_seconds=$(( $(date +%s) - compile_start ))
 fi
 "$DEST/bin/python" - "$VLLM_VERSION" "$LMCACHE_VERSION" >&2 <<'PY'

@@ -63,11 +63,17 @@ GPU_RUNS = {
                          "67.5 of 79.2 GiB), lmcache-server with its read-only-root sidecar 0.171 s, the disk tier "
                          "alone 1.261 s (= recompute: 2.15 GB read at 1.5-1.8 GB/s); same token after every reload, no "
                          "OOM kill (docs/benchmarks.md)",
-    ("0.33.0", "0.5.6", "source"): "yes: NVIDIA H200, 2026-12-01, the rendered workstation example (V1 model runner) "
-                                   "as real containers (crun 1.8.1, the real node's lmcache capture) on the carried "
-                                   "torch 2.14.0 and LMCache 0.5.6 compiled for sm_90: a 32,768-token prefix came back "
-                                   "from the CPU tier in 0.110 s (1.170 s recomputed), same token after every reload, "
-                                   "vLLM's container 48.7 of 53.9 GiB, no OOM kill (docs/benchmarks.md)",
+    # lmcache-server's cell: its 3 Dec runs predate the --shm-name fix; the H200 run with it fills GPU_RUN_033_SERVER.
+    ("0.33.0", "0.5.6", "source"): "yes, lmcache and vllm-native; lmcache-server not yet: NVIDIA H200, as real "
+                                   "containers (crun 1.8.1, the real node's captures) on the carried torch "
+                                   "2.14.0 and LMCache 0.5.6 compiled for sm_90, 32,768-token prompts: "
+                                   "2026-12-01, lmcache (the rendered workstation example, V1 model runner) "
+                                   "reloaded from the CPU tier in 0.110 s (1.170 s recomputed), vLLM's container "
+                                   "48.7 of 53.9 GiB; 2026-12-03, lmcache's disk tier alone 1.454 s (2.15 GB "
+                                   "read per reload; the exporter agreed on 20 of 20 checks), vllm-native with "
+                                   "its /dev/shm region sized 0.172 s (1.213 s cold, its container 45.9 of 56.7 "
+                                   "GB); same token after every reload, no OOM kill (docs/benchmarks.md); "
+                                   "lmcache-server: GPU_RUN_033_SERVER",
 }
 
 
@@ -213,6 +219,10 @@ def engine_checks(pair: Pair, venvs: dict[Pair, Path]) -> tuple[str, str]:
 
 
 NOT_RUN = "not run on a GPU"
+# lmcache-server on vLLM 0.33.0 + LMCache 0.5.6 with the --shm-name fix (backends/lmcache_server.py): to be replaced by
+# what its H200 run shows (docs/benchmarks.md), as the other backends' figures above are.
+GPU_RUN_033_SERVER = ("not yet run with its --shm-name fix (its 3 Dec runs before it pickled KV over ZMQ and its "
+                      "server was OOM-killed at LMCache 0.5.3's limit: docs/benchmarks.md)")
 
 
 def rows() -> list[dict[str, str]]:
@@ -238,7 +248,7 @@ def rows() -> list[dict[str, str]]:
             row["torch"] = f"vLLM: torch=={pin}; LMCache: {lreq}"
             row["ext"] = extension_load((vllm, lmcache, built), venvs)
             row["parser"], row["loader"] = engine_checks((vllm, lmcache, built), venvs)
-            row["gpu"] = GPU_RUNS.get((vllm, lmcache, built), NOT_RUN)
+            row["gpu"] = GPU_RUNS.get((vllm, lmcache, built), NOT_RUN).replace("GPU_RUN_033_SERVER", GPU_RUN_033_SERVER)
         env = images.connector_env(images.EnginePair(vllm, lmcache)) if vllm and lmcache else {}
         row["env"] = ("; ".join(f"`{k}={v}`" for k, v in sorted(env.items())) + ": " +
                       "; ".join(images.CONNECTOR_ENV_WHY[k] for k in sorted(env))) if env else (
@@ -259,34 +269,33 @@ check: the shared object is loaded by file, since LMCache 0.5.3 answers `import 
 shim when the extension is missing. LMCache 0.5.x logs and falls back when its extension fails to load; vLLM does not.
 
 **Default: the project's serving image `{default}`** (images/serving/Dockerfile: FROM
-`vllm/vllm-openai:v{vllm}` with `lmcache=={lmcache}` pinned, and a build step that loads the
-extension's shared object). Its pins are known by construction, its torch pins agree, vLLM's own
-parser accepts everything the operator renders for it, LMCache's own loader reads every rendered
-config without a warning, and it is the pair that ran on a GPU. `lmcache/vllm-openai:v0.5.4` installs
-an unpinned vLLM, so the operator knows only its LMCache: a KVOffloadServe using it must set
-`spec.engine.vllmVersion`, and extra vLLM arguments are checked only for a vLLM whose flag table the
-operator carries ({tables}).
+`vllm/vllm-openai:v{vllm}`, LMCache {lmcache}, the newest, compiled from its sdist against the base image's own
+torch, and a build step that loads the extension's shared object). vLLM {vllm} pins torch 2.14.0 and no LMCache
+wheel is built against it (0.5.6's extension lacks `c10_cuda_check_implementation` there: the row with LMCache's
+PyPI wheel below), so the build compiles it (images/serving/build-lmcache.sh: nvcc from PyPI's cuda-toolkit of
+torch's CUDA; no GPU needed; about an hour of CPU on 2 cores for the Dockerfile's seven GPU architectures). Its
+pins are known by construction, its torch pins agree, vLLM's own parser accepts everything the operator renders
+for it, and LMCache's own loader reads every rendered config without a warning. `make test` compiles LMCache once,
+for sm_90 only, in that pair's engine venv, checks its row in full, and builds the image offline from that wheel
+(kvtest.images: FROM a local stand-in for `vllm/vllm-openai:v{vllm}` made of that engine venv; the image's
+`io.kvoffload.lmcache-build` label says so) and runs it as the rendered pod runs it. On an H200 the in-process
+CPU and disk tiers and vllm-native ran as rendered; lmcache-server has not yet run with its `--shm-name` fix (the
+row's "Ran on a GPU" says what ran). `lmcache/vllm-openai:v0.5.4` installs an unpinned vLLM, so the operator knows
+only its LMCache: a KVOffloadServe using it must set `spec.engine.vllmVersion`, and extra vLLM arguments are checked
+only for a vLLM whose flag table the operator carries ({tables}).
 
-**Also offered: `{second}`** (the same Dockerfile with `LMCACHE_FROM=source`). vLLM 0.33.0 pins
-torch 2.14.0 and no LMCache wheel is built against it (0.5.6's extension lacks
-`c10_cuda_check_implementation` there: the row with LMCache's PyPI wheel below), so the image
-compiles LMCache 0.5.6, the newest, from its sdist against the base image's own torch
-(images/serving/build-lmcache.sh: nvcc from PyPI's cuda-toolkit of torch's CUDA; no GPU needed).
-`make test` builds the same in that pair's engine venv (for sm_90 only) and checks its row in full.
-The image itself builds offline with `python -m kvtest.images build serving --pair 0.33.0-0.5.6` (FROM a
-local stand-in for `vllm/vllm-openai:v0.33.0` made of that engine venv, a C++ compiler and Python's
-headers): the compile for the Dockerfile's GPU architectures, then its extension check, which fails the
-build on an unresolved symbol. It is not part of `make test` (the compile's cost; docs/benchmarks.md "Images").
-It ran on an H200 once (1 Dec 2026, the CPU tier only: the row below), while the default pair ran every backend and
-tier; the default stays 0.26.0 + 0.5.3 until 0.33 has run as much.
+**Also offered: `{second}`** (the same Dockerfile with `--build-arg`s for LMCache's PyPI wheel, `LMCACHE_FROM=wheel`):
+vLLM 0.26.0 is the newest vLLM pinned to torch 2.11.0, and LMCache 0.5.3 the newest LMCache whose wheel is built
+against it. Every backend and tier ran on it on an H200 (the row below), and `make test` checks it in full and builds
+its image (the full stand-in engine is that image).
 
 **vLLM's V2 model runner.** vLLM 0.26.0's default V2 model runner calls LMCacheConnectorV1's
 `start_load_kv` without attention metadata when one token is left to compute; LMCache 0.5.3 then
 returns without loading, while vLLM counts the tokens as external hits and skips their prefill
 (wrong answers, silently; LMCache's retrieve counters stay 0). With `VLLM_USE_V2_MODEL_RUNNER=0`
 (the V1 runner) the loads happen (H200 run). vLLM 0.33.0 + LMCache 0.5.6 read from their source
-(not yet on a GPU): V2 is the default runner for every model (vllm/config/vllm.py:748-767), a full
-CUDA graph step calls the connector's pre_forward outside the forward context
+(on a GPU they ran with the V1 runner only): V2 is the default runner for every model
+(vllm/config/vllm.py:748-767), a full CUDA graph step calls the connector's pre_forward outside the forward context
 (vllm/v1/worker/gpu/model_runner.py:2056) and the load then runs under
 `set_forward_context(None)` (vllm/v1/worker/gpu/kv_connector.py:123-127), and LMCache 0.5.6 still
 returns when `forward_context.attn_metadata` is None (lmcache/integration/vllm/vllm_v1_adapter.py:782-785):

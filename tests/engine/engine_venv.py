@@ -27,6 +27,10 @@ from extension_check import elf_needed, is_cuda_extension  # noqa: E402  (the se
 
 PAIR = images.KNOWN_IMAGES[images.DEFAULT_IMAGE]  # the default pair: the default serving image's pins
 PAIRS = list(images.serving_images().values())  # every pair the operator offers, the default first
+# vLLM 0.26.0 + LMCache 0.5.3, offered: the pair whose own code some tests read (LMCache 0.5.3's L1 allocator and c_ops
+# shim, vLLM 0.26.0's pinned CPU tensors and the KV events the stand-in engines mirror), the default before 0.33.0.
+IMAGE_026 = f"{images.SERVING_REPOSITORY}:0.26.0-0.5.3"
+PAIR_026 = images.KNOWN_IMAGES[IMAGE_026]
 CACHE = Path(os.environ.get("KVO_CACHE", Path.home() / ".cache" / "kvoffload"))
 BUILD = HERE / "build-venv.sh"
 

@@ -1,5 +1,5 @@
-"""Fidelity of backends lmcache-server and vllm-native against the pinned engine (vLLM 0.26.0 +
-LMCache 0.5.3, the engine venv of tests/engine/build-venv.sh):
+"""Fidelity of backends lmcache-server and vllm-native against each offered engine pair (the default vLLM 0.33.0 +
+LMCache 0.5.6, and 0.26.0 + 0.5.3; their engine venvs of tests/engine/build-venv.sh), the resource pinned to it:
 - every rendered vLLM command line through vLLM's own parser, create_engine_config() and its
   KVConnectorFactory (the connector class the workers would build);
 - every rendered `lmcache server` command line through LMCache's own server parser and the config
@@ -29,15 +29,16 @@ from kvoffload.api.fetch import SourceError
 from kvoffload.api.quantity import gib
 from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
+from kvoffload.engine import images
 from kvoffload.exporter.collector import ExporterConfig, TierCollector
 from kvoffload.exporter.lmcache_server import fetch_status
 from kvoffload.rendering import render
 from kvtest.exporter import FakeVllm
-from kvtest.specs import LLAMA_CONFIG, PAIR, spec
+from kvtest.specs import LLAMA_CONFIG, spec
 
 ROOT = engine_venv.ROOT
 LLAMA = LLAMA_CONFIG
-VLLM_VERSION, LMCACHE_VERSION = engine_venv.PAIR.vllm, engine_venv.PAIR.lmcache
+PAIRS = {f"{k.vllm}-{k.lmcache}": (image, k) for image, k in images.serving_images().items()}
 # No packet leaves 127.0.0.0/8: LMCache's usage telemetry is off in every engine process started here.
 QUIET = {"DO_NOT_TRACK": "1", "LMCACHE_TRACK_USAGE": "false", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
          "LMCACHE_DISABLE_BANNER": "1"}
@@ -53,8 +54,15 @@ CASES = {
 }
 
 
-def desired(patch):
-    return pipeline.desired("svc", "team-a", "", spec(**PAIR, **patch), Settings())
+@pytest.fixture(scope="module", params=list(PAIRS))
+def pair(request) -> str:
+    return request.param
+
+
+def desired(patch, pair: str):
+    image, k = PAIRS[pair]
+    pinned = {"engine__image": image, "engine__vllmVersion": k.vllm, "engine__lmcacheVersion": k.lmcache}
+    return pipeline.desired("svc", "team-a", "", spec(**pinned, **patch), Settings())
 
 
 def containers(d):
@@ -67,21 +75,22 @@ def server_argv(c: dict, pod_name: str = "svc-0") -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def venv() -> Path:
-    return engine_venv.require()
+def venv(pair) -> Path:
+    k = PAIRS[pair][1]
+    return engine_venv.require(k.vllm, k.lmcache)
 
 
 @pytest.fixture(scope="module")
-def engine(venv):
+def engine(venv, pair):
     request: dict = {"vllm": [], "server": []}
     for case_id, patch in CASES.items():
-        c = containers(desired(patch))
+        c = containers(desired(patch, pair))
         request["vllm"].append({"id": case_id, "argv": render.vllm_argv(c["vllm"]),
                                 "model_config": LLAMA})
         if "lmcache-server" in c:
             request["server"].append({"id": case_id, "argv": server_argv(c["lmcache-server"])})
     out = engine_venv.run(venv, "check", request)
-    assert out["versions"]["vllm"] == VLLM_VERSION and out["versions"]["lmcache"] == LMCACHE_VERSION
+    assert (out["versions"]["vllm"], out["versions"]["lmcache"]) == (PAIRS[pair][1].vllm, PAIRS[pair][1].lmcache)
     return {section: {r["id"]: r for r in out[section]} for section in ("vllm", "server")}
 
 
@@ -91,15 +100,15 @@ def test_vllm_side_of_server_backend(engine, case_id):
     assert r["ok"], r
     p = r["parsed"]
     assert p["kv_connector"] == "LMCacheMPConnector" and p["kv_role"] == "kv_both"
-    # vLLM 0.26.0 prefers the LMCacheMPConnector that LMCache 0.5.3 ships (its own is the fallback).
+    # vLLM prefers the LMCacheMPConnector that LMCache ships (its own is the fallback), on both pairs.
     assert p["connector_class"] == "lmcache.integration.vllm.lmcache_mp_connector.LMCacheMPConnector"
     extra = p["kv_connector_extra_config"]
     assert extra["lmcache.mp.host"] == "tcp://127.0.0.1" and extra["lmcache.mp.mp_transfer_mode"] == "engine_driven"
 
 
 @pytest.mark.parametrize("case_id", [c for c in CASES if c.startswith("server")])
-def test_server_command_line_through_lmcaches_parser(engine, case_id):
-    d = desired(CASES[case_id])
+def test_server_command_line_through_lmcaches_parser(engine, pair, case_id):
+    d = desired(CASES[case_id], pair)
     r = engine["server"][case_id]
     assert r["ok"], r
     p = r["parsed"]
@@ -124,8 +133,8 @@ def test_server_command_line_through_lmcaches_parser(engine, case_id):
 
 
 @pytest.mark.parametrize("case_id", ["native", "native-tp2", "native-kv-aware"])
-def test_native_command_line_through_vllms_parser(engine, case_id):
-    d = desired(CASES[case_id])
+def test_native_command_line_through_vllms_parser(engine, pair, case_id):
+    d = desired(CASES[case_id], pair)
     r = engine["vllm"][case_id]
     assert r["ok"], r
     p = r["parsed"]
@@ -166,9 +175,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_rendered_server_starts_and_reports_the_budgeted_tiers(venv, tmp_path):
+def test_rendered_server_starts_and_reports_the_budgeted_tiers(venv, pair, tmp_path):
     """The rendered `lmcache server` line, run for real: only its ports, disk path and size change."""
-    d = desired({"offload__backend": "lmcache-server", "offload__cpu__size": "256Mi", "offload__disk__size": "1Gi"})
+    d = desired({"offload__backend": "lmcache-server", "offload__cpu__size": "256Mi", "offload__disk__size": "1Gi"},
+                pair)
     argv = server_argv(containers(d)["lmcache-server"])
     http_port, zmq_port = free_port(), free_port()
     argv[argv.index("--http-port") + 1] = str(http_port)

@@ -22,12 +22,13 @@ def test_the_compatibility_matrix_is_current():
     row = next(line for line in lines if line.startswith("| — | 0.33.0 | 0.5.6 |"))
     assert ("no: lmcache.cuda_ops against torch 2.14.0: undefined symbol" in row
             and "c10_cuda_check_implementation" in row)
-    # ... and compiled from source against that torch it does, and the whole row is checked.
-    (offered,) = [i for i in images.serving_images() if i != images.DEFAULT_IMAGE]
-    row = next(line for line in lines if line.startswith(f"| `{offered}` | 0.33.0 | 0.5.6 (built from source) |"))
+    # ... and compiled from source against that torch it does, and the whole row is checked: the default's row.
+    row = next(line for line in lines
+               if line.startswith(f"| `{images.DEFAULT_IMAGE}` (default) | 0.33.0 | 0.5.6 (built from source) |"))
     assert "yes: lmcache.cuda_ops loads against torch 2.14.0" in row
-    # ... and it ran on an H200 once (GPU_RUNS: the evidence, docs/benchmarks.md), which the row says.
-    assert "| yes: NVIDIA H200, 2026-12-01" in row, row
+    # ... and what ran on an H200 (GPU_RUNS: the evidence, docs/benchmarks.md), and what did not, the row says.
+    assert "| yes, lmcache and vllm-native; lmcache-server not yet: NVIDIA H200" in row, row
+    assert f"lmcache-server: {compatibility.GPU_RUN_033_SERVER}" in row, row
     # No offered pair has a row that says "not checked".
     for image in images.serving_images():
         row = next(line for line in lines if line.startswith(f"| `{image}`"))

@@ -36,7 +36,7 @@ print("same bytes", len(ours))
 
 
 def test_the_standin_kv_events_encode_as_vllms():
-    venv = engine_venv.require()
+    venv = engine_venv.require(engine_venv.PAIR_026.vllm, engine_venv.PAIR_026.lmcache)
     out = subprocess.run([str(venv / "bin" / "python"), "-c", SCRIPT, str(MIRROR)], capture_output=True, text=True,
                          timeout=300, env={"HOME": "/tmp", "PATH": "/usr/bin:/bin", "VLLM_NO_USAGE_STATS": "1",
                                            "DO_NOT_TRACK": "1"})

@@ -21,7 +21,8 @@ import pytest
 
 @pytest.fixture(scope="module")
 def lmcache():
-    return engine_venv.site_packages(engine_venv.require()) / "lmcache"
+    return engine_venv.site_packages(engine_venv.require(engine_venv.PAIR_026.vllm, engine_venv.PAIR_026.lmcache)) \
+        / "lmcache"
 
 
 def test_named_l1_goes_through_alloc_shm_pinned_ptr(lmcache):

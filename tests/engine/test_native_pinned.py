@@ -21,7 +21,7 @@ from kvoffload.backends import vllm_native
 from kvoffload.controller import pipeline
 from kvoffload.rendering import render
 from kvtest.specs import LLAMA_CONFIG as LLAMA
-from kvtest.specs import PAIR, spec
+from kvtest.specs import spec
 
 # Qwen2.5-7B's config.json fields vLLM reads: 28 layers (not a power of two), 4 KV heads.
 QWEN = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
@@ -39,14 +39,15 @@ CASES = {  # id: (model config, spec patch)
 
 
 def desired(patch: dict):
-    s = spec(**PAIR, **NATIVE, **patch)
+    s = spec(engine__image=engine_venv.IMAGE_026, engine__vllmVersion=engine_venv.PAIR_026.vllm,
+             engine__lmcacheVersion=engine_venv.PAIR_026.lmcache, **NATIVE, **patch)
     s["offload"].pop("disk", None)
     return pipeline.desired("svc", "team-a", "", s, Settings())
 
 
 @pytest.fixture(scope="module")
 def venv():
-    return engine_venv.require()
+    return engine_venv.require(engine_venv.PAIR_026.vllm, engine_venv.PAIR_026.lmcache)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def engine(venv):
         request["vllm"].append({"id": case_id, "argv": render.vllm_argv(vllm), "model_config": model_config,
                                 "native_pinned": {"gpu_kv_bytes": 8 * GiB}})
     out = engine_venv.run(venv, "check", request)
-    assert out["versions"]["vllm"] == engine_venv.PAIR.vllm
+    assert out["versions"]["vllm"] == engine_venv.PAIR_026.vllm
     return {r["id"]: r for r in out["vllm"]}
 
 

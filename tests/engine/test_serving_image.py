@@ -26,7 +26,7 @@ SERVING_IMAGES = pytest.mark.parametrize("image", list(images.serving_images()))
 
 @pytest.fixture(scope="module")
 def venv():
-    return engine_venv.require()
+    return engine_venv.require(engine_venv.PAIR_026.vllm, engine_venv.PAIR_026.lmcache)  # LMCache 0.5.3's c_ops shim
 
 
 def venv_of(image: str):
@@ -72,7 +72,8 @@ def test_the_dockerfiles_load_check_passes_against_the_pinned_torch(image):
 
 
 def test_the_load_check_fails_without_the_extension_and_import_would_not(venv):
-    df = Dockerfile(SERVING)
+    # LMCache 0.5.3's (vLLM 0.26.0's pair): its package answers `import lmcache.c_ops` with a shim.
+    df = serving(engine_venv.IMAGE_026)
     ext = df.args["LMCACHE_EXTENSION"]
     other = "cuda_ops" if ext == "c_ops" else "c_ops"  # the other LMCache releases' name: not in this wheel
     check = _load_check(df).split(" && ")[0].replace("python3 ", f"{engine_venv.python(venv)} ").replace(ext, other)

@@ -4,18 +4,21 @@ no privilege escalation, no network.
 
 - the operator image: `kvoffload --help`, `kvoffload plan` (the same answer as this checkout's code)
   and the exporter, as the chart's securityContext runs them;
-- the serving image: the Dockerfile's own steps ran (LMCache installed from the wheelhouse, its CUDA
-  extension's shared object loaded against the base's torch 2.11.0), its user and entrypoint, and a
-  build whose extension check fails is a failed build;
-- the vLLM 0.33.0 serving image (LMCache 0.5.6 compiled in the build against torch 2.14.0): only where it
-  is already built or under KVO_IMAGES_033=1 (its compile is too long for `make test`: see its fixture);
-- the stand-in engine image: the rendered lmcache-server pod (tests/golden) in a podman pod, every
-  container under its rendered command, args, env, user and mounts, with the images swapped for the
-  local ones: the versions init reports the image's real versions, `lmcache server` runs for real,
-  the stand-in serves the recorded page and the exporter reads both.
+- the default serving image (vLLM 0.33.0 + LMCache 0.5.6), as `make test` builds it (kvtest.images prebuilt: the
+  LMCache wheel its engine venv compiled against torch 2.14.0 for sm_90, FROM the thin base): the Dockerfile's own
+  steps ran (LMCache installed from the wheelhouse, its CUDA extension's shared object loaded against the base's
+  torch), its pins, user and entrypoint, as the rendered pod runs it, and a build whose extension check fails is a
+  failed build;
+- the README's `docker build` lines: the wheel pair's (vLLM 0.26.0 + LMCache 0.5.3) gives the image kvtest.images
+  gives; the default's compiles LMCache for seven GPU architectures (an hour on 2 cores), so it is not run here;
+- the stand-in engine image (vLLM 0.26.0 + LMCache 0.5.3's serving image, kvtest.images STANDIN_PAIR): the rendered
+  lmcache-server pod (tests/golden: the example pins that pair) in a podman pod, every container under its rendered
+  command, args, env, user and mounts, with the images swapped for the local ones: the versions init reports the
+  image's real versions, `lmcache server` runs for real, the stand-in serves the recorded page and the exporter
+  reads both.
 
-Cold, the vLLM base costs ~8 min and ~8 GiB (copying the engine venv); then each is reused while
-its inputs' hash is unchanged (docs/benchmarks.md "Images").
+Cold, the 0.26.0 vLLM base costs ~8 min and ~8 GiB (copying the engine venv); the default's thin base is symlinks;
+then each is reused while its inputs' hash is unchanged (docs/benchmarks.md "Images").
 """
 
 from __future__ import annotations
@@ -38,16 +41,16 @@ import kvtest.images as images
 from kvoffload.api import settings
 from kvoffload.api.spec import parse
 from kvtest import background
-from kvtest.dockerfile import SERVING as SERVING_DOCKERFILE
-from kvtest.dockerfile import Dockerfile, serving
+from kvtest.dockerfile import serving
 from kvtest.readme import README, commands
 
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(3600)
 HARDENED = ("--network=none", "--read-only", "--cap-drop=ALL", "--security-opt=no-new-privileges", *images.RUN_LIMITS)
-VERSIONS = {"vllm": images.VLLM_VERSION, "lmcache": images.LMCACHE_VERSION, "torch": "2.11.0"}
-VERSIONS_PAIR = (images.VLLM_VERSION, images.LMCACHE_VERSION)
+STANDIN_VLLM, STANDIN_LMCACHE = images.STANDIN_PAIR.split("-")
+VERSIONS = {"vllm": STANDIN_VLLM, "lmcache": STANDIN_LMCACHE, "torch": "2.11.0"}  # what the stand-in image holds
+DEFAULT_VERSIONS = {"vllm": images.VLLM_VERSION, "lmcache": images.LMCACHE_VERSION, "torch": "2.14.0"}
 
 
 def _require(what: str, ok: bool) -> None:
@@ -71,14 +74,25 @@ def operator_image(podman) -> str:
 
 
 @pytest.fixture(scope="module")
-def serving_image(podman) -> str:
+def serving_image(podman) -> tuple[str, tuple[str, ...]]:
+    """The default pair's serving image as `make test` builds it (kvtest.images.serving_tag()) and the podman run
+    arguments it needs (its thin base's mounts of the engine venv, read-only)."""
     background.wait("engine")
     _require(f"no engine venv at {images.ENGINE_VENV} (make engine-venv)", (images.ENGINE_VENV / ".done").exists())
-    return images.build("serving")
+    return images.build("serving"), images.run_mounts()
 
 
 @pytest.fixture(scope="module")
-def standin_image(serving_image) -> str:
+def standin_serving_image(podman) -> str:
+    """The stand-in's pair's serving image (FROM the full local base; LMCache's PyPI wheel)."""
+    background.wait("engine")
+    venv = images.pair(images.STANDIN_PAIR).engine_venv
+    _require(f"no engine venv at {venv} (make engine-venv)", (venv / ".done").exists())
+    return images.build("serving", images.STANDIN_PAIR)
+
+
+@pytest.fixture(scope="module")
+def standin_image(standin_serving_image) -> str:
     return images.build("standin")
 
 
@@ -148,43 +162,81 @@ def exec_get(container: str, url: str) -> str:
 
 # --- the serving image --------------------------------------------------------------------------
 
-def test_serving_image_steps_ran_for_real(serving_image):
-    df = Dockerfile(SERVING_DOCKERFILE)
-    info = inspect(serving_image)
+def test_serving_image_steps_ran_for_real(serving_image, tmp_path):
+    """As the operator's pods run it (UID 1000, read-only root, no capabilities, no network): the pinned versions, its
+    user and entrypoint, and LMCache's compiled extension loaded against its torch 2.14.0 with every symbol bound
+    (extension_check.py) and as the Dockerfile's own check loads it; then `import lmcache` with the pod's writable HOME
+    and /tmp (tests/golden: emptyDirs; XDG_CACHE_HOME under HOME) loads its compute backend and the extension. Without
+    a writable HOME, LMCache 0.5.6's numba kernels (cache=True) cannot cache and LMCache says "No compute backend
+    loaded; CLI-only mode": the pod's HOME volume is what avoids that."""
+    image, mounts = serving_image
+    df = serving(images.SERVING)
+    info = inspect(image)
     assert info["Config"]["User"] == "1000:1000" and info["Config"]["Entrypoint"] == ["vllm", "serve"]
     labels = info["Config"]["Labels"]
     assert ((labels["io.kvoffload.vllm-version"], labels["io.kvoffload.lmcache-version"])
             == (images.VLLM_VERSION, images.LMCACHE_VERSION))
+    # Its LMCache is the wheel the engine venv compiled, and the label says for which GPUs (not the published list).
+    done = (images.pair().lmcache_wheels() / ".done").read_text()
+    arch = re.search(r"^torch_cuda_arch_list=(.+)$", done, re.M).group(1)
+    assert f"TORCH_CUDA_ARCH_LIST={arch} only" in labels["io.kvoffload.lmcache-build"], labels
+    assert arch != df.args["TORCH_CUDA_ARCH_LIST"]
     ext = df.args["LMCACHE_EXTENSION"]
     so = rf"/opt/vllm/lib/python3\.11/site-packages/lmcache/{ext}\.cpython-311-x86_64-linux-gnu\.so"
     # The build's own check step loaded the shared object (its log), and so does the same step run again in the image.
-    log = (images.LOGS / f"{serving_image.replace('/', '_')}.log").read_text()
-    assert re.search(rf"loaded {so} against torch 2\.11\.0", log), log[-3000:]
+    log = (images.LOGS / f"{image.replace('/', '_')}.log").read_text()
+    assert re.search(rf"loaded {so} against torch 2\.14\.0", log) and "extensions load:" in log, log[-3000:]
     (check,) = [r for r in df.all("RUN") if "module_from_spec" in r]
-    cp = run(serving_image, "-o", "pipefail", "-c", check, user="1000:1000", entrypoint=["/bin/bash"])
-    assert cp.returncode == 0 and re.search(rf"loaded {so} against torch 2\.11\.0", cp.stdout), (
+    cp = run(image, "-o", "pipefail", "-c", check, user="1000:1000", entrypoint=["/bin/bash"], extra=mounts)
+    assert cp.returncode == 0 and re.search(rf"loaded {so} against torch 2\.14\.0", cp.stdout), (
         cp.stdout + cp.stderr[-3000:])
-    # The image's default user is the pod's, with its home; vLLM's own `vllm serve` is the entrypoint.
-    cp = run(serving_image, "-c", "id -un; id -u; echo ~; stat -c %u:%g:%a ~", user="1000:1000", entrypoint=["/bin/sh"])
+    script = ("import json, os; from importlib.metadata import version; import torch; "
+              "print(json.dumps({'versions': {n: version(n) for n in ('vllm', 'lmcache', 'torch')}, "
+              "'torch': torch.__version__, 'uid': os.getuid(), 'gid': os.getgid(), 'home': os.path.expanduser('~')}))")
+    cp = run(image, "-c", script, user="1000:1000", entrypoint=["python3"], extra=mounts)
+    assert cp.returncode == 0, cp.stdout + cp.stderr[-3000:]
+    got = json.loads(cp.stdout.strip().splitlines()[-1])
+    assert got["versions"] == DEFAULT_VERSIONS and got["torch"].startswith("2.14.0"), got
+    assert (got["uid"], got["gid"], got["home"]) == (1000, 1000, "/home/vllm"), got
+    # Every CUDA extension of the compiled LMCache, bound with RTLD_NOW against this torch, then imported.
+    cp = run(image, "/opt/kvoffload/extension_check.py", user="1000:1000", entrypoint=["python3"], extra=mounts)
+    assert cp.returncode == 0, cp.stdout + cp.stderr[-3000:]
+    loaded = json.loads(cp.stdout.split("extensions load:", 1)[1])
+    assert loaded["modules"] == [f"lmcache.{ext}"] and loaded["lmcache"] == images.LMCACHE_VERSION, loaded
+    assert loaded["torch"].startswith("2.14.0"), loaded
+    # The image's default user is the pod's, with its home.
+    cp = run(image, "-c", "id -un; id -u; echo ~; stat -c %u:%g:%a ~", user="1000:1000", entrypoint=["/bin/sh"],
+             extra=mounts)
     assert cp.stdout.split() == ["vllm", "1000", "/home/vllm", "1000:1000:750"], cp.stdout + cp.stderr
-    # The entrypoint is vLLM's own CLI: without a GPU it stops while building its parser (vLLM cannot
-    # infer a device), after running from the image's vllm console script.
-    cp = images.podman("run", "--rm", "--network=none", *images.RUN_LIMITS, serving_image, "--help", check=False,
+    home = tmp_path / "home"
+    home.mkdir(mode=0o750)
+    os.chown(home, 1000, 1000)
+    pod = (*mounts, "-v", f"{home}:/home/vllm", "--tmpfs", "/tmp:rw,mode=1777", "--env",
+           "XDG_CACHE_HOME=/home/vllm/.cache")
+    cp = run(image, "-c", f"import lmcache, lmcache.{ext} as c; print('extension', c.__spec__.origin)",
+             user="1000:1000", entrypoint=["python3"], extra=pod)
+    out = cp.stdout + cp.stderr
+    assert cp.returncode == 0 and re.search(rf"extension {so}", cp.stdout), out[-3000:]
+    assert "CLI-only mode" not in out and (home / ".cache" / "numba").is_dir(), out[-3000:]
+    # The entrypoint is vLLM's own CLI: without a GPU it stops while building its parser (vLLM cannot infer a
+    # device), after running from the image's vllm console script.
+    cp = images.podman("run", "--rm", "--network=none", *images.RUN_LIMITS, *mounts, "--user", "1000:1000",
+                       "--tmpfs", "/tmp:rw,mode=1777", "-v", f"{home}:/home/vllm", image, "--help", check=False,
                        timeout=600)
     out = cp.stdout + cp.stderr
-    assert cp.returncode != 0 and "/opt/vllm/lib/python3.11/site-packages/vllm/entrypoints/cli/main.py" in out \
+    assert cp.returncode != 0 and '"/opt/vllm/bin/vllm"' in out and "/vllm/entrypoints/cli/main.py" in out \
         and "RuntimeError: Failed to infer device type" in out, out[-3000:]
 
 
 def test_serving_build_fails_when_the_extension_check_fails(serving_image):
-    """The same Dockerfile with LMCACHE_EXTENSION naming a module the wheel does not ship (cuda_ops, the
-    name of LMCache 0.5.4+): the check step fails, so the build does and no image is tagged."""
-    tag = "localhost/kvoffload-test/vllm-lmcache:wrong-extension"
-    img = images.images(extension="cuda_ops", tag=tag)["serving"]
+    """The same Dockerfile with LMCACHE_EXTENSION naming a module the installed LMCache does not ship (c_ops, the
+    name of LMCache 0.5.3's): the check step fails, so the build does and no image is tagged."""
+    tag = f"localhost/kvoffload-test/vllm-lmcache:wrong-extension-{images.DEFAULT_PAIR}"
+    img = images.images(extension="c_ops", tag=tag)["serving"]
     with pytest.raises(images.BuildFailed) as failed:
         images.build_image(img, force=True)
     out = failed.value.output
-    assert re.search(r"lmcache/cuda_ops\.cpython-311-x86_64-linux-gnu\.so", out) and "No such file" in out, out[-3000:]
+    assert re.search(r"lmcache/c_ops\.cpython-311-x86_64-linux-gnu\.so", out) and "No such file" in out, out[-3000:]
     assert images.image_id(tag) is None
 
 
@@ -199,22 +251,24 @@ def installed(image: str) -> list[str]:
     return sorted(cp.stdout.splitlines())
 
 
-def test_the_readmes_build_commands_build_these_images(operator_image, serving_image):
+def test_the_readmes_build_commands_build_these_images(operator_image, standin_serving_image):
     """README "Images": each `docker build` line, run with podman (the same CLI) plus only what this
     machine needs (the local base, the wheelhouse, no network), gives the image `make images` gives;
-    the push lines push what was built, and the values point the chart and the operator at it."""
+    the push lines push what was built, and the values point the chart and the operator at it. The default
+    pair's line compiles LMCache for the Dockerfile's seven GPU architectures (an hour of CPU on 2 cores), so it
+    is not run here: its arguments are the header's (tests/unit/test_images.py), its steps ran with the wheel
+    the engine venv compiled (test_serving_image_steps_ran_for_real)."""
     text = README.read_text().split("\n## Images\n", 1)[1].split("\n## ", 1)[0]
     cmds = commands(text)
-    table = images.images()
-    built, not_built = {}, []
+    wheel_pair = images.pair(images.STANDIN_PAIR)
+    table = images.images(pair_name=wheel_pair.name)
+    built, not_built = {}, {}
     for argv in [shlex.split(c) for c in cmds if c.startswith("docker build ")]:
         dockerfile = ROOT / (argv[argv.index("-f") + 1] if "-f" in argv else f"{argv[-1]}/Dockerfile")
         (img,) = [i for i in (table["operator"], table["serving"]) if i.dockerfile == dockerfile]
         tag = argv[argv.index("-t") + 1]
-        if img is table["serving"] and not tag.endswith(f":{images.DEFAULT_PAIR}"):
-            # Another pair's line (its build arguments: tests/unit/test_images.py): its compile is not run here
-            # (test_serving_033_image_runs_as_the_rendered_pod_runs_it, on the image kvtest.images builds).
-            not_built.append(tag)
+        if img is table["serving"] and not tag.endswith(f":{wheel_pair.name}"):
+            not_built[tag.rsplit(":", 1)[1]] = tag
             continue
         offline = ["--build-arg", f"BASE_IMAGE={img.base}", "-v", f"{img.wheelhouse}:/wheels:ro",
                    *[a for k, v in img.args.items() for a in ("--build-arg", f"{k}={v}")]]
@@ -228,99 +282,21 @@ def test_the_readmes_build_commands_build_these_images(operator_image, serving_i
             built[img.tag] = tag
         finally:
             images.podman("rmi", tag, check=False)
-    assert set(built) == {images.OPERATOR, images.SERVING}
-    assert sorted(c.split()[2] for c in cmds if c.startswith("docker push ")) == sorted([*built.values(), *not_built])
+    assert set(built) == {images.OPERATOR, wheel_pair.tag} and set(not_built) == {images.DEFAULT_PAIR}
+    assert (sorted(c.split()[2] for c in cmds if c.startswith("docker push "))
+            == sorted([*built.values(), *not_built.values()]))
     (block,) = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
     values = yaml.safe_load(block)
     assert f"{values['image']['repository']}:0.1.0" == built[images.OPERATOR]
     cfg = settings.from_dict(values["operator"]["config"])
-    assert cfg.default_image == built[images.SERVING]
+    assert cfg.default_image == not_built[images.DEFAULT_PAIR]
     minimal = {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "engine": {"maxModelLen": 8192},
                "offload": {"cpu": {"size": "8Gi"}}}
     engine = parse(minimal, cfg).engine
-    assert (engine.image, engine.vllm_version, engine.lmcache_version) == (built[images.SERVING], *VERSIONS_PAIR)
-
-
-# --- the vLLM 0.33.0 serving image: LMCache compiled in the build ---------------------------------
-
-PAIR_033 = "0.33.0-0.5.6"
-VERSIONS_033 = {"vllm": "0.33.0", "lmcache": "0.5.6", "torch": "2.14.0"}
-
-
-@pytest.fixture(scope="module")
-def serving_033_image(podman) -> tuple[str, tuple[str, ...]]:
-    """ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6 (the same Dockerfile with LMCACHE_FROM=source) and the
-    podman run arguments it needs. Not part of `make test`: its build compiles LMCache's CUDA extension for
-    every GPU architecture in the Dockerfile's TORCH_CUDA_ARCH_LIST (over an hour of CPU on a 2-core machine;
-    docs/benchmarks.md "Images"), on its own vLLM 0.33.0 base (~10 GiB, and ~30 GiB of free disk while podman
-    commits it). So this runs when that image is already here (it tests the image as it is), else when the
-    thin-base build of it is (kvtest.images --thin-base: the base's packages are symlinks into the engine venv,
-    mounted read-only in every run), or under KVO_IMAGES_033=1 (=thin), which builds it first, or reuses it while
-    its inputs are unchanged (needs the pair's engine venv, `make engine-venv`, and its wheelhouse,
-    `make serving-wheels PAIR=0.33.0-0.5.6`)."""
-    p = images.pair(PAIR_033)
-    want = os.environ.get("KVO_IMAGES_033", "")
-    if want in ("1", "thin"):
-        tag, thin = images.build("serving", PAIR_033, thin=want == "thin"), want == "thin"
-    elif images.image_id(p.tag):
-        tag, thin = p.tag, False
-    elif images.image_id(p.thin_tag) and (p.engine_venv / ".done").exists():
-        tag, thin = p.thin_tag, True
-    else:
-        pytest.skip(f"{p.tag} is not built here; KVO_IMAGES_033=1 builds "
-                    "it (an LMCache compile: over an hour on 2 cores)")
-    mounts = images.thin_mounts(PAIR_033) if thin else {}
-    return tag, tuple(a for src, dst in mounts.items() for a in ("-v", f"{src}:{dst}:ro"))
-
-
-def test_serving_033_image_runs_as_the_rendered_pod_runs_it(serving_033_image, tmp_path):
-    """As the operator's pods run it (UID 1000, read-only root, no capabilities, no network): the pinned
-    versions, its user and entrypoint, and LMCache's compiled extension loaded against its torch 2.14.0 with
-    every symbol bound (extension_check.py) and as the Dockerfile's own check loads it; then `import lmcache`
-    with the pod's writable HOME and /tmp (tests/golden: emptyDirs; XDG_CACHE_HOME under HOME) loads its compute
-    backend and the extension. Without a writable HOME, LMCache 0.5.6's numba kernels (cache=True) cannot cache
-    and LMCache says "No compute backend loaded; CLI-only mode": the pod's HOME volume is what avoids that."""
-    image, mounts = serving_033_image
-    info = inspect(image)
-    assert info["Config"]["User"] == "1000:1000" and info["Config"]["Entrypoint"] == ["vllm", "serve"]
-    labels = info["Config"]["Labels"]
-    assert (labels["io.kvoffload.vllm-version"], labels["io.kvoffload.lmcache-version"]) == ("0.33.0", "0.5.6")
-    script = ("import json, os; from importlib.metadata import version; import torch; "
-              "print(json.dumps({'versions': {n: version(n) for n in ('vllm', 'lmcache', 'torch')}, "
-              "'torch': torch.__version__, 'uid': os.getuid(), 'gid': os.getgid(), 'home': os.path.expanduser('~')}))")
-    cp = run(image, "-c", script, user="1000:1000", entrypoint=["python3"], extra=mounts)
-    assert cp.returncode == 0, cp.stdout + cp.stderr[-3000:]
-    got = json.loads(cp.stdout.strip().splitlines()[-1])
-    assert got["versions"] == VERSIONS_033 and got["torch"].startswith("2.14.0"), got
-    assert (got["uid"], got["gid"], got["home"]) == (1000, 1000, "/home/vllm"), got
-    # Every CUDA extension of the compiled LMCache, bound with RTLD_NOW against this torch, then imported.
-    cp = run(image, "/opt/kvoffload/extension_check.py", user="1000:1000", entrypoint=["python3"], extra=mounts)
-    assert cp.returncode == 0, cp.stdout + cp.stderr[-3000:]
-    loaded = json.loads(cp.stdout.split("extensions load:", 1)[1])
-    assert loaded["modules"] == ["lmcache.cuda_ops"] and loaded["lmcache"] == "0.5.6", loaded
-    assert loaded["torch"].startswith("2.14.0"), loaded
-    # The Dockerfile's own load step for this pair (its build args applied), run again in the image.
-    so = r"/opt/vllm/lib/python3\.11/site-packages/lmcache/cuda_ops\.cpython-311-x86_64-linux-gnu\.so"
-    (check,) = [r for r in serving(images.pair(PAIR_033).tag).all("RUN") if "module_from_spec" in r]
-    cp = run(image, "-o", "pipefail", "-c", check, user="1000:1000", entrypoint=["/bin/bash"], extra=mounts)
-    assert cp.returncode == 0 and re.search(rf"loaded {so} against torch 2\.14\.0", cp.stdout), (
-        cp.stdout + cp.stderr[-3000:])
-    home = tmp_path / "home"
-    home.mkdir(mode=0o750)
-    os.chown(home, 1000, 1000)
-    pod = (*mounts, "-v", f"{home}:/home/vllm", "--tmpfs", "/tmp:rw,mode=1777", "--env",
-           "XDG_CACHE_HOME=/home/vllm/.cache")
-    cp = run(image, "-c", "import lmcache, lmcache.cuda_ops as c; print('extension', c.__spec__.origin)",
-             user="1000:1000", entrypoint=["python3"], extra=pod)
-    out = cp.stdout + cp.stderr
-    assert cp.returncode == 0 and re.search(rf"extension {so}", cp.stdout), out[-3000:]
-    assert "CLI-only mode" not in out and (home / ".cache" / "numba").is_dir(), out[-3000:]
-    # Built here: the build's log shows the compile and the same checks passing in the build itself.
-    log = images.LOGS / f"{image.replace('/', '_')}.log"
-    if log.exists():
-        text = log.read_text()
-        assert re.search(r"LMCache 0\.5\.6 compiled in \d+ s for TORCH_CUDA_ARCH_LIST='[^']+'", text), text[-3000:]
-        assert re.search(rf"loaded {so} against torch 2\.14\.0", text) and "extensions load:" in text, text[-3000:]
+    assert (engine.image, engine.vllm_version, engine.lmcache_version) == (cfg.default_image, images.VLLM_VERSION,
+                                                                           images.LMCACHE_VERSION)
+    pinned = parse({**minimal, "engine": {**minimal["engine"], "image": built[wheel_pair.tag]}}, cfg).engine
+    assert (pinned.vllm_version, pinned.lmcache_version) == (wheel_pair.vllm, wheel_pair.lmcache)
 
 
 # --- the stand-in engine image: the rendered lmcache-server pod in a podman pod ----------------
@@ -419,7 +395,7 @@ def test_the_rendered_server_pod_runs_on_the_standin_image(standin_image, operat
     meta, spec = rendered_pod()
     ns = meta["namespace"]
     fields = {"metadata.name": f"{meta['name']}-0", "metadata.namespace": ns, "status.podIP": "127.0.0.1"}
-    image_for = {images.SERVING: standin_image, images.OPERATOR: operator_image}
+    image_for = {images.pair(images.STANDIN_PAIR).tag: standin_image, images.OPERATOR: operator_image}
     assert {c["image"] for c in spec["containers"] + spec["initContainers"]} == set(image_for)
 
     def small_l1(c: dict, args: list[str]) -> list[str]:

@@ -56,6 +56,9 @@ class Case:
 
 
 P = "spec.offload.disk.path"
+# The offered pair that is not the default, named in full (a known image's versions cannot be contradicted).
+PINNED_026 = {"spec.engine.image": "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", "spec.engine.vllmVersion": "0.26.0",
+              "spec.engine.lmcacheVersion": "0.5.3"}
 CASES = [
     # --- wrong types
     Case("type replicas string", {"spec.replicas": "two"}, API, "spec.replicas", "must be of type integer"),
@@ -320,13 +323,13 @@ CASES = [
          OPERATOR, "spec.engine.extraArgs", "vLLM 0.29.0 has no flag table"),
     Case("op env expandable segments", {"spec.engine.env": [{"name": "PYTORCH_CUDA_ALLOC_CONF",
                                                              "value": "expandable_segments:True"}]},
-         OPERATOR, "spec.engine.env", "vLLM 0.26.0 refuses expandable_segments:True"),
-    # ---- checked against vLLM 0.26.0's own flag table (the default image's vLLM)
-    Case("op flag removed disable-log-requests", {"spec.engine.extraArgs": ["--disable-log-requests"]}, OPERATOR,
-         "spec.engine.extraArgs", "'--disable-log-requests' (vLLM 0.26.0) is not a flag of vLLM 0.26.0"),
+         OPERATOR, "spec.engine.env", "vLLM 0.33.0 refuses expandable_segments:True"),
+    # ---- checked against the image's vLLM's own flag table: vLLM 0.26.0's (the offered pair it pins), the default's
+    Case("op flag removed disable-log-requests", {**PINNED_026, "spec.engine.extraArgs": ["--disable-log-requests"]},
+         OPERATOR, "spec.engine.extraArgs", "'--disable-log-requests' (vLLM 0.26.0) is not a flag of vLLM 0.26.0"),
     Case("op flag removed swap-space", {"spec.engine.extraArgs": ["--swap-space", "4"]}, OPERATOR,
          "spec.engine.extraArgs",
-         "'--swap-space' (vLLM 0.26.0) is not a flag"),
+         "'--swap-space' (vLLM 0.33.0) is not a flag"),
     Case("op flag value on a switch", {"spec.engine.extraArgs": ["--enable-prefix-caching=False"]}, OPERATOR,
          "spec.engine.extraArgs", "--enable-prefix-caching takes no value"),
     Case("op flag ambiguous abbreviation", {"spec.engine.extraArgs": ["--enable-pr"]}, OPERATOR,

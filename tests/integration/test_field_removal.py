@@ -67,10 +67,10 @@ FIELDS = [
     Row("model.cache.readOnly", True, needs={**NO_PODS, "model": {"cache": {"claimName": "weights"}}}),
     Row("replicas", 0, needs={}),
     Row("engine.image", "registry.local/vllm:custom",
-        needs={**NO_PODS, "engine": {"vllmVersion": "0.26.0", "lmcacheVersion": "0.5.3"}}),
+        needs={**NO_PODS, "engine": {"vllmVersion": "0.33.0", "lmcacheVersion": "0.5.6"}}),
     # On a known image a declared version must be the image's own (engine/images.py resolve): a check, nothing moves.
-    Row("engine.vllmVersion", "0.26.0", renders=False),
-    Row("engine.lmcacheVersion", "0.5.3", renders=False),
+    Row("engine.vllmVersion", "0.33.0", renders=False),
+    Row("engine.lmcacheVersion", "0.5.6", renders=False),
     Row("engine.gpuMemoryUtilization", 0.8),
     Row("engine.maxNumSeqs", 64),
     Row("engine.tensorParallelSize", 2),
@@ -99,7 +99,8 @@ FIELDS = [
     Row("resources.engineBaseline", "8Gi"),
     Row("resources.perWorkerOverhead", "4Gi"),
     Row("resources.stagingPerWorker", "2Gi"),
-    Row("resources.serverBaseline", "4Gi", needs={**NO_PODS, "offload": {"backend": "lmcache-server"}}),
+    Row("resources.serverBaseline", "5Gi",  # above LMCache 0.5.6's 4Gi floor, which is also its default
+        needs={**NO_PODS, "offload": {"backend": "lmcache-server"}}),
     Row("resources.shm", "4Gi"),
     Row("resources.headroomPercent", 20),
     Row("scheduling", {"nodeSelector": {"zone": "a"}}),

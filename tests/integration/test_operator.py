@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from kvoffload.engine import images
 from kvoffload.engine.images import resolve
 from kvtest import ROOT, ApiError, condition
 from kvtest.specs import children_by_name, serve, wait_condition, wait_ready
@@ -37,7 +38,7 @@ def test_create_runs_on_gpu_nodes_and_reports_the_budget(cluster, namespace, ope
     assert condition(obj, "DiskTierReady")["status"] == "True"
     assert st["summary"]["cpuTokens"] > 0 and st["summary"]["diskTokens"] > st["summary"]["cpuTokens"]
     vllm = kids[("StatefulSet", "svc")]["spec"]["template"]["spec"]["containers"][0]
-    assert vllm["image"] == "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3"  # the default: the serving image
+    assert vllm["image"] == images.DEFAULT_IMAGE  # the default: the serving image
     pair = resolve(vllm["image"], None, None)  # the operator's table for the default image
     # Rendered for the table's pair; nothing reported what runs (no exporter listens on kwok pods).
     assert st["versions"] == {"image": vllm["image"], "renderedFor": {"vllm": pair.vllm, "lmcache": pair.lmcache},
@@ -94,7 +95,7 @@ def test_drift_is_repaired(cluster, namespace, operator):
                        message="ConfigMap re-created")
     cluster.wait_until(
         lambda: (cluster.client.get("statefulset", "svc", namespace)["spec"]["template"]["spec"]
-                 ["containers"][0]["image"] == "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3"),
+                 ["containers"][0]["image"] == images.DEFAULT_IMAGE),
         timeout=60, message="image restored")
 
 

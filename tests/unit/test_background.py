@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 
@@ -59,3 +60,34 @@ def test_no_lock_means_no_background_build(tmp_path, monkeypatch):
     monkeypatch.setattr(background, "CACHE", tmp_path)
     monkeypatch.setenv("KVO_WAIT_BUILDS", "1")
     background.wait("engine")  # returns at once: the lock file was never made
+
+
+def test_chain_steps_run_at_once_unless_one_needs_another(tmp_path):
+    """kvtest.background.run_steps: two steps that each wait for the other's file can only finish side by side; a step
+    runs after the ones it names, and not at all after a failed one; the log has each step's wall and CPU seconds."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    meet = "touch {0}; for i in $(seq 400); do [ -e {1} ] && exit 0; sleep 0.05; done; exit 1"
+    steps = [background.Step("a", ("sh", "-c", meet.format(a, b))),
+             background.Step("b", ("sh", "-c", meet.format(b, a))),
+             background.Step("both", ("sh", "-c", f"test -e {a} && test -e {b}"), ("a", "b")),
+             background.Step("fails", ("false",)), background.Step("after-failed", ("touch", str(tmp_path / "x")),
+                                                                   ("fails",))]
+    with open(tmp_path / "log", "w") as log:
+        assert background.run_steps(steps, out=log) is False
+    text = (tmp_path / "log").read_text()
+    assert all(f"[background] {n}: passed" in text for n in ("a", "b", "both")), text
+    assert "[background] fails: FAILED (1)" in text and "after-failed: not run" in text
+    assert not (tmp_path / "x").exists()
+    assert re.search(r"\[background\] both: passed at \d+s, \d+s wall, \d+ CPU-s", text), text
+    with pytest.raises(ValueError, match="not-there"):
+        background.run_steps([background.Step("c", ("true",), ("not-there",))])
+
+
+def test_the_engine_chain_builds_each_pairs_images_after_its_venv():
+    from kvoffload.engine import images
+
+    steps = {s.name: s for s in background.engine_steps("python")}
+    pairs = [f"{k.vllm}-{k.lmcache}" for k in images.serving_images().values()]
+    assert steps["images-no-venv"].after == () and all(steps[f"venv-{p}"].after == () for p in pairs)
+    assert all(steps[f"images-{p}"].after == (f"venv-{p}",) for p in pairs)
+    assert set(steps["metadata"].after) == {f"venv-{p}" for p in pairs}

@@ -276,13 +276,13 @@ def test_custom_roots_scenario_reaches_the_operator(helm):
     s = settings.from_dict(cfg)
     assert s.allowed_disk_roots == ("/mnt/fast-nvme", "/data/kvcache")
     assert s.nvme_selector() == {"node.example.com/local-nvme": "present"}
-    assert s.default_image == "registry.example.com/mirror/vllm-lmcache:0.26.0-0.5.3"
+    assert s.default_image == "registry.example.com/mirror/vllm-lmcache:0.33.0-0.5.6"
     assert s.python_hash_seed == "42" and s.headroom_percent == 15 and s.labels == {"team": "inference"}
     # The mirrored serving image renders for the pair the admin declared, like the image it mirrors.
     minimal = {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "engine": {"maxModelLen": 8192},
                "offload": {"cpu": {"size": "8Gi"}}}
     engine = parse(minimal, s).engine
-    assert (engine.image, engine.vllm_version, engine.lmcache_version) == (s.default_image, "0.26.0", "0.5.3")
+    assert (engine.image, engine.vllm_version, engine.lmcache_version) == (s.default_image, "0.33.0", "0.5.6")
     with pytest.raises(ConfigError) as err:
         parse(minimal, dataclasses.replace(s, image_versions={}))
     assert err.value.field == "spec.engine.vllmVersion" and "imageVersions" in err.value.message

@@ -10,6 +10,7 @@ from kvoffload.api.settings import Settings
 from kvoffload.controller import conditions, pipeline, reconcile
 from kvoffload.controller.kube import ApiError
 from kvoffload.controller.probe import Reading
+from kvoffload.engine import images
 from kvtest.specs import T0, T1, body, pod, ready_pod, spec, sts
 
 
@@ -136,7 +137,8 @@ def test_offload_active_is_false_when_vllm_counts_hits_lmcache_never_loaded():
     for words in ("svc-0: vLLM counted 64,028 prompt tokens as loaded from LMCache",
                   "vllm:external_prefix_cache_hits_total",
                   "lmcache:num_retrieve_requests_total 0", "answers for those prompts are wrong",
-                  "Rendered for vLLM 0.26.0 + LMCache 0.5.3", "VLLM_USE_V2_MODEL_RUNNER=0", "EngineVerified"):
+                  f"Rendered for vLLM {images.DEFAULT_PAIR.vllm} + LMCache {images.DEFAULT_PAIR.lmcache}",
+                  "VLLM_USE_V2_MODEL_RUNNER=0", "EngineVerified"):
         assert words in c["message"], words
     obs = conditions.Observed(sts(replicas=2, ready=2, updated=2), [ready_pod(), ready_pod("svc-1")],
                               {"svc-0": ON, "svc-1": skipped})
@@ -165,7 +167,9 @@ def engine(probes, **patch):
     return by_type(st)["EngineVerified"], st["versions"]
 
 
-PINNED = {"engine__vllmVersion": "0.26.0", "engine__lmcacheVersion": "0.5.3"}
+# The offered pair that is not the default, named in full (a known image's versions cannot be contradicted).
+PINNED = {"engine__image": "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", "engine__vllmVersion": "0.26.0",
+          "engine__lmcacheVersion": "0.5.3"}
 
 
 @pytest.mark.parametrize("probes, patch, status, reason, words", [

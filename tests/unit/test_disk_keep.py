@@ -51,7 +51,7 @@ def arg(args: list[str], flag: str) -> str:
 # ----------------------------------------------------------------------------- the fingerprint (pure)
 
 
-OTHER_IMAGE = next(i for i, k in images.KNOWN_IMAGES.items() if (k.vllm, k.lmcache) == ("0.33.0", "0.5.6"))
+OTHER_IMAGE = next(i for i, k in images.KNOWN_IMAGES.items() if (k.vllm, k.lmcache) == ("0.26.0", "0.5.3"))
 
 
 @pytest.mark.parametrize("field, patch", [
@@ -60,7 +60,7 @@ OTHER_IMAGE = next(i for i, k in images.KNOWN_IMAGES.items() if (k.vllm, k.lmcac
     ("dtype", {"engine__dtype": "float16"}),
     ("tensorParallelSize", {"engine__tensorParallelSize": 2}),
     ("servedName", {"model__servedName": "chat"}),
-    ("image", {"engine__image": OTHER_IMAGE, "engine__vllmVersion": "0.33.0", "engine__lmcacheVersion": "0.5.6"}),
+    ("image", {"engine__image": OTHER_IMAGE, "engine__vllmVersion": "0.26.0", "engine__lmcacheVersion": "0.5.3"}),
     ("extraArgs", {"engine__extraArgs": ["--enable-chunked-prefill"]}),
     ("env", {"engine__env": [{"name": "VLLM_ATTENTION_BACKEND", "value": "FLASHINFER"}]}),
 ])

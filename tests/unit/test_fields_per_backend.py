@@ -71,7 +71,7 @@ CASES: dict[str, tuple[dict, object]] = {
     "resources.engineBaseline": ({}, "6Gi"),
     "resources.perWorkerOverhead": ({}, "3Gi"),
     "resources.stagingPerWorker": ({}, "2Gi"),
-    "resources.serverBaseline": ({}, "3Gi"),
+    "resources.serverBaseline": ({}, "5Gi"),  # above LMCache 0.5.6's 4Gi floor (engine/images.py), so it changes it
     "resources.shm": ({}, "4Gi"),
     "resources.headroomPercent": ({}, 20),
     "scheduling.nodeSelector": ({}, {"example.com/pool": "serving"}),

@@ -478,9 +478,11 @@ def test_the_bf16_example_is_the_workstation_example_with_a_bf16_cache(rendered)
 
 
 def test_each_serving_image_runs_on_its_own_stand_in(tmp_path, rendered, monkeypatch):
-    """The default pair on the host's torch (serving/), another pair on its carried torch (serving-<tag>/, first
-    on PYTHONPATH); a pod whose stand-in dev.sh has not installed is refused before any container starts."""
-    assert gpu_pod.stand_in(images.DEFAULT_IMAGE) == "serving"
+    """The host's pair (gpu_pod.HOST_PAIR) on the host's torch (serving/), another pair, the operator's default
+    included, on its carried torch (serving-<tag>/, first on PYTHONPATH); a pod whose stand-in dev.sh has not
+    installed is refused before any container starts."""
+    assert gpu_pod.stand_in(f"{images.SERVING_REPOSITORY}:{gpu_pod.HOST_PAIR}") == "serving"
+    assert gpu_pod.stand_in(images.DEFAULT_IMAGE) == f"serving-{images.DEFAULT_PAIR.vllm}-{images.DEFAULT_PAIR.lmcache}"
     assert gpu_pod.stand_in("ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6") == "serving-0.33.0-0.5.6"
     assert gpu_pod.stand_in("ghcr.io/kvoffload/kvoffload:0.1.0") == "operator"
     env = gpu_pod.image_env("ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6", "/opt/py/bin/python3")

@@ -107,13 +107,13 @@ def test_cpu_tier_qwen25_7b_plan():
     # 32,768 = 18.
     assert (b.tier("cpu").tokens, b.tier("cpu").sequences) == (599040, 18)
     (cpu,) = b.reload
-    # prefill = 32,768 / 1.121 = 29,231.04 tokens/s for 8,030,261,248 params; × 8,030,261,248 / 7,615,616,512
-    # × TP 1 = 30,822.58 tokens/s; recompute 32,768 tokens = 1.063117 s.
-    assert cpu.recompute_s == pytest.approx(1.063117, abs=1e-6)
+    # prefill (the default vLLM 0.33.0's measured one) = 32,768 / 1.169 = 28,030.80 tokens/s for 8,030,261,248
+    # params; × 8,030,261,248 / 7,615,616,512 × TP 1 = 29,556.98 tokens/s; recompute 32,768 tokens = 1.108638 s.
+    assert cpu.recompute_s == pytest.approx(1.108638, abs=1e-6)
     # reload = 32,768 × 57,344 = 1,879,048,192 B / TP 1 / 54.847573715916525e9 B/s = 0.0342595 s.
     assert cpu.reload_s == pytest.approx(0.0342595, abs=1e-7)
-    # credit = 1 − 0.0342595 / 1.063117 = 0.96777 → 0.9678 (4 places); no disk tier: 0.
-    assert routing.credits(b) == {"cpu": 0.9678, "disk": 0.0}
+    # credit = 1 − 0.0342595 / 1.108638 = 0.96910 → 0.9691 (4 places); no disk tier: 0.
+    assert routing.credits(b) == {"cpu": 0.9691, "disk": 0.0}
     # --max-tree-size: the largest worthwhile tier, max(GPU 2,073,087, CPU 599,040) = 2,073,087 tokens × 8 chars
     # = 16,584,696.
     assert routing.max_tree_size(b) == 16584696
@@ -214,12 +214,12 @@ def test_tp8_llama33_70b_plan():
     # disk: 256Gi / 10,485,760 = 26,214.4 → 26,214 chunks = 6,710,784 tokens.
     assert (b.tier("cpu").tokens, b.tier("disk").tokens) == (2097152, 6710784)
     cpu, disk = b.reload
-    # prefill: 29,231.04 × 8,030,261,248 / 70,553,706,496 × TP 8 = 26,616.08 tokens/s; 131,072 tokens: 4.924541 s.
-    assert cpu.recompute_s == pytest.approx(4.924541, abs=1e-6)
-    # CPU: 131,072 × 327,680 = 42,949,672,960 B / 8 ranks / 54.847573715916525e9 = 0.0978842 s: 1 − 0.0978842 / 4.924541
-    # = 0.98012 → 0.9801. Disk: 42,949,672,960 / 0.9384999892678052e9 = 45.7642 s > 4.92 s: slower, credit 0.
+    # prefill: 28,030.80 × 8,030,261,248 / 70,553,706,496 × TP 8 = 25,523.21 tokens/s; 131,072 tokens: 5.135405 s.
+    assert cpu.recompute_s == pytest.approx(5.135405, abs=1e-6)
+    # CPU: 131,072 × 327,680 = 42,949,672,960 B / 8 ranks / 54.847573715916525e9 = 0.0978842 s: 1 − 0.0978842 / 5.135405
+    # = 0.98094 → 0.9809. Disk: 42,949,672,960 / 0.9384999892678052e9 = 45.7642 s > 5.14 s: slower, credit 0.
     assert cpu.reload_s == pytest.approx(0.0978842, abs=1e-7)
     assert disk.reload_s == pytest.approx(45.7642, abs=1e-4) and disk.slower_than_recompute
-    assert routing.credits(b) == {"cpu": 0.9801, "disk": 0.0}
+    assert routing.credits(b) == {"cpu": 0.9809, "disk": 0.0}
     # max(GPU 2,843,552, CPU 2,097,152) = 2,843,552 tokens × 8 = 22,748,416 (the slower disk tier does not count).
     assert routing.max_tree_size(b) == 22748416

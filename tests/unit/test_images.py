@@ -286,3 +286,17 @@ def test_lmcache_build_cleanup_removes_only_what_nothing_needs(tmp_path):
                         input=_cleanup_script(), capture_output=True, text=True, timeout=60)
     assert cp.returncode == 0, cp.stderr
     assert cp.stdout.split() == ["other", "tool", "tooldep", "winonly"]
+
+
+def test_the_image_table_is_there_before_any_engine_venv(tmp_path, monkeypatch):
+    """The engine chain (kvtest.background) builds the operator, slim stand-in and router images while the venvs
+    are still being built: the table of builds, the default's prebuilt serving image with its mounts, needs none."""
+    monkeypatch.setattr(built, "CACHE", tmp_path)
+    table = built.images()
+    venv = tmp_path / f"engine-vllm-{built.VLLM_VERSION}-lmcache-{built.LMCACHE_VERSION}"
+    assert table["serving"].tag == built.serving_tag() == f"localhost/kvoffload/vllm-lmcache-ci:{built.DEFAULT_PAIR}"
+    assert table["serving"].args["LMCACHE_FROM"] == "wheel" and table["serving"].volumes[venv] == "/engine"
+    assert "TORCH_CUDA_ARCH_LIST=? only" in table["serving"].labels["io.kvoffload.lmcache-build"]
+    assert built.run_mounts()[:2] == ("-v", f"{venv}:/engine:ro")
+    with pytest.raises(SystemExit, match="make engine-venv"):
+        built.link_lmcache_wheel(built.pair())

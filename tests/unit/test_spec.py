@@ -21,7 +21,7 @@ def test_defaults_come_from_the_crd():
     assert s.offload.disk.reclaim_policy == "Delete"
     assert s.offload.disk.node_selector == {"kvoffload.io/nvme": "true"}
     assert (s.engine.image == S.default_image
-            and (s.engine.vllm_version, s.engine.lmcache_version) == ("0.26.0", "0.5.3"))
+            and (s.engine.vllm_version, s.engine.lmcache_version) == ("0.33.0", "0.5.6"))
     assert s.metrics_enabled and s.metrics_port == 9400
 
 

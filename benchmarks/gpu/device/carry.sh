@@ -3,7 +3,7 @@
 #   carry.sh VLLM-LMCACHE   (e.g. 0.33.0-0.5.6)  -> prints the directory holding the parts and SHA256SUMS
 # ~/.cache/kvoffload/gpu-carry-py312-vllm-V-lmcache-L/: <stem>.partaa.. (PART_MIB MiB each, default 50, so
 # that a part plus the checkout stays under the device's 64 MiB a call), SHA256SUMS, manifest.txt
-# (distribution==version of the site), removed.txt, .done. <stem> is `site` for the default pair
+# (distribution==version of the site), removed.txt, .done. <stem> is `site` for the host's pair (gpu_pod.HOST_PAIR)
 # (dev.sh's first protocol) and `site-V-L` for another. The parts are one xz stream of the wheels
 # (requirements-h200[-vllm-V].txt, pip install --no-index --no-deps --target, for the host's Python 3.12
 # on manylinux x86_64), then, for a pair whose LMCache the serving image compiles from source
@@ -21,20 +21,21 @@ CACHE=${KVO_CACHE:-$HOME/.cache/kvoffload}
 DEST=$CACHE/gpu-carry-py312-vllm-$VLLM-lmcache-$LMCACHE
 PART_MIB=${PART_MIB:-50}
 PY=${PY:-python3}
-eval "$(PYTHONPATH=$ROOT/operator "$PY" - "$VLLM" "$LMCACHE" <<'EOF'
+HOST_PAIR=$(sed -n 's/^HOST_PAIR = "\(.*\)"$/\1/p' "$ROOT/benchmarks/gpu/gpu_pod.py")  # the host's torch's pair
+eval "$(PYTHONPATH=$ROOT/operator "$PY" - "$VLLM" "$LMCACHE" "$HOST_PAIR" <<'EOF'
 import sys
 from kvoffload.engine import images
-vllm, lmcache = sys.argv[1:]
+vllm, lmcache, host_pair = sys.argv[1:]
 pair = {(k.vllm, k.lmcache): (image, k) for image, k in images.serving_images().items()}
 if (vllm, lmcache) not in pair:
     sys.exit(f"carry.sh: {vllm}-{lmcache} is no serving image's pair (engine/images.py): "
              f"{', '.join(f'{v}-{l}' for v, l in pair)}")
 image, k = pair[(vllm, lmcache)]
-print(f"LMCACHE_FROM={k.lmcache_from}; STEM={'site' if image == images.DEFAULT_IMAGE else f'site-{vllm}-{lmcache}'}")
+print(f"LMCACHE_FROM={k.lmcache_from}; STEM={'site' if f'{vllm}-{lmcache}' == host_pair else f'site-{vllm}-{lmcache}'}")
 EOF
 )"
 REQ=$HERE/requirements-h200-vllm-$VLLM.txt
-[ -f "$REQ" ] || REQ=$HERE/requirements-h200.txt  # the default pair's list
+[ -f "$REQ" ] || REQ=$HERE/requirements-h200.txt  # the host pair's list
 grep -q "^vllm==$VLLM\b" "$REQ" || { echo "carry.sh: $REQ does not pin vllm==$VLLM" >&2; exit 2; }
 [ -f "$DEST/.done" ] && { echo "$DEST"; exit 0; }
 mkdir -p "$DEST"

@@ -1,11 +1,11 @@
 #!/bin/bash
 # On the GPU host (device `run`), from the checkout root, with the bundle carried (stage.sh writes it: .gpu/ for
-# the default pair, .gpup<V>/ for another; this script finds it as its own parent directory): bench/ =
+# the host's pair (gpu_pod.HOST_PAIR), .gpup<V>/ for another; this script finds it as its own parent directory): bench/ =
 # benchmarks/gpu/*.py and the rendered examples' sources, operator/, rendered/, oci/ (the captures,
 # benchmarks/gpu/oci/<backend>/), crun/ (Debian crun 1.8.1 + its libraries), dev/ = this directory (+ the parts'
 # SHA256SUMS-<pair>); each carried part directory holds one part of the pair's wheel site (carry.sh).
 #   mkdir -p /root/kvstash && mv <part dir>/site*.part* /root/kvstash/   one call per part (kept while the machine is warm)
-#   bash <bundle>/dev/dev.sh install [PAIR]  the serving "image" of PAIR (default: the operator's default pair, host torch
+#   bash <bundle>/dev/dev.sh install [PAIR]  the serving "image" of PAIR (default: gpu_pod.HOST_PAIR, the host's torch
 #                                            + wheels, in /opt/kvimage/serving; another pair, e.g. 0.33.0-0.5.6, its own
 #                                            torch in /opt/kvimage/serving-PAIR), the operator package, crun
 #   bash <bundle>/dev/dev.sh check PAIR      the installed pair loads on this GPU: torch, vLLM, LMCache's CUDA extension
@@ -17,8 +17,8 @@
 #   bash <bundle>/dev/dev.sh plan034 TOTAL_S     issue 34 (0.33.0-0.5.6): the check, then lmcache-server eager, lazy and
 #                                            no connector under load; plan034-rest: vllm-native, the disk tier, the
 #                                            server at 32K; plan034-server: the server at 32K with --shm-name, then eager,
-#                                            lazy and no connector under a load with a repeat; plan-load (default pair):
-#                                            the server and no connector under load
+#                                            lazy and no connector under a load with a repeat; plan-load (the host's
+#                                            pair): the server and no connector under load
 #   bash <bundle>/dev/dev.sh plan-routing TOTAL_S [BUDGET_S]  issue 33: the rendered router per policy before two rendered
 #                                            vllm-native replicas (routing_gpu.py), detached; plan-routing-wait TOTAL_S
 #   bash <bundle>/dev/dev.sh plan033 TOTAL_S [RUNS]  vLLM 0.33.0 + LMCache 0.5.6: check, then its rendered example under
@@ -28,8 +28,9 @@ K=${KVSTASH:-/root/kvstash}
 IMG=${KVIMAGE:-/opt/kvimage}  # both overridable for the offline check (offline_check.sh); gpu_pod reads /opt/kvimage
 G=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONUNBUFFERED=1
-DEFAULT_PAIR=$(PYTHONPATH=$G/operator python3 -c 'from kvoffload.engine.images import DEFAULT_IMAGE as i; print(i.rsplit(":", 1)[1])')
-# The pair's serving root and parts: the default pair keeps the first protocol's names (serving/, site.part*).
+# The pair the host's own torch serves (gpu_pod.HOST_PAIR); it keeps the first protocol's names (serving/, site.part*).
+DEFAULT_PAIR=$(sed -n 's/^HOST_PAIR = "\(.*\)"$/\1/p' "$G/bench/gpu_pod.py")
+[ -n "$DEFAULT_PAIR" ] || { echo "dev.sh: no HOST_PAIR in $G/bench/gpu_pod.py" >&2; exit 2; }
 serving() { if [ "${1:-$DEFAULT_PAIR}" = "$DEFAULT_PAIR" ]; then echo serving; else echo "serving-$1"; fi; }
 stem() { if [ "${1:-$DEFAULT_PAIR}" = "$DEFAULT_PAIR" ]; then echo site; else echo "site-$1"; fi; }
 case "$1" in
@@ -108,7 +109,8 @@ plan|plan033)
   fi
   echo "$1 done, $(left) s left" ;;
 plan034|plan034-rest|plan034-server|plan-load)
-  # Issue 34 on vLLM 0.33.0 + LMCache 0.5.6 (plan034, plan034-rest) and issue 36's signals on the default pair
+  # Issue 34 on vLLM 0.33.0 + LMCache 0.5.6 (plan034, plan034-rest, plan034-server) and issue 36's signals on the
+  # host's pair (0.26.0-0.5.3)
   # (plan-load). The load runs: 8,192-token prompts on a GPU tier cut to 4,352 blocks (--num-gpu-blocks-override:
   # 16 requests in flight overflow it, so blocks are evicted while requests run, the case a lazy store must keep
   # up with), --load 16:32,8:16 (vLLM's pages sampled: the autoscaling queries run on them afterwards). Each bench's

@@ -3,7 +3,7 @@
 # in folders its .git/info/exclude ignores (/.gpu/, /.gpup*/) so that only a call's `carry` takes them along,
 # and prints the device calls, in order, with their carry lists and sizes:
 #   stage.sh PAIR [CHECKOUT]      e.g. stage.sh 0.33.0-0.5.6 /work/main
-# - the bundle: .gpu/ for the default pair (dev.sh's first protocol), .gpup-PAIR/ for another: bench/ (benchmarks/gpu
+# - the bundle: .gpu/ for the host's pair (gpu_pod.HOST_PAIR: dev.sh's first protocol), .gpup-PAIR/ for another: bench/ (benchmarks/gpu
 #   *.py), operator/kvoffload, rendered/ (`kvoffload render` of the examples and of
 #   benchmarks/gpu/workstation-llama31-8b-vllm-*.yaml), oci/ (the captures), crun/ (from CHECKOUT/.gpu/crun or
 #   $CRUN_DIR: Debian's crun 1.8.1 + its libraries), dev/ (dev.sh, shims.py, check_pair.py, extension_check.py,
@@ -18,7 +18,8 @@ SRC=$(cd "$HERE/../../.." && pwd)
 PY=${OPERATOR_PYTHON:-$SRC/.venv/bin/python}  # one with the operator's dependencies, for `kvoffload render`
 [ -x "$PY" ] || PY=$CHECKOUT/.venv/bin/python
 CARRY=$(PY=python3 bash "$HERE/carry.sh" "$PAIR")  # the cached parts (built now if missing)
-DEFAULT=$(PYTHONPATH=$SRC/operator "$PY" -c 'from kvoffload.engine.images import DEFAULT_IMAGE as i; print(i.rsplit(":", 1)[1])')
+DEFAULT=$(sed -n 's/^HOST_PAIR = "\(.*\)"$/\1/p' "$SRC/benchmarks/gpu/gpu_pod.py")  # the host's torch's pair
+[ -n "$DEFAULT" ] || { echo "stage.sh: no HOST_PAIR in $SRC/benchmarks/gpu/gpu_pod.py" >&2; exit 2; }
 if [ "$PAIR" = "$DEFAULT" ]; then B=.gpu; STEM=site; PDIR=.gpup; PLAN=plan; else B=.gpup-$PAIR; STEM=site-$PAIR; PDIR=.gpup-$PAIR-; PLAN=plan$(echo "${PAIR%%-*}" | tr -d . | cut -c1-3); fi
 grep -qE "(^|[|( ])${PLAN}[|)]" "$HERE/dev.sh" || { echo "stage.sh: dev.sh has no $PLAN for $PAIR" >&2; exit 2; }
 for pat in '/.gpu/' '/.gpup*/'; do
@@ -51,10 +52,10 @@ mkdir -p "$tmp/router"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
   -d "$tmp/router" "vllm-router==$ROUTER" setproctitle==1.3.8 orjson==3.13.0
-# What the pair's rendering changes against the default pair's, whose pod its backend's capture is of.
+# What the pair's rendering changes against the example's, whose pod (0.26.0-0.5.3) its backend's capture is of.
 for f in "$tmp"/rendered/*-vllm-*.yaml; do
   diff "$tmp/rendered/$(basename "${f%-vllm-*}").yaml" "$f" > "${f%.yaml}.diff-from-default.txt" || true
-  echo "rendered $(basename "$f"): differs from the default pair's rendering in" \
+  echo "rendered $(basename "$f"): differs from the example's rendering in" \
        "$(grep -c '^>' "${f%.yaml}.diff-from-default.txt") lines: $(grep '^>' "${f%.yaml}.diff-from-default.txt" | sed 's/^> *//' | sort -u | tr '\n' ';')"
 done
 rm -rf "${CHECKOUT:?}/$B" "$CHECKOUT/$PDIR"[0-9]*

@@ -15,14 +15,15 @@ from .errors import ConfigError
 class Settings:
     # hostPath roots the disk tier may live under (never the root itself).
     allowed_disk_roots: tuple[str, ...] = ("/mnt/nvme", "/var/lib/kvoffload")
-    # Default serving image; its (vLLM, LMCache) pair comes from kvoffload.engine.images.
-    default_image: str = "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3"
+    # Default serving image (engine/images.py DEFAULT_IMAGE: this layer cannot import it; tests check they agree);
+    # its (vLLM, LMCache) pair comes from kvoffload.engine.images.
+    default_image: str = "ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6"
     # Serving images the admin built or mirrored under their own names, with the pair each holds
-    # ({image: {vllm: "0.26.0", lmcache: "0.5.3"}}; no lmcache: a plain vLLM image, vllm-native only).
+    # ({image: {vllm: "0.33.0", lmcache: "0.5.6"}}; no lmcache: a plain vLLM image, vllm-native only).
     # The operator renders for them as for the images it knows; EngineVerified checks the pods.
     image_versions: dict[str, dict[str, str]] = field(default_factory=dict)
     # Serving images a KVOffloadServe may name (spec.engine.image), beside the ones the operator knows, defaultImage
-    # and imageVersions' keys (always allowed): an exact reference ("registry.acme/vllm:0.26.0", "...@sha256:...")
+    # and imageVersions' keys (always allowed): an exact reference ("registry.acme/vllm:0.33.0", "...@sha256:...")
     # or every image below a registry path ("registry.acme/vllm/*"). An image is what runs in the pod, so it is
     # the admin's decision: nothing else is accepted (engine/images.py allowed).
     allowed_images: tuple[str, ...] = ()

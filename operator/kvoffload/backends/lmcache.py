@@ -64,7 +64,7 @@ def lmcache_gib(budget: BudgetView, tier: str) -> float:
 def lmcache_config(spec: Spec, budget: BudgetView) -> dict[str, Any]:
     """LMCache in-process config: keys and units exactly as `LMCacheEngineConfig` reads them (sizes are GiB
     floats per worker, i.e. per tensor-parallel rank); tests/engine/test_fidelity.py loads every rendered
-    config with the image's LMCache (0.5.3 by default) and its own loader."""
+    config with the image's LMCache (0.5.6 by default) and its own loader."""
     config: dict[str, Any] = {
         "chunk_size": spec.offload.chunk_size,
         "local_cpu": True,  # the disk tier needs it; the CPU tier is the point of this product

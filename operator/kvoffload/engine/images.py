@@ -30,21 +30,24 @@ class KnownImage:
 
 # Images whose contents are known. The project's own serving images are built by
 # images/serving/Dockerfile from these pins (tests check the two agree), and every one of them is a
-# row of docs/compatibility.md checked in full by `make test`. The default is vLLM 0.26.0 + LMCache
-# 0.5.3 (torch 2.11.0 both): the pair that ran on an H200. vLLM 0.33.0 pins torch 2.14.0, and no
-# LMCache wheel is built against it (0.5.6's extension lacks c10_cuda_check_implementation there), so
-# its image compiles LMCache 0.5.6, the newest, from source against that torch; it has run on a GPU
-# once (the CPU tier only, 1 Dec 2026), so it is not the default yet.
+# row of docs/compatibility.md checked in full by `make test`. The default is vLLM 0.33.0 + LMCache 0.5.6,
+# the newest of both: vLLM 0.33.0 pins torch 2.14.0, and no LMCache wheel is built against it (0.5.6's
+# extension lacks c10_cuda_check_implementation there), so its image compiles LMCache from source against
+# that torch. On an H200 it ran the in-process CPU and disk tiers and vllm-native as rendered
+# (docs/benchmarks.md, 1 and 3 Dec 2026); lmcache-server had not yet run with its --shm-name fix when it
+# became the default. vLLM 0.26.0 + LMCache 0.5.3 (torch 2.11.0 both, LMCache's PyPI wheel) stays offered
+# for those who pin it: every backend and tier ran on it on an H200.
 SERVING_REPOSITORY = "ghcr.io/kvoffload/vllm-lmcache"
-DEFAULT_PAIR = EnginePair(vllm="0.26.0", lmcache="0.5.3")
+DEFAULT_PAIR = EnginePair(vllm="0.33.0", lmcache="0.5.6")
 DEFAULT_IMAGE = f"{SERVING_REPOSITORY}:{DEFAULT_PAIR.vllm}-{DEFAULT_PAIR.lmcache}"
 KNOWN_IMAGES: dict[str, KnownImage] = {
-    DEFAULT_IMAGE: KnownImage(vllm=DEFAULT_PAIR.vllm, lmcache=DEFAULT_PAIR.lmcache,
-                              why="built by images/serving/Dockerfile"),
-    f"{SERVING_REPOSITORY}:0.33.0-0.5.6": KnownImage(
-        vllm="0.33.0", lmcache="0.5.6", lmcache_from="source",
+    DEFAULT_IMAGE: KnownImage(
+        vllm=DEFAULT_PAIR.vllm, lmcache=DEFAULT_PAIR.lmcache, lmcache_from="source",
         why="built by images/serving/Dockerfile with LMCACHE_FROM=source "
             "(LMCache compiled against vLLM 0.33.0's torch 2.14.0)"),
+    f"{SERVING_REPOSITORY}:0.26.0-0.5.3": KnownImage(vllm="0.26.0", lmcache="0.5.3",
+                                                     why="built by images/serving/Dockerfile with "
+                                                         "LMCACHE_FROM=wheel (LMCache's PyPI wheel)"),
     # LMCache's published image (docker/Dockerfile of the 0.5.4 sdist) pip-installs an unpinned vLLM:
     # its vLLM is whatever was newest when it was built.
     "lmcache/vllm-openai:v0.5.4": KnownImage(vllm=None, lmcache="0.5.4",

@@ -1,48 +1,49 @@
 """The container images, built here with podman and no network, and saved for a containerd to import.
 
 Users build images/*/Dockerfile with docker or podman FROM the public bases (python:3.11-slim,
-vllm/vllm-openai:v0.26.0; README "Images"). This machine can pull nothing, so the same Dockerfiles
+vllm/vllm-openai:v0.33.0; README "Images"). This machine can pull nothing, so the same Dockerfiles
 are built here FROM bases made locally, passed as the BASE_IMAGE build argument:
 
 - `localhost/kvoffload-local/python:3.11-bookworm`: a debootstrap rootfs of Debian's packages
   (python3, python3-venv), the stand-in for python:3.11-slim;
-- `localhost/kvoffload-local/python:3.11-bookworm-dev`: the same plus g++ and python3-dev, for a pair
-  whose LMCache the serving Dockerfile compiles (LMCACHE_FROM=source): vllm/vllm-openai holds a C++
-  compiler (its base is nvidia/cuda's -devel image) and Python's headers (python3.x-dev), and the
-  compile needs both;
+- `localhost/kvoffload-local/python:3.11-bookworm-dev`: the same plus g++ and python3-dev, for a serving
+  build that compiles LMCache (--compile): vllm/vllm-openai holds a C++ compiler (its base is nvidia/cuda's
+  -devel image) and Python's headers (python3.x-dev), and the compile needs both;
 - `localhost/kvoffload-local/vllm-openai:v<vLLM>`: that plus the pair's engine venv's vLLM, torch and their
   dependencies (`make engine-venv`, the pinned wheels from PyPI) minus LMCache, the stand-in for
-  vllm/vllm-openai (tests/images/vllm-base/Dockerfile);
+  vllm/vllm-openai (tests/images/vllm-base/Dockerfile: a copy of the 8-10 GB venv into a layer);
+- `localhost/kvoffload-local/vllm-openai-thin:v<vLLM>`: the same as symlinks into the engine venv, mounted
+  read-only at build and run time (tests/images/vllm-base-thin: no copy; thin_mounts());
 
 and pip installs from a local wheelhouse mounted into the build (build args PIP_NO_INDEX /
-PIP_FIND_LINKS), under `--network=none --pull=never`. The wheelhouse is fetched beforehand (`make
-serving-wheels [PAIR=<vLLM>-<LMCache>]`, `wheels` below): a wheel pair's LMCache wheel; a source pair's
-LMCache sdist and the toolchain images/serving/build-lmcache.sh installs (nvcc and the CUDA headers from
-PyPI, ninja, setuptools...), as its `--download` mode resolves them in that pair's engine venv. Each
-image carries the hash of its inputs (Dockerfile, build args, context files, wheelhouse, base image id) as a
-label and is rebuilt only when that changes; the rootfs is cached under ~/.cache/kvoffload by suite and package list.
+PIP_FIND_LINKS), under `--network=none --pull=never`. The wheelhouses are fetched beforehand (`make
+serving-wheels`, `wheels` below). Each image carries the hash of its inputs (Dockerfile, build args, context
+files, wheelhouse, base image id) as a label and is rebuilt only when that changes; the rootfs is cached under
+~/.cache/kvoffload by suite and package list.
 
-The stand-in engines for the CPU-only real node serve recorded H200 pages (tests/fixtures/fake_vllm);
-their names say so: `standin-slim` (tests/images/vllm-standin-slim, ~0.2 GB, what `make test` runs on
-the real node) is the Python base plus the stand-ins of vLLM and of the LMCache server; `standin`
-(tests/images/vllm-standin, 8.8 GB) is the serving image whose `vllm` is the stand-in (vLLM's own
-parser checks the flags; the LMCache server is real).
+The serving images (engine/images.serving_images(), each with its Dockerfile header's build arguments):
+- a wheel pair (vLLM 0.26.0 + LMCache 0.5.3): LMCache's PyPI wheel, FROM the full local base, tagged as published;
+- a source pair (the default, vLLM 0.33.0 + LMCache 0.5.6): as `make test` builds it, the LMCache wheel that the
+  pair's engine venv compiled (tests/engine/build-venv.sh: sm_90 only) installed by the Dockerfile's own wheel
+  step (LMCACHE_FROM=wheel), FROM the thin base, tagged localhost/kvoffload/vllm-lmcache-ci:<pair> (its
+  io.kvoffload.lmcache-build label says how LMCache was built): one LMCache compile in a cold run, not two, and no
+  copy of the ~10 GB venv into a layer. With --compile the build compiles LMCache itself for the Dockerfile's GPU
+  list (or KVO_TORCH_CUDA_ARCH_LIST), as users build it: over an hour on 2 cores, FROM the full base (~30 GB
+  free disk while podman commits it), or with --thin-base FROM the thin one (localhost/kvoffload/vllm-lmcache-thin).
+
+The stand-in engines for the CPU-only real node serve recorded H200 pages of vLLM 0.26.0 + LMCache 0.5.3
+(tests/fixtures; STANDIN_PAIR), and their tags say so: `standin-slim` (tests/images/vllm-standin-slim, ~0.2 GB,
+what `make test` runs on the real node) is the Python base plus the stand-ins of vLLM and of the LMCache server;
+`standin` (tests/images/vllm-standin, 8.8 GB) is that pair's serving image whose `vllm` is the stand-in (vLLM's
+own parser checks the flags; the LMCache server is real).
 
 `router` is images/router/Dockerfile (vLLM's router, vllm-router from its PyPI wheel, for spec.routing) FROM the
 Python base, its wheel and dependencies from the wheelhouse `make router-wheels` fills.
 
     python -m kvtest.images build [operator|serving|standin|standin-slim|router ...] [--pair VLLM-LMCACHE]
-    python -m kvtest.images wheels [--pair VLLM-LMCACHE]   (`make serving-wheels`: the one step that downloads)
+                                  [--compile [--thin-base]]
+    python -m kvtest.images wheels [--pair VLLM-LMCACHE [--compile]]   (`make serving-wheels`: downloads)
     python -m kvtest.images save NAME   (prints the docker-archive tar's path)
-
-Every serving image the operator offers (engine/images.serving_images()) builds from the same Dockerfile
-with its header's build command's arguments: `--pair 0.33.0-0.5.6` is ghcr.io/kvoffload/vllm-lmcache:0.33.0-0.5.6
-(LMCache 0.5.6 compiled against vLLM 0.33.0's torch, for TORCH_CUDA_ARCH_LIST: the Dockerfile's list, or
-KVO_TORCH_CUDA_ARCH_LIST). Without --pair: the default pair, whose builds and build keys are those of before.
-`--thin-base` builds the same serving Dockerfile FROM tests/images/vllm-base-thin instead (the engine venv's
-packages as symlinks into a read-only mount, for a machine without the ~30 GB of free disk that committing a
-full base copy of vLLM 0.33.0's venv takes), tagged localhost/kvoffload/vllm-lmcache-thin:<pair>; that image runs
-only with thin_mounts(pair).
 """
 
 from __future__ import annotations
@@ -68,24 +69,26 @@ from .dockerfile import Dockerfile
 from .paths import ROOT
 
 CACHE = Path(os.environ.get("KVO_CACHE", Path.home() / ".cache" / "kvoffload"))
-VLLM_VERSION, LMCACHE_VERSION = "0.26.0", "0.5.3"  # the Makefile's and images/serving/Dockerfile's pins
+# The default pair (engine/images.py DEFAULT_PAIR: the Makefile's and images/serving/Dockerfile's pins).
+VLLM_VERSION, LMCACHE_VERSION = engine_images.DEFAULT_PAIR.vllm, engine_images.DEFAULT_PAIR.lmcache
+DEFAULT_PAIR = f"{VLLM_VERSION}-{LMCACHE_VERSION}"
 ENGINE_VENV = CACHE / f"engine-vllm-{VLLM_VERSION}-lmcache-{LMCACHE_VERSION}"
+# The pair whose H200 pages the stand-ins serve (tests/fixtures, RECORDED) and whose serving image the full stand-in
+# is: vLLM 0.26.0 + LMCache 0.5.3, offered, not the default. The real node's pods pin it (kvtest.node serve_spec).
+STANDIN_PAIR = "0.26.0-0.5.3"
 OPERATOR_WHEELHOUSE = CACHE / "wheelhouse"  # `make operator-wheels`
-SERVING_WHEELHOUSE = CACHE / f"wheelhouse-lmcache-{LMCACHE_VERSION}"  # `make serving-wheels`: the LMCache wheel
 # the Makefile's ROUTER_VERSION, images/router/Dockerfile's, kvoffload/engine/router.py VERSION
 ROUTER_VERSION = "0.1.17"
 ROUTER_WHEELHOUSE = CACHE / f"wheelhouse-vllm-router-{ROUTER_VERSION}"  # `make router-wheels`: the router and its deps
 
 OPERATOR = "ghcr.io/kvoffload/kvoffload:0.1.0"
-SERVING = f"ghcr.io/kvoffload/vllm-lmcache:{VLLM_VERSION}-{LMCACHE_VERSION}"
-STANDIN = f"localhost/kvoffload/vllm-standin:{VLLM_VERSION}-{LMCACHE_VERSION}"
+SERVING = engine_images.DEFAULT_IMAGE  # what rendered pods name; kvtest builds it as serving_tag() says
+STANDIN = f"localhost/kvoffload/vllm-standin:{STANDIN_PAIR}"
 # No vLLM, LMCache or torch in it: the tag names the pair whose recorded pages it serves.
-STANDIN_SLIM = f"localhost/kvoffload/vllm-standin-slim:recorded-{VLLM_VERSION}-{LMCACHE_VERSION}"
+STANDIN_SLIM = f"localhost/kvoffload/vllm-standin-slim:recorded-{STANDIN_PAIR}"
 ROUTER = f"ghcr.io/kvoffload/vllm-router:{ROUTER_VERSION}"  # the chart's default routerImage
 PYTHON_BASE = "localhost/kvoffload-local/python:3.11-bookworm"
-VLLM_BASE = f"localhost/kvoffload-local/vllm-openai:v{VLLM_VERSION}"
 PYTHON_DEV_BASE = "localhost/kvoffload-local/python:3.11-bookworm-dev"
-DEFAULT_PAIR = f"{VLLM_VERSION}-{LMCACHE_VERSION}"
 
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
@@ -154,9 +157,28 @@ class Pair:
 
     @property
     def wheelhouse(self) -> Path:
-        # A source pair's toolchain is resolved against its vLLM's torch: the name carries both versions.
+        """The serving build's pip inputs: a wheel pair's LMCache wheel; for a source pair compiled in the build
+        (--compile) the toolchain and LMCache's sdist, resolved against its vLLM's torch: the name carries both."""
         return CACHE / (f"wheelhouse-lmcache-{self.lmcache}" if self.lmcache_from == "wheel"
                         else f"wheelhouse-vllm-{self.vllm}-lmcache-{self.lmcache}")
+
+    @property
+    def prebuilt_wheelhouse(self) -> Path:
+        """A source pair's build from the LMCache wheel its engine venv compiled: that wheel (linked in at build
+        time) and async-timeout (`make serving-wheels`)."""
+        return CACHE / f"wheelhouse-vllm-{self.vllm}-lmcache-{self.lmcache}-prebuilt"
+
+    def lmcache_wheels(self) -> Path | None:
+        """Where tests/engine/build-venv.sh keeps the LMCache wheel it compiled for this pair (named there by the
+        architecture list too); None before it finished (no .done)."""
+        done = sorted(CACHE.glob(f"lmcache-wheel-vllm-{self.vllm}-lmcache-{self.lmcache}-arch-*/.done"),
+                      key=lambda f: f.stat().st_mtime)
+        return done[-1].parent if done else None
+
+    @property
+    def prebuilt_tag(self) -> str:
+        # Not the published tag: its LMCache is built for fewer GPUs, and it runs only with thin_mounts().
+        return f"localhost/kvoffload/vllm-lmcache-ci:{self.name}"
 
     @property
     def vllm_base(self) -> str:
@@ -172,15 +194,17 @@ class Pair:
 
     @property
     def nvidia(self) -> Path:
-        (site,) = (self.engine_venv / "lib").glob("python3*/site-packages")
-        return site / "nvidia"
+        # Before the venv is built (the engine chain builds other images meanwhile) the path it will have; a build
+        # that mounts it waits for the venv (_needs).
+        sites = sorted((self.engine_venv / "lib").glob("python3*/site-packages"))
+        return (sites[0] if sites else self.engine_venv / THIN_SITE.removeprefix("/opt/vllm/")) / "nvidia"
 
     @property
     def python_base(self) -> str:
         return PYTHON_BASE if self.lmcache_from == "wheel" else PYTHON_DEV_BASE
 
     def lock(self, step: str) -> str:
-        return f"image-{step}" if self.name == DEFAULT_PAIR else f"image-{step}-{self.name}"
+        return f"image-{step}-{self.name}"
 
 
 def pairs() -> dict[str, Pair]:
@@ -197,13 +221,12 @@ def pair(name: str | None = None) -> Pair:
     return table[name or DEFAULT_PAIR]
 
 
-# The recorded vLLM /metrics pages the stand-ins serve (tests/fixtures).
+# The recorded vLLM /metrics pages the stand-ins serve (tests/fixtures), all of STANDIN_PAIR.
 RECORDED = ("fixtures/vllm-0.26.0-lmcache-0.5.3-h200", "fixtures/vllm-0.26.0-lmcache-0.5.3-h200-v1runner",
             "fixtures/h200-backends-vllm-0.26.0-lmcache-0.5.3")
 NAMES = ("operator", "serving", "standin", "standin-slim", "router")
-# The `make` target that fills each wheelhouse (a build without its wheels says which to run).
-WHEEL_TARGETS = {OPERATOR_WHEELHOUSE: "operator-wheels", SERVING_WHEELHOUSE: "serving-wheels",
-                 ROUTER_WHEELHOUSE: "router-wheels"}
+# The `make` target that fills each wheelhouse of no pair (a build without its wheels says which to run).
+WHEEL_TARGETS = {OPERATOR_WHEELHOUSE: "operator-wheels", ROUTER_WHEELHOUSE: "router-wheels"}
 
 
 THIN_SITE = "/opt/vllm/lib/python3.11/site-packages"  # tests/images/vllm-base-thin
@@ -215,39 +238,77 @@ def thin_mounts(pair_name: str | None = None) -> dict[Path, str]:
     return {p.engine_venv: "/engine", p.nvidia: f"{THIN_SITE}/nvidia"}
 
 
+def prebuilt(p: Pair, compile: bool = False) -> bool:
+    """Whether `build serving` of this pair installs the LMCache wheel its engine venv compiled (what `make test`
+    does for a source pair: one compile, not two) instead of compiling LMCache in the build (`compile`)."""
+    return p.lmcache_from == "source" and not compile
+
+
+def serving_tag(pair_name: str | None = None) -> str:
+    """The tag `build("serving", pair_name)` gives (rendered pods name the pair's published tag, images.SERVING)."""
+    p = pair(pair_name)
+    return p.prebuilt_tag if prebuilt(p) else p.tag
+
+
+def run_mounts(pair_name: str | None = None) -> tuple[str, ...]:
+    """The `podman run` arguments the image serving_tag() names needs: thin_mounts() for a prebuilt one."""
+    p = pair(pair_name)
+    return tuple(a for src, dst in (thin_mounts(p.name) if prebuilt(p) else {}).items()
+                 for a in ("-v", f"{src}:{dst}:ro"))
+
+
+def lmcache_build_label(p: Pair) -> str:
+    """The io.kvoffload.lmcache-build label of a prebuilt serving image: how its LMCache was compiled."""
+    wheels = p.lmcache_wheels()
+    done = dict(line.split("=", 1) for line in (wheels / ".done").read_text().splitlines()) if wheels else {}
+    return (f"LMCache {p.lmcache} compiled from its sdist against torch {done.get('torch', '?')} for "
+            f"TORCH_CUDA_ARCH_LIST={done.get('torch_cuda_arch_list', '?')} only (CUDA {done.get('cuda', '?')}) by "
+            "images/serving/build-lmcache.sh in the engine venv's build, installed here as that wheel "
+            "(LMCACHE_FROM=wheel); the published image compiles the Dockerfile's architecture list")
+
+
 def images(extension: str | None = None, tag: str | None = None, pair_name: str | None = None,
-           thin: bool = False) -> dict[str, Image]:
+           thin: bool = False, compile: bool = False) -> dict[str, Image]:
     """The builds by name. `extension`/`tag` override the serving image's LMCACHE_EXTENSION and tag
-    (the test that a failing extension check fails the build); `pair_name` ("0.33.0-0.5.6") picks the
-    vllm-base and serving builds of another offered pair (default: the default pair); `thin`: FROM the
-    thin base (tests/images/vllm-base-thin; "vllm-base" is then that one)."""
+    (the test that a failing extension check fails the build); `pair_name` ("0.26.0-0.5.3") picks the
+    vllm-base and serving builds of another offered pair (default: the default pair); a source pair's serving
+    image installs the LMCache wheel its engine venv compiled, FROM the thin base (prebuilt()), unless `compile`:
+    then its build compiles LMCache for the Dockerfile's architectures, FROM the full base, or with `thin` FROM the
+    thin one (tests/images/vllm-base-thin; "vllm-base" is then that one). The stand-ins are STANDIN_PAIR's."""
     p = pair(pair_name)
     wheel_args = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "/wheels"}
     serving_args = {**wheel_args, **p.args, **({"LMCACHE_EXTENSION": extension} if extension else {})}
-    if p.lmcache_from == "source" and os.environ.get("KVO_TORCH_CUDA_ARCH_LIST"):  # fewer GPUs, a shorter compile
+    if p.lmcache_from == "source" and compile and os.environ.get("KVO_TORCH_CUDA_ARCH_LIST"):  # a shorter compile
         serving_args["TORCH_CUDA_ARCH_LIST"] = os.environ["KVO_TORCH_CUDA_ARCH_LIST"]
-    # The base Dockerfile's description names the default pair's versions; another pair's base says its own.
-    base_labels = {} if p.name == DEFAULT_PAIR else {
-        "org.opencontainers.image.description": f"A local base holding the engine venv's vLLM {p.vllm} and its torch, "
-                                                f"standing in for vllm/vllm-openai:v{p.vllm}"}
-    if thin:
-        return {
-            "vllm-base": Image(p.thin_base, ROOT / "tests/images/vllm-base-thin/Dockerfile",
-                               ROOT / "tests/images/vllm-base-thin", PYTHON_DEV_BASE,
-                               volumes={p.engine_venv: "/engine"}),
-            "serving": Image(tag or p.thin_tag, ROOT / "images/serving/Dockerfile", ROOT / "images/serving",
-                             p.thin_base,
-                             serving_args, p.wheelhouse, volumes=thin_mounts(p.name)),
-        }
+    # The base Dockerfile's description names one pair's versions; another pair's base says its own.
+    base_df = ROOT / "tests/images/vllm-base/Dockerfile"
+    base_labels = {} if f"vLLM {p.vllm} " in Dockerfile(base_df).labels()["org.opencontainers.image.description"] \
+        else {"org.opencontainers.image.description": f"A local base holding the engine venv's vLLM {p.vllm} and its "
+                                                      f"torch, standing in for vllm/vllm-openai:v{p.vllm}"}
+    thin_dir = ROOT / "tests/images/vllm-base-thin"
+    thin_base = Image(p.thin_base, thin_dir / "Dockerfile", thin_dir,
+                      PYTHON_BASE if prebuilt(p, compile) else PYTHON_DEV_BASE, volumes={p.engine_venv: "/engine"})
+    if prebuilt(p, compile):
+        vllm_base = thin_base
+        serving = Image(tag or p.prebuilt_tag, ROOT / "images/serving/Dockerfile", ROOT / "images/serving",
+                        p.thin_base, {**serving_args, "LMCACHE_FROM": "wheel"}, p.prebuilt_wheelhouse,
+                        volumes=thin_mounts(p.name), labels={"io.kvoffload.lmcache-build": lmcache_build_label(p)})
+    elif thin:
+        vllm_base = thin_base
+        serving = Image(tag or p.thin_tag, ROOT / "images/serving/Dockerfile", ROOT / "images/serving", p.thin_base,
+                        serving_args, p.wheelhouse, volumes=thin_mounts(p.name))
+    else:
+        vllm_base = Image(p.vllm_base, base_df, ROOT / "tests/images/vllm-base", p.python_base,
+                          volumes={p.engine_venv: "/engine"}, labels=base_labels)
+        serving = Image(tag or p.tag, ROOT / "images/serving/Dockerfile", ROOT / "images/serving", p.vllm_base,
+                        serving_args, p.wheelhouse)
     return {
         "python-base": Image(PYTHON_BASE, Path(), Path(), None),  # podman import of the rootfs (python_base)
-        "vllm-base": Image(p.vllm_base, ROOT / "tests/images/vllm-base/Dockerfile", ROOT / "tests/images/vllm-base",
-                           p.python_base, volumes={p.engine_venv: "/engine"}, labels=base_labels),
+        "vllm-base": vllm_base,
         "operator": Image(OPERATOR, ROOT / "images/operator/Dockerfile", ROOT, PYTHON_BASE, wheel_args,
                           OPERATOR_WHEELHOUSE, inputs=("operator",)),
-        "serving": Image(tag or p.tag, ROOT / "images/serving/Dockerfile", ROOT / "images/serving", p.vllm_base,
-                         serving_args, p.wheelhouse),
-        "standin": Image(STANDIN, ROOT / "tests/images/vllm-standin/Dockerfile", ROOT / "tests", SERVING,
+        "serving": serving,
+        "standin": Image(STANDIN, ROOT / "tests/images/vllm-standin/Dockerfile", ROOT / "tests", pair(STANDIN_PAIR).tag,
                          inputs=("fixtures/fake_vllm", *RECORDED, "engine/engine_check.py",
                                  "images/vllm-standin/vllm")),
         "standin-slim": Image(STANDIN_SLIM, ROOT / "tests/images/vllm-standin-slim/Dockerfile", ROOT / "tests",
@@ -355,18 +416,21 @@ PYTHON_BASES = {PYTHON_BASE: DEBIAN_PACKAGES, PYTHON_DEV_BASE: DEBIAN_PACKAGES +
 def python_base(tag: str = PYTHON_BASE) -> str:
     tar = rootfs(PYTHON_BASES[tag])
     key = hashlib.sha256(f"{tar}:{tar.stat().st_size}:{tar.stat().st_mtime_ns}".encode()).hexdigest()[:16]
-    if label(tag, KEY_LABEL) != key:
-        REPLACED.extend([i for i in [image_id(tag)] if i])
-        podman("import", "--change", f"LABEL {KEY_LABEL}={key}", "--change", 'CMD ["python3"]',
-               str(tar), tag)
-        log(f"imported {tag}")
+    # The engine chain's steps build concurrently (kvtest.background): one imports, the others wait and reuse it.
+    with locked(f"image-{tag.rsplit('/', 1)[1].replace(':', '-')}"):
+        if label(tag, KEY_LABEL) != key:
+            REPLACED.extend([i for i in [image_id(tag)] if i])
+            podman("import", "--change", f"LABEL {KEY_LABEL}={key}", "--change", 'CMD ["python3"]',
+                   str(tar), tag)
+            log(f"imported {tag}")
     return tag
 
 
 def _needs(img: Image) -> None:
     if img.wheelhouse is not None and not any(img.wheelhouse.glob("*.whl")):
         target = WHEEL_TARGETS.get(img.wheelhouse) or "serving-wheels" + "".join(
-            f" PAIR={name}" for name, p in pairs().items() if p.wheelhouse == img.wheelhouse and name != DEFAULT_PAIR)
+            f" PAIR={name}" + (" COMPILE=1" if p.wheelhouse == img.wheelhouse and p.lmcache_from == "source" else "")
+            for name, p in pairs().items() if img.wheelhouse in (p.wheelhouse, p.prebuilt_wheelhouse))
         raise SystemExit(f"no wheels in {img.wheelhouse}: run `make {target}`")
     for src in img.volumes:
         if src.name.startswith("engine-vllm-") and not (src / ".done").exists():
@@ -408,44 +472,74 @@ def build_image(img: Image, force: bool = False) -> subprocess.CompletedProcess 
     return cp
 
 
-def build(name: str, pair_name: str | None = None, thin: bool = False) -> str:
+def build(name: str, pair_name: str | None = None, thin: bool = False, compile: bool = False) -> str:
     """Build (or reuse) one of NAMES and what it stands on; its tag. `pair_name`: the serving image of
-    another offered pair ("0.33.0-0.5.6"; the stand-ins serve the default pair's recorded pages only);
-    `thin`: the serving image FROM the thin base (see the module's docstring)."""
+    another offered pair ("0.26.0-0.5.3"; the stand-ins are STANDIN_PAIR's, its recorded pages); `thin` and
+    `compile`: see images()."""
+    if name.startswith("standin"):
+        if pair_name not in (None, STANDIN_PAIR):
+            raise SystemExit(f"{name} is built for the pair {STANDIN_PAIR} only (its recorded pages)")
+        pair_name = STANDIN_PAIR
     p = pair(pair_name)
-    if name.startswith("standin") and p.name != DEFAULT_PAIR:
-        raise SystemExit(f"{name} is built for the default pair {DEFAULT_PAIR} only (its recorded pages)")
-    if thin and name != "serving":
-        raise SystemExit("--thin-base is for the serving image only")
-    table = images(pair_name=p.name, thin=thin)
+    if (thin or compile) and name != "serving":
+        raise SystemExit("--thin-base and --compile are for the serving image only")
+    if compile and p.lmcache_from != "source":
+        raise SystemExit(f"--compile: the pair {p.name} installs LMCache's PyPI wheel; nothing is compiled")
+    table = images(pair_name=p.name, thin=thin, compile=compile)
     chain = {"operator": ["operator"], "serving": ["vllm-base", "serving"],
              "standin": ["vllm-base", "serving", "standin"], "standin-slim": ["standin-slim"],
              "router": ["router"]}[name]
     python_base()
     if "vllm-base" in chain and table["vllm-base"].base != PYTHON_BASE:
         python_base(table["vllm-base"].base)
+    if "serving" in chain and prebuilt(p, compile):
+        link_lmcache_wheel(p)
     for step in chain:
-        with locked(p.lock(step) + ("-thin" if thin else "") if step in ("vllm-base", "serving") else f"image-{step}"):
-            build_image(table[step])
+        img = table[step]
+        with locked(p.lock(step) + ("-thin" if img.tag in (p.thin_base, p.thin_tag, p.prebuilt_tag) else "")
+                    if step in ("vllm-base", "serving") else f"image-{step}"):
+            build_image(img)
     while REPLACED:  # the previous builds of these tags, images built on them first
         podman("rmi", REPLACED.pop(), check=False)
     return table[name].tag
 
 
-def wheels(pair_name: str | None = None) -> Path:
+def link_lmcache_wheel(p: Pair) -> None:
+    """The LMCache wheel the pair's engine venv compiled, hard-linked into its prebuilt wheelhouse (no copy)."""
+    wheels = p.lmcache_wheels()
+    if wheels is None:
+        raise SystemExit(f"no LMCache wheel compiled for {p.name} under {CACHE}: run `make engine-venv` "
+                         "(tests/engine/build-venv.sh keeps it when it builds the venv; a venv built before it did "
+                         f"has none: remove {p.engine_venv} first)")
+    wh = p.prebuilt_wheelhouse
+    wh.mkdir(parents=True, exist_ok=True)
+    (wheel,) = wheels.glob(f"lmcache-{p.lmcache}-*.whl")
+    for old in wh.glob("lmcache-*.whl"):
+        if old.name != wheel.name or old.stat().st_ino != wheel.stat().st_ino:
+            old.unlink()
+    if not (wh / wheel.name).exists():
+        os.link(wheel, wh / wheel.name)
+
+
+def wheels(pair_name: str | None = None, compile: bool = False) -> Path:
     """The serving build's pip inputs for a pair, from PyPI into its wheelhouse (`make serving-wheels [PAIR=...]`;
-    the builds themselves run with --network=none). A wheel pair: LMCache's wheel. A source pair: what
-    images/serving/build-lmcache.sh installs (`--download`: the toolchain as pip resolves it in the pair's engine
-    venv, whose packages the vllm-base copies, and LMCache's sdist), cached (.done); and its base's Debian
-    packages (the compiler and Python's headers: PYTHON_DEV_BASE's rootfs). Both: async-timeout, which LMCache's
-    redis needs on Python < 3.11.3 (the local base's Debian 3.11.2; the engine venv's Python is newer, so no
-    resolver here asks for it)."""
+    the builds themselves run with --network=none). Every pair: async-timeout, which LMCache's redis needs on Python
+    < 3.11.3 (the local base's Debian 3.11.2; the engine venv's Python is newer, so no resolver there asks for it).
+    A wheel pair: LMCache's wheel. A source pair: nothing else (its build installs the wheel its engine venv
+    compiled), or with `compile` what images/serving/build-lmcache.sh installs to compile LMCache in the build
+    (`--download`: the toolchain as pip resolves it in the pair's engine venv, whose packages the vllm-base copies,
+    and LMCache's sdist), cached (.done); and its base's Debian packages (the compiler and Python's headers:
+    PYTHON_DEV_BASE's rootfs)."""
     p = pair(pair_name)
-    wh = p.wheelhouse
-    download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wh)]
+    download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps"]
     if p.lmcache_from == "wheel":
-        subprocess.run([*download, f"lmcache=={p.lmcache}", "async-timeout>=4.0.3"], check=True)
-        return wh
+        subprocess.run([*download, "-d", str(p.wheelhouse), f"lmcache=={p.lmcache}", "async-timeout>=4.0.3"],
+                       check=True)
+        return p.wheelhouse
+    if not compile:
+        subprocess.run([*download, "-d", str(p.prebuilt_wheelhouse), "async-timeout>=4.0.3"], check=True)
+        return p.prebuilt_wheelhouse
+    wh = p.wheelhouse
     if (wh / ".done").exists():
         return wh
     if not (p.engine_venv / ".done").exists():
@@ -458,15 +552,11 @@ def wheels(pair_name: str | None = None) -> Path:
             t0 = time.monotonic()
             subprocess.run(["bash", str(ROOT / "images/serving/build-lmcache.sh"), "--download", str(wh),
                             str(p.engine_venv / "bin" / "python"), p.lmcache], check=True)
-            subprocess.run([*download, "async-timeout>=4.0.3"], check=True)
+            subprocess.run([*download, "-d", str(wh), "async-timeout>=4.0.3"], check=True)
             files = sorted(f.name for f in wh.iterdir())
             (wh / ".done").write_text("".join(f"{f}\n" for f in files))
             log(f"{wh}: {len(files)} files in {time.monotonic() - t0:.0f}s")
     return wh
-
-
-def build_all() -> list[str]:
-    return [build(name) for name in ("operator", "serving", "standin")]
 
 
 def size(tag: str) -> int:
@@ -499,20 +589,26 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build (or reuse) images")
     b.add_argument("names", nargs="*", choices=NAMES, default=["operator", "serving"])
-    b.add_argument("--pair", help=f"the serving image of this offered pair, e.g. 0.33.0-0.5.6 (default {DEFAULT_PAIR})")
+    b.add_argument("--pair", help=f"the serving image of this offered pair, e.g. {STANDIN_PAIR} "
+                                  f"(default {DEFAULT_PAIR})")
     b.add_argument("--thin-base", action="store_true",
                    help="the serving image FROM tests/images/vllm-base-thin (symlinks into the mounted engine venv)")
-    w = sub.add_parser("wheels", help="fetch the serving build's wheelhouse for a pair (make serving-wheels)")
-    w.add_argument("--pair", help=f"default {DEFAULT_PAIR}")
+    b.add_argument("--compile", action="store_true",
+                   help="a source pair's serving image compiles LMCache in the build, for the Dockerfile's GPU list "
+                        "(default: it installs the wheel the pair's engine venv compiled)")
+    w = sub.add_parser("wheels", help="fetch the serving builds' wheelhouses (make serving-wheels)")
+    w.add_argument("--pair", help="only this pair's (default: every offered pair's)")
+    w.add_argument("--compile", action="store_true", help="what `build serving --compile` needs (a source pair)")
     sv = sub.add_parser("save", help="print the path of a docker-archive tar of "
                                      "the image (built first; cached by image id)")
     sv.add_argument("name", choices=NAMES)
     a = ap.parse_args(argv)
     if a.command == "build":
         for name in a.names:
-            print(build(name, a.pair, a.thin_base))
+            print(build(name, a.pair, a.thin_base, a.compile))
     elif a.command == "wheels":
-        print(wheels(a.pair))
+        for name in [a.pair] if a.pair else pairs():
+            print(wheels(name, a.compile))
     else:
         print(save(a.name))
     return 0

@@ -644,10 +644,15 @@ STANDIN_CPU_TIER = "512Mi" if FULL_STANDIN else "64Mi"
 
 
 def serve_spec(name: str, image: str, disk: Path, *, env=(), reclaim: str = "Delete") -> dict:
-    """A KVOffloadServe (backend lmcache-server, a hostPath disk tier at `disk`) whose pod runs on this node."""
+    """A KVOffloadServe (backend lmcache-server, a hostPath disk tier at `disk`) whose pod runs on this node. It pins
+    the stand-in's pair (kvtest.images.STANDIN_PAIR, offered), whose H200 pages the stand-in serves and whose LMCache
+    server the full stand-in runs: the operator renders for the pair the image holds."""
+    from .images import STANDIN_PAIR  # not at the top: `import kvtest` would run kvtest.images before `python -m` does
+
+    vllm, lmcache = STANDIN_PAIR.split("-")
     return {"apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadServe", "metadata": {"name": name},
             "spec": {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
-                     "engine": {"image": image, "vllmVersion": "0.26.0", "lmcacheVersion": "0.5.3",
+                     "engine": {"image": image, "vllmVersion": vllm, "lmcacheVersion": lmcache,
                                 "maxModelLen": 8192, "maxNumSeqs": 4, "env": list(env)},
                      "offload": {"backend": "lmcache-server", "chunkSize": 256, "cpu": {"size": STANDIN_CPU_TIER},
                                  "disk": {"path": str(disk), "size": "256Mi", "reclaimPolicy": reclaim}},
