@@ -63,17 +63,16 @@ GPU_RUNS = {
                          "67.5 of 79.2 GiB), lmcache-server with its read-only-root sidecar 0.171 s, the disk tier "
                          "alone 1.261 s (= recompute: 2.15 GB read at 1.5-1.8 GB/s); same token after every reload, no "
                          "OOM kill (docs/benchmarks.md)",
-    # lmcache-server's cell: its 3 Dec runs predate the --shm-name fix; the H200 run with it fills GPU_RUN_033_SERVER.
-    ("0.33.0", "0.5.6", "source"): "yes, lmcache and vllm-native; lmcache-server not yet: NVIDIA H200, as real "
-                                   "containers (crun 1.8.1, the real node's captures) on the carried torch "
-                                   "2.14.0 and LMCache 0.5.6 compiled for sm_90, 32,768-token prompts: "
-                                   "2026-12-01, lmcache (the rendered workstation example, V1 model runner) "
-                                   "reloaded from the CPU tier in 0.110 s (1.170 s recomputed), vLLM's container "
-                                   "48.7 of 53.9 GiB; 2026-12-03, lmcache's disk tier alone 1.454 s (2.15 GB "
-                                   "read per reload; the exporter agreed on 20 of 20 checks), vllm-native with "
-                                   "its /dev/shm region sized 0.172 s (1.213 s cold, its container 45.9 of 56.7 "
-                                   "GB); same token after every reload, no OOM kill (docs/benchmarks.md); "
-                                   "lmcache-server: GPU_RUN_033_SERVER",
+    ("0.33.0", "0.5.6", "source"): "yes, every backend: NVIDIA H200, as real containers (crun 1.8.1, the real "
+                                   "node's captures) on the carried torch 2.14.0 and LMCache 0.5.6 compiled for "
+                                   "sm_90, 32,768-token prompts: 2026-12-01, lmcache (the rendered workstation "
+                                   "example, V1 model runner) reloaded from the CPU tier in 0.110 s (1.170 s "
+                                   "recomputed), vLLM's container 48.7 of 53.9 GiB; 2026-12-03, lmcache's disk tier "
+                                   "alone 1.454 s (2.15 GB read per reload; the exporter agreed on 20 of 20 checks), "
+                                   "vllm-native with its /dev/shm region sized 0.172 s (1.213 s cold, its container "
+                                   "45.9 of 56.7 GB), lmcache-server with --shm-name 0.170 s through shared memory "
+                                   "(1.235 s cold; its container 40.6 of 45.0 GiB; the exporter agreed on 17 of 17); "
+                                   "same token after every reload, no OOM kill (docs/benchmarks.md)",
 }
 
 
@@ -221,10 +220,6 @@ def engine_checks(pair: Pair, venvs: dict[Pair, Path]) -> tuple[str, str]:
 NOT_RUN = "not run on a GPU"
 # lmcache-server on vLLM 0.33.0 + LMCache 0.5.6 with the --shm-name fix (backends/lmcache_server.py): to be replaced by
 # what its H200 run shows (docs/benchmarks.md), as the other backends' figures above are.
-GPU_RUN_033_SERVER = ("not yet run with its --shm-name fix (its 3 Dec runs before it pickled KV over ZMQ and its "
-                      "server was OOM-killed at LMCache 0.5.3's limit: docs/benchmarks.md)")
-
-
 def rows() -> list[dict[str, str]]:
     venvs = engine_venvs()
     offered = images.serving_images()
@@ -248,7 +243,7 @@ def rows() -> list[dict[str, str]]:
             row["torch"] = f"vLLM: torch=={pin}; LMCache: {lreq}"
             row["ext"] = extension_load((vllm, lmcache, built), venvs)
             row["parser"], row["loader"] = engine_checks((vllm, lmcache, built), venvs)
-            row["gpu"] = GPU_RUNS.get((vllm, lmcache, built), NOT_RUN).replace("GPU_RUN_033_SERVER", GPU_RUN_033_SERVER)
+            row["gpu"] = GPU_RUNS.get((vllm, lmcache, built), NOT_RUN)
         env = images.connector_env(images.EnginePair(vllm, lmcache)) if vllm and lmcache else {}
         row["env"] = ("; ".join(f"`{k}={v}`" for k, v in sorted(env.items())) + ": " +
                       "; ".join(images.CONNECTOR_ENV_WHY[k] for k in sorted(env))) if env else (
@@ -279,10 +274,10 @@ for it, and LMCache's own loader reads every rendered config without a warning. 
 for sm_90 only, in that pair's engine venv, checks its row in full, and builds the image offline from that wheel
 (kvtest.images: FROM a local stand-in for `vllm/vllm-openai:v{vllm}` made of that engine venv; the image's
 `io.kvoffload.lmcache-build` label says so) and runs it as the rendered pod runs it. On an H200 the in-process
-CPU and disk tiers and vllm-native ran as rendered; lmcache-server has not yet run with its `--shm-name` fix (the
-row's "Ran on a GPU" says what ran). `lmcache/vllm-openai:v0.5.4` installs an unpinned vLLM, so the operator knows
-only its LMCache: a KVOffloadServe using it must set `spec.engine.vllmVersion`, and extra vLLM arguments are checked
-only for a vLLM whose flag table the operator carries ({tables}).
+CPU and disk tiers, vllm-native and lmcache-server ran as rendered (the row's "Ran on a GPU" says what ran).
+`lmcache/vllm-openai:v0.5.4` installs an unpinned vLLM, so the operator knows only its LMCache: a KVOffloadServe
+using it must set `spec.engine.vllmVersion`, and extra vLLM arguments are checked only for a vLLM whose flag table
+the operator carries ({tables}).
 
 **Also offered: `{second}`** (the same Dockerfile with `--build-arg`s for LMCache's PyPI wheel, `LMCACHE_FROM=wheel`):
 vLLM 0.26.0 is the newest vLLM pinned to torch 2.11.0, and LMCache 0.5.3 the newest LMCache whose wheel is built

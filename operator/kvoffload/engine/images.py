@@ -33,10 +33,10 @@ class KnownImage:
 # row of docs/compatibility.md checked in full by `make test`. The default is vLLM 0.33.0 + LMCache 0.5.6,
 # the newest of both: vLLM 0.33.0 pins torch 2.14.0, and no LMCache wheel is built against it (0.5.6's
 # extension lacks c10_cuda_check_implementation there), so its image compiles LMCache from source against
-# that torch. On an H200 it ran the in-process CPU and disk tiers and vllm-native as rendered
-# (docs/benchmarks.md, 1 and 3 Dec 2026); lmcache-server had not yet run with its --shm-name fix when it
-# became the default. vLLM 0.26.0 + LMCache 0.5.3 (torch 2.11.0 both, LMCache's PyPI wheel) stays offered
-# for those who pin it: every backend and tier ran on it on an H200.
+# that torch. On an H200 every backend ran on it as rendered (docs/benchmarks.md, 1 and 3 Dec 2026;
+# lmcache-server with its --shm-name fix in session 15, after it became the default). vLLM 0.26.0 +
+# LMCache 0.5.3 (torch 2.11.0 both, LMCache's PyPI wheel) stays offered for those who pin it: every
+# backend and tier ran on it on an H200.
 SERVING_REPOSITORY = "ghcr.io/kvoffload/vllm-lmcache"
 DEFAULT_PAIR = EnginePair(vllm="0.33.0", lmcache="0.5.6")
 DEFAULT_IMAGE = f"{SERVING_REPOSITORY}:{DEFAULT_PAIR.vllm}-{DEFAULT_PAIR.lmcache}"
