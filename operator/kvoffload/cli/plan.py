@@ -16,7 +16,7 @@ from typing import Any, Callable, TypeVar
 import yaml
 
 from .. import backends
-from ..api import crd
+from ..api import crd, rules
 from ..api import settings as settings_mod
 from ..api.errors import ConfigError, InputError
 from ..api.quantity import format_bytes, human, to_bytes
@@ -72,6 +72,7 @@ OPTION_FOR_INPUT = {
     "weight_load": "--disk-read-gbps",
     "backend": "--backend",
     "server_baseline": "--server-baseline",
+    "shared": "--server",
 }
 # Weight dtypes: the CRD's spec.engine.dtype values (vLLM --dtype), and the planner's own (fp8 weights included).
 DTYPES = {**pipeline.WEIGHT_DTYPE, "bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}
@@ -168,6 +169,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="spec.offload.chunkSize: LMCache chunk, tokens")
     opt(p, "--backend", choices=backends.NAMES, default=backends.DEFAULT,
         help="spec.offload.backend: who holds the offload tiers (docs/backends.md)")
+    opt(p, "--server", choices=rules.SERVER_PLACEMENTS, default=rules.SIDECAR,
+        help="spec.offload.server: where --backend lmcache-server's LMCache server runs; PerNode sizes the node's "
+             "shared server pod and replicas without the L1 (docs/shared-cache.md)")
     opt(p, "--activation-reserve", default=format_bytes(_field(PlanInput, "activation_reserve")),
         help="per-GPU memory kept for activations (quantity)")
     arch = p.add_argument_group("spec.model.architecture (wins over the catalog and --config-json)")
@@ -251,7 +255,7 @@ def build_input(args: argparse.Namespace, settings: settings_mod.Settings | None
         cpu_size=to_bytes(args.cpu_size, "--cpu-size"),
         disk_size=to_bytes(args.disk_size, "--disk-size"),
         chunk_size=args.chunk_size,
-        backend=args.backend,
+        backend=args.backend, shared=args.server == rules.SHARED,
         activation_reserve=to_bytes(args.activation_reserve, "--activation-reserve"),
         memory=memory, bandwidths=bandwidths, weights_on_pvc=args.weights_on_pvc, storage=StorageDefaults())
 

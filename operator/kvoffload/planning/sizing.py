@@ -143,6 +143,8 @@ class PlanInput:
     chunk_size: int = 256  # LMCache chunk_size, tokens
     backend: str = backends.DEFAULT  # spec.offload.backend: a name in backends.REGISTRY
     vllm_version: str = images.DEFAULT_PAIR.vllm  # the image's vLLM (spec.engine.vllmVersion)
+    # spec.offload.server PerNode: the LMCache server is its own pod per node, shared by the replicas there
+    shared: bool = False
     activation_reserve: int = 2 * GiB  # per GPU: activations, CUDA context, graphs
     memory: MemoryDefaults = field(default_factory=MemoryDefaults)
     bandwidths: Bandwidths = field(default_factory=Bandwidths)
@@ -211,6 +213,9 @@ class Budget:
     reload: tuple[ReloadEstimate, ...]  # per offload tier that is on
     warnings: tuple[str, ...]
     weights: WeightBudget
+    # spec.offload.server PerNode: the server_memory figures are the node's shared server pod's (request = limit),
+    # the cpu and disk tiers its L1 and L2, held once per node that runs replicas, not per replica.
+    shared: bool = False
 
     def named(self, names: Mapping[str, str]) -> Budget:
         """This budget with its warnings in the caller's vocabulary (see InputError.named)."""
@@ -256,6 +261,12 @@ class Budget:
             out["serverMemory"] = {"request": self.server_memory, "limit": self.server_memory_limit,
                                    "terms": [{"name": m.name, "bytes": m.bytes, "note": m.note}
                                              for m in self.server_memory_terms]}
+        if self.shared:
+            out["shared"] = {"scope": "node", "tiers": [t.name for t in self.tiers[1:] if t.bytes],
+                             "serverMemory": self.server_memory,
+                             "note": "one LMCache server pod per node that runs replicas of this resource, shared by "
+                                     "them: its L1 (cpu) and L2 (disk) tiers are held once per node, and serverMemory "
+                                     "is that pod's request = limit; the vLLM containers hold no L1"}
         return out
 
 
@@ -329,6 +340,10 @@ def _refuse(inp: PlanInput) -> None:
         raise InputError("disk_size", f"{{backend}} {backend.name} has no disk tier "
                          f"({backend.refuses['offload.disk'].why}); set {{disk_size}} to 0 or use "
                          f"{{backend}} {with_disk}")
+    if inp.shared and "offload.server" in backend.refuses:
+        sharing = " or ".join(b.name for b in backends.REGISTRY.values() if "offload.server" not in b.refuses)
+        raise InputError("shared", f"{{backend}} {backend.name} runs no LMCache server to share "
+                         f"({backend.refuses['offload.server'].why}); use {{backend}} {sharing}")
     if inp.disk_size and not inp.cpu_size:
         raise InputError("cpu_size", "the disk tier needs a CPU tier (LMCache reads disk hits back through it); "
                          "set {cpu_size} > 0 or {disk_size} to 0")
@@ -475,7 +490,7 @@ def plan(inp: PlanInput) -> Budget:
     s = Sizing(model=m, tp=tp, cpu_size=inp.cpu_size, disk_size=inp.disk_size, chunk_size=inp.chunk_size,
                kv_bytes_per_token_per_gpu=per_gpu_bpt, staging_per_worker=inp.memory.staging_per_worker,
                server_baseline=inp.memory.server_baseline,
-               vllm=images.version_tuple(inp.vllm_version, "engine.vllmVersion"))
+               vllm=images.version_tuple(inp.vllm_version, "engine.vllmVersion"), shared=inp.shared)
     unit = backend.unit(s)
     tiers = (gpu, _offload_tier("cpu", inp.cpu_size, inp, per_gpu_bpt, unit),
              _offload_tier("disk", inp.disk_size, inp, per_gpu_bpt, unit))
@@ -540,4 +555,5 @@ def plan(inp: PlanInput) -> Budget:
         reload=tuple(reload),
         warnings=tuple(warnings),
         weights=_weights(inp),
+        shared=inp.shared,
     )
