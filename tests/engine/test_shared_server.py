@@ -39,10 +39,13 @@ def engine(request):
     pair = images.KNOWN_IMAGES[image]
     venv = engine_venv.require(pair.vllm, pair.lmcache)
     cases = {f"shared-tp{tp}": rendered(image, tp) for tp in (1, 2)}
+    def argv(server: dict) -> list[str]:
+        return [*server["command"], *(a.replace("$(POD_NAME)", "svc-cache-x") for a in server["args"])]
+
     out = engine_venv.run(venv, "check", {
-        "vllm": [{"id": k, "argv": render.vllm_argv(v), "model_config": LLAMA_CONFIG} for k, (_, v, _) in cases.items()],
-        "server": [{"id": k, "argv": [*s["command"], *(a.replace("$(POD_NAME)", "svc-cache-x") for a in s["args"])]}
-                   for k, (_, _, s) in cases.items()]})
+        "vllm": [{"id": k, "argv": render.vllm_argv(v), "model_config": LLAMA_CONFIG}
+                 for k, (_, v, _) in cases.items()],
+        "server": [{"id": k, "argv": argv(s)} for k, (_, _, s) in cases.items()]})
     assert (out["versions"]["vllm"], out["versions"]["lmcache"]) == (pair.vllm, pair.lmcache)
     return cases, {section: {r["id"]: r for r in out[section]} for section in ("vllm", "server")}
 

@@ -511,8 +511,11 @@ def children(owner: Owner, spec: Spec, budget: Budget, settings: Settings,
         lambda: shared_server_pod(owner, spec, budget, settings)) if spec.offload.shared else []
     files = backend.config_files(spec, budget)  # None: the backend's flags say it all
     config = [configmap(owner, files, settings)] if files is not None else []
-    # The pods roll when the config changes (or the backend does).
-    sts = statefulset(owner, spec, budget, settings, _hash(files if files is not None else backend.name),
+    # The pods roll when the config changes (or the backend does). PerNode: also when the chunk size does, which vLLM's
+    # connector reads from its node's server once, at start (a server replaced with another keeps its replicas).
+    engines_read = files if files is not None else backend.name
+    sts = statefulset(owner, spec, budget, settings,
+                      _hash([engines_read, spec.offload.chunk_size] if spec.offload.shared else engines_read),
                       config=bool(config))
     policy = network_policy(_meta(names(owner.name)["networkpolicy"], owner, settings), spec, settings,
                             selector_labels(owner), HTTP_PORT,
