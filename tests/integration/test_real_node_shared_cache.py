@@ -22,25 +22,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import threading
 import time
 import urllib.request
-import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 
 from kvtest import condition, node
 from kvtest.specs import SHARED_MEMORY_ROOT
 
 pytestmark = pytest.mark.cluster
 
-DISK_ROOT = Path("/var/lib/kvoffload")  # one of the chart's allowedDiskRoots
 SHM_ROOT = Path(SHARED_MEMORY_ROOT)
-RELEASE_NS = "kvoffload-system"
 NAME = "shared"
 SHARED_LABEL = "kvoffload.io/shared-cache"
 CHUNK = "meta-llama-SEP-Llama-3.1-8B-Instruct@0x01000000@0@" + "cd" * 16 + ".data"  # fs_native's name for a chunk
@@ -60,19 +55,6 @@ def shm_root():
         with_contents = list(SHM_ROOT.iterdir()) if SHM_ROOT.is_dir() else []
         if not with_contents:
             SHM_ROOT.rmdir()
-
-
-@pytest.fixture
-def disk_base():
-    DISK_ROOT.mkdir(exist_ok=True)
-    base = DISK_ROOT / f"shared-{uuid.uuid4().hex[:8]}"
-    yield base
-    shutil.rmtree(base, ignore_errors=True)
-
-
-def operator_config(demo) -> dict:
-    (cm,) = [c for c in demo.client.list("configmaps", RELEASE_NS) if "config.yaml" in (c.get("data") or {})]
-    return yaml.safe_load(cm["data"]["config.yaml"])
 
 
 def shared_spec(image: str, disk: Path, replicas: int) -> dict:
@@ -162,7 +144,7 @@ def disk_report(pod: dict) -> dict:
 
 
 def test_one_server_per_node_shared_by_the_replicas_there(demo, node_ns, engine_image, shm_root, disk_base):
-    cfg = operator_config(demo)
+    cfg = node.operator_config(demo)
     assert cfg.get("sharedMemoryRoot") == SHARED_MEMORY_ROOT, (
         "the demo's operator has no sharedMemoryRoot (tests/cluster/demo-values.yaml); a demo from an older tree?", cfg)
     grace = int(cfg.get("sharedServerGraceSeconds", 600))

@@ -261,22 +261,31 @@ SHM_INIT = "prepare-shared-memory"  # PerNode: the init step that hands the shar
 WAIT_INIT = "wait-for-shared-cache"  # PerNode: the serving pod's init step that waits for its node's server
 
 
-def _shm_init_container(owner: Owner, settings: Settings) -> dict[str, Any]:
-    # kubelet creates <root>/<namespace>/<name> root-owned (the root's mode) for whichever pod of the node mounts it
-    # first; the server and vLLM run as the serving user. The operator's image, as root with CHOWN and FOWNER only;
-    # it sees the resource's own directory, never the root.
+def _operator_step(name: str, args: list[str], settings: Settings, security: dict[str, Any],
+                   mounts: list[dict[str, Any]] | None = None,
+                   env: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An init step that runs the operator's own image (`kvoffload <name> ARGS`), never the tenant's."""
     return {
-        "name": SHM_INIT,
+        "name": name,
         "image": settings.kvoffload_image,
         "imagePullPolicy": settings.exporter_image_pull_policy,
         "command": ["kvoffload"],
-        "args": [SHM_INIT, "--dir", shared_cache.SHM_MOUNT_PATH,
-                 "--chown", f"{pod_security.SERVING_UID}:{pod_security.SERVING_GID}"],
-        "env": _pod_env(),
+        "args": [name, *args],
+        **({"env": env} if env else {}),
         "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
-        "volumeMounts": [shared_cache.shm_mount(owner.name)],
-        "securityContext": pod_security.shm_init_security_context(),
+        **({"volumeMounts": mounts} if mounts else {}),
+        "securityContext": security,
     }
+
+
+def _shm_init_container(owner: Owner, settings: Settings) -> dict[str, Any]:
+    # kubelet creates <root>/<namespace>/<name> root-owned (the root's mode) for whichever pod of the node mounts it
+    # first; the server and vLLM run as the serving user. As root with CHOWN and FOWNER only; it sees the resource's
+    # own directory, never the root.
+    return _operator_step(SHM_INIT, ["--dir", shared_cache.SHM_MOUNT_PATH,
+                                     "--chown", f"{pod_security.SERVING_UID}:{pod_security.SERVING_GID}"],
+                          settings, pod_security.shm_init_security_context(), [shared_cache.shm_mount(owner.name)],
+                          _pod_env())
 
 
 def _wait_for_server(spec: Spec, settings: Settings) -> dict[str, Any]:
@@ -284,16 +293,9 @@ def _wait_for_server(spec: Spec, settings: Settings) -> dict[str, Any]:
     # comes within lmcache.mp.mq_timeout (LMCache 0.5.3 vllm_multi_process_adapter.py); after that it runs degraded
     # without one. So a replica waits here for its node's server (the operator creates it once the replica is bound
     # to the node) instead of crash-looping; kubelet restarts this step when it gives up.
-    return {
-        "name": WAIT_INIT,
-        "image": settings.kvoffload_image,
-        "imagePullPolicy": settings.exporter_image_pull_policy,
-        "command": ["kvoffload"],
-        "args": [WAIT_INIT, "--address", f"{spec.offload.shared_address}:{SERVER_ZMQ_PORT}"],
-        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
-        "securityContext": _restricted(readOnlyRootFilesystem=True, runAsNonRoot=True, runAsUser=65532,
-                                       runAsGroup=65532),
-    }
+    return _operator_step(WAIT_INIT, ["--address", f"{spec.offload.shared_address}:{SERVER_ZMQ_PORT}"], settings,
+                          _restricted(readOnlyRootFilesystem=True, runAsNonRoot=True, runAsUser=65532,
+                                      runAsGroup=65532))
 
 
 def shared_server_pod(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> dict[str, Any]:
