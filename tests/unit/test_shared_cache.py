@@ -281,6 +281,7 @@ def test_prepare_shared_memory_hands_the_directory_over(tmp_path):
     d.mkdir(parents=True)
     uid, gid = os.getuid(), os.getgid()
     assert prepare_shm.prepare(str(d), uid, gid) == (uid, gid, 0o700)
+    assert prepare_shm.prepare(str(d), uid, gid) == (uid, gid, 0o700)  # a second pod's step: already handed over
     link = tmp_path / "link"
     link.symlink_to(d)
     with pytest.raises(ConfigError, match="--dir"):  # a link is refused, never followed

@@ -32,15 +32,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def prepare(path: str, uid: int, gid: int) -> tuple[int, int, int]:
     """Owner and mode of the directory at `path` set through one descriptor that is the directory itself (a link at
-    `path` is refused, never followed); returns (uid, gid, mode) as set."""
+    `path` is refused, never followed); returns (uid, gid, mode) as set.
+
+    An O_PATH descriptor: once an earlier pod handed the directory over (0700, UID 1000), root without DAC_OVERRIDE
+    may not open it for reading (seen on the real node: "Permission denied"), but may still name it. Owner and mode
+    are changed through /proc/self/fd/N, the descriptor's own object, which nothing can swap."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as exc:
         raise ConfigError("--dir", f"{path!r} is not a directory (or is a link): {exc.strerror}") from None
     try:
-        os.fchown(fd, uid, gid)
-        os.fchmod(fd, MODE)
         st = os.fstat(fd)
+        if (st.st_uid, st.st_gid, st.st_mode & 0o7777) != (uid, gid, MODE):
+            os.chown(f"/proc/self/fd/{fd}", uid, gid)
+            os.chmod(f"/proc/self/fd/{fd}", MODE)
+            st = os.fstat(fd)
     finally:
         os.close(fd)
     return st.st_uid, st.st_gid, st.st_mode & 0o7777
