@@ -41,6 +41,24 @@ SHARED_LABEL = "kvoffload.io/shared-cache"
 CHUNK = "meta-llama-SEP-Llama-3.1-8B-Instruct@0x01000000@0@" + "cd" * 16 + ".data"  # fs_native's name for a chunk
 
 
+FORWARDING = Path("/proc/sys/net/ipv4/conf") / node.BRIDGE / "forwarding"
+
+
+@pytest.fixture
+def bridge_forwarding():
+    """Pod to ClusterIP to pod on the node: kube-proxy's DNAT turns it into a packet the host forwards from the bridge
+    back onto it, which every Kubernetes node does (ip_forward=1). The real node restores the host's ip_forward (0
+    here) once it is Ready; this turns forwarding on for packets that arrive on the bridge only, for this test (the
+    node's guard still drops anything from the bridge to another interface, and its counters show it), and puts the
+    old value back."""
+    before = FORWARDING.read_text().strip()
+    FORWARDING.write_text("1\n")
+    try:
+        yield
+    finally:
+        FORWARDING.write_text(before + "\n")
+
+
 @pytest.fixture
 def shm_root():
     """The admin's tmpfs root on the node (the real node is this machine): a tmpfs of its own, so the L1s cannot
@@ -143,7 +161,8 @@ def disk_report(pod: dict) -> dict:
     return {}
 
 
-def test_one_server_per_node_shared_by_the_replicas_there(demo, node_ns, engine_image, shm_root, disk_base):
+def test_one_server_per_node_shared_by_the_replicas_there(demo, node_ns, engine_image, shm_root, disk_base,
+                                                          bridge_forwarding):
     cfg = node.operator_config(demo)
     assert cfg.get("sharedMemoryRoot") == SHARED_MEMORY_ROOT, (
         "the demo's operator has no sharedMemoryRoot (tests/cluster/demo-values.yaml); a demo from an older tree?", cfg)
@@ -155,6 +174,7 @@ def test_one_server_per_node_shared_by_the_replicas_there(demo, node_ns, engine_
         _lifecycle(demo, node_ns, shm_root, disk_base, grace, t0)
     finally:
         c.delete("kvs", NAME, node_ns, missing_ok=True)
+    assert not any(node.guard_counters().values()), node.guard_counters()  # nothing left the bridge
 
 
 def _lifecycle(demo, ns, shm_root, disk_base, grace, t0):
