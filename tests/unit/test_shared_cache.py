@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from datetime import datetime
+from datetime import datetime, timezone
 
 import pytest
 
@@ -297,3 +297,60 @@ def test_wait_for_shared_cache(capsys):
         assert cli.main(["wait-for-shared-cache", "--address", f"127.0.0.1:{port}", "--timeout", "5"]) == 0
     assert not wait_server.wait("127.0.0.1", port, timeout=0.2, interval=0.1)
     assert cli.main(["wait-for-shared-cache", "--address", "nohost"]) == 2
+
+
+# --- the reconcile's reads for PerNode (controller/reconcile.py), against a stand-in of the operator's cached client
+class Cached:
+    """get/list/apply as controller.cache.CachedKube answers them, from a dict of objects by path."""
+
+    def __init__(self, objects: dict[str, dict], lists: dict[str, list[dict]] | None = None) -> None:
+        self.objects, self.lists, self.applied = objects, lists or {}, []
+
+    def get(self, path):
+        return self.objects.get(path)
+
+    def list(self, path, selector):
+        return self.lists.get(path, [])
+
+    def apply(self, obj):
+        self.applied.append(obj)
+        return {**obj, "spec": {**obj["spec"], "clusterIP": "198.19.0.7"}}
+
+
+OURS = [{"uid": "uid-1", "controller": True}]
+SVC = "/api/v1/namespaces/team-a/services/chat-cache"
+
+
+def test_the_address_is_the_clusterip_of_our_own_service():
+    from kvoffload.controller import reconcile
+    assert reconcile._cluster_ip(None, "uid-1") == ""
+    assert reconcile._cluster_ip({"metadata": {"ownerReferences": OURS}, "spec": {"clusterIP": "1.2.3.4"}},
+                                 "uid-1") == "1.2.3.4"
+    theirs = {"metadata": {"ownerReferences": [{"uid": "other", "controller": True}]}, "spec": {"clusterIP": "9.9.9.9"}}
+    assert reconcile._cluster_ip(theirs, "uid-1") == ""  # another owner's: NameConflict comes from sync_children
+
+
+def test_the_service_is_created_first_only_when_absent():
+    from kvoffload.controller import reconcile
+    d = desired(address="")
+    kube = Cached({})
+    assert reconcile._create_service(kube, d, "team-a", "chat", "uid-1") == "198.19.0.7"  # applied; its ClusterIP
+    (svc,) = kube.applied
+    assert svc["kind"] == "Service" and svc["metadata"]["name"] == "chat-cache"
+    kube = Cached({SVC: {"metadata": {}}})
+    assert reconcile._create_service(kube, d, "team-a", "chat", "uid-1") == "" and not kube.applied
+
+
+def test_the_nodes_come_from_the_cached_pods_and_servers():
+    from kvoffload.controller import reconcile
+    serving = render.serving_labels(render.Owner("chat", "team-a"))
+    pods = [{"metadata": {"labels": serving}, "spec": {"nodeName": "a"}}]
+    idle = {"metadata": {"ownerReferences": OURS, "labels": {"app.kubernetes.io/component": shared_cache.COMPONENT},
+                         "annotations": {shared_cache.NODE_ANNOTATION: "b",
+                                         shared_cache.IDLE_ANNOTATION: "2026-12-03T21:59:00Z"}}}
+    kube = Cached({SVC: {"metadata": {"ownerReferences": OURS}, "spec": {"clusterIP": "198.19.0.7"}}},
+                  {"/apis/apps/v1/namespaces/team-a/deployments": [idle]})
+    nodes, address = reconcile._shared_servers(kube, "team-a", "chat", "uid-1", pods, SETTINGS,
+                                               datetime(2026, 12, 3, 22, 0, 0, tzinfo=timezone.utc))
+    assert nodes == (shared_cache.Node("a"), shared_cache.Node("b", "2026-12-03T21:59:00Z"))
+    assert address == "198.19.0.7"
