@@ -101,7 +101,10 @@ def test_the_l1_moves_from_every_replica_to_the_nodes_server():
     term = {t.name: t.bytes for t in per_node.memory_terms}
     assert term["cpu_tier"] == 0 and {t.name: t.bytes for t in side.memory_terms}["cpu_tier"] == l1
     assert side.shm - per_node.shm == l1  # /dev/shm: NCCL's share only
-    assert side.memory_limit - per_node.memory_limit >= l1
+    assert side.memory_request - per_node.memory_request >= l1
+    # The L1 in each replica's limit only: vLLM's workers are charged for it if they fault it in first.
+    assert per_node.memory_limit == per_node.memory_request + l1
+    assert term["l1_limit_only"] == l1
     server = {t.name: t.bytes for t in per_node.server_memory_terms}
     assert server["l1"] == l1 and server["server_baseline"] == 2 * GiB
     assert per_node.server_memory == per_node.server_memory_limit  # request = limit
@@ -116,6 +119,11 @@ def test_kvoffload_plan_sizes_it(capsys):
     out = json.loads(capsys.readouterr().out)
     budget = out[0]["budget"] if isinstance(out, list) else out.get("budget", out)
     assert budget["shared"]["scope"] == "node" and budget["serverMemory"]["request"] == budget["serverMemory"]["limit"]
+    assert cli.main(["plan", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--max-model-len", "32768",
+                     "--cpu-size", "40Gi", "--backend", "lmcache-server", "--server", "PerNode"]) == 0
+    text = capsys.readouterr().out
+    assert "shared LMCache server pod, one per node with replicas: request = limit" in text
+    assert "memory request: " in text and "l1_limit_only" in text
     assert cli.main(["plan", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--cpu-size", "40Gi",
                      "--server", "PerNode"]) == 2
     assert "--backend lmcache runs no LMCache server to share" in capsys.readouterr().err

@@ -196,6 +196,11 @@ class Backend(ABC):
     def warnings(self, s: Sizing) -> list[str]:
         return []
 
+    def vllm_limit_only(self, s: Sizing) -> MemoryTerm | None:
+        """A term the vLLM container's memory limit holds beyond its request (pages another pod's process may leave
+        for vLLM's workers to fault in); None: request = limit."""
+        return None
+
     def shm_extra(self, s: Sizing) -> int:
         """Bytes this backend keeps in the pod's memory-backed /dev/shm beyond NCCL's share."""
         return 0

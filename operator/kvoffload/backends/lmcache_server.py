@@ -152,6 +152,16 @@ class LMCacheServer(Backend):
                           f"container faults it in first (the server when it sees a GPU, else the {s.tp} vLLM "
                           "worker(s) that pin it), so both limits hold it; requested here only")
 
+    def vllm_limit_only(self, s: Sizing) -> MemoryTerm | None:
+        if not s.shared:
+            return None
+        # Not measured between pods: a server that sees no GPU leaves the L1 untouched, and the vLLM workers that map
+        # and pin it are charged (docs/backends.md, "Memory"). The node's server requests the L1; every replica's
+        # limit holds it too, so neither is OOM-killed for pages it faulted (the segment's pages exist once).
+        return MemoryTerm("l1_limit_only", s.cpu_size,
+                          "the node server's L1 segment, in the limit only: charged here if this pod's workers fault "
+                          "it in first (a server that sees no GPU touches none of it); the server pod requests it")
+
     def shm_extra(self, s: Sizing) -> int:
         # The L1 segment lives there; LMCache falls back to slow pickling if it does not fit. PerNode: it lives in the
         # resource's directory on the admin's tmpfs, which the pod's /dev/shm is.

@@ -329,8 +329,11 @@ def render_table(inp: PlanInput, b: Budget) -> str:
     ]
     for t in b.tiers:
         lines.append(f"{t.name:<6}{human(t.bytes):>14}{human(t.bytes_per_worker):>14}{t.tokens:>14,}{t.sequences:>11,}")
-    lines += ["", f"memory request = limit: {format_bytes(b.memory_limit)} "
-                  f"({human(b.memory_limit)}), /dev/shm {format_bytes(b.shm)}"]
+    memory = (f"memory request = limit: {format_bytes(b.memory_limit)} ({human(b.memory_limit)})"
+              if b.memory_request == b.memory_limit else
+              f"memory request: {format_bytes(b.memory_request)} ({human(b.memory_request)}), limit: "
+              f"{format_bytes(b.memory_limit)} ({human(b.memory_limit)})")
+    lines += ["", f"{memory}, /dev/shm {format_bytes(b.shm)}"]
     lines += [f"  {t.name:<16}{human(t.bytes):>12}  {t.note}" for t in b.memory_terms]
     w = b.weights
     lines += ["", f"local disk (ephemeral-storage request): {format_bytes(w.ephemeral_storage)} "
@@ -338,7 +341,11 @@ def render_table(inp: PlanInput, b: Budget) -> str:
     lines += [f"  {t.name:<16}{human(t.value):>12}  {t.note}" for t in w.storage_terms]
     lines += [f"start-up probe budget: {w.startup_seconds} s ({w.startup_seconds / 60:.3g} min)"]
     lines += [f"  {t.name:<16}{t.value:>10} s  {t.note}" for t in w.startup_terms]
-    if b.server_memory:
+    if b.shared:
+        lines += ["", f"shared LMCache server pod, one per node with replicas: request = limit "
+                      f"{format_bytes(b.server_memory)} ({human(b.server_memory)})"]
+        lines += [f"  {t.name:<16}{human(t.bytes):>12}  {t.note}" for t in b.server_memory_terms]
+    elif b.server_memory:
         lines += ["", f"LMCache server container request: {format_bytes(b.server_memory)} ({human(b.server_memory)}), "
                       f"limit: {format_bytes(b.server_memory_limit)} ({human(b.server_memory_limit)}, + the L1)"]
         lines += [f"  {t.name:<16}{human(t.bytes):>12}  {t.note}" for t in b.server_memory_terms]

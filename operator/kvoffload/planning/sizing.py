@@ -204,8 +204,8 @@ class Budget:
     kv_bytes_per_sequence: int  # one max_model_len request on the GPU (window rule applied)
     tiers: tuple[TierBudget, ...]  # gpu, cpu, disk (zeros when off)
     memory_terms: tuple[MemoryTerm, ...]
-    memory_request: int  # = limit, of the vLLM container
-    memory_limit: int
+    memory_request: int  # of the vLLM container
+    memory_limit: int  # = the request, + a term some backends keep in the limit only (Backend.vllm_limit_only)
     server_memory_terms: tuple[MemoryTerm, ...]  # the LMCache server container; () without one
     server_memory: int  # its request; 0 without one
     server_memory_limit: int  # its limit: the request + the L1 (see lmcache-server above); 0 without one
@@ -437,6 +437,12 @@ def _memory(inp: PlanInput, offload: bool, s: Sizing) -> tuple[tuple[MemoryTerm,
     return terms_, total, shm + backend.shm_extra(s)
 
 
+def _limit_only(inp: PlanInput, s: Sizing) -> tuple[tuple[MemoryTerm, ...], int]:
+    """The vLLM container's limit-only term, if its backend keeps one, and its whole MiB."""
+    term = backends.REGISTRY[inp.backend].vllm_limit_only(s)
+    return ((term,), -(-term.bytes // MiB) * MiB) if term else ((), 0)
+
+
 def _sidecar_memory(inp: PlanInput, s: Sizing) -> tuple[tuple[MemoryTerm, ...], int, int]:
     """The backend's sidecar container: its terms, request (with headroom) and limit (+ a limit-only term)."""
     request_terms, limit_only = backends.REGISTRY[inp.backend].sidecar_memory(s)
@@ -495,6 +501,7 @@ def plan(inp: PlanInput) -> Budget:
     tiers = (gpu, _offload_tier("cpu", inp.cpu_size, inp, per_gpu_bpt, unit),
              _offload_tier("disk", inp.disk_size, inp, per_gpu_bpt, unit))
     terms, total, shm = _memory(inp, offload, s)
+    limit_only, extra = _limit_only(inp, s)
     server_terms, server_total, server_limit = _sidecar_memory(inp, s)
 
     warnings: list[str] = []
@@ -545,9 +552,9 @@ def plan(inp: PlanInput) -> Budget:
         kv_bytes_per_token_per_gpu=per_gpu_bpt,
         kv_bytes_per_sequence=seq_per_gpu * tp,
         tiers=tiers,
-        memory_terms=terms,
+        memory_terms=(*terms, *limit_only),
         memory_request=total,
-        memory_limit=total,
+        memory_limit=total + extra,
         server_memory_terms=server_terms,
         server_memory=server_total,
         server_memory_limit=server_limit,

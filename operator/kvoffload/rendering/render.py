@@ -157,7 +157,7 @@ _restricted = pod_security.restricted
 def _vllm_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings, backend: Backend,
                     config: bool) -> dict[str, Any]:
     tp = str(spec.engine.tensor_parallel_size)
-    memory = format_bytes(budget.memory_limit)
+    request, limit = format_bytes(budget.memory_request), format_bytes(budget.memory_limit)
     mounts = [*([_config_mount()] if config else []),
               shared_cache.shm_mount(owner.name) if spec.offload.shared else {"name": "dshm", "mountPath": "/dev/shm"},
               {"name": "prometheus-multiproc", "mountPath": MULTIPROC_DIR}]
@@ -172,9 +172,9 @@ def _vllm_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings
         "env": _vllm_env(spec, settings, backend),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "resources": {
-            "requests": {"cpu": spec.resources.cpu, "memory": memory, spec.resources.gpu_resource_name: tp,
+            "requests": {"cpu": spec.resources.cpu, "memory": request, spec.resources.gpu_resource_name: tp,
                          "ephemeral-storage": pod_security.ephemeral_storage(budget)},
-            "limits": {"memory": memory, spec.resources.gpu_resource_name: tp},
+            "limits": {"memory": limit, spec.resources.gpu_resource_name: tp},
         },
         "volumeMounts": mounts,
         # Downloading and loading weights: the Budget's start-up seconds before liveness applies.
