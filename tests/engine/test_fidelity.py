@@ -29,7 +29,7 @@ from kvtest.fidelity import case, for_image
 from kvtest.strategies import valid_specs
 
 EXAMPLES = sorted((engine_venv.ROOT / "examples").glob("*.yaml"))
-SETTINGS = Settings()
+SETTINGS = Settings(shared_memory_root="/run/kvoffload-shm")  # kvtest.specs.EXAMPLE_SETTINGS: what the examples need
 GENERATED = 250  # rendered specs wanted from the generator (>= 200 are required)
 CONNECTOR = {"lmcache": "LMCacheConnectorV1", "lmcache-server": "LMCacheMPConnector",
              "vllm-native": "OffloadingConnector"}

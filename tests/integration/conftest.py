@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import shutil
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,18 @@ def operator(cluster, crd_installed, namespace):
     yield proc
     proc.stop()
     print(proc.output()[-5000:])
+
+
+NODE_DISK_ROOT = Path("/var/lib/kvoffload")  # one of the chart's allowedDiskRoots; the only one the real node has
+
+
+@pytest.fixture
+def disk_base():
+    """A fresh directory below the real node's disk root, for a resource's spec.offload.disk.path; removed after."""
+    NODE_DISK_ROOT.mkdir(exist_ok=True)
+    base = NODE_DISK_ROOT / f"t-{uuid.uuid4().hex[:8]}"
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -101,6 +101,17 @@ CASES = [
     Case("missing secret name", {"spec.model.hfTokenSecret": {"key": "token"}}, API, "spec.model.hfTokenSecret.name",
          "Required value"),
     # --- conflicting fields
+    # spec.offload.server PerNode (docs/shared-cache.md): only backend lmcache-server runs a server to share; its L2
+    # is on the node; the admin's tmpfs root is known to the operator only.
+    Case("conflict server PerNode on lmcache", {"spec.offload.server": "PerNode"}, API, "spec.offload.server",
+         "must be Sidecar with spec.offload.backend lmcache"),
+    Case("conflict server PerNode with storageClass",
+         {"spec.offload.backend": "lmcache-server", "spec.offload.server": "PerNode",
+          "spec.offload.disk": {"storageClassName": "local-nvme", "size": "100Gi"}}, API, "spec.offload.server",
+         "the allowed value is Sidecar"),
+    Case("op server PerNode without the admin's root",
+         {"spec.offload.backend": "lmcache-server", "spec.offload.server": "PerNode"}, OPERATOR,
+         "spec.offload.server", "sharedMemoryRoot); allowed values here: Sidecar"),
     Case("conflict path and storageClass", {"spec.offload.disk.storageClassName": "local-nvme"}, API,
          "spec.offload.disk",
          "set exactly one of"),

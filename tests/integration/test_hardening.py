@@ -27,9 +27,10 @@ import pytest
 import yaml
 
 from kvoffload.api import crd
-from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
+from kvoffload.rendering import shared_cache
 from kvtest import ROOT, ApiError, OperatorProcess
+from kvtest.specs import EXAMPLE_SETTINGS
 
 pytestmark = pytest.mark.cluster
 
@@ -71,8 +72,15 @@ def pod_dry_run(cluster, namespace: str, pod_spec: dict, name: str = "probe") ->
 
 
 def rendered_pod(doc: dict) -> dict:
-    d = pipeline.desired(doc["metadata"]["name"], doc["metadata"]["namespace"], "", doc["spec"], Settings())
+    d = pipeline.desired(doc["metadata"]["name"], doc["metadata"]["namespace"], "", doc["spec"], EXAMPLE_SETTINGS)
     return next(c for c in d.children if c["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+
+
+def shared_server_pod(doc: dict) -> dict:
+    """spec.offload.server PerNode: the pod of a node's shared LMCache server (rendered for one node)."""
+    d = pipeline.desired(doc["metadata"]["name"], doc["metadata"]["namespace"], "", doc["spec"], EXAMPLE_SETTINGS,
+                         nodes=(shared_cache.Node("gpu-node-0"),))
+    return next(c for c in d.children if c["kind"] == "Deployment")["spec"]["template"]["spec"]
 
 
 # --------------------------------------------------------------------------- Pod Security
@@ -100,12 +108,16 @@ def test_every_rendering_is_admitted_exactly_where_the_docs_say(cluster, namespa
             pod = rendered_pod(doc)
         except Exception:  # the example the operator refuses renders no pod
             continue
+        if doc["spec"]["offload"].get("server") == "PerNode":  # the shared /dev/shm is a hostPath, and no ephemeral L2
+            cases += [(path.name, pod, True), (path.name + " (shared server)", shared_server_pod(doc), True)]
+            continue
         cases.append((path.name, pod, bool(doc["spec"]["offload"].get("disk", {}).get("path"))))
         if doc["spec"]["offload"].get("disk"):
             eph = with_ephemeral_disk(doc, doc["metadata"]["name"])
             cases.append((path.name + " (storageClassName)", rendered_pod(eph), False))
-    # 5 examples render (the field one is refused); 3 have a hostPath disk, also tried as ephemeral volumes
-    assert len(cases) == 8
+    # 6 examples render (the field one is refused); 3 have a hostPath disk, also tried as ephemeral volumes; the
+    # PerNode one's serving pod and shared server pod are hostPath pods
+    assert len(cases) == 10
     for label, pod, host_path in cases:
         refusal = pod_dry_run(cluster, namespace, pod)
         if host_path and level != "privileged":

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
 from pathlib import Path
 
 import pytest
@@ -22,16 +20,7 @@ from kvtest import condition, node
 
 pytestmark = pytest.mark.cluster
 
-DISK_ROOT = Path("/var/lib/kvoffload")  # one of the chart's allowedDiskRoots; the only one this node has
 CHUNK = "meta-llama-SEP-Llama-3.1-8B-Instruct@0x01000000@0@" + "ab" * 16 + ".data"  # fs_native's name for a chunk
-
-
-@pytest.fixture
-def disk_base():
-    DISK_ROOT.mkdir(exist_ok=True)
-    base = DISK_ROOT / f"keep-{uuid.uuid4().hex[:8]}"
-    yield base
-    shutil.rmtree(base, ignore_errors=True)
 
 
 def pod_uid(demo, ns: str, name: str) -> str | None:

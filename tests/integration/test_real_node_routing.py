@@ -31,7 +31,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 
 from kvtest import condition, node
 from kvtest import router_workload as rw
@@ -39,7 +38,6 @@ from kvtest import router_workload as rw
 pytestmark = pytest.mark.cluster
 
 DISK_ROOT = Path("/var/lib/kvoffload")  # one of the chart's allowedDiskRoots
-RELEASE_NS = "kvoffload-system"
 NAME = "routed"
 REPLICAS = 2
 ROUTER_UID = 65532  # images/router/Dockerfile USER, the rendered runAsUser
@@ -51,12 +49,6 @@ def disk_dir():
     d = DISK_ROOT / f"t-{uuid.uuid4().hex[:8]}"
     yield d
     shutil.rmtree(d, ignore_errors=True)
-
-
-def operator_config(demo) -> dict:
-    """The settings file the chart gave the demo's operator (its ConfigMap's config.yaml)."""
-    (cm,) = [c for c in demo.client.list("configmaps", RELEASE_NS) if "config.yaml" in (c.get("data") or {})]
-    return yaml.safe_load(cm["data"]["config.yaml"])
 
 
 def wait_cond(demo, ns, name, type_, status, timeout=300):
@@ -73,7 +65,7 @@ def to_bytes(q: str) -> int:
 
 def test_the_rendered_router_pod_routes_to_the_serving_pods_on_the_real_node(demo, node_ns, engine_image, router_image,
                                                                               disk_dir):
-    cfg = operator_config(demo)
+    cfg = node.operator_config(demo)
     assert cfg.get("routerNodeSelector") == node.PLACEMENT["nodeSelector"] and cfg.get("routerImage") == router_image, (
         "the demo's operator does not run routers on the real node from the image built here (tests/cluster/"
         "demo-values.yaml: routerNodeSelector, routerTolerations, "

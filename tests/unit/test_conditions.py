@@ -349,7 +349,7 @@ def test_the_declared_conditions_written_out_by_hand():
     from kvoffload.cli import generate
 
     assert declared.TYPES == ("Ready", "ConfigValid", "Scheduled", "OffloadActive", "EngineVerified", "DiskTierReady",
-                              "RouterReady", "AutoscalingReady", "Reconciling", "Stalled")
+                              "SharedCacheReady", "RouterReady", "AutoscalingReady", "Reconciling", "Stalled")
     reasons = {c.type: set(c.reasons) for c in declared.CONDITIONS}
     assert {"AllReplicasReady", "Unschedulable", "PodsFailing", "RollingOut", "ReplicasNotReady", "RouterNotReady",
             "InvalidSpec", "ApplyRefused", "NameConflict"} <= reasons["Ready"]

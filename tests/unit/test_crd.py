@@ -41,7 +41,8 @@ FULL_SPEC = {
 EPHEMERAL_SPEC = {**FULL_SPEC, "offload": {**FULL_SPEC["offload"],
                                            "disk": {"storageClassName": "local-nvme", "size": "100Gi"}}}
 # Fields of one backend only (backends/*.refuses): the LMCache server's memory needs backend lmcache-server (LRU).
-SERVER_SPEC = {**FULL_SPEC, "offload": {**FULL_SPEC["offload"], "backend": "lmcache-server", "cpu": {"size": "40Gi"}},
+SERVER_SPEC = {**FULL_SPEC, "offload": {**FULL_SPEC["offload"], "backend": "lmcache-server", "cpu": {"size": "40Gi"},
+                                        "server": "PerNode"},
                "resources": {**FULL_SPEC["resources"], "serverBaseline": "2Gi"}}
 
 
@@ -74,7 +75,7 @@ def test_parser_reads_exactly_the_fields_the_schema_declares(monkeypatch):
     mirror = Settings(allowed_images=("registry.example/mirror/*",))  # FULL_SPEC's image
     parse(FULL_SPEC, mirror)
     parse(EPHEMERAL_SPEC, mirror)
-    parse(SERVER_SPEC, mirror)
+    parse(SERVER_SPEC, dataclasses.replace(mirror, shared_memory_root="/run/kvoffload-shm"))
     parse(AUTOSCALED_SPEC, dataclasses.replace(KEDA, allowed_images=mirror.allowed_images))
     assert read >= crd.leaf_paths(), sorted(crd.leaf_paths() - read)
     parent_paths = {p.rsplit(".", 1)[0] for p in crd.leaf_paths()} | {""}

@@ -11,11 +11,11 @@ from __future__ import annotations
 import yaml
 
 from kvoffload.api.quantity import to_bytes
-from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
+from kvoffload.rendering import render
 from kvtest import ROOT
 from kvtest.fleet import render_nodes
-from kvtest.specs import EXAMPLES
+from kvtest.specs import EXAMPLE_SETTINGS, EXAMPLES
 
 RESOURCES = ("cpu", "memory", "nvidia.com/gpu", "ephemeral-storage")
 
@@ -32,12 +32,14 @@ def demo_pods() -> list[dict]:
         doc = yaml.safe_load(path.read_text())
         if "as-seen-in-the-field" in doc["metadata"]["name"]:
             continue  # refused (ConfigValid=False): no pods
-        children = pipeline.desired(doc["metadata"]["name"], doc["metadata"]["namespace"], "", doc["spec"],
-                                    Settings()).children
-        sts = next(c for c in children if c["kind"] == "StatefulSet")
+        owner = render.Owner(doc["metadata"]["name"], doc["metadata"]["namespace"])
+        d = pipeline.desired(owner.name, owner.namespace, "", doc["spec"], EXAMPLE_SETTINGS)
+        sts = next(c for c in d.children if c["kind"] == "StatefulSet")
         spec = sts["spec"]["template"]["spec"]
         req = {r: 0.0 for r in RESOURCES}
-        for c in spec["containers"]:
+        # spec.offload.server PerNode: a replica alone on its node needs room for that node's server beside it.
+        server = [render.shared_server_pod(owner, d.spec, d.budget, EXAMPLE_SETTINGS)] if d.spec.offload.shared else []
+        for c in [c for p in (spec, *server) for c in p["containers"]]:
             for r, v in c.get("resources", {}).get("requests", {}).items():
                 req[r] = req.get(r, 0.0) + qty(v)
         for _ in range(sts["spec"]["replicas"]):

@@ -55,6 +55,7 @@ CASES: dict[str, tuple[dict, object]] = {
     "engine.apiKeySecretRef.key": ({"engine__apiKeySecretRef__name": "api"}, "other"),
     "offload.backend": None,  # the axis itself
     "offload.chunkSize": ({}, 512),
+    "offload.server": ({}, "PerNode"),
     "offload.cpu.size": ({}, "48Gi"),
     "offload.cpu.evictionPolicy": ({}, "LFU"),
     "offload.cpu.readGbps": ({}, 5),
@@ -103,7 +104,9 @@ CASES: dict[str, tuple[dict, object]] = {
 }
 # spec.autoscaling is rendered with the operator setting autoscaler keda (scale to zero needs it).
 MIRRORS = ("registry.example/*",)  # the admin allows the mirror spec.engine.image is tried with
-KEDA = Settings(autoscaler="keda", prometheus_address="http://prometheus.monitoring.svc:9090", allowed_images=MIRRORS)
+SHM_ROOT = "/run/kvoffload-shm"  # the admin's tmpfs root for spec.offload.server PerNode
+KEDA = Settings(autoscaler="keda", prometheus_address="http://prometheus.monitoring.svc:9090", allowed_images=MIRRORS,
+                shared_memory_root=SHM_ROOT)
 
 
 def base(backend: str, **patch) -> dict:
@@ -116,7 +119,7 @@ def output(s: dict) -> object:
     yet) and the node disk cleaner's verdict once the resource is gone; or the ConfigError it refuses it with."""
     try:
         d = pipeline.desired("svc", "team-a", "uid-1", s, KEDA if s.get("autoscaling")
-                             else Settings(allowed_images=MIRRORS))
+                             else Settings(allowed_images=MIRRORS, shared_memory_root=SHM_ROOT))
     except ConfigError as err:
         return err
     body = {"metadata": {"name": "svc", "namespace": "team-a", "generation": 1}, "spec": s}

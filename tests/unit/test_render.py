@@ -19,7 +19,7 @@ from kvoffload.engine import images
 from kvoffload.engine import versions as engine_versions
 from kvoffload.rendering import render
 from kvtest import ROOT
-from kvtest.specs import EXAMPLES, spec
+from kvtest.specs import EXAMPLE_SETTINGS, EXAMPLES, spec
 
 GOLDEN = ROOT / "tests" / "golden"
 
@@ -28,7 +28,7 @@ def render_example(path):
     doc = yaml.safe_load(path.read_text())
     meta = doc["metadata"]
     try:
-        return dump_all(pipeline.desired(meta["name"], meta["namespace"], "", doc["spec"], Settings()).children)
+        return dump_all(pipeline.desired(meta["name"], meta["namespace"], "", doc["spec"], EXAMPLE_SETTINGS).children)
     except ConfigError as exc:
         return f"# error\n{exc}\n"
 
@@ -187,7 +187,7 @@ def test_vllm_prelude_empties_the_multiproc_dir_at_every_start(path, tmp_path):
     s = doc["spec"]
     s.setdefault("engine", {})["extraArgs"] = ["--override-generation-config", '{"temperature": 0.5}',
                                                "--chat-template=a b"]
-    children = pipeline.desired(doc["metadata"]["name"], "ns", "", s, Settings()).children
+    children = pipeline.desired(doc["metadata"]["name"], "ns", "", s, EXAMPLE_SETTINGS).children
     container = pod_of(children)["containers"][0]
     assert container["command"][:3] == ["/bin/sh", "-c", render.VLLM_PRELUDE]
     argv = render.vllm_argv(container)

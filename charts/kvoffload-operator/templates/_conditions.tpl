@@ -6,6 +6,7 @@
    OffloadActive: The pods' exporters prove the offload backend serves prompt tokens (kvoffload_offload_active).
    EngineVerified: The pods run the vLLM / LMCache pair the operator rendered for (kvoffload_engine_info).
    DiskTierReady: The disk tier's per-pod directories are prepared on their nodes: emptied, or kept where the engine reads them again and the disk fingerprint is unchanged.
+   SharedCacheReady: spec.offload.server PerNode: every node that runs replicas of this resource has its shared LMCache server ready (one server pod per node, shared by the replicas there).
    RouterReady: The router in front of the replicas (spec.routing) is available and routes to them.
    AutoscalingReady: The autoscaler spec.autoscaling renders can read its metrics: the API server serves what it needs (discovery, read at start and on every resync).
    Reconciling: True while a valid spec is not yet Ready (kstatus, read by Helm --wait and Flux); its reason is Ready's.

@@ -74,6 +74,17 @@ CONDITIONS: tuple[ConditionType, ...] = (
         "DirectoriesKept": "every pod's directory is prepared, and at least one kept the files of the pod before it "
                            "(the same resource and disk fingerprint): that replica starts warm",
         "Preparing": "pod directories are being prepared"}),
+    ConditionType("SharedCacheReady", "spec.offload.server PerNode: every node that runs replicas of this resource "
+                                      "has its shared LMCache server ready (one server pod per node, shared by the "
+                                      "replicas there).", {
+        **_COMMON,
+        "NotConfigured": "spec.offload.server is not PerNode: each replica keeps its own tiers",
+        "NoReplicasPlaced": "no replica is bound to a node yet: no server is needed",
+        "ServersReady": "every node with a replica has its server ready (the message lists them, and the servers kept "
+                        "without replicas until their grace period ends)",
+        "ServersNotReady": "a node with a replica has no ready server (being created, starting, or gone): a replica "
+                           "starting there waits for it; one running serves without the shared tier (requests "
+                           "answered, nothing reused) until it is back"}),
     ConditionType("RouterReady",
                   "The router in front of the replicas (spec.routing) is available and routes to them.", {
         **_COMMON,

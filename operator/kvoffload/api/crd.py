@@ -295,6 +295,14 @@ def _offload() -> Schema:
                          "2048; reload 0.110 s vs 0.068 s; docs/benchmarks.md). vllm-native offloads whole vLLM KV "
                          "blocks and refuses any value but the default.",
                          minimum=16, maximum=8192, default=256),
+         "server": _s("Where the LMCache server of backend lmcache-server runs. Sidecar: one in every serving pod, its "
+                      "L1 and L2 that pod's own. PerNode: one server pod per node where this resource's replicas run, "
+                      "shared by them (each prefix stored once per node; a replica added or restarted there starts "
+                      "warm), kept a grace period after the last replica left the node; vLLM reaches it through a "
+                      "per-resource shared-memory directory under the operator's sharedMemoryRoot (hostPath: Pod "
+                      "Security \"privileged\") and a node-local Service. Other backends run no server: "
+                      "docs/shared-cache.md.",
+                      enum=list(rules.SERVER_PLACEMENTS), default=rules.SIDECAR),
          "cpu": cpu,
          "disk": disk},
         required=["cpu"],

@@ -135,6 +135,18 @@ DISK_ONE_OF = Rule(
             "spec.offload.disk.storageClassName (ephemeral volume)",
     holds=lambda d: (get(d, "path") is None) != (get(d, "storageClassName") is None),
 )
+# spec.offload.server: where backend lmcache-server's LMCache server runs (the first is the default; api/crd.py).
+SERVER_PLACEMENTS = ("Sidecar", "PerNode")
+SIDECAR, SHARED = SERVER_PLACEMENTS
+SHARED_DISK_ON_NODE = Rule(
+    at="spec.offload",
+    cel=f"!has(self.server) || self.server != '{SHARED}' || !has(self.disk) || !has(self.disk.storageClassName)",
+    field=".server",
+    message=f"spec.offload.server {SHARED} keeps its L2 on the node (spec.offload.disk.path, a hostPath) or has none: "
+            f"a storageClassName volume belongs to one pod; with spec.offload.disk.storageClassName the allowed value "
+            f"is {SIDECAR}",
+    holds=lambda o: get(o, "server") != SHARED or get(o, "disk.storageClassName") is None,
+)
 NODE_SELECTORS = Rule(
     at="spec",
     cel="!has(self.offload.disk) || !has(self.offload.disk.nodeSelector) || !has(self.scheduling) "
@@ -203,7 +215,8 @@ AUTOSCALING_WAKE = Rule(
     holds=lambda a: (get(a, "minReplicas") == 0) == (get(a, "wakeQuery") is not None),
 )
 # What a backend cannot honour is declared by the backend (backends/, Backend.refuses; crd.backend_refusals).
-RULES: tuple[Rule, ...] = (ENV, *METRICS_PORTS, KV_HEADS, DISK_PATH_NORMALIZED, DISK_ONE_OF, NODE_SELECTORS,
+RULES: tuple[Rule, ...] = (ENV, *METRICS_PORTS, KV_HEADS, DISK_PATH_NORMALIZED, DISK_ONE_OF, SHARED_DISK_ON_NODE,
+                           NODE_SELECTORS,
                            MEMORY_HOLDS_CPU_TIER,
                            AUTOSCALING_RECOMPUTE_REMOVED, AUTOSCALING_TARGETS, AUTOSCALING_MIN_MAX, AUTOSCALING_WAKE)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -34,6 +35,14 @@ class Settings:
     # the `kvoffload` package (images/operator/Dockerfile; the chart fills in its own image when this is empty).
     exporter_image: str = "ghcr.io/kvoffload/kvoffload:0.1.0"
     exporter_image_pull_policy: str = "IfNotPresent"
+    # spec.offload.server PerNode (docs/shared-cache.md): a tmpfs directory the admin mounted on every node that may
+    # run this operator's serving pods (e.g. a `mount -t tmpfs -o size=...` of its own, root-owned, mode 0755). Each
+    # resource's server and serving pods on a node share <root>/<namespace>/<name> as their /dev/shm (hostPath, type
+    # Directory, the rest a subPathExpr), where the server's L1 segment lives. Empty: PerNode is refused.
+    shared_memory_root: str = ""
+    # How long a node's shared server outlives the last of its resource's replicas there, so that a replica rescheduled
+    # or scaled up on the node soon after finds it warm.
+    shared_server_grace_seconds: int = 600
     # Node label (key=value) that marks nodes with local NVMe for the disk tier.
     nvme_node_label: str = "kvoffload.io/nvme=true"
     default_gpu_memory: str = "80Gi"
@@ -127,6 +136,7 @@ def from_dict(data: dict[str, Any]) -> Settings:
         if isinstance(value, bool) or not isinstance(value, kind) or value < least:
             raise ConfigError(f"operator config {_camel(name)}", f"must be a number >= {least}, got {value!r}")
     _check_placement(kwargs)
+    _check_shared(kwargs)
     _check_images(kwargs)
     autoscaler = kwargs.get("autoscaler", Settings.autoscaler)
     if autoscaler not in crd.AUTOSCALERS:
@@ -169,6 +179,20 @@ def _check_placement(kwargs: dict[str, Any]) -> None:
         if t.get("effect", "") not in TOLERATION_EFFECTS:
             raise ConfigError(f"{where}.effect", f"{t['effect']!r} is not allowed; allowed values: "
                                                  f"{', '.join(e or '(empty: all)' for e in TOLERATION_EFFECTS)}")
+
+
+def _check_shared(kwargs: dict[str, Any]) -> None:
+    """sharedMemoryRoot: empty, or a normalized absolute directory other than / (a hostPath volume's own path, so
+    kubelet resolves it as the admin wrote it). sharedServerGraceSeconds: a whole number of seconds >= 0."""
+    root = kwargs.get("shared_memory_root", "")
+    if not isinstance(root, str) or (root and (not root.startswith("/") or root == "/"
+                                               or posixpath.normpath(root) != root)):
+        raise ConfigError("operator config sharedMemoryRoot", f"{root!r} must be empty (no PerNode servers) or a "
+                                                              "normalized absolute directory other than /, e.g. "
+                                                              "/run/kvoffload-shm")
+    grace = kwargs.get("shared_server_grace_seconds", Settings.shared_server_grace_seconds)
+    if isinstance(grace, bool) or not isinstance(grace, int) or grace < 0:
+        raise ConfigError("operator config sharedServerGraceSeconds", f"must be an integer >= 0, got {grace!r}")
 
 
 def _check_images(kwargs: dict[str, Any]) -> None:

@@ -58,6 +58,7 @@ PLAN_FIELDS = {
     "chunk_size": "spec.offload.chunkSize",
     "backend": "spec.offload.backend",
     "server_baseline": "spec.resources.serverBaseline",
+    "shared": "spec.offload.server",
 }
 
 
@@ -151,6 +152,16 @@ class OffloadSpec:
     disk: DiskSpec | None
     cpu_read_gbps: Figure | None = None  # None: the planner's default
     prefill_tokens_per_second: Figure | None = None  # None: derived from the model (planning.sizing)
+    server: str = rules.SIDECAR  # spec.offload.server: where backend lmcache-server's LMCache server runs
+    shared_memory_root: str = ""  # PerNode: the admin's tmpfs root (operator setting sharedMemoryRoot)
+    # PerNode: where vLLM reaches its node's server, filled in by rendering (rendering/shared_cache.py): the ClusterIP
+    # of the resource's node-local Service once the API server gave it one, else that Service's DNS name.
+    shared_address: str = ""
+
+    @property
+    def shared(self) -> bool:
+        """One LMCache server pod per node, shared by this resource's replicas there (docs/shared-cache.md)."""
+        return self.server == rules.SHARED
 
 
 @dataclass(frozen=True)
@@ -458,8 +469,17 @@ def _offload(r: _Reader, settings: Settings) -> OffloadSpec:
             node_selector=node_selector,
             read_gbps=_figure(r, "offload.disk.readGbps", "diskReadGbps", settings.disk_read_gbps),
         )
+    server = _enum(r, "offload.server")
+    rules.SHARED_DISK_ON_NODE.check(r.spec)
+    if server == rules.SHARED and not settings.shared_memory_root:
+        raise ConfigError("spec.offload.server", f"{server} needs a tmpfs directory on every node for the server's "
+                                                 "shared memory, which the cluster admin has not configured (operator "
+                                                 "setting sharedMemoryRoot, chart value "
+                                                 "operator.config.sharedMemoryRoot); allowed values here: "
+                                                 f"{rules.SIDECAR}")
     prefill = settings.prefill_tokens_per_second
-    return OffloadSpec(backend=backend, chunk_size=_int(r, "offload.chunkSize"), cpu_size=cpu,
+    return OffloadSpec(server=server, shared_memory_root=settings.shared_memory_root if server == rules.SHARED else "",
+                       backend=backend, chunk_size=_int(r, "offload.chunkSize"), cpu_size=cpu,
                        eviction_policy=policy, disk=disk,
                        cpu_read_gbps=_figure(r, "offload.cpu.readGbps", "cpuReadGbps", settings.cpu_read_gbps),
                        prefill_tokens_per_second=None if not prefill

@@ -64,6 +64,8 @@ class Sizing:
     staging_per_worker: int
     server_baseline: int
     vllm: tuple[int, ...]  # the image's vLLM version: what it allocates changes between minors
+    # spec.offload.server PerNode: the L1 and L2 live in the node's shared server pod, not in the replica
+    shared: bool = False
 
 
 class TierView(Protocol):
@@ -92,6 +94,7 @@ class Sidecar:
     disk_mount: dict[str, Any] | None  # the pod's disk-tier mount (writable), None without a disk tier
     tmp_mount: dict[str, Any]  # the pod's /tmp: with a read-only root, where a sidecar writes scratch files
     security_context: dict[str, Any]  # read-only root, no capabilities
+    shm_mount: dict[str, Any] | None = None  # the /dev/shm it shares with vLLM; None: the pod's own (volume dshm)
 
 
 class VllmSeen(Protocol):
@@ -193,12 +196,18 @@ class Backend(ABC):
     def warnings(self, s: Sizing) -> list[str]:
         return []
 
+    def vllm_limit_only(self, s: Sizing) -> MemoryTerm | None:
+        """A term the vLLM container's memory limit holds beyond its request (pages another pod's process may leave
+        for vLLM's workers to fault in); None: request = limit."""
+        return None
+
     def shm_extra(self, s: Sizing) -> int:
         """Bytes this backend keeps in the pod's memory-backed /dev/shm beyond NCCL's share."""
         return 0
 
     def sidecar_memory(self, s: Sizing) -> tuple[list[MemoryTerm], MemoryTerm | None]:
-        """The sidecar container's request terms (before headroom) and a term held in its limit only."""
+        """The sidecar container's request terms (before headroom) and a term held in its limit only; with
+        s.shared, the node's shared server's terms (its request = limit)."""
         return [], None
 
     # Rendering fragments.
@@ -224,6 +233,11 @@ class Backend(ABC):
 
     def sidecars(self, spec: Spec, budget: BudgetView, pod: Sidecar) -> list[dict[str, Any]]:
         """Containers that run beside vLLM (native sidecars: init containers that keep running)."""
+        return []
+
+    def shared_server(self, spec: Spec, budget: BudgetView, pod: Sidecar) -> list[dict[str, Any]]:
+        """The containers of the node's shared server pod (spec.offload.server PerNode); [] for a backend that runs
+        no server (it refuses PerNode)."""
         return []
 
     # The disk tier across pod restarts (docs/disk-tier.md, "Kept or emptied at pod start").

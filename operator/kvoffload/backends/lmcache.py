@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from ..api.quantity import gib, human
+from ..api.rules import SIDECAR
 from ..engine import images
 from ..engine.images import EnginePair
 from .base import (
@@ -99,7 +100,9 @@ class LMCache(Backend):
     name = "lmcache"
     summary = "LMCache inside the vLLM process (LMCacheConnectorV1); the tiers die with the vLLM container."
     min_vllm, min_lmcache = images.MIN_VLLM, images.MIN_LMCACHE  # LMCacheConnectorV1 with the config file
-    refuses = {"resources.serverBaseline": Refusal("there is no LMCache server: LMCache runs inside the vLLM process")}
+    refuses = {"resources.serverBaseline": Refusal("there is no LMCache server: LMCache runs inside the vLLM process"),
+               "offload.server": Refusal("there is no LMCache server to share: LMCache runs inside the vLLM process",
+                                         allowed=(SIDECAR,))}
     in_process = True
     # KV events: the GPU tier's only. LMCache's in-process tiers publish a BlockStored per stored chunk (medium "cpu",
     # lower case) and never a BlockRemoved: the router would keep crediting evicted chunks, so they stay off.

@@ -41,20 +41,38 @@ from .base import (
 if TYPE_CHECKING:
     from ..api.spec import Spec
 
-SERVER_SHM_NAME = "lmcache_l1_pool_kvoffload"  # one server per pod, so one name: the pod's own /dev/shm
+# One server per /dev/shm, so one name: the pod's own /dev/shm (Sidecar), or the resource's directory on the node,
+# which one server per resource and node uses (PerNode).
+SERVER_SHM_NAME = "lmcache_l1_pool_kvoffload"
 SERVER_TRANSFER_MODE = "engine_driven"  # the server has no GPU: vLLM's workers copy KV into its /dev/shm L1
-MP_KV_TRANSFER_CONFIG = json.dumps({
-    "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-    "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": SERVER_ZMQ_PORT,
-                                  "lmcache.mp.mp_transfer_mode": SERVER_TRANSFER_MODE}}, separators=(",", ":"))
+# PerNode: how long vLLM's connector waits for an answer from the server (LMCache's lmcache.mp.mq_timeout, 300 s by
+# default). A shared server can die while its replicas live; this bounds what an in-flight request waits before it
+# is recomputed, and what a vLLM start waits for the server (vLLM asks it its chunk size then). Not measured on a GPU:
+# an H200 32K-token reload took 0.17 s, so 20 s leaves two orders of magnitude for a loaded server.
+SHARED_MQ_TIMEOUT_S = 20.0
+
+
+def kv_transfer_config(host: str, extra: dict[str, Any] | None = None) -> str:
+    """vLLM's --kv-transfer-config: LMCacheMPConnector to the server at `host` (a zmq tcp:// URL without the port)."""
+    return json.dumps({
+        "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"lmcache.mp.host": host, "lmcache.mp.port": SERVER_ZMQ_PORT,
+                                      "lmcache.mp.mp_transfer_mode": SERVER_TRANSFER_MODE, **(extra or {})}},
+        separators=(",", ":"))
+
+
+MP_KV_TRANSFER_CONFIG = kv_transfer_config("tcp://127.0.0.1")  # the sidecar, on the pod's loopback
 
 
 def server_args(spec: Spec, budget: BudgetView) -> list[str]:
     """`lmcache server` flags (LMCache 0.5.3's own parser, checked in the fidelity tests): the whole
     replica's L1 (one server serves every TP rank), LRU, and the disk tier as an `fs_native` L2 adapter
     whose max_capacity_gb caps it (the plain `fs` adapter has no capacity limit), writing with O_DIRECT. The L1 is eager
-    (--no-l1-use-lazy) so that vLLM's workers and the server share it through /dev/shm."""
-    args = ["--host", "127.0.0.1", "--port", str(SERVER_ZMQ_PORT),
+    (--no-l1-use-lazy) so that vLLM's workers and the server share it through /dev/shm. A sidecar listens on the pod's
+    loopback; a shared server (PerNode) on its pod's addresses, fenced by its NetworkPolicy (rendering/shared_cache.py):
+    its replicas reach it through a Service, and kubelet's probes and the exporters read its HTTP port."""
+    host = "0.0.0.0" if spec.offload.shared else "127.0.0.1"
+    args = ["--host", host, "--port", str(SERVER_ZMQ_PORT),
             "--chunk-size", str(spec.offload.chunk_size),
             "--l1-size-gb", repr(round(gib(budget.tier("cpu").bytes), 6)),
             "--eviction-policy", spec.offload.eviction_policy,
@@ -68,7 +86,7 @@ def server_args(spec: Spec, budget: BudgetView) -> list[str]:
             # limit, and the server OOM-killed under load). LMCache prefixes the name with lmcache_l1_pool_.
             "--shm-name", SERVER_SHM_NAME,
             "--supported-transfer-mode", SERVER_TRANSFER_MODE,
-            "--http-host", "127.0.0.1", "--http-port", str(SERVER_HTTP_PORT),
+            "--http-host", host, "--http-port", str(SERVER_HTTP_PORT),
             "--instance-id", "$(POD_NAME)"]
     if spec.offload.disk:
         # O_DIRECT: buffered L2 writes leave page cache charged to the server's cgroup, whose limit is the L1
@@ -107,7 +125,8 @@ class LMCacheServer(Backend):
     name = "lmcache-server"
     summary = ("an LMCache server in a sidecar container of the serving pod (vLLM's LMCacheMPConnector over ZMQ on "
                "127.0.0.1); its L1 survives vLLM container restarts, its disk tier a replaced pod on the same node "
-               "while the disk fingerprint holds.")
+               "while the disk fingerprint holds. With spec.offload.server PerNode, one server pod per node instead, "
+               "shared by the resource's replicas there.")
     # vLLM 0.26.0 registers LMCacheMPConnector; LMCache 0.5.3 ships `lmcache server` and the engine-driven
     # shared-memory transfer (checked in the installed sources of that pair; older pairs were not checked).
     min_vllm, min_lmcache = (0, 26, 0), (0, 5, 3)
@@ -125,15 +144,36 @@ class LMCacheServer(Backend):
         "(kvoffload_lmcache_server_engines is 0)")
 
     def cpu_tier(self, s: Sizing) -> MemoryTerm:
+        if s.shared:
+            return MemoryTerm("cpu_tier", 0, "none here: the L1 is held by the node's shared LMCache server pod "
+                                             "(spec.offload.server PerNode), whose limit holds it")
         return MemoryTerm("cpu_tier", s.cpu_size,
                           "LMCache server's L1, a /dev/shm segment shared with the server: charged to whichever "
                           f"container faults it in first (the server when it sees a GPU, else the {s.tp} vLLM "
                           "worker(s) that pin it), so both limits hold it; requested here only")
 
+    def vllm_limit_only(self, s: Sizing) -> MemoryTerm | None:
+        if not s.shared:
+            return None
+        # Not measured between pods: a server that sees no GPU leaves the L1 untouched, and the vLLM workers that map
+        # and pin it are charged (docs/backends.md, "Memory"). The node's server requests the L1; every replica's
+        # limit holds it too, so neither is OOM-killed for pages it faulted (the segment's pages exist once).
+        return MemoryTerm("l1_limit_only", s.cpu_size,
+                          "the node server's L1 segment, in the limit only: charged here if this pod's workers fault "
+                          "it in first (a server that sees no GPU touches none of it); the server pod requests it")
+
     def shm_extra(self, s: Sizing) -> int:
-        return s.cpu_size  # the L1 segment lives there; LMCache falls back to slow pickling if it does not fit
+        # The L1 segment lives there; LMCache falls back to slow pickling if it does not fit. PerNode: it lives in the
+        # resource's directory on the admin's tmpfs, which the pod's /dev/shm is.
+        return 0 if s.shared else s.cpu_size
 
     def sidecar_memory(self, s: Sizing) -> tuple[list[MemoryTerm], MemoryTerm | None]:
+        if s.shared:
+            # Its own pod: request = limit. It faults the L1 in itself when it sees a GPU; when it does not, vLLM's
+            # workers do (charged to them: docs/backends.md, "Memory"), which is not measured across pods yet.
+            return [MemoryTerm("server_baseline", s.server_baseline, "LMCache server process (ZMQ + HTTP, torch)"),
+                    MemoryTerm("l1", s.cpu_size, "the L1, a /dev/shm segment pinned in full at start-up, once per "
+                                                 "node for every replica of this resource there")], None
         # The request is the server process; the limit adds the L1, which it faults in itself when it sees a GPU.
         l1 = MemoryTerm("l1_limit_only", s.cpu_size,
                         "the L1 segment, in the limit only: LMCache's alloc_shm_pinned_ptr writes every page and pins "
@@ -142,52 +182,68 @@ class LMCacheServer(Backend):
         return [MemoryTerm("server_baseline", s.server_baseline, "LMCache server process (ZMQ + HTTP, torch)")], l1
 
     def vllm_args(self, spec: Spec, budget: BudgetView) -> list[str]:
+        if spec.offload.shared:
+            return ["--kv-transfer-config", kv_transfer_config(f"tcp://{spec.offload.shared_address}",
+                                                              {"lmcache.mp.mq_timeout": SHARED_MQ_TIMEOUT_S})]
         return ["--kv-transfer-config", MP_KV_TRANSFER_CONFIG]
 
     def sidecars(self, spec: Spec, budget: BudgetView, pod: Sidecar) -> list[dict[str, Any]]:
         """The LMCache server as a native sidecar (an init container that keeps running): it starts, and
         must answer /healthcheck, before vLLM starts, and it outlives vLLM container restarts, so the
-        L1 in the pod's /dev/shm and the L2 directory stay warm. It needs no GPU (engine-driven transfer)."""
-        # Request: the server process. Limit: + the L1, which the server faults in itself when it sees a
-        # GPU (LMCache's alloc_shm_pinned_ptr); the vLLM container requests it, so the pod counts it once.
-        request, limit = format_bytes(budget.server_memory), format_bytes(budget.server_memory_limit)
-        health = ("import urllib.request; urllib.request.urlopen("
-                  f"'http://127.0.0.1:{SERVER_HTTP_PORT}/healthcheck', timeout=4)")
-        exec_probe = {"exec": {"command": ["python3", "-c", health]}, "timeoutSeconds": 5}
-        mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, pod.tmp_mount,
-                  *([pod.disk_mount] if pod.disk_mount else [])]
-        return [{
-            "name": "lmcache-server",
-            "image": pod.image,
-            "restartPolicy": "Always",
-            "command": ["lmcache", "server"],
-            "args": server_args(spec, budget),
-            # LMCache 0.5.3's token hasher is a numba function with cache=True: numba needs a writable cache
-            # directory, and UID 1000 can write neither site-packages nor a HOME (none is set here). Seen on a
-            # GPU host: "cannot cache function 'rolling_hash_windows_numba': no locator available", exit 1.
-            # The root file system is read-only: the cache goes to the pod's /tmp (pod.tmp_mount).
-            "env": [*pod.env, {"name": "NUMBA_CACHE_DIR", "value": "/tmp/numba-cache"}],
-            "resources": {"requests": {"cpu": "1", "memory": request}, "limits": {"memory": limit}},
-            "volumeMounts": mounts,
-            # Importing LMCache takes seconds to tens of seconds; vLLM starts once this passes.
-            "startupProbe": {**exec_probe, "periodSeconds": 5, "failureThreshold": 60},
-            "livenessProbe": {**exec_probe, "periodSeconds": 10, "failureThreshold": 6},
-            "securityContext": pod.security_context,
-        }]
+        L1 in the pod's /dev/shm and the L2 directory stay warm. It needs no GPU (engine-driven transfer).
+        PerNode: none; the node's server pod runs server_container (rendering/shared_cache.py)."""
+        return [] if spec.offload.shared else [server_container(spec, budget, pod)]
+
+    def shared_server(self, spec: Spec, budget: BudgetView, pod: Sidecar) -> list[dict[str, Any]]:
+        return [server_container(spec, budget, pod, sidecar=False)]
 
     def disk_reuse(self, spec: Spec, budget: BudgetView) -> DiskReuse | None:
         # The server's fs_native L2 finds a chunk by its file's name, so a new server reads what an earlier one wrote.
         return DiskReuse(layout=L2_LAYOUT, keep_bytes=kept_bytes(budget.tier("disk").bytes))
 
     def exporter_args(self, spec: Spec, budget: BudgetView) -> list[str]:
+        # PerNode: the node's server through the resource's node-local Service (its NetworkPolicy admits this pod).
+        host = spec.offload.shared_address if spec.offload.shared else "127.0.0.1"
         args = ["--backend", self.name, "--cpu-capacity-bytes", str(budget.tier("cpu").bytes),
-                "--lmcache-server-url", f"http://127.0.0.1:{SERVER_HTTP_PORT}/status"]
+                "--lmcache-server-url", f"http://{host}:{SERVER_HTTP_PORT}/status"]
         if spec.offload.disk:
             args += ["--disk-capacity-bytes", str(budget.tier("disk").bytes)]
         return args
 
     def offload_active(self, seen: Seen) -> bool:
         return offload_active(seen.vllm, seen.server)
+
+
+def server_container(spec: Spec, budget: BudgetView, pod: Sidecar, *, sidecar: bool = True) -> dict[str, Any]:
+    """The `lmcache server` container: the serving pod's native sidecar (an init container that keeps running), or
+    the shared server pod's one container (PerNode)."""
+    # Sidecar: request the server process; limit + the L1, which the server faults in itself when it sees a GPU
+    # (LMCache's alloc_shm_pinned_ptr); the vLLM container requests it, so the pod counts it once. PerNode: both hold
+    # the L1 (Budget: request = limit).
+    request, limit = format_bytes(budget.server_memory), format_bytes(budget.server_memory_limit)
+    health = ("import urllib.request; urllib.request.urlopen("
+              f"'http://127.0.0.1:{SERVER_HTTP_PORT}/healthcheck', timeout=4)")
+    exec_probe = {"exec": {"command": ["python3", "-c", health]}, "timeoutSeconds": 5}
+    mounts = [pod.shm_mount or {"name": "dshm", "mountPath": "/dev/shm"}, pod.tmp_mount,
+              *([pod.disk_mount] if pod.disk_mount else [])]
+    return {
+        "name": "lmcache-server",
+        "image": pod.image,
+        **({"restartPolicy": "Always"} if sidecar else {}),
+        "command": ["lmcache", "server"],
+        "args": server_args(spec, budget),
+        # LMCache 0.5.3's token hasher is a numba function with cache=True: numba needs a writable cache
+        # directory, and UID 1000 can write neither site-packages nor a HOME (none is set here). Seen on a
+        # GPU host: "cannot cache function 'rolling_hash_windows_numba': no locator available", exit 1.
+        # The root file system is read-only: the cache goes to the pod's /tmp (pod.tmp_mount).
+        "env": [*pod.env, {"name": "NUMBA_CACHE_DIR", "value": "/tmp/numba-cache"}],
+        "resources": {"requests": {"cpu": "1", "memory": request}, "limits": {"memory": limit}},
+        "volumeMounts": mounts,
+        # Importing LMCache takes seconds to tens of seconds; vLLM starts once this passes.
+        "startupProbe": {**exec_probe, "periodSeconds": 5, "failureThreshold": 60},
+        "livenessProbe": {**exec_probe, "periodSeconds": 10, "failureThreshold": 6},
+        "securityContext": pod.security_context,
+    }
 
 
 BACKEND = LMCacheServer()

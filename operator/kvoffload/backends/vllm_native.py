@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..api.quantity import gib, human
+from ..api.rules import SIDECAR
 from ..engine import flags
 from .base import VLLM, VLLM_OFFLOAD, Backend, BudgetView, MemoryTerm, ModelShape, Reasons, Refusal, Seen, Sizing
 
@@ -111,6 +112,7 @@ class VllmNative(Backend):
         "resources.stagingPerWorker": Refusal("vLLM copies between its GPU and pinned CPU blocks directly, without "
                                               "staging buffers"),
         "resources.serverBaseline": Refusal("there is no LMCache server"),
+        "offload.server": Refusal("there is no LMCache server to share", allowed=(SIDECAR,)),
     }
     stages = False
     sources = (VLLM, VLLM_OFFLOAD)

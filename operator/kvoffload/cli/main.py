@@ -16,6 +16,8 @@ SUBCOMMANDS = {
     "exporter": "kvoffload.exporter.cli",
     "clean-disk": "kvoffload.cli.clean_disk",
     "prepare-disk-tier": "kvoffload.cli.prepare_disk",
+    "prepare-shared-memory": "kvoffload.cli.prepare_shm",
+    "wait-for-shared-cache": "kvoffload.cli.wait_server",
 }
 
 

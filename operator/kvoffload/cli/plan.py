@@ -16,7 +16,7 @@ from typing import Any, Callable, TypeVar
 import yaml
 
 from .. import backends
-from ..api import crd
+from ..api import crd, rules
 from ..api import settings as settings_mod
 from ..api.errors import ConfigError, InputError
 from ..api.quantity import format_bytes, human, to_bytes
@@ -72,6 +72,7 @@ OPTION_FOR_INPUT = {
     "weight_load": "--disk-read-gbps",
     "backend": "--backend",
     "server_baseline": "--server-baseline",
+    "shared": "--server",
 }
 # Weight dtypes: the CRD's spec.engine.dtype values (vLLM --dtype), and the planner's own (fp8 weights included).
 DTYPES = {**pipeline.WEIGHT_DTYPE, "bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}
@@ -168,6 +169,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="spec.offload.chunkSize: LMCache chunk, tokens")
     opt(p, "--backend", choices=backends.NAMES, default=backends.DEFAULT,
         help="spec.offload.backend: who holds the offload tiers (docs/backends.md)")
+    opt(p, "--server", choices=rules.SERVER_PLACEMENTS, default=rules.SIDECAR,
+        help="spec.offload.server: where --backend lmcache-server's LMCache server runs; PerNode sizes the node's "
+             "shared server pod and replicas without the L1 (docs/shared-cache.md)")
     opt(p, "--activation-reserve", default=format_bytes(_field(PlanInput, "activation_reserve")),
         help="per-GPU memory kept for activations (quantity)")
     arch = p.add_argument_group("spec.model.architecture (wins over the catalog and --config-json)")
@@ -251,7 +255,7 @@ def build_input(args: argparse.Namespace, settings: settings_mod.Settings | None
         cpu_size=to_bytes(args.cpu_size, "--cpu-size"),
         disk_size=to_bytes(args.disk_size, "--disk-size"),
         chunk_size=args.chunk_size,
-        backend=args.backend,
+        backend=args.backend, shared=args.server == rules.SHARED,
         activation_reserve=to_bytes(args.activation_reserve, "--activation-reserve"),
         memory=memory, bandwidths=bandwidths, weights_on_pvc=args.weights_on_pvc, storage=StorageDefaults())
 
@@ -325,8 +329,11 @@ def render_table(inp: PlanInput, b: Budget) -> str:
     ]
     for t in b.tiers:
         lines.append(f"{t.name:<6}{human(t.bytes):>14}{human(t.bytes_per_worker):>14}{t.tokens:>14,}{t.sequences:>11,}")
-    lines += ["", f"memory request = limit: {format_bytes(b.memory_limit)} "
-                  f"({human(b.memory_limit)}), /dev/shm {format_bytes(b.shm)}"]
+    memory = (f"memory request = limit: {format_bytes(b.memory_limit)} ({human(b.memory_limit)})"
+              if b.memory_request == b.memory_limit else
+              f"memory request: {format_bytes(b.memory_request)} ({human(b.memory_request)}), limit: "
+              f"{format_bytes(b.memory_limit)} ({human(b.memory_limit)})")
+    lines += ["", f"{memory}, /dev/shm {format_bytes(b.shm)}"]
     lines += [f"  {t.name:<16}{human(t.bytes):>12}  {t.note}" for t in b.memory_terms]
     w = b.weights
     lines += ["", f"local disk (ephemeral-storage request): {format_bytes(w.ephemeral_storage)} "
@@ -334,7 +341,11 @@ def render_table(inp: PlanInput, b: Budget) -> str:
     lines += [f"  {t.name:<16}{human(t.value):>12}  {t.note}" for t in w.storage_terms]
     lines += [f"start-up probe budget: {w.startup_seconds} s ({w.startup_seconds / 60:.3g} min)"]
     lines += [f"  {t.name:<16}{t.value:>10} s  {t.note}" for t in w.startup_terms]
-    if b.server_memory:
+    if b.shared:
+        lines += ["", f"shared LMCache server pod, one per node with replicas: request = limit "
+                      f"{format_bytes(b.server_memory)} ({human(b.server_memory)})"]
+        lines += [f"  {t.name:<16}{human(t.bytes):>12}  {t.note}" for t in b.server_memory_terms]
+    elif b.server_memory:
         lines += ["", f"LMCache server container request: {format_bytes(b.server_memory)} ({human(b.server_memory)}), "
                       f"limit: {format_bytes(b.server_memory_limit)} ({human(b.server_memory_limit)}, + the L1)"]
         lines += [f"  {t.name:<16}{human(t.bytes):>12}  {t.note}" for t in b.server_memory_terms]

@@ -20,6 +20,7 @@ import sys
 from ..api.errors import ConfigError
 from ..api.quantity import human
 from ..node import disk_prepare, owner_marker
+from ..rendering import shared_cache
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
@@ -59,8 +60,10 @@ def run(args: argparse.Namespace) -> int:
         for flag in ("namespace", "name", "pod"):
             if not _DNS_LABEL.fullmatch(getattr(args, flag) or ""):
                 raise ConfigError(f"--{flag}", f"{getattr(args, flag)!r} must be a DNS label (with --parent)")
-        if not args.pod.startswith(args.name + "-") or not args.pod[len(args.name) + 1:].isdigit():
-            raise ConfigError("--pod", f"{args.pod!r} must be <name>-<ordinal> ({args.name}-0, ...)")
+        ordinal = args.pod.startswith(args.name + "-") and args.pod[len(args.name) + 1:].isdigit()
+        if not ordinal and args.pod != shared_cache.server_dir(args.name):
+            raise ConfigError("--pod", f"{args.pod!r} must be <name>-<ordinal> ({args.name}-0, ...) or, for the "
+                                       f"shared server (PerNode), {shared_cache.server_dir(args.name)}")
         uid, gid = _ids(args.chown)
         owner = owner_marker.Owner(args.namespace, args.name, args.pod, args.owner_uid, _fingerprint(args.fingerprint))
         if args.keep_bytes < 0:

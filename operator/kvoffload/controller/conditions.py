@@ -24,7 +24,7 @@ from ..api.errors import ConfigError
 from ..api.quantity import format_bytes
 from ..engine import versions as engine_versions
 from ..planning import routing as plan_routing
-from ..rendering import autoscaling, disk_tier, render
+from ..rendering import autoscaling, disk_tier, render, shared_cache
 from ..rendering import routing as render_routing
 from .discovery import NOT_REGISTERED, SERVED, AutoscalingApis
 from .pipeline import Desired
@@ -64,6 +64,7 @@ class Observed:
     hpa: dict[str, Any] | None = None
     router: dict[str, Any] | None = None  # the router's Deployment, with spec.routing
     apis: AutoscalingApis | None = None  # what the API server serves for autoscaling (discovery.py); None: not read yet
+    servers: tuple[dict[str, Any], ...] = ()  # PerNode: the shared servers' Deployments, as read
 
 
 def now_iso(clock: datetime | None = None) -> str:
@@ -180,10 +181,54 @@ def _router(desired: Desired, obs: Observed) -> Cond:
                 f"{ready}/{routing.replicas} router pods ready ({what}){waits}" + (f"; {why}" if why else ""))
 
 
-def _disk(desired: Desired, pods: list[dict[str, Any]]) -> Cond:
+def ready_servers(servers: tuple[dict[str, Any], ...]) -> set[str]:
+    """The nodes whose shared server (a Deployment of one pod) has its pod ready."""
+    out = set()
+    for d in servers:
+        node = ((d.get("metadata") or {}).get("annotations") or {}).get(shared_cache.NODE_ANNOTATION)
+        if node and ((d.get("status") or {}).get("readyReplicas") or 0) >= 1:
+            out.add(node)
+    return out
+
+
+def _shared(desired: Desired, servers: tuple[dict[str, Any], ...]) -> Cond:
+    t = "SharedCacheReady"
+    if not desired.spec.offload.shared:
+        return Cond(t, "False", "NotConfigured", "spec.offload.server is not PerNode: each replica keeps its own tiers")
+    b = desired.budget
+    active = sorted(n.name for n in desired.nodes if not n.idle_since)
+    idle = [f"{n.name} (no replica since {n.idle_since})" for n in desired.nodes if n.idle_since]
+    what = (f"one LMCache server per node ({format_bytes(b.tier('cpu').bytes)} L1"
+            + (f", {format_bytes(b.tier('disk').bytes)} L2" if b.tier("disk").bytes else "")
+            + f", request = limit {format_bytes(b.server_memory)}), reached at {desired.spec.offload.shared_address}")
+    kept = f"; kept until their grace period ends: {', '.join(idle)}" if idle else ""
+    if not active:
+        return Cond(t, "False", "NoReplicasPlaced", f"no replica is bound to a node yet: {what}{kept}")
+    up = ready_servers(servers)
+    missing = [n for n in active if n not in up]
+    said = f"{len(active) - len(missing)}/{len(active)} node(s) with replicas have their server ready: {what}{kept}"
+    if missing:
+        return Cond(t, "False", "ServersNotReady",
+                    f"{said}; not ready on {', '.join(missing)}: replicas starting there wait for it, running ones "
+                    "serve without the shared tier (requests answered, nothing reused) until it is back")
+    return Cond(t, "True", "ServersReady", f"{said} ({', '.join(active)})")
+
+
+def _disk(desired: Desired, pods: list[dict[str, Any]], servers: tuple[dict[str, Any], ...] = ()) -> Cond:
     disk = desired.spec.offload.disk
     if not disk:
         return Cond("DiskTierReady", "False", "NotConfigured", "spec.offload.disk is not set: CPU tier only")
+    if desired.spec.offload.shared:
+        # The L2 is each node's shared server's; its init step keeps or empties it by the disk fingerprint.
+        where = f"hostPath {disk.path}/<namespace>/<name>/{shared_cache.server_dir('<name>')} on each node"
+        active = {n.name for n in desired.nodes if not n.idle_since}
+        up = ready_servers(servers) & active
+        if active and up == active:
+            return Cond("DiskTierReady", "True", "DirectoriesPrepared",
+                        f"{format_bytes(desired.budget.tier('disk').bytes)} per node on {where} (the shared server's "
+                        f"L2, kept or emptied at server start by the disk fingerprint); {len(up)} prepared")
+        return Cond("DiskTierReady", "False", "Preparing",
+                    f"{len(up)}/{len(active)} shared servers' directories prepared on {where}")
     where = (f"hostPath {disk.path}/<namespace>/<name>/<pod>" if disk.path
              else f"ephemeral volume ({disk.storage_class})")
     keeps = disk_tier.reusable(desired.spec, desired.budget, backends.get(desired.spec.offload.backend)) is not None
@@ -346,7 +391,8 @@ def evaluate(desired: Desired | None, error: ConfigError | None, obs: Observed) 
                 Cond("Scheduled", "Unknown", why, "no children created or changed while the spec is invalid"
                      if why == INVALID_SPEC else "not evaluated while a child cannot be written"),
                 *(Cond(t, "Unknown", why, msg)
-                  for t in ("OffloadActive", "EngineVerified", "DiskTierReady", "RouterReady", "AutoscalingReady")),
+                  for t in ("OffloadActive", "EngineVerified", "DiskTierReady", "SharedCacheReady", "RouterReady",
+                            "AutoscalingReady")),
                 *progress(ready, valid)]
     replicas = desired.spec.replicas
     scheduled = _scheduled(replicas, obs.pods)
@@ -357,7 +403,8 @@ def evaluate(desired: Desired | None, error: ConfigError | None, obs: Observed) 
     warnings = "; ".join(desired.budget.warnings)
     valid = Cond("ConfigValid", "True", "Valid", "spec is valid" + (f"; warnings: {warnings}" if warnings else ""))
     return [ready, valid, scheduled, _offload(desired, ready, obs.pods, obs.probes), _engine(desired, obs.probes),
-            _disk(desired, obs.pods), router, autoscaling_ready(desired, obs.apis), *progress(ready, valid)]
+            _disk(desired, obs.pods, obs.servers), _shared(desired, obs.servers), router,
+            autoscaling_ready(desired, obs.apis), *progress(ready, valid)]
 
 
 _ADAPTER_FIX = ("install a custom-metrics adapter with the rules in docs/autoscaling.md (prometheus-adapter), or "

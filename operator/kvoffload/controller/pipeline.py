@@ -16,7 +16,7 @@ from ..api.quantity import format_bytes
 from ..api.settings import Settings
 from ..api.spec import PLAN_FIELDS, Spec, parse
 from ..planning import catalog, sizing
-from ..rendering import render
+from ..rendering import render, shared_cache
 from ..rendering import routing as render_routing
 
 WEIGHT_DTYPE = {"auto": "bf16", "bfloat16": "bf16", "float16": "fp16"}
@@ -52,6 +52,9 @@ class Desired:
     workers: tuple[str, ...] = ()  # kv_aware routing: the Ready serving pods' IPs the router was rendered with
     # kv_aware routing: the tiers worth a hit whose KV events the engines do not publish (status.routing.unseenTiers)
     unseen_tiers: tuple[str, ...] = ()
+    # spec.offload.server PerNode: the nodes that get a shared server, and its Service's ClusterIP ("": not known yet)
+    nodes: tuple[shared_cache.Node, ...] = ()
+    address: str = ""
 
 
 def bandwidths(spec: Spec) -> sizing.Bandwidths:
@@ -87,6 +90,7 @@ def plan_input(spec: Spec) -> sizing.PlanInput:
         chunk_size=spec.offload.chunk_size,
         backend=spec.offload.backend,
         vllm_version=spec.engine.vllm_version,
+        shared=spec.offload.shared,
         memory=sizing.MemoryDefaults(engine_baseline=r.engine_baseline, per_worker_overhead=r.per_worker_overhead,
                                      staging_per_worker=r.staging_per_worker, server_baseline=r.server_baseline,
                                      shm=r.shm,
@@ -115,9 +119,11 @@ def plan_for(spec: Spec) -> sizing.Budget:
 
 
 def desired(name: str, namespace: str, uid: str, spec_dict: dict[str, Any], settings: Settings,
-            workers: tuple[str, ...] = ()) -> Desired:
+            workers: tuple[str, ...] = (), nodes: tuple[shared_cache.Node, ...] = (), address: str = "") -> Desired:
     """Everything the operator wants for one KVOffloadServe, or a ConfigError naming the field. `workers`: the Ready
-    serving pods' IPs (rendering/routing.workers), which only kv_aware's router reads."""
+    serving pods' IPs (rendering/routing.workers), which only kv_aware's router reads. `nodes` and `address`: where
+    PerNode's shared servers run and how their replicas reach them (rendering/shared_cache.py), which only PerNode
+    reads."""
     render.check_name(name)
     spec = parse(spec_dict, settings)
     budget = plan_for(spec)
@@ -126,12 +132,15 @@ def desired(name: str, namespace: str, uid: str, spec_dict: dict[str, Any], sett
     unseen = render_routing.unseen(spec, budget) if kv_aware else ()
     if not kv_aware:
         workers = ()  # nothing else depends on them: one cached answer whatever the pods do
+    if not spec.offload.shared:
+        nodes, address = (), ""
+    spec = shared_cache.with_address(spec, name, namespace, address)
     owner = render.Owner(name=name, namespace=namespace, uid=uid)
-    children = render.children(owner, spec, budget, settings, workers)
+    children = render.children(owner, spec, budget, settings, workers, nodes, address)
     scaler = ("keda" if settings.autoscaler == "keda" else "hpa") if spec.autoscaling else ""
     return Desired(spec=spec, budget=budget, children=children, applied=[stamped(c) for c in children],
                    autoscaler=scaler, max_tree_size=render_routing.max_tree_size(spec.routing, budget),
-                   workers=workers, unseen_tiers=unseen)
+                   workers=workers, unseen_tiers=unseen, nodes=nodes, address=address)
 
 
 class DesiredCache:
@@ -148,18 +157,19 @@ class DesiredCache:
         self.lock = threading.Lock()
 
     def get(self, name: str, namespace: str, uid: str, spec_dict: dict[str, Any], settings: Settings,
-            workers: tuple[str, ...] = ()) -> Desired:
+            workers: tuple[str, ...] = (), nodes: tuple[shared_cache.Node, ...] = (), address: str = "") -> Desired:
         key = (namespace, name, uid)
         with self.lock:
             hit = self.entries.get(key)
-            if hit is not None and hit[0] == spec_dict and hit[1] == settings and _same_workers(hit[2], workers):
+            if hit is not None and hit[0] == spec_dict and hit[1] == settings and _same_workers(hit[2], workers) \
+                    and _same_servers(hit[2], nodes, address):
                 self.entries.move_to_end(key)
                 result = hit[2]
             else:
                 hit = None
         if hit is None:
             try:
-                result = desired(name, namespace, uid, spec_dict, settings, workers)
+                result = desired(name, namespace, uid, spec_dict, settings, workers, nodes, address)
             except ConfigError as exc:
                 result = exc
             with self.lock:
@@ -177,6 +187,13 @@ def _same_workers(result: Desired | ConfigError, workers: tuple[str, ...]) -> bo
     if isinstance(result, ConfigError) or result.spec.routing is None or result.spec.routing.policy != "kv_aware":
         return True
     return result.workers == workers
+
+
+def _same_servers(result: Desired | ConfigError, nodes: tuple[shared_cache.Node, ...], address: str) -> bool:
+    """A cached answer holds for these shared servers: it did not read them (not PerNode), or read the same."""
+    if isinstance(result, ConfigError) or not result.spec.offload.shared:
+        return True
+    return result.nodes == nodes and result.address == address
 
 
 def unchecked(spec: Spec) -> bool:

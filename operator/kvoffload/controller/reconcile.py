@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from ..api import crd
 from ..api.conditions import APPLY_REFUSED, NAME_CONFLICT
 from ..api.errors import ConfigError
+from ..api.rules import SHARED
 from ..api.settings import Settings
-from ..rendering import autoscaling, render
+from ..rendering import autoscaling, render, shared_cache
 from ..rendering import routing as render_routing
 from . import conditions, events, pipeline, probe
 from .discovery import AutoscalingApis, Discovered
@@ -211,6 +212,10 @@ def urgent(old: dict[str, Any], new: dict[str, Any]) -> bool:
 
 
 REFUSED = "status-refused"  # the outcome of a reconcile whose status write the API server refused
+# The outcome of a reconcile that left a PerNode server without replicas in its grace period: the Runtime reconciles
+# it again soon (SHARED_RECHECK_S), so the server goes when its grace ends, not at the next resync.
+IDLE_SERVERS = "idle-servers"
+SHARED_RECHECK_S = 15.0
 CHILD_REFUSED = "child-refused"  # the outcome of a reconcile that wrote a Refused condition: retried with backoff
 
 
@@ -266,6 +271,55 @@ def reconcile(kube: Kube, namespace: str, name: str, settings: Settings, clock: 
 def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: datetime | None,
                recorder: events.Recorder | None, memos: Memos, child_kinds: tuple[tuple[str, str], ...],
                apis: AutoscalingApis | None) -> str:
+    outcome, desired = _reconcile_once(kube, body, settings, clock, recorder, memos, child_kinds, apis)
+    if desired is not None and any(n.idle_since for n in desired.nodes) and outcome in ("unchanged", "updated"):
+        return IDLE_SERVERS
+    return outcome
+
+
+def _wants_shared(body: dict[str, Any]) -> bool:
+    """spec.offload.server PerNode as written (before parsing: what to read for it comes first)."""
+    return ((body.get("spec") or {}).get("offload") or {}).get("server") == SHARED
+
+
+def _shared_servers(kube: Kube, namespace: str, name: str, uid: str, pods: list[dict[str, Any]],
+                    settings: Settings, clock: datetime | None) -> tuple[tuple[shared_cache.Node, ...], str]:
+    """PerNode: the nodes that get a server (from the serving pods' nodes and the live servers' idle times, both from
+    the operator's caches) and the ClusterIP of the resource's node-local Service ("" until it has one)."""
+    deployments = kube.list(collection("apps/v1", "Deployment", namespace), f"{render.OWNER_LABEL}={name}")
+    now = (clock or datetime.now(timezone.utc)).astimezone(timezone.utc).replace(tzinfo=None)
+    wanted = shared_cache.nodes(shared_cache.serving_nodes(pods, render.serving_labels(render.Owner(name, namespace))),
+                                shared_cache.live_servers([d for d in deployments if _owned_by(d, uid)]), now,
+                                settings.shared_server_grace_seconds)
+    svc = kube.get(f"{collection('v1', 'Service', namespace)}/{shared_cache.service_name(name)}")
+    return wanted, _cluster_ip(svc, uid)
+
+
+def _cluster_ip(svc: dict[str, Any] | None, uid: str) -> str:
+    if svc is None or not _owned_by(svc, uid):
+        return ""
+    ip = (svc.get("spec") or {}).get("clusterIP") or ""
+    return "" if ip == "None" else ip
+
+
+def _create_service(kube: Kube, desired: pipeline.Desired, namespace: str, name: str, uid: str) -> str:
+    """PerNode's Service applied ahead of the other children when it does not exist yet, so the StatefulSet is
+    rendered with its ClusterIP from the first write (no cluster DNS needed). One that exists and is not ours is left
+    alone: sync_children refuses it (NameConflict)."""
+    svc_name = shared_cache.service_name(name)
+    child = next(c for c in desired.applied if c["kind"] == "Service" and c["metadata"]["name"] == svc_name)
+    if kube.get(f"{collection('v1', 'Service', namespace)}/{svc_name}") is not None:
+        return ""
+    log.info("apply Service %s/%s (the shared servers' address, first)", namespace, svc_name)
+    try:
+        return _cluster_ip(kube.apply(child), uid)
+    except ApiError as exc:
+        raise _refused(child, exc) from None
+
+
+def _reconcile_once(kube: Kube, body: dict[str, Any], settings: Settings, clock: datetime | None,
+                    recorder: events.Recorder | None, memos: Memos, child_kinds: tuple[tuple[str, str], ...],
+                    apis: AutoscalingApis | None) -> tuple[str, pipeline.Desired | None]:
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     # No "working on it" status on first sight: the CRD's status default (observedGeneration 0) already makes kstatus
     # and Argo CD read a resource the operator has not written to as in progress (tests/unit/test_first_status.py).
@@ -277,8 +331,20 @@ def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: date
     if (body.get("spec") or {}).get("routing"):  # kv_aware's router is rendered with the Ready serving pods
         pods = kube.list(collection("v1", "Pod", namespace), f"{render.OWNER_LABEL}={name}")
         workers = render_routing.workers(pods, render.serving_labels(render.Owner(name, namespace, meta["uid"])))
+    nodes: tuple[shared_cache.Node, ...] = ()
+    address = ""
+    if _wants_shared(body):
+        if pods is None:
+            pods = kube.list(collection("v1", "Pod", namespace), f"{render.OWNER_LABEL}={name}")
+        nodes, address = _shared_servers(kube, namespace, name, meta["uid"], pods, settings, clock)
     try:
-        desired = memos.desired.get(name, namespace, meta["uid"], body.get("spec") or {}, settings, workers)
+        desired = memos.desired.get(name, namespace, meta["uid"], body.get("spec") or {}, settings, workers, nodes,
+                                    address)
+        if desired.spec.offload.shared and not address:
+            address = _create_service(kube, desired, namespace, name, meta["uid"])
+            if address:
+                desired = memos.desired.get(name, namespace, meta["uid"], body.get("spec") or {}, settings, workers,
+                                            nodes, address)
     except ConfigError as exc:
         error = exc  # no child is created or changed while the spec is invalid
     applied: list[str] = []
@@ -301,21 +367,23 @@ def _reconcile(kube: Kube, body: dict[str, Any], settings: Settings, clock: date
            if desired and desired.spec.autoscaling else None)
     router = (live.get(("apps/v1", "Deployment", render.names(name)["router"]))
               if desired and desired.spec.routing else None)
-    new_status = conditions.status(body, desired, error, conditions.Observed(sts, pods, probes, hpa, router, apis),
-                                   clock)
+    servers = tuple(o for (_, kind, _), o in live.items() if kind == "Deployment" and
+                    (o["metadata"].get("labels") or {}).get("app.kubernetes.io/component") == shared_cache.COMPONENT)
+    new_status = conditions.status(body, desired, error,
+                                   conditions.Observed(sts, pods, probes, hpa, router, apis, servers), clock)
     previous = (body.get("status") or {}).get("conditions")
     if new_status == (body.get("status") or {}):
         if applied and recorder is not None:  # drift repaired: children changed, status did not
             recorder.record(body, events.transitions(previous, new_status["conditions"], applied))
-        return CHILD_REFUSED if isinstance(error, Refused) else "unchanged"
+        return (CHILD_REFUSED if isinstance(error, Refused) else "unchanged"), desired
     if not urgent(body.get("status") or {},
                   new_status) and kube.status_written_within(cr_path(namespace, name), STATUS_SPACING):
-        return "deferred"  # the Runtime reconciles it again once the spacing has passed
+        return "deferred", desired  # the Runtime reconciles it again once the spacing has passed
     written = _write_status(kube, namespace, name, new_status, meta["resourceVersion"])
     if written is None:
-        return "conflict"
+        return "conflict", desired
     if recorder is not None:
         recorder.record(written, events.transitions(previous, new_status["conditions"], applied))
     if isinstance(error, Refused):
-        return CHILD_REFUSED
-    return "invalid" if error else "updated"
+        return CHILD_REFUSED, desired
+    return ("invalid" if error else "updated"), desired

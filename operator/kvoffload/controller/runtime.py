@@ -44,7 +44,7 @@ from . import discovery, events, leader
 from .cache import Cache, CachedKube
 from .kube import Kube
 from .metrics import Metrics
-from .reconcile import CHILD_REFUSED, REFUSED, STATUS_SPACING, Memos
+from .reconcile import CHILD_REFUSED, IDLE_SERVERS, REFUSED, SHARED_RECHECK_S, STATUS_SPACING, Memos
 from .reconcile import reconcile as reconcile_one
 
 log = logging.getLogger("kvoffload.operator")
@@ -171,6 +171,9 @@ class Runtime:
                     self.backoff.pop(key, None)
                 if outcome == "deferred":  # a progress-only status write waits for the spacing
                     loop.call_later(STATUS_SPACING, self.kick, key[0], key[1], PROGRESS)
+                if outcome == IDLE_SERVERS:  # a shared server without replicas goes when its grace period ends
+                    loop.call_later(min(SHARED_RECHECK_S, max(1.0, self.settings.shared_server_grace_seconds)),
+                                    self.kick, key[0], key[1], PROGRESS)
                 log.debug("reconciled %s/%s: %s", *key, outcome)
             except Exception as exc:  # API down, timeouts: level-based, so just try again later
                 self._count("failed")

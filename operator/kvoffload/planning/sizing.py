@@ -151,6 +151,8 @@ class PlanInput:
     chunk_size: int = 256  # LMCache chunk_size, tokens
     backend: str = backends.DEFAULT  # spec.offload.backend: a name in backends.REGISTRY
     vllm_version: str = images.DEFAULT_PAIR.vllm  # the image's vLLM (spec.engine.vllmVersion)
+    # spec.offload.server PerNode: the LMCache server is its own pod per node, shared by the replicas there
+    shared: bool = False
     activation_reserve: int = 2 * GiB  # per GPU: activations, CUDA context, graphs
     memory: MemoryDefaults = field(default_factory=MemoryDefaults)
     bandwidths: Bandwidths = field(default_factory=Bandwidths)
@@ -210,8 +212,8 @@ class Budget:
     kv_bytes_per_sequence: int  # one max_model_len request on the GPU (window rule applied)
     tiers: tuple[TierBudget, ...]  # gpu, cpu, disk (zeros when off)
     memory_terms: tuple[MemoryTerm, ...]
-    memory_request: int  # = limit, of the vLLM container
-    memory_limit: int
+    memory_request: int  # of the vLLM container
+    memory_limit: int  # = the request, + a term some backends keep in the limit only (Backend.vllm_limit_only)
     server_memory_terms: tuple[MemoryTerm, ...]  # the LMCache server container; () without one
     server_memory: int  # its request; 0 without one
     server_memory_limit: int  # its limit: the request + the L1 (see lmcache-server above); 0 without one
@@ -219,6 +221,9 @@ class Budget:
     reload: tuple[ReloadEstimate, ...]  # per offload tier that is on
     warnings: tuple[str, ...]
     weights: WeightBudget
+    # spec.offload.server PerNode: the server_memory figures are the node's shared server pod's (request = limit),
+    # the cpu and disk tiers its L1 and L2, held once per node that runs replicas, not per replica.
+    shared: bool = False
 
     def named(self, names: Mapping[str, str]) -> Budget:
         """This budget with its warnings in the caller's vocabulary (see InputError.named)."""
@@ -264,6 +269,12 @@ class Budget:
             out["serverMemory"] = {"request": self.server_memory, "limit": self.server_memory_limit,
                                    "terms": [{"name": m.name, "bytes": m.bytes, "note": m.note}
                                              for m in self.server_memory_terms]}
+        if self.shared:
+            out["shared"] = {"scope": "node", "tiers": [t.name for t in self.tiers[1:] if t.bytes],
+                             "serverMemory": self.server_memory,
+                             "note": "one LMCache server pod per node that runs replicas of this resource, shared by "
+                                     "them: its L1 (cpu) and L2 (disk) tiers are held once per node, and serverMemory "
+                                     "is that pod's request = limit; the vLLM containers hold no L1"}
         return out
 
 
@@ -337,6 +348,10 @@ def _refuse(inp: PlanInput) -> None:
         raise InputError("disk_size", f"{{backend}} {backend.name} has no disk tier "
                          f"({backend.refuses['offload.disk'].why}); set {{disk_size}} to 0 or use "
                          f"{{backend}} {with_disk}")
+    if inp.shared and "offload.server" in backend.refuses:
+        sharing = " or ".join(b.name for b in backends.REGISTRY.values() if "offload.server" not in b.refuses)
+        raise InputError("shared", f"{{backend}} {backend.name} runs no LMCache server to share "
+                         f"({backend.refuses['offload.server'].why}); use {{backend}} {sharing}")
     if inp.disk_size and not inp.cpu_size:
         raise InputError("cpu_size", "the disk tier needs a CPU tier (LMCache reads disk hits back through it); "
                          "set {cpu_size} > 0 or {disk_size} to 0")
@@ -442,6 +457,12 @@ def _memory(inp: PlanInput, offload: bool, s: Sizing) -> tuple[tuple[MemoryTerm,
     return terms_, total, shm + backend.shm_extra(s)
 
 
+def _limit_only(inp: PlanInput, s: Sizing) -> tuple[tuple[MemoryTerm, ...], int]:
+    """The vLLM container's limit-only term, if its backend keeps one, and its whole MiB."""
+    term = backends.REGISTRY[inp.backend].vllm_limit_only(s)
+    return ((term,), -(-term.bytes // MiB) * MiB) if term else ((), 0)
+
+
 def _sidecar_memory(inp: PlanInput, s: Sizing) -> tuple[tuple[MemoryTerm, ...], int, int]:
     """The backend's sidecar container: its terms, request (with headroom) and limit (+ a limit-only term)."""
     request_terms, limit_only = backends.REGISTRY[inp.backend].sidecar_memory(s)
@@ -497,11 +518,12 @@ def plan(inp: PlanInput) -> Budget:
     s = Sizing(model=m, tp=tp, cpu_size=inp.cpu_size, disk_size=inp.disk_size, chunk_size=inp.chunk_size,
                kv_bytes_per_token_per_gpu=per_gpu_bpt, staging_per_worker=inp.memory.staging_per_worker,
                server_baseline=inp.memory.server_baseline,
-               vllm=images.version_tuple(inp.vllm_version, "engine.vllmVersion"))
+               vllm=images.version_tuple(inp.vllm_version, "engine.vllmVersion"), shared=inp.shared)
     unit = backend.unit(s)
     tiers = (gpu, _offload_tier("cpu", inp.cpu_size, inp, per_gpu_bpt, unit),
              _offload_tier("disk", inp.disk_size, inp, per_gpu_bpt, unit))
     terms, total, shm = _memory(inp, offload, s)
+    limit_only, extra = _limit_only(inp, s)
     server_terms, server_total, server_limit = _sidecar_memory(inp, s)
 
     warnings: list[str] = []
@@ -552,9 +574,9 @@ def plan(inp: PlanInput) -> Budget:
         kv_bytes_per_token_per_gpu=per_gpu_bpt,
         kv_bytes_per_sequence=seq_per_gpu * tp,
         tiers=tiers,
-        memory_terms=terms,
+        memory_terms=(*terms, *limit_only),
         memory_request=total,
-        memory_limit=total,
+        memory_limit=total + extra,
         server_memory_terms=server_terms,
         server_memory=server_total,
         server_memory_limit=server_limit,
@@ -562,4 +584,5 @@ def plan(inp: PlanInput) -> Budget:
         reload=tuple(reload),
         warnings=tuple(warnings),
         weights=_weights(inp),
+        shared=inp.shared,
     )

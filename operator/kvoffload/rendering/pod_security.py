@@ -35,6 +35,9 @@ TMP_DIR = "/tmp"
 # Capabilities the hostPath init container needs: chown the directory kubelet created as root
 # (CHOWN) and empty it whatever its files' owners (DAC_OVERRIDE, FOWNER).
 HOSTPATH_INIT_CAPS = ["CHOWN", "DAC_OVERRIDE", "FOWNER"]
+# PerNode's shared /dev/shm directory: hand it to the serving user (CHOWN), and set its mode again once it is no
+# longer root's (FOWNER: a later pod's init step finds it owned by UID 1000).
+SHM_INIT_CAPS = ["CHOWN", "FOWNER"]
 
 
 def restricted(**extra: Any) -> dict[str, Any]:
@@ -73,6 +76,14 @@ def disk_init_security_context(spec: Spec) -> dict[str, Any]:
                 "capabilities": {"drop": ["ALL"], "add": list(HOSTPATH_INIT_CAPS)},
                 "seccompProfile": {"type": "RuntimeDefault"}}
     return restricted(readOnlyRootFilesystem=True, runAsNonRoot=True, runAsUser=SERVING_UID, runAsGroup=SERVING_GID)
+
+
+def shm_init_security_context() -> dict[str, Any]:
+    """PerNode's shared /dev/shm directory: kubelet makes it root-owned; this init step, root with CHOWN and FOWNER
+    only, hands it to the serving user (the server and vLLM both run as it)."""
+    return {"allowPrivilegeEscalation": False, "privileged": False, "readOnlyRootFilesystem": True,
+            "runAsNonRoot": False, "runAsUser": 0, "runAsGroup": 0,
+            "capabilities": {"drop": ["ALL"], "add": list(SHM_INIT_CAPS)}, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def engine_env(spec: Spec) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ from typing import Any
 from .. import backends
 from ..api import crd
 from ..api.errors import ConfigError
+from ..api.managed import SERVER_ZMQ_PORT
 from ..api.quantity import format_bytes
 from ..api.settings import Settings
 from ..api.spec import Spec
@@ -25,7 +26,7 @@ from ..backends.base import CONFIG_DIR, CONFIG_VOLUME, DISK_DIR, HTTP_PORT, MULT
 from ..engine import images
 from ..engine import versions as engine_versions
 from ..planning.sizing import Budget
-from . import autoscaling, disk_tier, pod_security, routing
+from . import autoscaling, disk_tier, pod_security, routing, shared_cache
 from .network_policy import network_policy
 from .placement import topology_spread
 
@@ -156,9 +157,9 @@ _restricted = pod_security.restricted
 def _vllm_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings, backend: Backend,
                     config: bool) -> dict[str, Any]:
     tp = str(spec.engine.tensor_parallel_size)
-    memory = format_bytes(budget.memory_limit)
+    request, limit = format_bytes(budget.memory_request), format_bytes(budget.memory_limit)
     mounts = [*([_config_mount()] if config else []),
-              {"name": "dshm", "mountPath": "/dev/shm"},
+              shared_cache.shm_mount(owner.name) if spec.offload.shared else {"name": "dshm", "mountPath": "/dev/shm"},
               {"name": "prometheus-multiproc", "mountPath": MULTIPROC_DIR}]
     if spec.offload.disk and backend.in_process:
         mounts.append(_disk_mount(owner, spec, read_only=False))
@@ -171,9 +172,9 @@ def _vllm_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings
         "env": _vllm_env(spec, settings, backend),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "resources": {
-            "requests": {"cpu": spec.resources.cpu, "memory": memory, spec.resources.gpu_resource_name: tp,
+            "requests": {"cpu": spec.resources.cpu, "memory": request, spec.resources.gpu_resource_name: tp,
                          "ephemeral-storage": pod_security.ephemeral_storage(budget)},
-            "limits": {"memory": memory, spec.resources.gpu_resource_name: tp},
+            "limits": {"memory": limit, spec.resources.gpu_resource_name: tp},
         },
         "volumeMounts": mounts,
         # Downloading and loading weights: the Budget's start-up seconds before liveness applies.
@@ -197,39 +198,42 @@ TERMINATION_LOG = "/dev/termination-log"  # kubelet's default terminationMessage
 DISK_INIT = "prepare-disk-tier"  # the disk tier's init container (and the `kvoffload` sub-command it runs)
 
 
-def _disk_sub_path(owner: Owner, spec: Spec, *, pod: bool = True) -> str:
+POD_DIR = "$(POD_NAME)"  # a serving pod's own directory below <root>/<rel>/<namespace>/<name>
+
+
+def _disk_sub_path(owner: Owner, spec: Spec, *, pod: str | None = POD_DIR) -> str:
     """Everything below the admin's root: the tenant's part of the path, then namespace/name(/pod). kubelet
     opens each of these components with O_NOFOLLOW and refuses one that leaves the volume (the root)."""
     assert spec.offload.disk is not None
-    tail = f"$(POD_NAMESPACE)/{owner.name}" + ("/$(POD_NAME)" if pod else "")
+    tail = f"$(POD_NAMESPACE)/{owner.name}" + (f"/{pod}" if pod else "")
     return f"{spec.offload.disk.below_root}/{tail}"
 
 
-def _disk_mount(owner: Owner, spec: Spec, *, read_only: bool) -> dict[str, Any]:
+def _disk_mount(owner: Owner, spec: Spec, *, read_only: bool, pod: str = POD_DIR) -> dict[str, Any]:
     # readOnly is omitempty in the API: only ever write `true`, or the live object never matches.
     mount: dict[str, Any] = {"name": "kv-disk", "mountPath": DISK_DIR, **({"readOnly": True} if read_only else {})}
     if spec.offload.disk and spec.offload.disk.path:
         # Each pod gets <root>/<rel>/<namespace>/<name>/<pod>; kubelet refuses a subPath that escapes the volume.
-        mount["subPathExpr"] = _disk_sub_path(owner, spec)
+        mount["subPathExpr"] = _disk_sub_path(owner, spec, pod=pod)
     return mount
 
 
 def _disk_init_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings,
-                         backend: Backend) -> dict[str, Any]:
+                         backend: Backend, pod: str = POD_DIR) -> dict[str, Any]:
     # LMCache's in-process disk tier starts with an empty index and never counts old files: its directory is
     # emptied first or the disk fills past its budget after every restart. A backend whose engine reads its old
     # files again keeps them while the fingerprint holds (rendering/disk_tier.py). The operator's own image (it
     # carries `kvoffload`), never the tenant's: this container is the only one that runs as root.
     if pod_security.uses_host_path(spec):
         args = ["prepare-disk-tier", "--parent", DISK_PARENT_DIR, "--namespace", "$(POD_NAMESPACE)",
-                "--name", owner.name, "--pod", "$(POD_NAME)", *(["--owner-uid", owner.uid] if owner.uid else []),
+                "--name", owner.name, "--pod", pod, *(["--owner-uid", owner.uid] if owner.uid else []),
                 "--chown", f"{pod_security.SERVING_UID}:{pod_security.SERVING_GID}"]
         reuse, fp = disk_tier.reusable(spec, budget, backend), disk_tier.fingerprint(spec, budget, settings, backend)
         if reuse is not None and fp is not None:
             args += ["--fingerprint", disk_tier.encode(fp), "--keep-bytes", str(reuse.keep_bytes)]
-        mount = {"name": "kv-disk", "mountPath": DISK_PARENT_DIR, "subPathExpr": _disk_sub_path(owner, spec, pod=False)}
+        mount = {"name": "kv-disk", "mountPath": DISK_PARENT_DIR, "subPathExpr": _disk_sub_path(owner, spec, pod=None)}
     else:
-        args, mount = ["prepare-disk-tier", "--dir", DISK_DIR], _disk_mount(owner, spec, read_only=False)
+        args, mount = ["prepare-disk-tier", "--dir", DISK_DIR], _disk_mount(owner, spec, read_only=False, pod=pod)
     # Kept or emptied, and why: kubelet copies this file into the pod's status, which the operator reads
     # (controller/conditions.py, DiskTierReady).
     args += ["--report", TERMINATION_LOG]
@@ -251,6 +255,78 @@ def _sidecars(owner: Owner, spec: Spec, budget: Budget, backend: Backend) -> lis
                   disk_mount=_disk_mount(owner, spec, read_only=False) if spec.offload.disk else None,
                   tmp_mount=pod_security.tmp_mount(), security_context=pod_security.sidecar_security_context())
     return backend.sidecars(spec, budget, pod)
+
+
+SHM_INIT = "prepare-shared-memory"  # PerNode: the init step that hands the shared /dev/shm directory to UID 1000
+WAIT_INIT = "wait-for-shared-cache"  # PerNode: the serving pod's init step that waits for its node's server
+
+
+def _operator_step(name: str, args: list[str], settings: Settings, security: dict[str, Any],
+                   mounts: list[dict[str, Any]] | None = None,
+                   env: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An init step that runs the operator's own image (`kvoffload <name> ARGS`), never the tenant's."""
+    return {
+        "name": name,
+        "image": settings.kvoffload_image,
+        "imagePullPolicy": settings.exporter_image_pull_policy,
+        "command": ["kvoffload"],
+        "args": [name, *args],
+        **({"env": env} if env else {}),
+        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
+        **({"volumeMounts": mounts} if mounts else {}),
+        "securityContext": security,
+    }
+
+
+def _shm_init_container(owner: Owner, settings: Settings) -> dict[str, Any]:
+    # kubelet creates <root>/<namespace>/<name> root-owned (the root's mode) for whichever pod of the node mounts it
+    # first; the server and vLLM run as the serving user. As root with CHOWN and FOWNER only; it sees the resource's
+    # own directory, never the root.
+    return _operator_step(SHM_INIT, ["--dir", shared_cache.SHM_MOUNT_PATH,
+                                     "--chown", f"{pod_security.SERVING_UID}:{pod_security.SERVING_GID}"],
+                          settings, pod_security.shm_init_security_context(), [shared_cache.shm_mount(owner.name)],
+                          _pod_env())
+
+
+def _wait_for_server(spec: Spec, settings: Settings) -> dict[str, Any]:
+    # vLLM's LMCacheMPConnector asks the server its chunk size when vLLM starts and fails the start when no answer
+    # comes within lmcache.mp.mq_timeout (LMCache 0.5.3 vllm_multi_process_adapter.py); after that it runs degraded
+    # without one. So a replica waits here for its node's server (the operator creates it once the replica is bound
+    # to the node) instead of crash-looping; kubelet restarts this step when it gives up.
+    return _operator_step(WAIT_INIT, ["--address", f"{spec.offload.shared_address}:{SERVER_ZMQ_PORT}"], settings,
+                          _restricted(readOnlyRootFilesystem=True, runAsNonRoot=True, runAsUser=65532,
+                                      runAsGroup=65532))
+
+
+def shared_server_pod(owner: Owner, spec: Spec, budget: Budget, settings: Settings) -> dict[str, Any]:
+    """The pod of a node's shared LMCache server (PerNode; rendering/shared_cache.py pins it to the node): the
+    backend's server container, the serving pods' /dev/shm directory, and the L2 in the server's own directory beside
+    its replicas' (<root>/<rel>/<namespace>/<name>/<name>-cache), kept or emptied by the disk fingerprint as a
+    serving pod's is. Non-root, read-only root, no capabilities; only the init steps run as root."""
+    backend = backends.get(spec.offload.backend)
+    here = shared_cache.server_dir(owner.name)
+    disk = spec.offload.disk is not None
+    parts = Sidecar(image=spec.engine.image, env=[*_pod_env(), *_telemetry_off_env()],
+                    disk_mount=_disk_mount(owner, spec, read_only=False, pod=here) if disk else None,
+                    tmp_mount=pod_security.tmp_mount(), security_context=pod_security.sidecar_security_context(),
+                    shm_mount=shared_cache.shm_mount(owner.name))
+    init = [_shm_init_container(owner, settings),
+            *([_disk_init_container(owner, spec, budget, settings, backend, pod=here)] if disk else [])]
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": pod_security.pod_security_context(),
+        "initContainers": init,
+        "containers": backend.shared_server(spec, budget, parts),
+        "volumes": [shared_cache.shm_volume(spec), {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+                    *(_disk_volume(owner, spec, budget) if disk else [])],
+    }
+    if spec.scheduling.tolerations:  # the node's taints that its replicas tolerate
+        pod["tolerations"] = [dict(t) for t in spec.scheduling.tolerations]
+    if spec.scheduling.priority_class_name:
+        pod["priorityClassName"] = spec.scheduling.priority_class_name
+    return pod
 
 
 def _versions_init_container(spec: Spec) -> dict[str, Any]:
@@ -278,7 +354,7 @@ def _exporter_container(owner: Owner, spec: Spec, budget: Budget, settings: Sett
     args += ["--tensor-parallel-size", str(spec.engine.tensor_parallel_size),
              "--kv-bytes-per-token", str(budget.kv_bytes_per_token),
              "--engine-versions-file", engine_versions.VERSIONS_FILE]
-    if spec.offload.disk:
+    if _pod_disk(spec):
         args += ["--disk-dir", DISK_DIR]
         mounts.append(_disk_mount(owner, spec, read_only=True))
     return {
@@ -291,7 +367,7 @@ def _exporter_container(owner: Owner, spec: Spec, budget: Budget, settings: Sett
         # create the container when a variable is missing (CreateContainerConfigError).
         "env": [field_env("POD_IP", "status.podIP"),
                 *([field_env("POD_NAME", "metadata.name"), field_env("POD_NAMESPACE", "metadata.namespace")]
-                  if spec.offload.disk and spec.offload.disk.path else [])],
+                  if _pod_disk(spec) and spec.offload.disk and spec.offload.disk.path else [])],
         "ports": [{"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "20m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}},
         "volumeMounts": mounts,
@@ -301,24 +377,37 @@ def _exporter_container(owner: Owner, spec: Spec, budget: Budget, settings: Sett
     }
 
 
-def _volumes(owner: Owner, spec: Spec, budget: Budget, config: bool) -> list[dict[str, Any]]:
-    volumes: list[dict[str, Any]] = [
-        *([{"name": CONFIG_VOLUME, "configMap": {"name": names(owner.name)["configmap"]}}] if config else []),
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(budget.shm)}},
-        {"name": "prometheus-multiproc", "emptyDir": {"sizeLimit": "256Mi"}},
-    ]
-    if spec.metrics_enabled:
-        volumes.append({"name": "engine-info", "emptyDir": {"sizeLimit": "1Mi"}})
+def _pod_disk(spec: Spec) -> bool:
+    """The serving pod holds the disk tier: always, but with a shared server (PerNode), whose pod holds it."""
+    return spec.offload.disk is not None and not spec.offload.shared
+
+
+def _disk_volume(owner: Owner, spec: Spec, budget: Budget) -> list[dict[str, Any]]:
     disk = spec.offload.disk
     if disk and disk.path:
         # Exactly the admin's root, which must exist (Directory): a missing root means the NVMe is not mounted,
         # and DirectoryOrCreate would put the cache on the node's root file system instead.
-        volumes.append({"name": "kv-disk", "hostPath": {"path": disk.root, "type": "Directory"}})
-    elif disk:
-        volumes.append({"name": "kv-disk", "ephemeral": {"volumeClaimTemplate": {
+        return [{"name": "kv-disk", "hostPath": {"path": disk.root, "type": "Directory"}}]
+    if disk:
+        return [{"name": "kv-disk", "ephemeral": {"volumeClaimTemplate": {
             "metadata": {"labels": selector_labels(owner)},
             "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": disk.storage_class,
-                     "resources": {"requests": {"storage": format_bytes(budget.tier("disk").bytes)}}}}}})
+                     "resources": {"requests": {"storage": format_bytes(budget.tier("disk").bytes)}}}}}}]
+    return []
+
+
+def _volumes(owner: Owner, spec: Spec, budget: Budget, config: bool) -> list[dict[str, Any]]:
+    shm = (shared_cache.shm_volume(spec) if spec.offload.shared else
+           {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(budget.shm)}})
+    volumes: list[dict[str, Any]] = [
+        *([{"name": CONFIG_VOLUME, "configMap": {"name": names(owner.name)["configmap"]}}] if config else []),
+        shm,
+        {"name": "prometheus-multiproc", "emptyDir": {"sizeLimit": "256Mi"}},
+    ]
+    if spec.metrics_enabled:
+        volumes.append({"name": "engine-info", "emptyDir": {"sizeLimit": "1Mi"}})
+    if _pod_disk(spec):
+        volumes += _disk_volume(owner, spec, budget)
     return volumes + pod_security.engine_volumes(spec, budget)
 
 
@@ -337,7 +426,8 @@ def statefulset(owner: Owner, spec: Spec, budget: Budget, settings: Settings, co
         "containers": containers,
         "volumes": _volumes(owner, spec, budget, config),
     }
-    init = ([_disk_init_container(owner, spec, budget, settings, backend)] if spec.offload.disk else []) + (
+    init = ([_disk_init_container(owner, spec, budget, settings, backend)] if _pod_disk(spec) else []) + (
+        [_shm_init_container(owner, settings), _wait_for_server(spec, settings)] if spec.offload.shared else []) + (
         [_versions_init_container(spec)] if spec.metrics_enabled else []) + _sidecars(owner, spec, budget, backend)
     if init:
         pod["initContainers"] = init
@@ -408,15 +498,26 @@ def check_name(name: str) -> None:
 
 
 def children(owner: Owner, spec: Spec, budget: Budget, settings: Settings,
-             workers: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+             workers: tuple[str, ...] = (), nodes: tuple[shared_cache.Node, ...] = (),
+             address: str = "") -> list[dict[str, Any]]:
     """Every child, in apply order (owner.name passed check_name: pipeline.desired checks it first), for every
     backend: the generic ones, plus the backend's config child and its fragments of the pod. `spec` has its routing
-    policy resolved (routing.resolve); `workers` are the Ready serving pods' IPs (routing.workers)."""
+    policy resolved (routing.resolve); `workers` are the Ready serving pods' IPs (routing.workers). PerNode: `nodes`
+    get a shared server (shared_cache.nodes), which the replicas reach at `address` (its Service's ClusterIP; empty:
+    its DNS name)."""
     backend = backends.get(spec.offload.backend)
+    spec = shared_cache.with_address(spec, owner.name, owner.namespace, address)
+    shared = shared_cache.children(
+        lambda name: _meta(name, owner, settings), owner.name, serving_labels(owner),
+        {k: v for k, v in labels(owner, settings).items() if k != OWNER_LABEL}, nodes,
+        lambda: shared_server_pod(owner, spec, budget, settings)) if spec.offload.shared else []
     files = backend.config_files(spec, budget)  # None: the backend's flags say it all
     config = [configmap(owner, files, settings)] if files is not None else []
-    # The pods roll when the config changes (or the backend does).
-    sts = statefulset(owner, spec, budget, settings, _hash(files if files is not None else backend.name),
+    # The pods roll when the config changes (or the backend does). PerNode: also when the chunk size does, which vLLM's
+    # connector reads from its node's server once, at start (a server replaced with another keeps its replicas).
+    engines_read = files if files is not None else backend.name
+    sts = statefulset(owner, spec, budget, settings,
+                      _hash([engines_read, spec.offload.chunk_size] if spec.offload.shared else engines_read),
                       config=bool(config))
     policy = network_policy(_meta(names(owner.name)["networkpolicy"], owner, settings), spec, settings,
                             selector_labels(owner), HTTP_PORT,
@@ -428,5 +529,7 @@ def children(owner: Owner, spec: Spec, budget: Budget, settings: Settings,
     rbac, router = routing.children(lambda: _meta(names(owner.name)["router"], owner, settings), owner.name,
                                     owner.namespace,
                                     spec, serving_labels(owner), budget, settings, workers)
-    return [*config, *services(owner, spec, settings), *rbac, *router[:1], sts, *router[1:], pdb(owner, settings),
+    # The shared servers before the StatefulSet: a replica's vLLM waits for its node's server.
+    return [*config, *services(owner, spec, settings), *shared, *rbac, *router[:1], sts, *router[1:],
+            pdb(owner, settings),
             *([policy] if policy else []), *([scaler] if scaler else [])]

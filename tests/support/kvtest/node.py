@@ -643,6 +643,17 @@ STANDIN_SIZES = ({"engineBaseline": "1536Mi", "perWorkerOverhead": "256Mi", "sta
 STANDIN_CPU_TIER = "512Mi" if FULL_STANDIN else "64Mi"
 
 
+RELEASE_NS = "kvoffload-system"  # where `make demo` installs the chart
+
+
+def operator_config(demo) -> dict:  # noqa: ANN001 - the session's demo handle (tests/conftest.py)
+    """The settings file the chart gave the demo's operator (its ConfigMap's config.yaml)."""
+    import yaml
+
+    (cm,) = [c for c in demo.client.list("configmaps", RELEASE_NS) if "config.yaml" in (c.get("data") or {})]
+    return yaml.safe_load(cm["data"]["config.yaml"])
+
+
 def serve_spec(name: str, image: str, disk: Path, *, env=(), reclaim: str = "Delete") -> dict:
     """A KVOffloadServe (backend lmcache-server, a hostPath disk tier at `disk`) whose pod runs on this node. It pins
     the stand-in's pair (kvtest.images.STANDIN_PAIR, offered), whose H200 pages the stand-in serves and whose LMCache

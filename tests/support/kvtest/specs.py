@@ -28,6 +28,10 @@ from kvoffload.rendering import render
 from .paths import ROOT
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+# The admin's tmpfs root for spec.offload.server PerNode that tests/cluster/demo-values.yaml gives the demo's operator
+# (test_chart checks they agree): the examples are rendered with it, as the demo's operator renders them.
+SHARED_MEMORY_ROOT = "/run/kvoffload-shm"
+EXAMPLE_SETTINGS = Settings(shared_memory_root=SHARED_MEMORY_ROOT)
 # The LMCache server container's memory request when the spec does not set resources.serverBaseline: its process (the
 # operator's serverBaseline setting, declared once in api/settings.py) + headroom (headroomPercent, at least 1 GiB).
 SERVER_BASELINE = to_bytes(Settings().server_baseline, "serverBaseline")
