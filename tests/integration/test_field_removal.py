@@ -33,7 +33,8 @@ BASE = {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen":
 NO_PODS = {"replicas": 0}  # only the children matter here; the replicas row alone makes a pod
 DISK = {"offload": {"disk": {"path": "/mnt/nvme/lmcache", "size": "10Gi"}}}
 # What the operator below runs with, so the test renders as it does; its admin allows registry.local's images.
-CONFIG = {"resyncSeconds": 20, "allowedImages": ["registry.local/*"]}
+# sharedMemoryRoot: the admin's tmpfs root, without which spec.offload.server PerNode is refused (nothing else reads it).
+CONFIG = {"resyncSeconds": 20, "allowedImages": ["registry.local/*"], "sharedMemoryRoot": "/run/kvoffload-shm"}
 SETTINGS = from_dict(CONFIG)
 # A KEDA-only field is checked against this setting in the table test; the operator below (autoscaler hpa)
 # must refuse it instead, naming the field to change.
@@ -81,6 +82,9 @@ FIELDS = [
     Row("engine.apiKeySecretRef.key", "k", needs={**NO_PODS, "engine": {"apiKeySecretRef": {"name": "api"}}}),
     Row("offload.backend", "lmcache-server"),
     Row("offload.chunkSize", 512),
+    # PerNode: the node-local Service and the NetworkPolicy appear (no replica, so no node server), the vLLM line
+    # connects to that Service instead of the sidecar, which goes.
+    Row("offload.server", "PerNode", needs={**NO_PODS, "offload": {"backend": "lmcache-server"}}),
     Row("offload.cpu.evictionPolicy", "LFU"),
     Row("offload.cpu.readGbps", 20),
     Row("offload.disk.readGbps", 1.5, needs={**NO_PODS, **DISK}),
