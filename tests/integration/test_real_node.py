@@ -269,8 +269,12 @@ def settled(demo) -> dict[str, str]:
                     or st.get("observedGeneration") != sts["metadata"]["generation"]:
                 return None
         pods = demo.client.list("pods", "kvoffload-demo")
+        # Every pod the workloads ask for (the examples' StatefulSets, the router's and PerNode's node-server
+        # Deployments), and no other: a count that follows the examples instead of a constant.
+        want = sum(w["spec"].get("replicas", 1) for kind in ("statefulsets", "deployments")
+                   for w in demo.client.list(kind, "kvoffload-demo"))
         return (serving_pods(demo)
-                if len(pods) == 6 and not any(p["metadata"].get("deletionTimestamp") for p in pods) else None)
+                if len(pods) == want and not any(p["metadata"].get("deletionTimestamp") for p in pods) else None)
     return demo.wait_until(done, timeout=180, interval=1, message="every serving StatefulSet rolled out")
 
 
