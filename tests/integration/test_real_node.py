@@ -296,7 +296,7 @@ def steady(demo, before: dict[str, str], seconds: float) -> None:
 
 def test_helm_upgrade_to_a_new_operator_image_restarts_no_serving_pod(demo):
     before = settled(demo)
-    assert len(before) == 6, before
+    assert len(before) == 10, before  # 8 serving pods and the PerNode example's 2 node servers
     # A new operator image: the same content under a new tag, made in the node's containerd.
     node.ctr(demo.cluster, "images", "tag", "--force", OPERATOR_IMAGE, OPERATOR_IMAGE + "-upgrade")
     chart = (demo.demo_dir or ROOT) / "charts" / "kvoffload-operator"
@@ -328,7 +328,7 @@ def test_helm_uninstall_keeps_the_crd_the_resources_and_their_pods(demo):
     try:
         demo.wait_until(lambda: not demo.client.list("pods", RELEASE_NS), timeout=120, message="operator pod gone")
         assert demo.client.exists("customresourcedefinition", "kvoffloadserves.kvoffload.io")
-        assert len(demo.client.list("kvs", "kvoffload-demo")) == 6
+        assert len(demo.client.list("kvs", "kvoffload-demo")) == 7
         steady(demo, before, 10)
     finally:
         demo.helm("install", "kvoffload", str(chart), "-n", RELEASE_NS, "-f", "-", "--wait", "--timeout", "3m",
