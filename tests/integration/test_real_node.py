@@ -296,7 +296,7 @@ def steady(demo, before: dict[str, str], seconds: float) -> None:
 
 def test_helm_upgrade_to_a_new_operator_image_restarts_no_serving_pod(demo):
     before = settled(demo)
-    assert len(before) == 10, before  # 8 serving pods and the PerNode example's 2 node servers
+    assert len(before) == 10, before  # with the PerNode example's serving and node-server pods
     # A new operator image: the same content under a new tag, made in the node's containerd.
     node.ctr(demo.cluster, "images", "tag", "--force", OPERATOR_IMAGE, OPERATOR_IMAGE + "-upgrade")
     chart = (demo.demo_dir or ROOT) / "charts" / "kvoffload-operator"
