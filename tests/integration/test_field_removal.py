@@ -33,7 +33,8 @@ BASE = {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen":
 NO_PODS = {"replicas": 0}  # only the children matter here; the replicas row alone makes a pod
 DISK = {"offload": {"disk": {"path": "/mnt/nvme/lmcache", "size": "10Gi"}}}
 # What the operator below runs with, so the test renders as it does; its admin allows registry.local's images.
-# sharedMemoryRoot: the admin's tmpfs root, without which spec.offload.server PerNode is refused (nothing else reads it).
+# sharedMemoryRoot: the admin's tmpfs root, without which spec.offload.server PerNode is refused
+# (nothing else reads it).
 CONFIG = {"resyncSeconds": 20, "allowedImages": ["registry.local/*"], "sharedMemoryRoot": "/run/kvoffload-shm"}
 SETTINGS = from_dict(CONFIG)
 # A KEDA-only field is checked against this setting in the table test; the operator below (autoscaler hpa)
