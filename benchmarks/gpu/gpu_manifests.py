@@ -515,9 +515,12 @@ class PodRun:
         return next((c for c in self.containers if c.role == role), None)
 
 
-def _pod_volume_dirs(r: Rendered, root: str, disk_root: str) -> dict[str, str]:
-    """Each volume's host directory: hostPath -> disk_root (the node's directory), others under root."""
-    return {name: disk_root if "hostPath" in src else f"{root}/volumes/{name}" for name, src in r.volumes.items()}
+def _pod_volume_dirs(volumes: dict[str, dict[str, Any]], root: str, disk_root: str,
+                     host_paths: dict[str, str] | None = None) -> dict[str, str]:
+    """Each volume's host directory: hostPath -> `host_paths[volume]`, else disk_root (the node's directory), others
+    under root."""
+    return {name: (host_paths or {}).get(name, disk_root) if "hostPath" in src else f"{root}/volumes/{name}"
+            for name, src in volumes.items()}
 
 
 def _env_of(c: Container, fields: dict[str, str]) -> dict[str, str]:
@@ -542,16 +545,19 @@ def containerize(r: Rendered, root: str, disk_root: str, *, connector: bool = Tr
                  model_config: dict[str, Any] | None = None, lmcache_overrides: dict[str, Any] | None = None,
                  extra_env: dict[str, str] | None = None, serving_env: dict[str, str] | None = None,
                  kept: dict[str, str] | None = None, extra_args: list[str] | None = None,
-                 kv_extra: dict[str, Any] | None = None) -> PodRun:
+                 kv_extra: dict[str, Any] | None = None, host_paths: dict[str, str] | None = None,
+                 pod_name: str | None = None) -> PodRun:
     """The rendered pod's containers for a container runtime. Changes, each listed in `changes`:
     the model -> a directory in the models volume holding config.json, + --load-format dummy
     --skip-tokenizer-init; downward-API values of the first pod (POD_IP: loopback); the
     $(VAR) expansion kubelet does in command and args; VLLM_SERVER_DEV_MODE=1 and `serving_env`
     (offline, no usage reports) for the serving image's containers and `extra_env` for vLLM; the
     LMCache config overrides; the baseline drops the offload flags and the sidecars. `kept` maps
-    emptyDir volumes to host directories that outlive the run (vLLM's compile cache in home)."""
-    fields = {**_field_values(r), "status.podIP": POD_IP}
-    dirs = {**_pod_volume_dirs(r, root, disk_root), **(kept or {})}
+    emptyDir volumes to host directories that outlive the run (vLLM's compile cache in home). `host_paths`: a host
+    directory per hostPath volume (default: every one is disk_root); `pod_name`: another replica's name than the
+    first's (downward API)."""
+    fields = {**_field_values(r), "status.podIP": POD_IP, **({"metadata.name": pod_name} if pod_name else {})}
+    dirs = {**_pod_volume_dirs(r.volumes, root, disk_root, host_paths), **(kept or {})}
     changes = [f"env from the downward API: {json.dumps(fields, sort_keys=True)}"]
     changes += [f"volume {n}: {d}, kept across runs (a new pod's emptyDir starts empty): start-up time only"
                 for n, d in (kept or {}).items()]
@@ -629,12 +635,53 @@ def containerize(r: Rendered, root: str, disk_root: str, *, connector: bool = Tr
     memory = {n: quantity(s["emptyDir"]["sizeLimit"]) if (s["emptyDir"] or {}).get("sizeLimit") else None
               for n, s in r.volumes.items() if (s.get("emptyDir") or {}).get("medium") == "Memory"}
     fresh = sorted({d for n, d in dirs.items() if "hostPath" not in r.volumes[n] and n not in (kept or {})}
-                   | {disk_root})
+                   | ({disk_root} if not host_paths else set()))
     return PodRun(containers=containers, volume_dirs=dirs, memory_volumes=memory, files=files, fresh_dirs=fresh,
                   lmcache=lmcache if connector else None, multiproc_dir=_host_path(main, mp) if mp else None,
                   disk_dir=_host_path(x, disk) if x and disk else None, port=port, exporter_port=exporter_port,
                   status_url=status, changes=changes,
                   host_path_volumes=tuple(n for n, src in r.volumes.items() if "hostPath" in src))
+
+
+def plain_pod(doc: dict[str, Any], root: str, host_paths: dict[str, str], pod_name: str,
+              serving_image: str, serving_env: dict[str, str] | None = None) -> PodRun:
+    """A rendered Deployment's pod (PerNode's shared LMCache server: no vLLM) for a container runtime: its init
+    containers, then its containers (the first one "main"), changing only the downward-API values (this pod's name,
+    loopback IP) and, for the serving image's containers, `serving_env`; hostPath volumes -> `host_paths` (each must
+    be named: nothing of the node's is emptied here), the others fresh under root."""
+    pod = doc["spec"]["template"]["spec"]
+    sec = pod.get("securityContext") or {}
+    volumes = {v["name"]: {k: x for k, x in v.items() if k != "name"} for v in pod.get("volumes") or []}
+    missing = sorted(n for n, v in volumes.items() if "hostPath" in v and n not in host_paths)
+    if missing:
+        raise ManifestError(f"hostPath volumes without a host directory: {', '.join(missing)}")
+    meta = doc["metadata"]
+    fields = {"metadata.name": pod_name, "metadata.namespace": meta.get("namespace", "default"),
+              "status.podIP": POD_IP, "spec.nodeName": "localhost"}
+    dirs = _pod_volume_dirs(volumes, root, "", host_paths)
+    changes = [f"env from the downward API: {json.dumps(fields, sort_keys=True)}"]
+    containers = []
+    roles = [*(("init", c) for c in pod.get("initContainers") or ()),
+             *(("main" if i == 0 else "sidecar", c) for i, c in enumerate(pod["containers"]))]
+    for role, c in ((role, _container(x, sec)) for role, x in roles):
+        env = _env_of(c, fields)
+        if c.image == serving_image:
+            env.update(serving_env or {})
+        containers.append(PodContainer(c.name, role, c.image, [_expand(a, env) for a in [*c.command, *c.args]], env,
+                                       _mounts_of(c, env, dirs), c.memory_limit,
+                                       [_expand(a, env) for a in c.startup_probe], c.security, c.cpu_request,
+                                       c.memory_request))
+    if serving_env:
+        changes.append(f"env of the serving image's containers: {json.dumps(serving_env, sort_keys=True)}")
+    memory = {n: quantity(s["emptyDir"]["sizeLimit"]) if (s["emptyDir"] or {}).get("sizeLimit") else None
+              for n, s in volumes.items() if (s.get("emptyDir") or {}).get("medium") == "Memory"}
+    main = containers[len([c for c in containers if c.role == "init"])]
+    http = flag(main.argv, "--http-port")
+    return PodRun(containers=containers, volume_dirs=dirs, memory_volumes=memory, files={},
+                  fresh_dirs=sorted(d for n, d in dirs.items() if "hostPath" not in volumes[n]), lmcache=None,
+                  multiproc_dir=None, disk_dir=None, port=int(http or 0), exporter_port=None,
+                  status_url=f"http://127.0.0.1:{http}/status" if http else None, changes=changes,
+                  host_path_volumes=tuple(n for n, src in volumes.items() if "hostPath" in src))
 
 
 def _host_path(c: PodContainer, path: str) -> str:

@@ -21,6 +21,8 @@
 #                                            pair): the server and no connector under load
 #   bash <bundle>/dev/dev.sh plan-routing TOTAL_S [BUDGET_S]  issue 33: the rendered router per policy before two rendered
 #                                            vllm-native replicas (routing_gpu.py), detached; plan-routing-wait TOTAL_S
+#   bash <bundle>/dev/dev.sh plan035 TOTAL_S [BUDGET_S]  issue 35: PerNode's shared server and two replicas as
+#                                            rendered (shared_gpu.py), detached; plan035-wait TOTAL_S
 #   bash <bundle>/dev/dev.sh plan033 TOTAL_S [RUNS]  vLLM 0.33.0 + LMCache 0.5.6: check, then its rendered example under
 #                                            crun (RUNS: connector,baseline by default)
 set -u -o pipefail
@@ -195,6 +197,27 @@ plan-routing|plan-routing-wait)
   tail -40 /root/kvout/routing.log
   cp /root/kvout/routing.log $out/ 2>/dev/null
   tar -C /root/kvout -cJf "${OUT:-/root}/routing.tar.xz" routing ;;
+plan035|plan035-wait)
+  # Issue 35: spec.offload.server PerNode as rendered (benchmarks/gpu/shared_gpu.py): the node's shared LMCache server
+  # pod and two serving pods of the shared example (vLLM 0.26.0 + LMCache 0.5.3, the host's pair), from the captures
+  # oci/shared and oci/shared-server: a second replica's and a recreated replica's first request for a stored 32K
+  # prefix, the server killed under load and replaced, the reload from its kept L2. Detached (setsid: a call ends at
+  # 600 s, the run may not) in /root/kvout/shared; plan035-wait waits for it; each call brings back what it has as
+  # $OUT/shared.tar.xz. BUDGET_S (default 540): the run skips a phase that would not end within it.
+  end=$(( $(date +%s) + $2 )); out=/root/kvout/shared; mkdir -p /root/kvout
+  if [ "$1" = plan035 ] && [ ! -f /root/kvout/shared.pid ]; then
+    for id in $($IMG/crun/run --root /run/kvbench-crun list -q 2>/dev/null); do $IMG/crun/run --root /run/kvbench-crun delete -f $id; done
+    rm -rf $out && mkdir -p $out
+    ( cd $G/bench && PYTHONPATH=$G/operator setsid python3 shared_gpu.py --rendered $G/rendered/shared-llama31-8b.yaml \
+        --oci-serving $G/oci/shared --oci-server $G/oci/shared-server --out $out --crun $IMG/crun/run \
+        --budget-s "${3:-540}" > /root/kvout/shared.log 2>&1 < /dev/null & echo $! > /root/kvout/shared.pid )
+  fi
+  pid=$(cat /root/kvout/shared.pid 2>/dev/null)
+  while [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+  kill -0 "$pid" 2>/dev/null && echo "shared: still running (pid $pid)" || echo "shared: finished"
+  tail -60 /root/kvout/shared.log
+  cp /root/kvout/shared.log $out/ 2>/dev/null
+  tar -C /root/kvout -cJf "${OUT:-/root}/shared.tar.xz" shared ;;
 plan-layerwise)
   # Issue 21's cold-request cost: does LMCache 0.5.3's layer-wise store (which overlaps the forward pass; its GPU
   # connector refuses vLLM 0.26.0's fp8 cache) bring it to <= 3 %? The workstation example with a bf16 cache
@@ -224,5 +247,5 @@ plan-rest)
   b disk 150 --rendered $R/workstation-llama31-8b.yaml --oci $O/lmcache --runs disk --tag-suffix=-disk-oci
   echo "plan-rest done, $(left) s left" ;;
 *)
-  echo "usage: dev.sh install [PAIR] | check PAIR | bench ARGS... | plan TOTAL_S | plan-rest TOTAL_S | plan-layerwise TOTAL_S | plan033 TOTAL_S [RUNS] | plan034|plan034-rest|plan034-server|plan-load TOTAL_S | plan-routing[-wait] TOTAL_S [BUDGET_S]" >&2; exit 2 ;;
+  echo "usage: dev.sh install [PAIR] | check PAIR | bench ARGS... | plan TOTAL_S | plan-rest TOTAL_S | plan-layerwise TOTAL_S | plan033 TOTAL_S [RUNS] | plan034|plan034-rest|plan034-server|plan-load TOTAL_S | plan-routing[-wait] TOTAL_S [BUDGET_S] | plan035[-wait] TOTAL_S [BUDGET_S]" >&2; exit 2 ;;
 esac

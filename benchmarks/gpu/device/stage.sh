@@ -43,6 +43,10 @@ render "$SRC/examples/server-llama31-8b.yaml" server-llama31-8b.yaml
 render "$SRC/benchmarks/gpu/native-llama31-8b.yaml" native-llama31-8b.yaml
 render "$SRC/benchmarks/gpu/workstation-llama31-8b-bf16.yaml" workstation-llama31-8b-bf16.yaml
 for f in "$SRC"/benchmarks/gpu/*-vllm-*.yaml; do render "$f" "$(basename "$f")"; done
+# PerNode (issue 35, dev.sh plan035): the resource's serving pods and the server pod of the node "gpu-host"
+# (shared_gpu.SERVER_NODE), with the admin's tmpfs root it needs.
+PYTHONPATH=$SRC/operator "$PY" -m kvoffload.cli render -f "$SRC/examples/shared-llama31-8b.yaml" --node gpu-host \
+  --operator-config "$SRC/benchmarks/gpu/shared-operator-config.yaml" > "$tmp/rendered/shared-llama31-8b.yaml"
 # The routing benchmark (dev.sh plan-routing): each policy's rendering of its resource with two Ready replicas, and
 # vLLM's router as the router image holds it (its PyPI wheel) with what the host's Python lacks of its imports.
 PYTHONPATH=$SRC/operator "$PY" "$SRC/benchmarks/gpu/routing_gpu.py" render --spec "$SRC/benchmarks/gpu/routing-qwen25-7b.yaml" \

@@ -12,6 +12,7 @@ from ..api import crd
 from ..api import settings as settings_mod
 from ..api.errors import ConfigError
 from ..controller import pipeline
+from ..rendering import shared_cache
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,11 +20,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-f", "--filename", required=True, help="YAML file with KVOffloadServe documents ('-' for stdin)")
     p.add_argument("--operator-config", help="operator settings YAML (allowed disk roots, default image, ...)")
     p.add_argument("--namespace", default="default", help="namespace for documents that name none")
+    p.add_argument("--node", action="append", default=[], metavar="NAME",
+                   help="spec.offload.server PerNode: render the shared server of this node too, as if a replica "
+                        "were bound there (repeatable; without it, no node runs one offline)")
     p.set_defaults(func=render_file)
 
 
-def desired_from_file(filename: str, namespace: str, operator_config: str | None) -> list[tuple[str, pipeline.Desired]]:
-    """What the operator wants for each KVOffloadServe in a file: its own parse -> plan -> render, offline."""
+def desired_from_file(filename: str, namespace: str, operator_config: str | None,
+                      nodes: tuple[str, ...] = ()) -> list[tuple[str, pipeline.Desired]]:
+    """What the operator wants for each KVOffloadServe in a file: its own parse -> plan -> render, offline. `nodes`:
+    where PerNode resources' replicas are taken to be bound (each gets its server; the address stays the DNS name)."""
     settings = settings_mod.load(operator_config)
     with (sys.stdin if filename == "-" else open(filename, encoding="utf-8")) as fh:
         docs = [d for d in yaml.safe_load_all(fh) if d]
@@ -35,7 +41,8 @@ def desired_from_file(filename: str, namespace: str, operator_config: str | None
         name, ns = meta.get("name", ""), meta.get("namespace", namespace)
         try:
             # Offline there is no uid, so children carry no ownerReferences; the operator adds them.
-            out.append((f"{ns}/{name}", pipeline.desired(name, ns, "", doc.get("spec") or {}, settings)))
+            out.append((f"{ns}/{name}", pipeline.desired(name, ns, "", doc.get("spec") or {}, settings,
+                                                          nodes=tuple(shared_cache.Node(n) for n in sorted(nodes)))))
         except ConfigError as exc:
             raise ConfigError(f"{ns}/{name} {exc.field}", exc.message) from None
     if not out:
@@ -44,8 +51,8 @@ def desired_from_file(filename: str, namespace: str, operator_config: str | None
 
 
 def render_file(args: argparse.Namespace) -> int:
-    sys.stdout.write(dump_all([c for _, d in desired_from_file(args.filename, args.namespace, args.operator_config)
-                               for c in d.children]))
+    sys.stdout.write(dump_all([c for _, d in desired_from_file(args.filename, args.namespace, args.operator_config,
+                                                               tuple(args.node)) for c in d.children]))
     return 0
 
 
