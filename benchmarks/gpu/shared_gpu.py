@@ -26,8 +26,9 @@ namespace (loopback): the Service's DNS name -> 127.0.0.1 (on a node, kube-proxy
 sends each replica to its own node's server), replica B's vLLM port 8000 -> 8001 and its exporter's 9400 -> 9401
 (two pods cannot bind one port in one namespace); both vLLMs --gpu-memory-utilization 0.4 (two on one GPU); the
 admin's tmpfs root is a tmpfs mounted here, the disk root a directory of the host's disk; the model is
-config.json + --load-format dummy (gpu_manifests); vLLM's compile cache (home) is kept across A's pods (start-up
-time only). The rest is gpu_pod's, as for gpu_bench --runtime crun.
+config.json + --load-format dummy (gpu_manifests); vLLM's compile cache (home) is one directory for every
+replica's pod, B starting once A's KV cache is allocated (start-up time only). The rest is gpu_pod's, as for
+gpu_bench --runtime crun.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from kvoffload.rendering import shared_cache
 
 SERVER_NODE = "gpu-host"  # the node name the rendering was made for (stage.sh: kvoffload render --node gpu-host)
 PORTS = {"A": (8000, 9400), "B": (8001, 9401)}
+KV_ALLOCATED = "GPU KV cache size"  # vLLM's log line once the KV cache is sized (after profiling and compiling)
 SEEDS = {"share": 3500, "cold": 3600, "load": 3700, "reload": 3800}
 T0 = time.monotonic()
 
@@ -101,7 +103,7 @@ class Replica:
         a = self.args
         port, xport = PORTS[self.key]
         run = gm.containerize(self.r, f"{a.work}/{self.key}", "", connector=True, model_config=self.cfg,
-                              serving_env=gb.BASE_ENV, kept={"home": f"{a.work}/kept-home-{self.key}"},
+                              serving_env=gb.BASE_ENV, kept={"home": f"{a.work}/kept-home"},
                               extra_args=["--gpu-memory-utilization", str(a.gpu_memory_utilization)],
                               host_paths={"dshm": self.shm_root}, pod_name=f"{self.r.name}-{self.ordinal}")
         rewrite_argv(run, shared_cache.dns_address(self.r.name, self.r.namespace), gm.POD_IP)
@@ -144,6 +146,19 @@ class Replica:
         self.eng = gb.Engine(run.port, gm.flag(run.container("main").argv, "--served-model-name") or gm.MODEL_DIR,
                              proc, self.pod.box(run.container("main").name).log, self.args.status_url)
         self.run = run
+
+    def wait_kv_allocated(self) -> float:
+        """Until vLLM logs its KV cache's size (its memory profiling is over and its compile cache written), so
+        that the next engine's start-up memory check and profiling see this one's allocation settled."""
+        end = time.monotonic() + self.args.start_timeout
+        while time.monotonic() < end and self.eng.proc.poll() is None:
+            try:
+                if KV_ALLOCATED in self.eng.logfile.read_text(errors="replace"):
+                    break
+            except OSError:
+                pass
+            time.sleep(1)
+        return round(time.monotonic() - self.t_start, 1)
 
     def wait_ready(self) -> float:
         gb.wait_http(self.run.port, "/health", time.monotonic() + self.args.start_timeout, self.eng.proc,
@@ -328,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                f"both vLLMs: --gpu-memory-utilization {args.gpu_memory_utilization} (two replicas on one GPU)",
                f"the admin's tmpfs root: a tmpfs of {args.shm_bytes} bytes at {args.shm_root}; the disk root "
                f"{args.disk_root} on the host's disk, kept across the server's pods",
-               "vLLM's compile cache (home) kept across a replica's pods: start-up time only"]
+               "vLLM's compile cache (home): one directory for both replicas and all their pods, B started once A's "
+               "KV cache was allocated (start-up time only)"]
     out: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "args": vars(args),
                            "changes": changes, "phases": {}}
     if args.dry_run:
@@ -379,8 +395,11 @@ def main(argv: list[str] | None = None) -> int:
         # start
         ph["start"] = {"server_ready_s": server.start(out), "server_status": status(args.status_url)}
         log(f"server ready after {ph['start']['server_ready_s']} s")
-        for x in reps.values():
-            x.start_pod(out)
+        # One after the other: B starts once A's memory is settled (routing_gpu found two engines profiling at once
+        # unreliable) and A's compile cache is written, which B reads from the shared home (start-up time only).
+        reps["A"].start_pod(out)
+        ph["start"]["A_kv_allocated_s"] = reps["A"].wait_kv_allocated()
+        reps["B"].start_pod(out)
         for x in reps.values():
             ph["start"][f"{x.key}_ready_s"] = x.wait_ready()
             log(f"replica {x.key} healthy after {ph['start'][f'{x.key}_ready_s']} s")
