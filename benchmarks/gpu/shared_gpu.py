@@ -434,6 +434,11 @@ def main(argv: list[str] | None = None) -> int:
         s = ph["share_summary"]
         s["speedup"] = round(s["recompute_median_s"] / s["B_first_median_s"], 2) if s["B_first_median_s"] else None
         log(f"share: {s}")
+        # Who pays for the L1 (tmpfs pages are charged to the cgroup that first touched them): each vLLM's cgroup and
+        # the server's, with the host's Shmem.
+        ph["cgroups_after_share"] = {"server": gb.cgroup_stat(server.main.cgroup), "meminfo": gb.meminfo(),
+                                     **{x.key: gb.cgroup_stat(x.pod.box(x.run.container("main").name).cgroup)
+                                        for x in reps.values()}}
         save(out, args)
 
         # restart: A's pod deleted and recreated
