@@ -25,7 +25,7 @@ from kvoffload.api import crd
 from kvoffload.api.settings import from_dict
 from kvoffload.controller import pipeline
 from kvoffload.controller.reconcile import covers
-from kvoffload.rendering import render
+from kvoffload.rendering import render, shared_cache
 from kvtest import OperatorProcess, condition
 
 BASE = {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"maxModelLen": 4096},
@@ -233,10 +233,16 @@ def name_of(row: Row) -> str:
     return "f-" + row.path.lower().replace(".", "-")[:48]
 
 
-def rendered(obj: dict[str, Any]) -> pipeline.Desired:
-    """What the operator renders for the resource as the API server holds it (defaults filled in)."""
+def rendered(obj: dict[str, Any], cluster: Any) -> pipeline.Desired:
+    """What the operator renders for the resource as the API server holds it (defaults filled in). PerNode: with its
+    Service's ClusterIP, which the operator reads back and writes into the vLLM line (no node runs a replica here, so
+    no node server)."""
     meta = obj["metadata"]
-    return pipeline.desired(meta["name"], meta["namespace"], meta["uid"], obj["spec"], SETTINGS)
+    address = ""
+    if ((obj["spec"].get("offload") or {}).get("server")) == "PerNode":
+        svc = cluster.client.get_or_none("services", shared_cache.service_name(meta["name"]), meta["namespace"])
+        address = ((svc or {}).get("spec") or {}).get("clusterIP", "")
+    return pipeline.desired(meta["name"], meta["namespace"], meta["uid"], obj["spec"], SETTINGS, address=address)
 
 
 def test_the_table_covers_every_optional_field():
@@ -290,7 +296,7 @@ def test_removing_any_optional_field_removes_it_from_the_children(cluster, names
         if row.refused_by_hpa:  # nothing was rendered; the removal below must then roll out in full
             before[row.path] = None
             continue
-        before[row.path] = rendered(obj)
+        before[row.path] = rendered(obj, cluster)
         live = live_children(cluster, namespace, name_of(row))
         for child in before[row.path].applied:  # the field reached the live children
             assert key(child) in live and covers(child, live[key(child)]), (row.path, key(child))
@@ -301,7 +307,7 @@ def test_removing_any_optional_field_removes_it_from_the_children(cluster, names
         name = name_of(row)
         obj = cluster.wait_until(lambda name=name: rolled_out(cluster, namespace, name, 2), timeout=120,
                                  message=f"{row.path}: removal rolled out")
-        after, old = rendered(obj), before[row.path]
+        after, old = rendered(obj, cluster), before[row.path]
         live = live_children(cluster, namespace, name)
         new_keys = {key(c) for c in after.applied}
         if set(live) != new_keys:
