@@ -147,6 +147,11 @@ def test_the_serving_pod_reaches_its_nodes_server():
     assert shm == {"name": "dshm", "hostPath": {"path": ROOT, "type": "Directory"}}
     assert not any(v["name"] == "kv-disk" for v in pod["volumes"])  # the L2 is the server's
     assert f"http://{ADDRESS}:8081/status" in pod["containers"][1]["args"]
+    # The exporter labels the server's figures with the pod's node (tier="shared"; docs/metrics.md).
+    exporter = pod["containers"][1]
+    assert exporter["args"][exporter["args"].index("--shared-node") + 1] == "$(NODE_NAME)"
+    assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}} \
+        in exporter["env"]
     assert pod_of(desired(address="").children)["initContainers"][1]["args"][-1] == "chat-cache.team-a.svc:5555"
 
 
@@ -363,3 +368,30 @@ def test_the_nodes_come_from_the_cached_pods_and_servers():
                                                datetime(2026, 12, 3, 22, 0, 0, tzinfo=timezone.utc))
     assert nodes == (shared_cache.Node("a"), shared_cache.Node("b", "2026-12-03T21:59:00Z"))
     assert address == "198.19.0.7"
+
+
+# --- warm start: new replicas prefer a node where the resource's server runs (docs/autoscaling.md)
+WARM = {"weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": {shared_cache.SHARED_LABEL: "chat"}},
+                                           "topologyKey": "kubernetes.io/hostname"}}
+
+
+def test_new_replicas_prefer_a_node_whose_server_exists():
+    pod = pod_of(desired().children)
+    assert pod["affinity"] == {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [WARM]}}
+    # The selector is exactly the server pods' label (shared_cache.pod_labels), never the serving pods'.
+    labels = servers(desired(nodes=(shared_cache.Node("n"),)).children)[0]["spec"]["template"]["metadata"]["labels"]
+    assert WARM["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= labels.items()
+    assert render.OWNER_LABEL not in labels
+    assert "affinity" not in pod_of(desired(spec(offload__backend="lmcache-server")).children)  # Sidecar: none
+
+
+def test_the_users_affinity_is_kept_and_the_warm_start_added():
+    mine = {"weight": 10, "podAffinityTerm": {"labelSelector": {"matchLabels": {"app": "db"}},
+                                              "topologyKey": "topology.kubernetes.io/zone"}}
+    zone = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h200"]}]}]}}
+    user = {"nodeAffinity": zone, "podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [mine]}}
+    pod = pod_of(desired(shared(scheduling__affinity=user)).children)
+    assert pod["affinity"] == {"nodeAffinity": zone,
+                               "podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [mine, WARM]}}
+    assert user["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"] == [mine]  # not mutated
