@@ -125,6 +125,11 @@ def test_kvoffload_plan_sizes_it(capsys):
     text = capsys.readouterr().out
     assert "shared LMCache server pod, one per node with replicas: request = limit" in text
     assert "memory request: " in text and "l1_limit_only" in text
+    # The shared tiers are the node's, not the replica's; the server pod as the operator sizes it for the default pair
+    # (LMCache 0.5.6's 4 GiB baseline floor, which plan once left at the 2 GiB setting).
+    assert "cpu and disk: the node's shared LMCache server's L1 and L2 (--server PerNode), held once per node" in text
+    assert budget["serverMemory"]["terms"][0] == {"name": "server_baseline", "bytes": 4 * GiB,
+                                                  "note": "LMCache server process (ZMQ + HTTP, torch)"}
     assert cli.main(["plan", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--cpu-size", "40Gi",
                      "--server", "PerNode"]) == 2
     assert "--backend lmcache runs no LMCache server to share" in capsys.readouterr().err
