@@ -400,3 +400,22 @@ def test_the_users_affinity_is_kept_and_the_warm_start_added():
     assert pod["affinity"] == {"nodeAffinity": zone,
                                "podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [mine, WARM]}}
     assert user["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"] == [mine]  # not mutated
+
+
+# --- routing: vllm-router knows workers, not nodes (docs/routing.md, "A shared tier (PerNode)")
+def test_cache_aware_counts_the_nodes_shared_tier_for_each_replica():
+    """PerNode: the Budget's cpu and disk tiers are the node server's L1 and L2; each replica serves from them, so
+    cache_aware's per-replica tree counts the shared tier where it is the largest worthwhile one (here a 160Gi L1
+    beats the GPU tier), and kv_aware names it as a tier whose events the router cannot see."""
+    from kvoffload.planning import routing as plan_routing
+    from kvoffload.rendering import routing
+
+    big = desired(shared(offload__cpu={"size": "160Gi"}, routing={"policy": "cache_aware"}))
+    b = big.budget
+    assert b.shared and b.tier("cpu").tokens > b.tier("gpu").tokens
+    router = next(c for c in big.children if c["kind"] == "Deployment" and c["metadata"]["name"] == "chat-router")
+    args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    tree = args[args.index("--max-tree-size") + 1]
+    assert tree == str(8 * b.tier("cpu").tokens) == str(plan_routing.max_tree_size(b))
+    kv = desired(shared(routing={"policy": "kv_aware"}))
+    assert routing.unseen(kv.spec, kv.budget) == ("cpu",)  # the shared L1: no events vllm-router admits
