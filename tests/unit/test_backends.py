@@ -203,8 +203,13 @@ def test_plan_cli_backend():
     out = subprocess.run(run + ["--backend", "lmcache-server", "-o", "json"], capture_output=True, text=True,
                          check=True)
     doc = json.loads(out.stdout)
-    assert doc["backend"] == "lmcache-server" and doc["serverMemory"]["request"] == 3 * GiB
-    assert doc["serverMemory"]["limit"] == 43 * GiB  # + the L1 (40 GiB), which the server faults in when it sees a GPU
+    # The default pair's LMCache (0.5.6) needs a 4 GiB server baseline, as the operator renders it (the 2 GiB setting is
+    # raised to engine/images.SERVER_BASELINE_FLOOR), + 1 GiB headroom.
+    assert doc["backend"] == "lmcache-server" and doc["serverMemory"]["request"] == 5 * GiB
+    assert doc["serverMemory"]["limit"] == 45 * GiB  # + the L1 (40 GiB), which the server faults in when it sees a GPU
+    low = subprocess.run(run + ["--backend", "lmcache-server", "--server-baseline", "2Gi"], capture_output=True,
+                         text=True)
+    assert low.returncode != 0 and "--server-baseline: below 4Gi" in low.stderr
     native = subprocess.run(run + ["--backend", "vllm-native"], capture_output=True, text=True, check=True).stdout
     # The default vLLM (0.33.0) keeps the tier in one /dev/shm region (0.26.0's per-layer tensors: test_sizing.py).
     assert "cpu_tier" in native and "one /dev/shm region of 40 GiB" in native and "/dev/shm 42Gi" in native

@@ -116,3 +116,67 @@ def test_every_figure_a_backend_declares_is_served(backend):
     assert {f for s in sources for f in s.figures} <= served
     assert {s.label for s in sources} == {dict(labels)["source"] for name, labels in got
                                           if name == "kvoffload_source_up"}
+
+
+# --- spec.offload.server PerNode: the node's shared server, read by every replica on that node (docs/metrics.md)
+WITH_L2 = json.loads((FIXTURES / "lmcache-0.5.6-server-status" / "status-idle-l2.json").read_text())
+
+
+def test_the_l2_figures_come_from_lmcaches_own_eviction_count():
+    """LMCache 0.5.6's real /status with the rendered fs_native L2 (an `eviction` block): its L2 bytes used and
+    capacity; 0.5.3's without an L2, and the H200 run's L2 without an eviction block, have none."""
+    snap = parse_status(WITH_L2)
+    assert (snap.l1_total_bytes, snap.l2_used_bytes, snap.l2_capacity_bytes) == (268435456, 0, 536870912)
+    assert (parse_status(IDLE).l2_used_bytes, parse_status(IDLE).l2_capacity_bytes) == (None, None)
+    lazy = json.loads((FIXTURES / "h200-backends-vllm-0.26.0-lmcache-0.5.3" / "server-status-lazy-l1.json").read_text())
+    assert parse_status(lazy).l2_capacity_bytes is None and parse_status(lazy).engines == 1
+
+
+def test_per_node_the_shared_tier_is_the_nodes_labelled_once_per_node():
+    """PerNode: the server's L1 and L2 are served as tier="shared" with the node, never as this pod's cpu or disk
+    tier; its own gpu tier and vLLM's hits stay. Two replicas on one node serve identical series but for the pod
+    (Prometheus' target labels), so max by (node, medium) counts the server once."""
+    used = {**WITH_L2["storage_manager"]["l2_eviction_controller"]["adapters"][0], "total_bytes_used": 3 << 20}
+    doc = {**WITH_L2, "registered_non_cuda_instance_ids": [7, 8],
+           "storage_manager": {**WITH_L2["storage_manager"],
+                               "l1_manager": {**WITH_L2["storage_manager"]["l1_manager"], "memory_used_bytes": 4 << 20},
+                               "l2_eviction_controller": {**WITH_L2["storage_manager"]["l2_eviction_controller"],
+                                                          "adapters": [used]}}}
+    with FakeVllm(VLLM) as vllm, FakeVllm(json.dumps(doc)) as server:
+        pods = [samples(TierCollector(ExporterConfig(
+            vllm_metrics_url=vllm.url, backend="lmcache-server", server_status_url=server.url,
+            kv_bytes_per_token=131072, shared_node="gpu-node-1",
+            capacity=TierCapacity(cpu_bytes=40 << 30, disk_bytes=200 << 30)))) for _ in range(2)]
+    got = pods[0]
+    node = (("medium", "cpu"), ("node", "gpu-node-1"), ("tier", "shared"))
+    disk = (("medium", "disk"), ("node", "gpu-node-1"), ("tier", "shared"))
+    assert got[("kvoffload_tier_capacity_bytes", node)] == 268435456  # the server's L1 in force, not the rendered 40Gi
+    assert got[("kvoffload_tier_used_bytes", node)] == 4 << 20
+    assert got[("kvoffload_tier_capacity_bytes", disk)] == 536870912  # LMCache's own L2 capacity
+    assert got[("kvoffload_tier_used_bytes", disk)] == 3 << 20
+    assert got[("kvoffload_lmcache_server_engines", (("node", "gpu-node-1"),))] == 2
+    for tier in ("cpu", "disk"):  # not this pod's
+        assert ("kvoffload_tier_capacity_bytes", (("tier", tier),)) not in got
+        assert ("kvoffload_tier_used_bytes", (("tier", tier),)) not in got
+    assert ("kvoffload_tier_capacity_bytes", (("tier", "gpu"),)) in got
+    assert got[("kvoffload_tier_hit_tokens_total", (("tier", "external"),))] >= 0  # this replica's, from vLLM
+    assert got[("kvoffload_offload_active", ())] == 1
+    assert pods[0] == pods[1]  # the same server's figures from each replica: a sum over pods would double them
+
+
+def test_per_node_without_lmcaches_l2_count_the_rendered_capacity_stands():
+    with FakeVllm(VLLM) as vllm, FakeVllm(json.dumps(CONNECTED)) as server:
+        got = samples(TierCollector(ExporterConfig(
+            vllm_metrics_url=vllm.url, backend="lmcache-server", server_status_url=server.url, shared_node="n",
+            capacity=TierCapacity(disk_bytes=10 << 30))))
+    assert got[("kvoffload_tier_capacity_bytes", (("medium", "disk"), ("node", "n"), ("tier", "shared")))] == 10 << 30
+    assert ("kvoffload_tier_used_bytes", (("medium", "disk"), ("node", "n"), ("tier", "shared"))) not in got
+
+
+def test_per_node_with_the_server_down_serves_no_shared_figure():
+    with FakeVllm(VLLM) as vllm:
+        got = samples(TierCollector(ExporterConfig(vllm_metrics_url=vllm.url, backend="lmcache-server",
+                                                   server_status_url="http://127.0.0.1:9/status", shared_node="n",
+                                                   capacity=TierCapacity(disk_bytes=10 << 30))))
+    assert not [k for k in got if dict(k[1]).get("tier") in ("shared", "cpu", "disk")]  # left out, never zeroed
+    assert got[("kvoffload_offload_active", ())] == 0

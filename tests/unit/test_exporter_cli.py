@@ -95,6 +95,7 @@ def test_flag_contract_and_defaults() -> None:
     (["--scrape-timeout", "0"], "--scrape-timeout"),
     (["--disk-rescan-interval", "-5"], "--disk-rescan-interval"),
     (["--lmcache-config", "/nonexistent/lmcache.yaml"], "--lmcache-config"),
+    (["--shared-node", "gpu-node-1"], "--shared-node"),  # whose server? (PerNode needs its /status URL)
 ])
 def test_bad_flags_name_the_flag(argv: list[str], field: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -125,6 +125,11 @@ def test_kvoffload_plan_sizes_it(capsys):
     text = capsys.readouterr().out
     assert "shared LMCache server pod, one per node with replicas: request = limit" in text
     assert "memory request: " in text and "l1_limit_only" in text
+    # The shared tiers are the node's, not the replica's; the server pod as the operator sizes it for the default pair
+    # (LMCache 0.5.6's 4 GiB baseline floor, which plan once left at the 2 GiB setting).
+    assert "cpu and disk: the node's shared LMCache server's L1 and L2 (--server PerNode), held once per node" in text
+    assert budget["serverMemory"]["terms"][0] == {"name": "server_baseline", "bytes": 4 * GiB,
+                                                  "note": "LMCache server process (ZMQ + HTTP, torch)"}
     assert cli.main(["plan", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--cpu-size", "40Gi",
                      "--server", "PerNode"]) == 2
     assert "--backend lmcache runs no LMCache server to share" in capsys.readouterr().err
@@ -147,6 +152,11 @@ def test_the_serving_pod_reaches_its_nodes_server():
     assert shm == {"name": "dshm", "hostPath": {"path": ROOT, "type": "Directory"}}
     assert not any(v["name"] == "kv-disk" for v in pod["volumes"])  # the L2 is the server's
     assert f"http://{ADDRESS}:8081/status" in pod["containers"][1]["args"]
+    # The exporter labels the server's figures with the pod's node (tier="shared"; docs/metrics.md).
+    exporter = pod["containers"][1]
+    assert exporter["args"][exporter["args"].index("--shared-node") + 1] == "$(NODE_NAME)"
+    assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}} \
+        in exporter["env"]
     assert pod_of(desired(address="").children)["initContainers"][1]["args"][-1] == "chat-cache.team-a.svc:5555"
 
 
@@ -363,3 +373,49 @@ def test_the_nodes_come_from_the_cached_pods_and_servers():
                                                datetime(2026, 12, 3, 22, 0, 0, tzinfo=timezone.utc))
     assert nodes == (shared_cache.Node("a"), shared_cache.Node("b", "2026-12-03T21:59:00Z"))
     assert address == "198.19.0.7"
+
+
+# --- warm start: new replicas prefer a node where the resource's server runs (docs/autoscaling.md)
+WARM = {"weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": {shared_cache.SHARED_LABEL: "chat"}},
+                                           "topologyKey": "kubernetes.io/hostname"}}
+
+
+def test_new_replicas_prefer_a_node_whose_server_exists():
+    pod = pod_of(desired().children)
+    assert pod["affinity"] == {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [WARM]}}
+    # The selector is exactly the server pods' label (shared_cache.pod_labels), never the serving pods'.
+    labels = servers(desired(nodes=(shared_cache.Node("n"),)).children)[0]["spec"]["template"]["metadata"]["labels"]
+    assert WARM["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= labels.items()
+    assert render.OWNER_LABEL not in labels
+    assert "affinity" not in pod_of(desired(spec(offload__backend="lmcache-server")).children)  # Sidecar: none
+
+
+def test_the_users_affinity_is_kept_and_the_warm_start_added():
+    mine = {"weight": 10, "podAffinityTerm": {"labelSelector": {"matchLabels": {"app": "db"}},
+                                              "topologyKey": "topology.kubernetes.io/zone"}}
+    zone = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h200"]}]}]}}
+    user = {"nodeAffinity": zone, "podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [mine]}}
+    pod = pod_of(desired(shared(scheduling__affinity=user)).children)
+    assert pod["affinity"] == {"nodeAffinity": zone,
+                               "podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [mine, WARM]}}
+    assert user["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"] == [mine]  # not mutated
+
+
+# --- routing: vllm-router knows workers, not nodes (docs/routing.md, "A shared tier (PerNode)")
+def test_cache_aware_counts_the_nodes_shared_tier_for_each_replica():
+    """PerNode: the Budget's cpu and disk tiers are the node server's L1 and L2; each replica serves from them, so
+    cache_aware's per-replica tree counts the shared tier where it is the largest worthwhile one (here a 160Gi L1
+    beats the GPU tier), and kv_aware names it as a tier whose events the router cannot see."""
+    from kvoffload.planning import routing as plan_routing
+    from kvoffload.rendering import routing
+
+    big = desired(shared(offload__cpu={"size": "160Gi"}, routing={"policy": "cache_aware"}))
+    b = big.budget
+    assert b.shared and b.tier("cpu").tokens > b.tier("gpu").tokens
+    router = next(c for c in big.children if c["kind"] == "Deployment" and c["metadata"]["name"] == "chat-router")
+    args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    tree = args[args.index("--max-tree-size") + 1]
+    assert tree == str(8 * b.tier("cpu").tokens) == str(plan_routing.max_tree_size(b))
+    kv = desired(shared(routing={"policy": "kv_aware"}))
+    assert routing.unseen(kv.spec, kv.budget) == ("cpu",)  # the shared L1: no events vllm-router admits

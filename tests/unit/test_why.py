@@ -86,3 +86,31 @@ def test_kstatus_rules(o, ks):
 def test_plugin_refuses_unknown_commands(capsys):
     assert kubectl.main(["bogus"]) == 2
     assert "allowed: plan, render, why" in capsys.readouterr().err
+
+
+def test_per_node_says_the_servers_what_they_hold_and_who_hits():
+    """spec.offload.server PerNode: each node's server, ready or not, idle ones, nodes still without one, the L1 and
+    L2 sizes from the Budget, and that a prefix there is a hit for every replica on that node."""
+    from kvoffload.rendering import render, shared_cache
+
+    s = spec(offload__backend="lmcache-server", offload__server="PerNode",
+             offload__disk={"path": "/mnt/nvme/lmcache", "size": "200Gi"})
+    settings = Settings(shared_memory_root="/run/kvoffload-shm", allowed_disk_roots=("/mnt/nvme",))
+    desired = pipeline.desired("svc", "ns", "u", s, settings, nodes=(shared_cache.Node("gpu-node-0"),))
+    o = obj(conditions.status(body(1), desired, None, conditions.Observed(sts(), [pod()]), T0))
+    o["spec"] = {"offload": {"backend": "lmcache-server", "server": "PerNode"}}
+    server = next(c for c in desired.children if c["kind"] == "Deployment" and c["metadata"]["name"] != "svc-router")
+    ready = {**server, "status": {"readyReplicas": 1}}
+    idle = {"metadata": {"name": "svc-cache-1", "annotations": {
+        shared_cache.NODE_ANNOTATION: "gpu-node-1", shared_cache.IDLE_ANNOTATION: "2026-01-01T00:01:00Z"}}}
+    pods = [pod("svc-0", "gpu-node-0"), pod("svc-1", "gpu-node-0"), pod("svc-2", "gpu-node-2")]
+    text = why.explain(o, named_sts(), pods, [], NOW, [ready, idle])
+    assert "Shared cache (spec.offload.server PerNode):" in text
+    assert "L1 (memory) 40Gi (327,680 tokens); L2 (the node's disk) 200Gi (1,638,400 tokens), once per node" in text
+    assert "a prefix in a node's server is a hit for every replica on that node" in text
+    assert f"node gpu-node-0: server {render.names('svc')['statefulset']}-cache-" in text
+    assert "ready; replicas there: svc-0, svc-1" in text
+    assert "node gpu-node-1: server svc-cache-1 NOT ready; replicas there: none; no replica since " \
+           "2026-01-01T00:01:00Z, kept for the grace period" in text
+    assert "nodes with replicas and no server yet: gpu-node-2" in text
+    assert "Shared cache" not in why.explain(live(), named_sts(), [pod()], [], NOW)  # Sidecar: nothing to say

@@ -24,6 +24,9 @@ CONFIG_DIR = "/etc/lmcache"  # where a backend's config files (Backend.config_fi
 DISK_DIR = "/kvcache"
 MULTIPROC_DIR = "/var/run/kvoffload/prometheus"
 CONFIG_VOLUME = "lmcache-config"
+# The exporter container's variable holding its pod's node (the downward API's spec.nodeName): with a shared server
+# (spec.offload.server PerNode) the server's figures are the node's, labelled with it.
+NODE_NAME_ENV = "NODE_NAME"
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from ..api.managed import SERVER_HTTP_PORT, SERVER_ZMQ_PORT
 from ..api.quantity import format_bytes, gib
 from .base import (
     DISK_DIR,
+    NODE_NAME_ENV,
     SERVER_STATUS,
     VLLM,
     Backend,
@@ -206,6 +207,10 @@ class LMCacheServer(Backend):
         host = spec.offload.shared_address if spec.offload.shared else "127.0.0.1"
         args = ["--backend", self.name, "--cpu-capacity-bytes", str(budget.tier("cpu").bytes),
                 "--lmcache-server-url", f"http://{host}:{SERVER_HTTP_PORT}/status"]
+        if spec.offload.shared:
+            # The figures are the node's server's, which every replica there reads: the exporter labels them with the
+            # node (NODE_NAME: the pod's spec.nodeName, from the downward API) as tier="shared".
+            args += ["--shared-node", f"$({NODE_NAME_ENV})"]
         if spec.offload.disk:
             args += ["--disk-capacity-bytes", str(budget.tier("disk").bytes)]
         return args

@@ -14,7 +14,7 @@ import sys
 from datetime import datetime, timezone
 
 from ..api import crd
-from ..rendering import render
+from ..rendering import render, shared_cache
 from . import main as kvoffload_main
 from . import why as why_mod
 
@@ -51,6 +51,9 @@ def why(argv: list[str]) -> int:
         sts = kube.get(f"{collection('apps/v1', 'StatefulSet', ns)}/{render.names(args.name)['statefulset']}")
         pods = kube.list(collection("v1", "Pod", ns), f"{render.OWNER_LABEL}={args.name}")
         names = {args.name, *(p["metadata"]["name"] for p in pods)}
+        # PerNode: the node servers' Deployments (they keep the owner label; their pods do not).
+        servers = kube.list(collection("apps/v1", "Deployment", ns),
+                            f"{render.OWNER_LABEL}={args.name},app.kubernetes.io/component={shared_cache.COMPONENT}")
         events = [e for e in kube.request("GET", f"/api/v1/namespaces/{ns}/events")["items"]
                   if (e.get("involvedObject") or {}).get("uid") == obj["metadata"]["uid"]
                   or ((e.get("involvedObject") or {}).get("kind") == "Pod"
@@ -58,7 +61,7 @@ def why(argv: list[str]) -> int:
     except ApiError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    sys.stdout.write(why_mod.explain(obj, sts, pods, events, datetime.now(timezone.utc)))
+    sys.stdout.write(why_mod.explain(obj, sts, pods, events, datetime.now(timezone.utc), servers))
     return 0
 
 

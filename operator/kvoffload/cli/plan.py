@@ -21,6 +21,7 @@ from ..api import settings as settings_mod
 from ..api.errors import ConfigError, InputError
 from ..api.quantity import format_bytes, human, to_bytes
 from ..controller import pipeline
+from ..engine import images
 from ..planning.catalog import ModelArch, resolve_model
 from ..planning.sizing import (
     Bandwidths,
@@ -211,6 +212,21 @@ def _bytes(value: str | None, option: str, default: str | int | None) -> int | N
     return None if raw is None else to_bytes(raw, option if value is not None else f"operator setting for {option}")
 
 
+def _server_baseline(given: str | None, setting: str) -> int:
+    """The LMCache server process's term, as the operator takes it for the image `plan` sizes (the default pair's):
+    the setting raised to that LMCache's floor, and a smaller --server-baseline refused (api/spec.py does the same
+    with spec.resources.serverBaseline)."""
+    floor = images.server_baseline_floor(images.DEFAULT_PAIR.lmcache)
+    floor_bytes = to_bytes(floor, "SERVER_BASELINE_FLOOR") if floor else 0
+    if given is None:
+        return max(to_bytes(setting, "operator setting for --server-baseline"), floor_bytes)
+    value = to_bytes(given, "--server-baseline")
+    if value < floor_bytes:
+        raise ConfigError("--server-baseline", f"below {floor}, what LMCache {images.DEFAULT_PAIR.lmcache}'s server "
+                                               f"process needs beside its CPU tier; set at least {floor}")
+    return value
+
+
 def build_input(args: argparse.Namespace, settings: settings_mod.Settings | None = None) -> PlanInput:
     s = settings or settings_mod.Settings()
     model = resolve_model(args.model, layers=args.layers, kv_heads=args.kv_heads, attention_heads=args.attention_heads,
@@ -225,7 +241,7 @@ def build_input(args: argparse.Namespace, settings: settings_mod.Settings | None
         engine_baseline=term(args.engine_baseline, "--engine-baseline", s.engine_baseline),
         per_worker_overhead=term(args.per_worker_overhead, "--per-worker-overhead", s.per_worker_overhead),
         staging_per_worker=term(args.staging_per_worker, "--staging-per-worker", s.staging_per_worker),
-        server_baseline=term(args.server_baseline, "--server-baseline", s.server_baseline),
+        server_baseline=_server_baseline(args.server_baseline, s.server_baseline),
         shm=_bytes(args.shm, "--shm", None),
         headroom_percent=s.headroom_percent if args.headroom_percent is None else args.headroom_percent,
         headroom_min=term(args.headroom_min, "--headroom-min", args.headroom_min))
@@ -329,6 +345,9 @@ def render_table(inp: PlanInput, b: Budget) -> str:
     ]
     for t in b.tiers:
         lines.append(f"{t.name:<6}{human(t.bytes):>14}{human(t.bytes_per_worker):>14}{t.tokens:>14,}{t.sequences:>11,}")
+    if b.shared:
+        lines.append("cpu and disk: the node's shared LMCache server's L1 and L2 (--server PerNode), held once per "
+                     "node for every replica there, not per replica")
     memory = (f"memory request = limit: {format_bytes(b.memory_limit)} ({human(b.memory_limit)})"
               if b.memory_request == b.memory_limit else
               f"memory request: {format_bytes(b.memory_request)} ({human(b.memory_request)}), limit: "

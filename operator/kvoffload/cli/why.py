@@ -12,6 +12,7 @@ from typing import Any
 from ..api import pod_status
 from ..api.quantity import format_bytes
 from ..engine import router as engine_router
+from ..rendering import shared_cache
 
 HINTS = {  # Ready/Stalled reason -> what a person does next
     "InvalidSpec": "Fix the field named above and apply again; nothing "
@@ -158,6 +159,46 @@ def _routing(obj: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _shared(obj: dict[str, Any], servers: list[dict[str, Any]], pods: list[dict[str, Any]]) -> list[str]:
+    """spec.offload.server PerNode: the node servers (their Deployments as read), what each holds, and what a prefix
+    there is worth."""
+    if ((obj.get("spec") or {}).get("offload") or {}).get("server") != "PerNode":
+        return []
+    st = obj.get("status") or {}
+    tiers = {t["name"]: t for t in (st.get("budget") or {}).get("tiers", []) if t.get("bytes")}
+    sizes = "; ".join(f"{label} {format_bytes(tiers[name]['bytes'])} ({tiers[name]['tokens']:,} tokens)"
+                      for name, label in (("cpu", "L1 (memory)"), ("disk", "L2 (the node's disk)")) if name in tiers)
+    lines = ["", "Shared cache (spec.offload.server PerNode):",
+             f"  one LMCache server per node that runs replicas, shared by this resource's replicas there: "
+             f"{sizes or 'no tier sized yet'}, once per node",
+             "  a prefix in a node's server is a hit for every replica on that node, whichever replica computed it; "
+             "a replica on another node recomputes it"]
+    by_node: dict[str, list[str]] = {}
+    for p in pods:
+        node = (p.get("spec") or {}).get("nodeName")
+        if node and not p["metadata"].get("deletionTimestamp"):
+            by_node.setdefault(node, []).append(p["metadata"]["name"])
+    seen = set()
+    for d in sorted(servers, key=lambda d: (d["metadata"].get("annotations") or {}).get(shared_cache.NODE_ANNOTATION,
+                                                                                         "")):
+        notes = d["metadata"].get("annotations") or {}
+        node = notes.get(shared_cache.NODE_ANNOTATION, "?")
+        seen.add(node)
+        ready = ((d.get("status") or {}).get("readyReplicas") or 0) >= 1
+        replicas = ", ".join(sorted(by_node.get(node, []))) or "none"
+        idle = (f"; no replica since {notes[shared_cache.IDLE_ANNOTATION]}, kept for the grace period (a replica "
+                "scheduled there finds it warm)" if notes.get(shared_cache.IDLE_ANNOTATION) else "")
+        lines.append(f"  node {node}: server {d['metadata']['name']} {'ready' if ready else 'NOT ready'}; "
+                     f"replicas there: {replicas}{idle}")
+    missing = sorted(set(by_node) - seen)
+    if missing:
+        lines.append(f"  nodes with replicas and no server yet: {', '.join(missing)} (the operator creates one once a "
+                     "replica is bound; the replica's vLLM waits for it)")
+    if not servers and not missing:
+        lines.append("  no server: no replica is bound to a node yet")
+    return lines
+
+
 def _events(events: list[dict[str, Any]], now: datetime, limit: int = 10) -> list[str]:
     def stamp(e: dict[str, Any]) -> str:
         return e.get("lastTimestamp") or e.get("eventTime") or e.get("firstTimestamp") or ""
@@ -170,7 +211,8 @@ def _events(events: list[dict[str, Any]], now: datetime, limit: int = 10) -> lis
 
 
 def explain(obj: dict[str, Any], sts: dict[str, Any] | None, pods: list[dict[str, Any]],
-            events: list[dict[str, Any]], now: datetime) -> str:
+            events: list[dict[str, Any]], now: datetime, servers: list[dict[str, Any]] | None = None) -> str:
+    """`servers`: the resource's shared server Deployments (PerNode), as read."""
     meta, st = obj["metadata"], obj.get("status") or {}
     ks, why = kstatus(obj)
     lines = [f"KVOffloadServe {meta['name']} in namespace {meta['namespace']} "
@@ -187,6 +229,7 @@ def explain(obj: dict[str, Any], sts: dict[str, Any] | None, pods: list[dict[str
         lines.append(f"  Endpoint: {st['endpoint']}")
     lines += _autoscaling(obj)
     lines += _routing(obj)
+    lines += _shared(obj, servers or [], pods)
     lines += ["", "Children:"] + _children(sts, pods)
     lines += ["", "Recent events:"] + _events(events, now)
     return "\n".join(lines) + "\n"

@@ -54,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "proves offloading (default %(default)s)")
     p.add_argument("--lmcache-server-url", metavar="URL",
                    help="the LMCache server's /status (backend lmcache-server)")
+    p.add_argument("--shared-node", metavar="NODE",
+                   help="the node whose shared LMCache server --lmcache-server-url reaches (spec.offload.server "
+                        "PerNode): its L1 and L2 are served as tier=\"shared\" with this node's name, not as the "
+                        "pod's cpu and disk tiers")
     p.add_argument("--cpu-capacity-bytes", type=int, metavar="N",
                    help="CPU tier of the whole pod, for backends without an LMCache YAML")
     p.add_argument("--disk-capacity-bytes", type=int, metavar="N",
@@ -84,6 +88,8 @@ def build(args: argparse.Namespace) -> tuple[CollectorRegistry, TierCollector, t
         raise ConfigError("--disk-rescan-interval", "must be > 0 seconds")
     if SERVER_STATUS in backends.get(args.backend, "--backend").sources and not args.lmcache_server_url:
         raise ConfigError("--lmcache-server-url", f"is required with --backend {args.backend}")
+    if args.shared_node is not None and not args.lmcache_server_url:
+        raise ConfigError("--shared-node", "needs --lmcache-server-url (the node's shared server)")
     for name in ("cpu_capacity_bytes", "disk_capacity_bytes"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise ConfigError("--" + name.replace("_", "-"), "must be >= 0")
@@ -102,6 +108,7 @@ def build(args: argparse.Namespace) -> tuple[CollectorRegistry, TierCollector, t
         capacity=capacity,
         backend=args.backend,
         server_status_url=args.lmcache_server_url,
+        shared_node=args.shared_node or None,
         unloaded_grace_s=args.unloaded_grace_seconds,
     )
     disk = None

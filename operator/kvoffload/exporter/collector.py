@@ -44,6 +44,9 @@ class ExporterConfig:
     capacity: TierCapacity = TierCapacity()
     backend: str = backends.DEFAULT  # spec.offload.backend
     server_status_url: str | None = None  # the LMCache server's /status (backend lmcache-server)
+    # spec.offload.server PerNode: the node whose shared server /status is (read through the resource's node-local
+    # Service). Its figures are the node's, not this pod's: served as tier="shared" with this node's name.
+    shared_node: str | None = None
     # LMCache publishes its counters every 10 s (LMCacheStatsLogger, log_interval=10) while vLLM counts
     # hits at once: external hits without a retrieve are reported only after they outlast this.
     unloaded_grace_s: float = 25.0
@@ -158,6 +161,37 @@ def engine_info(found: engine_versions.EngineVersions) -> Metric:
     return info
 
 
+def _shared_tier(config: ExporterConfig, server: ServerSnapshot, capacity: Metric, used: Metric) -> None:
+    """PerNode: the node's shared server's L1 and L2 as tier="shared", labelled with the node (the server is the
+    resource's on that node), beside this pod's own tier="gpu" samples. Every replica on the node serves the same
+    figures: a sum over pods counts the server once per replica, a max by node counts it once."""
+    def add(family: Metric, medium: str, value: float) -> None:
+        family.add_sample(family.name, {"tier": "shared", "medium": medium, "node": str(config.shared_node)}, value)
+
+    add(capacity, "cpu", server.l1_total_bytes)
+    add(used, "cpu", server.l1_used_bytes)
+    # The L2's capacity as LMCache tracks it, else the one the operator rendered (an L2 without an eviction block).
+    l2_capacity = server.l2_capacity_bytes if server.l2_capacity_bytes is not None else config.capacity.disk_bytes
+    if l2_capacity is not None:
+        add(capacity, "disk", l2_capacity)
+    if server.l2_used_bytes is not None:
+        add(used, "disk", server.l2_used_bytes)
+
+
+def _engines(config: ExporterConfig, server: ServerSnapshot) -> Metric:
+    help_ = ("vLLM workers that registered their KV caches with the pod's LMCache server (its /status: "
+             "registered_gpu_ids + registered_non_cuda_instance_ids); 0 means vLLM is not connected.")
+    if config.shared_node is None:
+        return GaugeMetricFamily("kvoffload_lmcache_server_engines", help_, value=server.engines)
+    engines = GaugeMetricFamily(
+        "kvoffload_lmcache_server_engines",
+        "vLLM workers of every replica on the node that registered with the node's shared LMCache server "
+        "(PerNode; its /status: registered_gpu_ids + registered_non_cuda_instance_ids, which name no pod); "
+        "the same figure from each replica there: take max by (node).", labels=["node"])
+    engines.add_metric([config.shared_node], server.engines)
+    return engines
+
+
 def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSnapshot | None,
               disk: DiskScan | None, active: bool, unloaded: float | None, health: dict[str, SourceHealth],
               server: ServerSnapshot | None = None) -> list[Metric]:
@@ -167,14 +201,19 @@ def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSna
         "Bytes the KV-cache tier may hold in this pod. gpu: vLLM num_gpu_blocks x block_size "
         "(vllm:cache_config_info) x --kv-bytes-per-token; cpu/disk: LMCache max_local_cpu_size/"
         "max_local_disk_size GiB x --tensor-parallel-size (lmcache), the LMCache server's L1 total "
-        "from its /status (lmcache-server), else --cpu-capacity-bytes/--disk-capacity-bytes.", labels=["tier"])
+        "from its /status (lmcache-server), else --cpu-capacity-bytes/--disk-capacity-bytes. shared "
+        "(spec.offload.server PerNode), labelled medium and node: the node's shared server's L1 (cpu) and L2 "
+        "(disk), the same figures from every replica on that node: take max by (node, medium), never a sum "
+        "over pods.", labels=["tier"])
     used = GaugeMetricFamily(
         "kvoffload_tier_used_bytes",
         "Bytes the KV-cache tier holds. gpu: vllm:kv_cache_usage_perc x gpu capacity (absent until "
         "vLLM publishes it, just after start); cpu: sum of lmcache:local_cache_usage (lmcache), the "
         "LMCache server's L1 memory_used_bytes (lmcache-server), absent for vllm-native (vLLM exports "
         "no fill level of its CPU tier); disk: sum of lmcache:local_storage_usage (what LMCache "
-        "accounts for; see kvoffload_disk_bytes for what is on disk).", labels=["tier"])
+        "accounts for; see kvoffload_disk_bytes for what is on disk). shared (PerNode), labelled medium and "
+        "node: the node's shared server's L1 memory_used_bytes (cpu) and its L2 adapters' total_bytes_used "
+        "(disk), one copy per replica on that node: take max by (node, medium).", labels=["tier"])
     hits = CounterMetricFamily(
         "kvoffload_tier_hit_tokens",
         "Prompt tokens found in the tier, as vLLM counts them. gpu: vllm:prefix_cache_hits; "
@@ -217,11 +256,15 @@ def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSna
         for source, origin in PROMPT_ORIGINS.items():
             if source in vllm.prompt_tokens:
                 origins.add_metric([origin], vllm.prompt_tokens[source])
-    if server is not None:
+    shared = config.shared_node is not None  # the cpu and disk tiers are the node's, not this pod's
+    if shared:
+        if server is not None:
+            _shared_tier(config, server, capacity, used)
+    elif server is not None:
         capacity.add_metric(["cpu"], server.l1_total_bytes)  # the L1 in force
     elif config.capacity.cpu_bytes is not None:
         capacity.add_metric(["cpu"], config.capacity.cpu_bytes)
-    if config.capacity.disk_bytes is not None:
+    if config.capacity.disk_bytes is not None and not shared:
         capacity.add_metric(["disk"], config.capacity.disk_bytes)
     if lmc is not None:
         used.add_metric(["cpu"], lmc.cpu_used_bytes)
@@ -231,12 +274,9 @@ def _families(config: ExporterConfig, vllm: VllmSnapshot | None, lmc: LmcacheSna
 
     families: list[Metric] = [capacity, used, hits, requested, origins, stored, evictions]
     if server is not None:
-        used.add_metric(["cpu"], server.l1_used_bytes)
-        families.append(GaugeMetricFamily(
-            "kvoffload_lmcache_server_engines",
-            "vLLM workers that registered their KV caches with the pod's LMCache server (its /status: "
-            "registered_gpu_ids + registered_non_cuda_instance_ids); 0 means vLLM is not connected.",
-            value=server.engines))
+        if not shared:
+            used.add_metric(["cpu"], server.l1_used_bytes)
+        families.append(_engines(config, server))
     if vllm is not None and vllm.offload_store_bytes is not None:
         moved = CounterMetricFamily(
             "kvoffload_offload_transfer_bytes",

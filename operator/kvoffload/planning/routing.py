@@ -11,6 +11,12 @@
   through; vLLM's native offload copies each block out), so the tiers hold overlapping prefixes, not disjoint ones:
   the largest worthwhile tier bounds what one replica serves from cache. The router's tree holds token ids, 8
   characters each (engine/router.TREE_CHARS_PER_TOKEN), whatever the text.
+- spec.offload.server PerNode: the Budget's cpu and disk tiers are the node's shared server's L1 and L2, from which
+  every replica on that node serves, so they count here as each replica's (the tree budget is that of the tiers a
+  replica can reload from). vllm-router 0.1.17 has no notion of nodes (a tree and a KV index per worker): it cannot
+  send a request to a replica because a node-mate computed its prefix. Such a request, placed by load on that node,
+  hits anyway. Where k replicas share a node, each one's own prefixes are about 1/k of what the server holds, so the
+  tree may remember prefixes the node has evicted: the bound is exact with one replica per node (the default spread).
 """
 
 from __future__ import annotations

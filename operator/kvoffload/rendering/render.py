@@ -22,7 +22,17 @@ from ..api.managed import SERVER_ZMQ_PORT
 from ..api.quantity import format_bytes
 from ..api.settings import Settings
 from ..api.spec import Spec
-from ..backends.base import CONFIG_DIR, CONFIG_VOLUME, DISK_DIR, HTTP_PORT, MULTIPROC_DIR, Backend, Sidecar, field_env
+from ..backends.base import (
+    CONFIG_DIR,
+    CONFIG_VOLUME,
+    DISK_DIR,
+    HTTP_PORT,
+    MULTIPROC_DIR,
+    NODE_NAME_ENV,
+    Backend,
+    Sidecar,
+    field_env,
+)
 from ..engine import images
 from ..engine import versions as engine_versions
 from ..planning.sizing import Budget
@@ -366,6 +376,8 @@ def _exporter_container(owner: Owner, spec: Spec, budget: Budget, settings: Sett
         # kubelet expands the disk mount's subPathExpr from this container's own env, and refuses to
         # create the container when a variable is missing (CreateContainerConfigError).
         "env": [field_env("POD_IP", "status.podIP"),
+                # PerNode: the node the shared server's figures are labelled with (Backend.exporter_args).
+                *([field_env(NODE_NAME_ENV, "spec.nodeName")] if spec.offload.shared else []),
                 *([field_env("POD_NAME", "metadata.name"), field_env("POD_NAMESPACE", "metadata.namespace")]
                   if _pod_disk(spec) and spec.offload.disk and spec.offload.disk.path else [])],
         "ports": [{"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"}],
@@ -436,8 +448,11 @@ def statefulset(owner: Owner, spec: Spec, budget: Budget, settings: Settings, co
         pod["nodeSelector"] = dict(sorted(node_selector.items()))
     if spec.scheduling.tolerations:
         pod["tolerations"] = [dict(t) for t in spec.scheduling.tolerations]
-    if spec.scheduling.affinity:
-        pod["affinity"] = spec.scheduling.affinity
+    # PerNode: new replicas prefer nodes where the resource's server runs, and start warm there (docs/autoscaling.md).
+    affinity = (shared_cache.with_warm_start(owner.name, spec.scheduling.affinity) if spec.offload.shared
+                else spec.scheduling.affinity)
+    if affinity:
+        pod["affinity"] = affinity
     if spec.scheduling.priority_class_name:
         pod["priorityClassName"] = spec.scheduling.priority_class_name
     spread = topology_spread(spec, selector_labels(owner))

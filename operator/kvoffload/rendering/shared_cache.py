@@ -28,7 +28,11 @@ from typing import Any
 
 from ..api.managed import SERVER_HTTP_PORT, SERVER_ZMQ_PORT
 from ..api.spec import Spec
+from .placement import HOSTNAME
 
+# The scheduler's weight (1-100) of a new replica's preference for a node that runs this resource's server: the most a
+# preferred term can weigh, since a warm node is what the preference is for (the score's other plugins still count).
+WARM_START_WEIGHT = 100
 COMPONENT = "shared-cache"  # app.kubernetes.io/component of the server's Deployment, Service and pods
 SHARED_LABEL = "kvoffload.io/shared-cache"  # on the server pods: the resource's name (never OWNER_LABEL)
 NODE_HASH_LABEL = "kvoffload.io/node-hash"  # a node name can be 253 characters; a label value 63
@@ -125,6 +129,28 @@ def nodes(serving: set[str], live: Mapping[str, str], now: datetime, grace_s: in
         if now < began + timedelta(seconds=grace_s):
             out.append(Node(node, iso(began)))
     return tuple(sorted(out, key=lambda n: n.name))
+
+
+def warm_start_term(owner_name: str) -> dict[str, Any]:
+    """A serving pod's preference for a node where the resource's server runs: a replica the autoscaler (or a scale-up,
+    or a reschedule) adds lands, where it can, on a node whose server holds the resource's prefixes (its L1 while it
+    runs, its kept L2 too), and its first requests can hit there; elsewhere it starts cold and needs a server of its
+    own. A server runs on every node with a replica, and on a node whose last replica left less than the grace period
+    ago, so this also prefers nodes that already serve the resource over empty ones. Preferred, never required: a new
+    replica still schedules where no server runs."""
+    return {"weight": WARM_START_WEIGHT, "podAffinityTerm": {
+        "labelSelector": {"matchLabels": {SHARED_LABEL: owner_name}}, "topologyKey": HOSTNAME}}
+
+
+def with_warm_start(owner_name: str, affinity: Mapping[str, Any] | None) -> dict[str, Any]:
+    """spec.scheduling.affinity (or none) with warm_start_term added to its preferred pod affinity terms (the user's
+    terms kept, first)."""
+    out = dict(affinity or {})
+    pod_affinity = dict(out.get("podAffinity") or {})
+    key = "preferredDuringSchedulingIgnoredDuringExecution"
+    pod_affinity[key] = [*(pod_affinity.get(key) or []), warm_start_term(owner_name)]
+    out["podAffinity"] = pod_affinity
+    return out
 
 
 def service(meta: dict[str, Any], owner_name: str) -> dict[str, Any]:
