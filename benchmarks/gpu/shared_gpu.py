@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-timeout", type=float, default=120)
     ap.add_argument("--load-tokens", type=int, default=4096)
     ap.add_argument("--load-threads", type=int, default=2)
-    ap.add_argument("--outage-s", type=float, default=25, help="from the kill to the new server pod")
+    ap.add_argument("--outage-s", type=float, default=15, help="from the kill to the new server pod")
     ap.add_argument("--budget-s", type=float, default=0, help="skip a phase that would not end within this")
     ap.add_argument("--dry-run", action="store_true", help="lay out the pods' bundles only")
     ap.add_argument("--oci-other-shape", action="store_true",
@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         save(out, args)
 
         # restart: A's pod deleted and recreated
-        if left(args) > 200:
+        if left(args) > 230:  # its ~110 s, and the outage's after it
             t0 = time.monotonic()
             reps["A"].delete()
             reps["A"].start_pod(out)
@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
             ph["restart"] = {"skipped": f"{left(args):.0f} s left"}
 
         # outage: the server killed under load, its pod replaced
-        if left(args) > 150:
+        if left(args) > 110:
             l2 = f"{args.disk_root}/lmcache/{r.namespace}/{r.name}/{shared_cache.server_dir(r.name)}"
             ph["outage"] = {"l2_quiet_at": gb.wait_disk_quiet(l2, deadline_s=30), "l2_before": gb.scan_disk(l2)}
             loads = [Load(x.key, x.run.port, x.eng.model, 10 * i + j, args.load_tokens, args.request_timeout)
@@ -483,12 +483,12 @@ def main(argv: list[str] | None = None) -> int:
             ph["outage"]["server_ready_s"] = server.start(out)
             ph["outage"]["ready_at"] = round(time.monotonic() - T0, 3)
             log(f"new server pod ready after {ph['outage']['server_ready_s']} s")
-            end = time.monotonic() + 90
+            end = time.monotonic() + 60
             while registered(status(args.status_url)) < len(reps) and time.monotonic() < end:
                 time.sleep(1)
             ph["outage"]["registered_at"] = round(time.monotonic() - T0, 3)
             ph["outage"]["registered"] = registered(status(args.status_url))
-            time.sleep(10)
+            time.sleep(5)
             for ld in loads:
                 ld.halt.set()
             for ld in loads:
