@@ -88,6 +88,21 @@ def set_flag(argv: list[str], name: str, value: str) -> list[str]:
     return out
 
 
+def prepare_and_init(pod: gpu_pod.Pod, run: gm.PodRun, tag: str, out: dict[str, Any]) -> None:
+    """A pod laid out (its changes recorded under `tag`) and its init steps run to completion, in order, as kubelet
+    runs them; one that fails stops the run."""
+    pod.prepare()
+    out.setdefault("oci_changes", {})[tag] = pod.changes
+    out.setdefault("run_changes", {})[tag] = run.changes
+    inits = out.setdefault("init", {})[tag] = []
+    for b in pod.of_role("init"):
+        res = b.run_to_completion(300)
+        inits.append(res)
+        log(f"{tag}: init {b.pc.name} rc {res['rc']} in {res['s']} s: {res['output'].strip()[-200:]}")
+        if res["rc"] != 0:
+            raise RuntimeError(f"{tag}: init {b.pc.name} exited {res['rc']}")
+
+
 class Replica:
     """One serving pod of the resource: its containers under crun, its vLLM as a gpu_bench.Engine."""
 
@@ -130,17 +145,7 @@ class Replica:
                                logdir=str(Path(self.args.out, "logs")), namespaces=gpu_pod.SANDBOX,
                                python=self.args.python, crun=self.args.crun, host=gpu_pod.HOST,
                                other_shape=self.args.oci_other_shape)
-        self.pod.prepare()
-        out.setdefault("oci_changes", {})[f"{self.key}{self.incarnation}"] = self.pod.changes
-        out.setdefault("run_changes", {})[f"{self.key}{self.incarnation}"] = run.changes
-        inits = []
-        for b in self.pod.of_role("init"):
-            res = b.run_to_completion(300)
-            inits.append(res)
-            log(f"{self.key}: init {b.pc.name} rc {res['rc']} in {res['s']} s: {res['output'].strip()[-160:]}")
-            if res["rc"] != 0:
-                raise RuntimeError(f"replica {self.key}: init {b.pc.name} exited {res['rc']}")
-        out.setdefault("init", {})[f"{self.key}{self.incarnation}"] = inits
+        prepare_and_init(self.pod, run, f"{self.key}{self.incarnation}", out)
         self.t_start = time.monotonic()
         proc = self.pod.box(run.container("main").name).start()
         self.eng = gb.Engine(run.port, gm.flag(run.container("main").argv, "--served-model-name") or gm.MODEL_DIR,
@@ -192,18 +197,8 @@ class Server:
                                logdir=str(Path(self.args.out, "logs")), namespaces=gpu_pod.SANDBOX,
                                python=self.args.python, crun=self.args.crun, host=gpu_pod.HOST,
                                other_shape=self.args.oci_other_shape)
-        self.pod.prepare()
-        out.setdefault("oci_changes", {})[tag] = self.pod.changes
-        out.setdefault("run_changes", {})[tag] = run.changes
         t0 = time.monotonic()
-        inits = []
-        for b in self.pod.of_role("init"):
-            res = b.run_to_completion(300)
-            inits.append(res)
-            log(f"{tag}: init {b.pc.name} rc {res['rc']} in {res['s']} s: {res['output'].strip()[-200:]}")
-            if res["rc"] != 0:
-                raise RuntimeError(f"{tag}: init {b.pc.name} exited {res['rc']}")
-        out.setdefault("init", {})[tag] = inits
+        prepare_and_init(self.pod, run, tag, out)
         main = self.pod.box(run.container("main").name)
         main.start()
         self.main = main
