@@ -91,7 +91,7 @@ def test_the_harness_reaches_the_server_on_loopback_and_moves_only_replica_bs_po
     args = type("A", (), {"work": "/w", "gpu_memory_utilization": 0.4})()
     runs = {}
     for i, k in enumerate(shared_gpu.PORTS):
-        rep = shared_gpu.Replica(k, i, r, {}, {"a": 1}, args, "/shm-root", [])
+        rep = shared_gpu.Replica(k, i, r, {}, {"a": 1}, args, "/shm-root")
         runs[k] = rep.make()
     dns = shared_cache.dns_address(r.name, r.namespace)
     for k, run in runs.items():
@@ -140,3 +140,28 @@ def test_fitting_pernode_for_the_cpu_node_keeps_both_pods_and_changes_only_what_
                 assert c["command"][:2] == ["python3", "-c"] and "8081" in c["command"][2]
     assert any(ch.startswith("wait-for-shared-cache: command") for ch in changes)
     assert any(ch.startswith("lmcache-server: command") for ch in changes)
+
+
+def test_the_three_pods_lay_out_from_the_real_nodes_captures_of_the_same_shape(text, tmp_path):
+    """The GPU run's pods from `oci/shared` and `oci/shared-server` (capture.py of the example, on the real node):
+    every rendered container has its captured spec, and no mount is added or dropped for want of one."""
+    (tmp_path / "shared.yaml").write_text(text)
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "shared_gpu.py"), "--dry-run",
+                    "--rendered", str(tmp_path / "shared.yaml"), "--oci-serving", str(OCI / "shared"),
+                    "--oci-server", str(OCI / "shared-server"), "--out", str(out), "--work", str(tmp_path / "work")],
+                   check=True, capture_output=True, text=True, cwd=ROOT / "benchmarks" / "gpu")
+    dry = json.loads((out / "results.json").read_text())["dry"]
+    assert set(dry) == {"A", "B", "server"}
+    assert set(dry["server"]["changes"]) == {"prepare-shared-memory", "prepare-disk-tier", "lmcache-server"}
+    assert set(dry["A"]["changes"]) == set(dry["B"]["changes"]) >= {"wait-for-shared-cache", "vllm", "exporter"}
+    for pod, d in dry.items():
+        for container, changes in d["changes"].items():
+            odd = [c for c in changes if "added as kubelet mounts" in c or "derived from" in c
+                   or c.startswith("captured volume mount") or "not mounted" in c]
+            assert not odd, (pod, container, odd)
+    # Replica B alone moves its ports; both dial the server on loopback, where the Service's name was.
+    name = shared_cache.dns_address("shared-llama31-8b", "kvoffload-demo")
+    assert "--port" not in dry["A"]["argv"]["vllm"] or gm.flag(dry["A"]["argv"]["vllm"], "--port") == "8000"
+    assert gm.flag(dry["B"]["argv"]["vllm"], "--port") == "8001"
+    assert not any(name in a for d in (dry["A"], dry["B"]) for argv in d["argv"].values() for a in argv)
