@@ -3,9 +3,11 @@ replica, and replicas do not compete for one node's NVMe."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..api.spec import Spec
+if TYPE_CHECKING:  # annotations only: the GPU host imports this without the API client
+    from ..api.spec import Spec
+
 
 HOSTNAME = "kubernetes.io/hostname"
 

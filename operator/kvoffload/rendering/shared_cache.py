@@ -24,11 +24,13 @@ import dataclasses
 import hashlib
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..api.managed import SERVER_HTTP_PORT, SERVER_ZMQ_PORT
-from ..api.spec import Spec
 from .placement import HOSTNAME
+
+if TYPE_CHECKING:  # annotations only: the GPU host imports this without the API client
+    from ..api.spec import Spec
 
 # The scheduler's weight (1-100) of a new replica's preference for a node that runs this resource's server: the most a
 # preferred term can weigh, since a warm node is what the preference is for (the score's other plugins still count).
