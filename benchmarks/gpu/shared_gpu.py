@@ -58,6 +58,8 @@ SERVER_NODE = "gpu-host"  # the node name the rendering was made for (stage.sh: 
 PORTS = {"A": (8000, 9400), "B": (8001, 9401)}
 KV_ALLOCATED = "GPU KV cache size"  # vLLM's log line once the KV cache is sized (after profiling and compiling)
 SEEDS = {"share": 3500, "cold": 3600, "load": 3700, "reload": 3800}
+DISK_INIT = "prepare-disk-tier"
+OWNER_UID = "35353535-0000-4000-8000-000000000035"  # the resource's metadata.uid, as the operator would pass it
 T0 = time.monotonic()
 
 
@@ -179,6 +181,15 @@ class Replica:
             self.pod = None
 
 
+def with_owner_uid(run: gm.PodRun) -> gm.PodRun:
+    """The server's disk-tier init step with the resource's uid, which the operator writes and offline rendering
+    cannot (without one the step empties the L2 at every start: it cannot tell whose the files are)."""
+    for i, c in enumerate(run.containers):
+        if c.name == DISK_INIT and "--owner-uid" not in c.argv:
+            run.containers[i] = dataclasses.replace(c, argv=[*c.argv, "--owner-uid", OWNER_UID])
+    return run
+
+
 class Server:
     """The node's server pod (the Deployment's): a new pod at each start, its L2 directory kept."""
 
@@ -192,7 +203,8 @@ class Server:
         self.incarnation += 1
         tag = f"server{self.incarnation}"
         name = f"{self.doc['metadata']['name']}-{self.incarnation}"
-        run = gm.plain_pod(self.doc, f"{self.args.work}/server", self.host_paths, name, self.image, gb.BASE_ENV)
+        run = with_owner_uid(gm.plain_pod(self.doc, f"{self.args.work}/server", self.host_paths, name, self.image,
+                                          gb.BASE_ENV))
         self.pod = gpu_pod.Pod(run, retag(self.specs, tag), name=name, tag=tag, work=f"{self.args.work}/server",
                                logdir=str(Path(self.args.out, "logs")), namespaces=gpu_pod.SANDBOX,
                                python=self.args.python, crun=self.args.crun, host=gpu_pod.HOST,
@@ -258,11 +270,13 @@ def wait_stored(url: str, before: float, deadline_s: float = 30) -> float:
 
 class Load(threading.Thread):
     """Requests to one replica, one after another, until stopped: a prefix shared by all (GPU hits) and a new
-    suffix each (a lookup, a compute and a store through the server). Every request's start, end and status."""
+    suffix each (a lookup through the server, a compute, and a store when the suffix is a full chunk). Every
+    request's start, end and status."""
 
-    def __init__(self, key: str, port: int, model: str, seed: int, tokens: int, timeout: float) -> None:
+    def __init__(self, key: str, port: int, model: str, seed: int, tokens: int, suffix: int, timeout: float) -> None:
         super().__init__(daemon=True)
         self.key, self.port, self.model, self.seed, self.tokens, self.timeout = key, port, model, seed, tokens, timeout
+        self.suffix = suffix
         self.halt = threading.Event()
         self.records: list[dict[str, Any]] = []
 
@@ -270,7 +284,7 @@ class Load(threading.Thread):
         prefix = gb.prompt(SEEDS["load"], self.tokens)
         i = 0
         while not self.halt.is_set():
-            ids = prefix + gb.prompt(self.seed * 100000 + i, 256)
+            ids = prefix + gb.prompt(self.seed * 100000 + i, self.suffix)
             t = time.monotonic()
             try:
                 code, body = gb.http_req(self.port, "POST", "/v1/completions",
@@ -317,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-timeout", type=float, default=120)
     ap.add_argument("--load-tokens", type=int, default=4096)
     ap.add_argument("--load-threads", type=int, default=2)
+    ap.add_argument("--load-suffix-tokens", type=int, default=128,
+                    help="each load request's new suffix: under a chunk, so the load stores nothing past its prefix "
+                    "(a full chunk each, ~70 requests/s, writes ~2 GB/s to the L2, whose newest 20%% the init keeps)")
     ap.add_argument("--outage-s", type=float, default=15, help="from the kill to the new server pod")
     ap.add_argument("--budget-s", type=float, default=0, help="skip a phase that would not end within this")
     ap.add_argument("--dry-run", action="store_true", help="lay out the pods' bundles only")
@@ -338,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                f"both vLLMs: --gpu-memory-utilization {args.gpu_memory_utilization} (two replicas on one GPU)",
                f"the admin's tmpfs root: a tmpfs of {args.shm_bytes} bytes at {args.shm_root}; the disk root "
                f"{args.disk_root} on the host's disk, kept across the server's pods",
+               f"the server's {DISK_INIT}: --owner-uid {OWNER_UID} (the operator passes the resource's uid; "
+               "offline rendering has none)",
                "vLLM's compile cache (home): one directory for both replicas and all their pods, B started once A's "
                "KV cache was allocated (start-up time only)"]
     out: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "args": vars(args),
@@ -376,8 +395,8 @@ def main(argv: list[str] | None = None) -> int:
                 pod.prepare()
                 out.setdefault("dry", {})[x.key] = {"changes": pod.changes, "argv": {c.name: c.argv
                                                                                      for c in run.containers}}
-            run = gm.plain_pod(server_doc, f"{args.work}/server", server.host_paths, "server-1", r.vllm.image,
-                               gb.BASE_ENV)
+            run = with_owner_uid(gm.plain_pod(server_doc, f"{args.work}/server", server.host_paths, "server-1",
+                                              r.vllm.image, gb.BASE_ENV))
             pod = gpu_pod.Pod(run, retag(server.specs, "server"), name="server-1", tag="server",
                               work=f"{args.work}/server", logdir=str(Path(args.out, "logs")),
                               namespaces=gpu_pod.SANDBOX, python=args.python, crun=args.crun, host=gpu_pod.HOST,
@@ -464,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         if left(args) > 110:
             l2 = f"{args.disk_root}/lmcache/{r.namespace}/{r.name}/{shared_cache.server_dir(r.name)}"
             ph["outage"] = {"l2_quiet_at": gb.wait_disk_quiet(l2, deadline_s=30), "l2_before": gb.scan_disk(l2)}
-            loads = [Load(x.key, x.run.port, x.eng.model, 10 * i + j, args.load_tokens, args.request_timeout)
+            loads = [Load(x.key, x.run.port, x.eng.model, 10 * i + j, args.load_tokens, args.load_suffix_tokens,
+                          args.request_timeout)
                      for i, x in enumerate(reps.values()) for j in range(args.load_threads)]
             for ld in loads:
                 ld.start()

@@ -165,3 +165,5 @@ def test_the_three_pods_lay_out_from_the_real_nodes_captures_of_the_same_shape(t
     assert "--port" not in dry["A"]["argv"]["vllm"] or gm.flag(dry["A"]["argv"]["vllm"], "--port") == "8000"
     assert gm.flag(dry["B"]["argv"]["vllm"], "--port") == "8001"
     assert not any(name in a for d in (dry["A"], dry["B"]) for argv in d["argv"].values() for a in argv)
+    # The server's L2 is kept only for the resource it was written for: the init step gets a uid, as from the operator.
+    assert gm.flag(dry["server"]["argv"][shared_gpu.DISK_INIT], "--owner-uid") == shared_gpu.OWNER_UID
