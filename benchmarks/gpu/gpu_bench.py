@@ -1148,8 +1148,8 @@ def main(argv: list[str] | None = None) -> int:
             args.oci_dir = args.oci[i] if args.oci else None
             rendered = load_rendered(path, args.python)
             cfg = json.loads(Path(args.config_json).read_text()) if args.config_json else catalog_config(
-                gpu_manifests.flag(gpu_manifests.vllm_argv(rendered.vllm)[0], "--served-model-name")
-                or gpu_manifests.vllm_argv(rendered.vllm)[0][2])
+                gpu_manifests.flag(gpu_manifests.exec_argv(rendered.vllm)[0], "--served-model-name")
+                or gpu_manifests.exec_argv(rendered.vllm)[0][2])
             for kind in args.runs.split(","):
                 if args.budget_s and time.monotonic() - T0 + args.run_estimate_s > args.budget_s:
                     log(f"{kind}-tp{rendered.tp}{args.tag_suffix}: skipped, not enough of --budget-s left")

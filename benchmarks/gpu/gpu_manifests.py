@@ -164,7 +164,7 @@ def parse_rendered(text: str) -> Rendered:
     if "vllm" not in containers:
         raise ManifestError(f"no container named vllm (found {', '.join(containers)})")
     vllm = containers["vllm"]
-    tp = int(flag(vllm_argv(vllm)[0], "--tensor-parallel-size") or 1)
+    tp = int(flag(exec_argv(vllm)[0], "--tensor-parallel-size") or 1)
     inits = [_container(c, sec) for c in pod.get("initContainers") or ()]
     return Rendered(name=sts["metadata"]["name"], namespace=sts["metadata"].get("namespace", "default"),
                     vllm=vllm, exporter=containers.get("exporter"),
@@ -292,11 +292,14 @@ def _sidecar(c: Container, dirs: dict[str, str], fields: dict[str, str], python:
     host = _mapper(c.mounts, dirs)
     env = {k: host(v) if v.startswith("/") else v for k, v in c.env.items()}
     env.update({k: fields[p] for k, p in c.env_fields.items() if p in fields})
-    cmd = list(c.command)
+    cmd, prelude = exec_argv(c)
     if not cmd or cmd[0] not in CONSOLE_ENTRY:
         raise ManifestError(f"sidecar {c.name} runs {cmd[:1]}, expected one of {sorted(CONSOLE_ENTRY)}")
+    if prelude:
+        # A host process: its /dev/shm is the host's, where the prelude's file is no business of this run's.
+        changes.append(f"sidecar {c.name}: its prelude {prelude!r} not run (a host process here)")
     args = []
-    for a in [*cmd[1:], *c.args]:
+    for a in cmd[1:]:
         x = _expand(a, env)
         y = host(x) if x.startswith("/") else _map_json_paths(x, host) if x.startswith("{") else x
         if y != a:
@@ -310,10 +313,11 @@ def _sidecar(c: Container, dirs: dict[str, str], fields: dict[str, str], python:
                    memory_limit=c.memory_limit)
 
 
-def vllm_argv(c: Container) -> tuple[list[str], str | None]:
-    """`vllm serve ARGS` the container finally runs, and its shell prelude if any. A rendered
-    command may be `/bin/sh -c 'PRELUDE; exec "$0" "$@"' vllm serve` + args (the prelude empties
-    the multiprocess dir at every container start): then $0 $@ is the vLLM argv."""
+def exec_argv(c: Container) -> tuple[list[str], str | None]:
+    """The argv the container finally runs (`vllm serve ARGS`, `lmcache server ARGS`), and its shell prelude if any.
+    A rendered command may be `/bin/sh -c 'PRELUDE; exec "$0" "$@"' vllm serve` + args (vLLM's prelude empties the
+    multiprocess dir at every container start, the server's removes a killed server's L1 segment): then $0 $@ is
+    the argv."""
     cmd = list(c.command)
     if cmd[:2] in (["/bin/sh", "-c"], ["sh", "-c"]) and len(cmd) >= 4 and 'exec "$0" "$@"' in cmd[2]:
         return cmd[3:] + list(c.args), cmd[2]
@@ -346,7 +350,7 @@ def localize(r: Rendered, layout: Layout, *, connector: bool = True, model_confi
     fields = _field_values(r)
     changes: list[str] = []
     v = r.vllm
-    full, prelude = vllm_argv(v)
+    full, prelude = exec_argv(v)
     if full[:2] != ["vllm", "serve"]:
         raise ManifestError(f"vllm container runs {full[:2]}, expected ['vllm', "
                             "'serve'] (optionally after a sh -c prelude)")
@@ -588,7 +592,7 @@ def containerize(r: Rendered, root: str, disk_root: str, *, connector: bool = Tr
         changes.append(f"env of the serving image's containers: {json.dumps(serving_env, sort_keys=True)}")
 
     # vLLM: the model, dev mode, the baseline's flags.
-    full, prelude = vllm_argv(r.vllm)
+    full, prelude = exec_argv(r.vllm)
     if full[:2] != ["vllm", "serve"]:
         raise ManifestError(f"vllm container runs {full[:2]}, expected ['vllm', "
                             "'serve'] (optionally after a sh -c prelude)")

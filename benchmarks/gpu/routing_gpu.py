@@ -339,8 +339,8 @@ def run(args: argparse.Namespace) -> int:
     atexit.register(gpu_bench._kill_all)
 
     r = gpu_manifests.parse_rendered(rendered["manifests"])
-    cfg = gpu_bench.catalog_config(gpu_manifests.flag(gpu_manifests.vllm_argv(r.vllm)[0], "--served-model-name")
-                                   or gpu_manifests.vllm_argv(r.vllm)[0][2])
+    cfg = gpu_bench.catalog_config(gpu_manifests.flag(gpu_manifests.exec_argv(r.vllm)[0], "--served-model-name")
+                                   or gpu_manifests.exec_argv(r.vllm)[0][2])
     vocab = int(cfg.get("vocab_size", 32000))
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)

@@ -241,6 +241,25 @@ class Server:
         self.pod = None
 
 
+def shm_facts(root: str, cgroups: dict[str, str | None]) -> dict[str, Any]:
+    """The admin's tmpfs after a server's restart: its room (LMCache 0.5.3 wants a whole L1 free, else it pickles),
+    its files, and how many processes of each cgroup still map an unlinked L1 segment (an engine that keeps its map of
+    the killed server's segment keeps its pages in the tmpfs until it lets go)."""
+    du = shutil.disk_usage(root)
+    files = {str(f.relative_to(root)): f.stat().st_size for f in Path(root).rglob("*") if f.is_file()}
+    mapped: dict[str, int] = {}
+    for key, cg in cgroups.items():
+        n = 0
+        for pid in Path(cg, "cgroup.procs").read_text().split() if cg else []:
+            try:
+                n += any("lmcache_l1_pool" in line and "(deleted)" in line
+                         for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+            except OSError:
+                continue
+        mapped[key] = n
+    return {"used_bytes": du.used, "free_bytes": du.free, "files": files, "unlinked_segment_mapped_by": mapped}
+
+
 def status(url: str) -> dict[str, Any] | None:
     try:
         return gb.server_status(url)
@@ -320,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="/var/tmp/kvshared")
     ap.add_argument("--shm-root", default="/var/tmp/kvshared-shm", help="a tmpfs is mounted here (the admin's root)")
-    ap.add_argument("--shm-bytes", type=int, default=56 * 2**30)
+    ap.add_argument("--shm-bytes", type=int, default=96 * 2**30,
+                    help="two L1s and room to spare: a server's restart while the engines may still map the killed "
+                    "one's segment (shm_facts records whether they do)")
     ap.add_argument("--disk-root", default="/var/tmp/kvshared-disk", help="the node's NVMe root (kept)")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--crun", default="crun")
@@ -348,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                       and (d["metadata"].get("annotations") or {}).get(shared_cache.NODE_ANNOTATION) == SERVER_NODE)
     http_port = gm.flag(server_doc["spec"]["template"]["spec"]["containers"][0]["args"], "--http-port")
     args.status_url = f"http://127.0.0.1:{http_port}/status"
-    cfg = gb.catalog_config(gm.flag(gm.vllm_argv(r.vllm)[0], "--served-model-name") or gm.vllm_argv(r.vllm)[0][2])
+    cfg = gb.catalog_config(gm.flag(gm.exec_argv(r.vllm)[0], "--served-model-name") or gm.exec_argv(r.vllm)[0][2])
     changes = [f"the Service's address {shared_cache.dns_address(r.name, r.namespace)} -> {gm.POD_IP}: the pods share "
                "this process's network namespace (on a node kube-proxy sends each replica to its node's server)",
                f"replica B: vLLM --port {PORTS['B'][0]}, exporter --listen {gm.POD_IP}:{PORTS['B'][1]} (one namespace)",
@@ -503,6 +524,10 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(1)
             ph["outage"]["registered_at"] = round(time.monotonic() - T0, 3)
             ph["outage"]["registered"] = registered(status(args.status_url))
+            ph["outage"]["shm_after"] = shm_facts(args.shm_root, {
+                "server": server.main.cgroup, **{x.key: x.pod.box(x.run.container("main").name).cgroup
+                                                 for x in reps.values()}})
+            log(f"tmpfs after the server's restart: {ph['outage']['shm_after']}")
             time.sleep(5)
             for ld in loads:
                 ld.halt.set()

@@ -71,7 +71,7 @@ def containers(d):
 
 
 def server_argv(c: dict, pod_name: str = "svc-0") -> list[str]:
-    return [*c["command"], *(a.replace("$(POD_NAME)", pod_name) for a in c["args"])]
+    return [a.replace("$(POD_NAME)", pod_name) for a in render.exec_argv(c)]
 
 
 @pytest.fixture(scope="module")

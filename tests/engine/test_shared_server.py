@@ -40,7 +40,7 @@ def engine(request):
     venv = engine_venv.require(pair.vllm, pair.lmcache)
     cases = {f"shared-tp{tp}": rendered(image, tp) for tp in (1, 2)}
     def argv(server: dict) -> list[str]:
-        return [*server["command"], *(a.replace("$(POD_NAME)", "svc-cache-x") for a in server["args"])]
+        return [a.replace("$(POD_NAME)", "svc-cache-x") for a in render.exec_argv(server)]
 
     out = engine_venv.run(venv, "check", {
         "vllm": [{"id": k, "argv": render.vllm_argv(v), "model_config": LLAMA_CONFIG}

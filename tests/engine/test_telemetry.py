@@ -43,10 +43,8 @@ OFF = {"vllm": False, "lmcache": False, "huggingface_hub": False}
 
 
 def program(container: dict) -> str:
-    """What the container finally execs (the vllm container's shell prelude execs `vllm`)."""
-    if container["command"][:3] == render.VLLM_COMMAND[:3]:
-        return render.vllm_argv(container)[0]
-    return container["command"][0]
+    """What the container finally execs (past a shell prelude)."""
+    return render.exec_argv(container)[0]
 
 
 def containers(backend: str, image: str = images.DEFAULT_IMAGE, **patch) -> dict[str, dict]:

@@ -228,3 +228,27 @@ def test_the_generated_part_of_the_backends_doc_sits_between_its_markers():
         assert f"`{b.name}`" in out and all(f"`{path}`" in out for path in b.refuses)
     with pytest.raises(SystemExit, match="markers"):
         generate.backends_doc("prose only\n")
+
+
+@pytest.mark.parametrize("left", ["segment", "link"])
+def test_the_server_removes_the_segment_a_killed_server_left_before_it_starts(left, tmp_path):
+    """A killed server's L1 segment stays in its tmpfs (the pod's /dev/shm outlives a container restart, the PerNode
+    directory the pod), and LMCache 0.5.3 then lacks room for its own and falls back to pickled transfer. The rendered
+    command, run by /bin/sh in a mount namespace of its own with a fresh tmpfs at /dev/shm and `lmcache server`
+    replaced by a program that lists /dev/shm: the stale segment is gone (a link at its name goes, never what it
+    names), every other file stays, and the program gets the server's arguments."""
+    c = containers(desired("lmcache-server"))["lmcache-server"]
+    assert c["command"] == lmcache_server.SERVER_COMMAND and render.exec_argv(c)[:2] == ["lmcache", "server"]
+    outside = tmp_path / "outside"
+    outside.write_text("not the server's")
+    seg = f"/dev/shm/{lmcache_server.SERVER_SHM_NAME}"
+    stale = f"head -c 65536 /dev/zero > {seg}" if left == "segment" else f"ln -s {outside} {seg}"
+    setup = f'mount -t tmpfs -o size=1m tmpfs /dev/shm && {stale} && : > /dev/shm/nccl-1 && exec "$@"'
+    lister = "import json, os, sys; print(json.dumps([sorted(os.listdir('/dev/shm')), sys.argv[1:]]))"
+    argv = [*c["command"][:3], sys.executable, "-c", lister, *c["args"]]
+    done = subprocess.run(["unshare", "--mount", "/bin/sh", "-c", setup, "sh", *argv], capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    files, args = json.loads(done.stdout)
+    assert files == ["nccl-1"] and args == c["args"]
+    assert outside.read_text() == "not the server's"

@@ -71,7 +71,7 @@ def test_localize_changes_only_what_a_host_needs(tp1):
     assert gm.flag(argv, "--host") == "127.0.0.1" and gm.flag(argv, "--port") == "18000"
     assert argv[-3:] == ["--load-format", "dummy", "--skip-tokenizer-init"]
     # Every other rendered argument is passed through unchanged and in order.
-    rendered = gm.vllm_argv(tp1.vllm)[0][3:]
+    rendered = gm.exec_argv(tp1.vllm)[0][3:]
     kept = [a for a in argv[5:-3]]
     for opt in ("--host", "--port"):
         i = rendered.index(opt)
@@ -99,7 +99,7 @@ def test_a_shell_prelude_before_vllm_serve_is_recognised():
     c["command"] = ["/bin/sh", "-c", 'find "$PROMETHEUS_MULTIPROC_DIR" -mindepth 1 -delete; exec "$0" "$@"', "vllm",
                     "serve"]
     r = gm.parse_rendered(yaml.safe_dump_all(docs))
-    argv, prelude = gm.vllm_argv(r.vllm)
+    argv, prelude = gm.exec_argv(r.vllm)
     assert argv[:2] == ["vllm", "serve"] and argv[2] == "meta-llama/Llama-3.1-8B-Instruct" and "find" in prelude
     run = gm.localize(r, LAYOUT)
     assert run.engine_argv == plain and any("shell prelude" in ch for ch in run.changes)

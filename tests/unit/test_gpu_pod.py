@@ -23,6 +23,7 @@ import gpu_oci  # noqa: E402
 import gpu_pod  # noqa: E402
 import gpu_report  # noqa: E402
 
+from kvoffload.backends import lmcache_server  # noqa: E402
 from kvoffload.engine import images  # noqa: E402
 
 OCI = ROOT / "benchmarks" / "gpu" / "oci"
@@ -100,7 +101,8 @@ def test_server_sidecar_runs_before_vllm_with_its_probe_and_the_baseline_drops_i
     r = rendered["server-llama31-8b"]
     run = pod(r)
     side = run.container("sidecar")
-    assert side.name == "lmcache-server" and side.argv[:2] == ["lmcache", "server"] and "--no-l1-use-lazy" in side.argv
+    assert side.name == "lmcache-server" and side.argv[:5] == lmcache_server.SERVER_COMMAND
+    assert "--no-l1-use-lazy" in side.argv
     assert side.probe[:2] == ["python3", "-c"] and side.env["POD_NAME"] == f"{r.name}-0"
     assert gm.flag(side.argv, "--instance-id") == f"{r.name}-0"  # kubelet expands $(POD_NAME) in args
     assert run.status_url == "http://127.0.0.1:8081/status"

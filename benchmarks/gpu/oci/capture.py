@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from kvoffload.rendering.render import exec_argv
 from kvtest import Cluster, node
 from kvtest.images import OPERATOR
 
@@ -96,7 +97,7 @@ def for_cpu_node(docs: list[dict[str, Any]], name: str) -> tuple[list[dict[str, 
                 # operator reads the ClusterIP back), and its spec, not what it runs, is what is captured.
                 c["command"], c["args"] = ["python3", "-c", "pass"], []
                 ch.append(f"{c['name']}: command -> python3 -c pass (no cluster DNS here for the Service's name)")
-            if c.get("command") == ["lmcache", "server"]:
+            if exec_argv(c)[:2] == ["lmcache", "server"]:
                 port = int(c["args"][c["args"].index("--http-port") + 1])
                 c["command"], c["args"] = ["python3", "-c", PROBE_STAND_IN.format(port=port)], []
                 ch.append(f"{c['name']}: command -> a stand-in answering on 127.0.0.1:{port} (no LMCache here)")

@@ -45,6 +45,14 @@ if TYPE_CHECKING:
 # One server per /dev/shm, so one name: the pod's own /dev/shm (Sidecar), or the resource's directory on the node,
 # which one server per resource and node uses (PerNode).
 SERVER_SHM_NAME = "lmcache_l1_pool_kvoffload"
+# The segment a killed server leaves (a crash or an OOM kill runs no clean-up) stays in its tmpfs: the pod's
+# memory-backed /dev/shm, which outlives a container restart, or the PerNode directory, which outlives the pod. LMCache
+# 0.5.3 checks the tmpfs's free room for a whole L1 before it replaces the segment and, short of it, falls back to
+# pickled transfer (H200, 4 Dec 2026: "Insufficient /dev/shm capacity", stores at ~150 MB/s, no hit from the L2 after
+# the restart). One server per /dev/shm (a pod's own; PerNode: strategy Recreate), so the name is this server's: it is
+# removed before the server starts. rm removes a link itself, never what it names.
+SERVER_PRELUDE = f'rm -f "/dev/shm/{SERVER_SHM_NAME}"; exec "$0" "$@"'
+SERVER_COMMAND = ["/bin/sh", "-c", SERVER_PRELUDE, "lmcache", "server"]
 SERVER_TRANSFER_MODE = "engine_driven"  # the server has no GPU: vLLM's workers copy KV into its /dev/shm L1
 # PerNode: how long vLLM's connector waits for an answer from the server (LMCache's lmcache.mp.mq_timeout, 300 s by
 # default). A shared server can die while its replicas live; this bounds what an in-flight request waits before it
@@ -235,7 +243,7 @@ def server_container(spec: Spec, budget: BudgetView, pod: Sidecar, *, sidecar: b
         "name": "lmcache-server",
         "image": pod.image,
         **({"restartPolicy": "Always"} if sidecar else {}),
-        "command": ["lmcache", "server"],
+        "command": list(SERVER_COMMAND),
         "args": server_args(spec, budget),
         # LMCache 0.5.3's token hasher is a numba function with cache=True: numba needs a writable cache
         # directory, and UID 1000 can write neither site-packages nor a HOME (none is set here). Seen on a

@@ -195,11 +195,20 @@ def _vllm_container(owner: Owner, spec: Spec, budget: Budget, settings: Settings
     }
 
 
+def exec_argv(container: dict[str, Any]) -> list[str]:
+    """The argv a container finally execs: past a `/bin/sh -c PRELUDE` whose prelude ends in `exec "$0" "$@"` (the
+    vLLM container's, the LMCache server's), else its command and args."""
+    argv = [*container.get("command", []), *container.get("args", [])]
+    if argv[:2] == ["/bin/sh", "-c"] and len(argv) > 3 and argv[2].endswith('exec "$0" "$@"'):
+        return argv[3:]
+    return argv
+
+
 def vllm_argv(container: dict[str, Any]) -> list[str]:
     """The argv the vLLM container finally execs (`vllm serve MODEL ...`), without the prelude."""
     if container["command"][:3] != VLLM_COMMAND[:3]:
         raise ValueError(f"container {container.get('name')!r} was not rendered with VLLM_COMMAND")
-    return container["command"][3:] + container["args"]
+    return exec_argv(container)
 
 
 # Where the hostPath init container sees <root>/<rel>/<namespace>/<name>, the parent of the pod's directory.
