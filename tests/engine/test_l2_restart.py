@@ -2,7 +2,9 @@
 the --l2-adapter JSON the operator renders for backend lmcache-server, in the engine venv of each pair the operator
 offers (its C++ FS connector, on this CPU host). A second adapter over the same directory, as a restarted server
 is, finds the chunk by its file name and loads its bytes, but counts none of it: the reason the disk-tier init
-step keeps such files only up to a share of the budget.
+step keeps such files only up to a share of the budget. And the whole path, with the rendered `lmcache server` line
+and vLLM's side as LMCache's own LMCacheMPConnector adapters do it: what a killed server stored, its successor over the
+kept directory serves to a new vLLM process.
 
 Skipped without the engine venv, unless KVO_REQUIRE_ENGINE=1 (make test) makes that a failure.
 """
@@ -11,16 +13,27 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
+import time
+import urllib.request
+from pathlib import Path
 
 import engine_venv
 import pytest
 
 from kvoffload.api.settings import Settings
 from kvoffload.controller import pipeline
+from kvoffload.engine import images
+from kvoffload.rendering import render, shared_cache
+from kvtest.fidelity import for_image
 from kvtest.specs import spec
 
 SCRIPT = engine_venv.HERE / "l2_restart_check.py"
+RELOAD = engine_venv.HERE / "l2_reload_check.py"
+HEARTBEAT_S = 10  # LMCache's lmcache.mp.heartbeat_interval default (0.5.3 and 0.5.6), which the operator keeps
+QUIET = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
 
 
 def rendered_adapter() -> dict:
@@ -54,3 +67,120 @@ def test_a_restarted_servers_fs_native_l2_reads_the_kept_chunk_but_does_not_coun
     assert (again["found"], again["loaded"], again["bytes_match"]) == (1, 1, True), again
     assert again["usage_bytes"] == 0, again  # read, but never counted: it would never be evicted either
     assert again["files"] == [chunk]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(venv, argv: list[str], log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([str(venv / "bin" / argv[0]), *argv[1:]], env={**os.environ, **QUIET},
+                            stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True)
+    port = int(argv[argv.index("--port") + 1])
+    deadline = time.monotonic() + 300
+    while True:  # vLLM's connector asks the chunk size over ZMQ: the port must be bound
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "the server did not listen in 300 s"
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            time.sleep(1)
+
+
+def registered(http_port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=5) as r:
+            return bool(json.loads(r.read()).get("registered_non_cuda_instance_ids"))
+    except OSError:
+        return False
+
+
+def vllm_side(venv, kv: dict, model: str, tokens: int, phase: str) -> dict:
+    cp = subprocess.run([engine_venv.python(venv), str(RELOAD), json.dumps(kv), model, str(tokens), phase],
+                        capture_output=True, text=True, timeout=300, env={**os.environ, **QUIET})
+    assert cp.returncode == 0, cp.stdout[-2000:] + cp.stderr[-3000:]
+    return json.loads(cp.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("vllm", ["new", "running"])
+@pytest.mark.parametrize("pair", engine_venv.PAIRS, ids=lambda p: f"{p.vllm}-{p.lmcache}")
+def test_what_a_killed_server_stored_its_successor_serves_from_the_kept_l2(pair, vllm, tmp_path):
+    """PerNode's rendered server line (its addresses, L2 directory and shared-memory name changed), a store through
+    vLLM's side with the rendered connector config, the server SIGKILLed once its L2 holds every chunk, a new server
+    over the same directory (its L1 empty), and a lookup from a new vLLM process (a replica started after the restart) or from the one that stored (a running
+    replica, whose connector re-registers when the server returns): every chunk is found and loads the stored bytes."""
+    venv = engine_venv.require(pair.vllm, pair.lmcache)
+    image = next(i for i, p in images.serving_images().items() if p == pair)
+    s = for_image(spec(offload__backend="lmcache-server", offload__server="PerNode", offload__cpu__size="256Mi",
+                       offload__disk__size="1Gi"), image)
+    d = pipeline.desired("svc", "ns", "uid-1", s, Settings(shared_memory_root="/run/kvoffload-shm"),
+                         nodes=(shared_cache.Node("node-0"),), address="198.19.0.42")
+    pod = next(c for c in d.children if c["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    server_pod = next(c for c in d.children if c["kind"] == "Deployment")["spec"]["template"]["spec"]
+    argv = [a.replace("$(POD_NAME)", "svc-cache-0") for a in render.exec_argv(server_pod["containers"][0])]
+    zmq_port, http, base = free_port(), free_port(), tmp_path / "kvcache"
+    shm = f"lmcache_l1_pool_kvtest{os.getpid()}"
+    base.mkdir()
+    # Loopback here (the pod binds its own addresses, fenced by its NetworkPolicy); the rest as rendered.
+    for flag, value in (("--host", "127.0.0.1"), ("--http-host", "127.0.0.1"), ("--port", str(zmq_port)),
+                        ("--http-port", str(http)), ("--shm-name", shm)):
+        argv[argv.index(flag) + 1] = value
+    i = argv.index("--l2-adapter") + 1
+    argv[i] = argv[i].replace('"/kvcache"', json.dumps(str(base)))
+    vllm_args = pod["containers"][0]["args"]
+    kv = json.loads(vllm_args[vllm_args.index("--kv-transfer-config") + 1])
+    kv["kv_connector_extra_config"]["lmcache.mp.host"] = "tcp://127.0.0.1"
+    kv["kv_connector_extra_config"]["lmcache.mp.port"] = zmq_port
+    tokens, chunk, model = 1024, d.spec.offload.chunk_size, d.spec.model.name
+    log = tmp_path / "server.log"
+    server = start_server(venv, argv, log)
+    client = None
+    try:
+        if vllm == "new":
+            stored = vllm_side(venv, kv, model, tokens, "store")
+        else:
+            client = subprocess.Popen([engine_venv.python(venv), str(RELOAD), json.dumps(kv), model, str(tokens),
+                                       "restart"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=(tmp_path / "vllm.log").open("w"), text=True, env={**os.environ, **QUIET})
+            for line in client.stdout:  # vLLM's imports print to stdout too
+                if line.strip() == "STORED":
+                    break
+            else:
+                raise AssertionError((tmp_path / "vllm.log").read_text()[-3000:])
+            stored = {"stored": True, "found_before": 0}
+        assert stored["stored"] and stored["found_before"] == 0, stored
+        deadline = time.monotonic() + 60
+        while len(list(base.rglob("*.data"))) < tokens // chunk:
+            assert time.monotonic() < deadline, f"the L2 holds {sorted(base.rglob('*'))}"
+            time.sleep(0.5)
+        os.killpg(server.pid, signal.SIGKILL)  # a crash: no clean-up of its own
+        server.wait()
+        Path("/dev/shm", shm).unlink(missing_ok=True)  # what the rendered prelude does before the next server
+        if client is not None:
+            # Down for longer than a heartbeat's PING may wait (mq_timeout, after up to one interval): ZMQ holds the
+            # PING and delivers it to a server back sooner, which answers it, so the running engine never notices and
+            # never registers with it again (LMCache 0.5.3: its lookups then find "No GPU context"). A server pod on
+            # the H200 took 29.5 s to start, longer than the rendered 20 s.
+            time.sleep(kv["kv_connector_extra_config"]["lmcache.mp.mq_timeout"] + HEARTBEAT_S + 2)
+        server = start_server(venv, argv, log)
+        if client is None:
+            got = vllm_side(venv, kv, model, tokens, "lookup")
+        else:
+            deadline = time.monotonic() + 120
+            while not registered(http):  # the heartbeat's recovery registers the KV caches again
+                assert client.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
+            out, _ = client.communicate("go\n", timeout=300)
+            got = json.loads(out.strip().splitlines()[-1])
+            assert got.pop("healthy_again") and got.pop("stored") and got.pop("found_before") == 0, got
+            got["phase"] = "lookup"
+        assert got == {"phase": "lookup", "found_tokens": tokens, "loaded": True}, (got, log.read_text()[-4000:])
+    finally:
+        if client is not None and client.poll() is None:
+            client.kill()
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        Path("/dev/shm", shm).unlink(missing_ok=True)

@@ -21,8 +21,9 @@
 #                                            pair): the server and no connector under load
 #   bash <bundle>/dev/dev.sh plan-routing TOTAL_S [BUDGET_S]  issue 33: the rendered router per policy before two rendered
 #                                            vllm-native replicas (routing_gpu.py), detached; plan-routing-wait TOTAL_S
-#   bash <bundle>/dev/dev.sh plan035 TOTAL_S [BUDGET_S]  issue 35: PerNode's shared server and two replicas as
-#                                            rendered (shared_gpu.py), detached; plan035-wait TOTAL_S
+#   bash <bundle>/dev/dev.sh plan035 TOTAL_S [BUDGET_S [ARGS...]]  issue 35: PerNode's shared server and two
+#                                            replicas as rendered (shared_gpu.py ARGS, e.g. --plan reload), detached;
+#                                            plan035-wait TOTAL_S
 #   bash <bundle>/dev/dev.sh plan033 TOTAL_S [RUNS]  vLLM 0.33.0 + LMCache 0.5.6: check, then its rendered example under
 #                                            crun (RUNS: connector,baseline by default)
 set -u -o pipefail
@@ -210,7 +211,7 @@ plan035|plan035-wait)
     rm -rf $out && mkdir -p $out
     ( cd $G/bench && PYTHONPATH=$G/operator setsid python3 shared_gpu.py --rendered $G/rendered/shared-llama31-8b.yaml \
         --oci-serving $G/oci/shared --oci-server $G/oci/shared-server --out $out --crun $IMG/crun/run \
-        --budget-s "${3:-540}" > /root/kvout/shared.log 2>&1 < /dev/null & echo $! > /root/kvout/shared.pid )
+        --budget-s "${3:-540}" "${@:4}" > /root/kvout/shared.log 2>&1 < /dev/null & echo $! > /root/kvout/shared.pid )
   fi
   pid=$(cat /root/kvout/shared.pid 2>/dev/null)
   while [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
