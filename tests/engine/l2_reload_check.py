@@ -6,8 +6,9 @@ pod uses. Prints one JSON line.
   store:   register, look a fixed prompt of TOKENS tokens up (a miss), store it, wait until the server acknowledges it
   lookup:  register (a new vLLM process, as after a restart), look the same prompt up: the tokens the server finds, and
            whether they load the stored bytes
-  restart: store as above, print STORED, wait for a line on stdin (the test restarts the server), wait until both
-           adapters are healthy again (their heartbeats re-register, as a running vLLM does), then lookup as above
+  restart: store as above, print STORED; at a line on stdin (the test killed the server) look up as a request in an
+           outage does (it times out), print LOOKED; at the next line (the server is back) wait until both adapters
+           are healthy again (their heartbeats re-register, as a running vLLM's do; at most 60 s), then lookup as above
 
 Usage: python l2_reload_check.py 'KV_TRANSFER_CONFIG_JSON' MODEL_NAME TOKENS store|lookup|restart
 """
@@ -86,11 +87,13 @@ def main() -> None:
     if phase == "restart":
         print("STORED", flush=True)
         sys.stdin.readline()
-        deadline = time.monotonic() + 120
-        time.sleep(2)  # the heartbeats notice the new server
+        out["found_in_outage"] = lookup("req-outage")
+        print("LOOKED", flush=True)
+        sys.stdin.readline()
+        deadline = time.monotonic() + 60
         while not (worker.is_healthy and scheduler.is_healthy) and time.monotonic() < deadline:
             time.sleep(0.2)
-        out["healthy_again"] = worker.is_healthy and scheduler.is_healthy
+        out["worker_healthy"], out["scheduler_healthy"] = worker.is_healthy, scheduler.is_healthy
     if phase in ("lookup", "restart"):
         found = out["found_tokens"] = lookup("req-lookup")
         if found:

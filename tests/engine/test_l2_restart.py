@@ -24,15 +24,15 @@ import engine_venv
 import pytest
 
 from kvoffload.api.settings import Settings
+from kvoffload.backends import lmcache_server
 from kvoffload.controller import pipeline
 from kvoffload.engine import images
-from kvoffload.rendering import render, shared_cache
+from kvoffload.rendering import render
 from kvtest.fidelity import for_image
 from kvtest.specs import spec
 
 SCRIPT = engine_venv.HERE / "l2_restart_check.py"
 RELOAD = engine_venv.HERE / "l2_reload_check.py"
-HEARTBEAT_S = 10  # LMCache's lmcache.mp.heartbeat_interval default (0.5.3 and 0.5.6), which the operator keeps
 QUIET = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
 
 
@@ -105,81 +105,107 @@ def vllm_side(venv, kv: dict, model: str, tokens: int, phase: str) -> dict:
     return json.loads(cp.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("vllm", ["new", "running"])
-@pytest.mark.parametrize("pair", engine_venv.PAIRS, ids=lambda p: f"{p.vllm}-{p.lmcache}")
-def test_what_a_killed_server_stored_its_successor_serves_from_the_kept_l2(pair, vllm, tmp_path):
-    """PerNode's rendered server line (its addresses, L2 directory and shared-memory name changed), a store through
-    vLLM's side with the rendered connector config, the server SIGKILLed once its L2 holds every chunk, a new server
-    over the same directory (its L1 empty), and a lookup from a new vLLM process (a replica started after the restart) or from the one that stored (a running
-    replica, whose connector re-registers when the server returns): every chunk is found and loads the stored bytes."""
-    venv = engine_venv.require(pair.vllm, pair.lmcache)
+def rendered_server(pair, tmp_path: Path) -> tuple[list[str], dict, int, Path, str]:
+    """The pair's rendered `lmcache server` line and vLLM connector config, with PerNode's mq_timeout: Sidecar's
+    rendering, which differs from PerNode's only in the address it listens on (and PerNode is refused on a pair
+    whose connector cannot recover: engine/images.SHARED_SERVER_MIN_LMCACHE). Its ports, L2 directory and
+    shared-memory name are this test's."""
     image = next(i for i, p in images.serving_images().items() if p == pair)
-    s = for_image(spec(offload__backend="lmcache-server", offload__server="PerNode", offload__cpu__size="256Mi",
-                       offload__disk__size="1Gi"), image)
-    d = pipeline.desired("svc", "ns", "uid-1", s, Settings(shared_memory_root="/run/kvoffload-shm"),
-                         nodes=(shared_cache.Node("node-0"),), address="198.19.0.42")
-    pod = next(c for c in d.children if c["kind"] == "StatefulSet")["spec"]["template"]["spec"]
-    server_pod = next(c for c in d.children if c["kind"] == "Deployment")["spec"]["template"]["spec"]
-    argv = [a.replace("$(POD_NAME)", "svc-cache-0") for a in render.exec_argv(server_pod["containers"][0])]
+    s = for_image(spec(offload__backend="lmcache-server", offload__cpu__size="256Mi", offload__disk__size="1Gi"),
+                  image)
+    pod = next(c for c in pipeline.desired("svc", "ns", "uid-1", s, Settings()).children
+               if c["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod["containers"] + pod["initContainers"]}
+    argv = [a.replace("$(POD_NAME)", "svc-0") for a in render.exec_argv(containers["lmcache-server"])]
     zmq_port, http, base = free_port(), free_port(), tmp_path / "kvcache"
-    shm = f"lmcache_l1_pool_kvtest{os.getpid()}"
     base.mkdir()
-    # Loopback here (the pod binds its own addresses, fenced by its NetworkPolicy); the rest as rendered.
-    for flag, value in (("--host", "127.0.0.1"), ("--http-host", "127.0.0.1"), ("--port", str(zmq_port)),
-                        ("--http-port", str(http)), ("--shm-name", shm)):
+    shm = f"lmcache_l1_pool_kvtest{os.getpid()}"
+    for flag, value in (("--port", str(zmq_port)), ("--http-port", str(http)), ("--shm-name", shm)):
         argv[argv.index(flag) + 1] = value
     i = argv.index("--l2-adapter") + 1
     argv[i] = argv[i].replace('"/kvcache"', json.dumps(str(base)))
-    vllm_args = pod["containers"][0]["args"]
-    kv = json.loads(vllm_args[vllm_args.index("--kv-transfer-config") + 1])
-    kv["kv_connector_extra_config"]["lmcache.mp.host"] = "tcp://127.0.0.1"
-    kv["kv_connector_extra_config"]["lmcache.mp.port"] = zmq_port
-    tokens, chunk, model = 1024, d.spec.offload.chunk_size, d.spec.model.name
-    log = tmp_path / "server.log"
+    args = containers["vllm"]["args"]
+    kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+    kv["kv_connector_extra_config"].update({"lmcache.mp.port": zmq_port,
+                                            "lmcache.mp.mq_timeout": lmcache_server.SHARED_MQ_TIMEOUT_S})
+    return argv, kv, http, base, shm
+
+
+def wait_l2(base: Path, chunks: int) -> None:
+    deadline = time.monotonic() + 60
+    while len(list(base.rglob("*.data"))) < chunks:
+        assert time.monotonic() < deadline, f"the L2 holds {sorted(base.rglob('*'))}"
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("pair", engine_venv.PAIRS, ids=lambda p: f"{p.vllm}-{p.lmcache}")
+def test_what_a_killed_server_stored_its_successor_serves_to_a_new_vllm_from_the_kept_l2(pair, tmp_path):
+    """A store through vLLM's side (LMCache's own adapters), the server SIGKILLed once its L2 holds every chunk, a new
+    server over the same directory (its L1 empty), and a new vLLM process (a replica started after the restart):
+    every chunk is found in the L2 and loads the stored bytes."""
+    venv = engine_venv.require(pair.vllm, pair.lmcache)
+    argv, kv, _, base, shm = rendered_server(pair, tmp_path)
+    tokens, model, log = 1024, "meta-llama/Llama-3.1-8B-Instruct", tmp_path / "server.log"
     server = start_server(venv, argv, log)
-    client = None
     try:
-        if vllm == "new":
-            stored = vllm_side(venv, kv, model, tokens, "store")
-        else:
-            client = subprocess.Popen([engine_venv.python(venv), str(RELOAD), json.dumps(kv), model, str(tokens),
-                                       "restart"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=(tmp_path / "vllm.log").open("w"), text=True, env={**os.environ, **QUIET})
-            for line in client.stdout:  # vLLM's imports print to stdout too
-                if line.strip() == "STORED":
-                    break
-            else:
-                raise AssertionError((tmp_path / "vllm.log").read_text()[-3000:])
-            stored = {"stored": True, "found_before": 0}
+        stored = vllm_side(venv, kv, model, tokens, "store")
         assert stored["stored"] and stored["found_before"] == 0, stored
-        deadline = time.monotonic() + 60
-        while len(list(base.rglob("*.data"))) < tokens // chunk:
-            assert time.monotonic() < deadline, f"the L2 holds {sorted(base.rglob('*'))}"
-            time.sleep(0.5)
+        wait_l2(base, tokens // 256)
         os.killpg(server.pid, signal.SIGKILL)  # a crash: no clean-up of its own
         server.wait()
         Path("/dev/shm", shm).unlink(missing_ok=True)  # what the rendered prelude does before the next server
-        if client is not None:
-            # Down for longer than a heartbeat's PING may wait (mq_timeout, after up to one interval): ZMQ holds the
-            # PING and delivers it to a server back sooner, which answers it, so the running engine never notices and
-            # never registers with it again (LMCache 0.5.3: its lookups then find "No GPU context"). A server pod on
-            # the H200 took 29.5 s to start, longer than the rendered 20 s.
-            time.sleep(kv["kv_connector_extra_config"]["lmcache.mp.mq_timeout"] + HEARTBEAT_S + 2)
         server = start_server(venv, argv, log)
-        if client is None:
-            got = vllm_side(venv, kv, model, tokens, "lookup")
-        else:
-            deadline = time.monotonic() + 120
-            while not registered(http):  # the heartbeat's recovery registers the KV caches again
-                assert client.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.5)
-            out, _ = client.communicate("go\n", timeout=300)
-            got = json.loads(out.strip().splitlines()[-1])
-            assert got.pop("healthy_again") and got.pop("stored") and got.pop("found_before") == 0, got
-            got["phase"] = "lookup"
+        got = vllm_side(venv, kv, model, tokens, "lookup")
         assert got == {"phase": "lookup", "found_tokens": tokens, "loaded": True}, (got, log.read_text()[-4000:])
     finally:
-        if client is not None and client.poll() is None:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        Path("/dev/shm", shm).unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("pair", engine_venv.PAIRS, ids=lambda p: f"{p.vllm}-{p.lmcache}")
+def test_a_running_vllm_looks_the_kept_l2_up_after_an_outage_only_where_pernode_is_offered(pair, tmp_path):
+    """The same with the vLLM that stored: a request during the outage (its lookup times out), the server back over
+    the kept L2, the connector's heartbeat registering again. LMCache 0.5.6's connector then finds every chunk; 0.5.3's
+    scheduler side never looks up again (its heartbeat never starts), the reason PerNode is refused there."""
+    venv = engine_venv.require(pair.vllm, pair.lmcache)
+    argv, kv, http, base, shm = rendered_server(pair, tmp_path)
+    tokens, model, log = 1024, "meta-llama/Llama-3.1-8B-Instruct", tmp_path / "server.log"
+    offered = images.version_tuple(pair.lmcache, "lmcache") >= images.SHARED_SERVER_MIN_LMCACHE
+    server = start_server(venv, argv, log)
+    client = subprocess.Popen([engine_venv.python(venv), str(RELOAD), json.dumps(kv), model, str(tokens), "restart"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **QUIET},
+                              stderr=(tmp_path / "vllm.log").open("w"))
+
+    def until(word: str) -> None:
+        for line in client.stdout:  # vLLM's imports print to stdout too
+            if line.strip() == word:
+                return
+        raise AssertionError((tmp_path / "vllm.log").read_text()[-3000:])
+
+    try:
+        until("STORED")
+        wait_l2(base, tokens // 256)
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        Path("/dev/shm", shm).unlink(missing_ok=True)
+        client.stdin.write("down\n")
+        client.stdin.flush()
+        until("LOOKED")  # after mq_timeout; the worker's heartbeat (a PING every 10 s) has noticed too
+        server = start_server(venv, argv, log)
+        deadline = time.monotonic() + 120
+        while not registered(http):  # the worker's heartbeat registers its KV caches again
+            assert client.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        out, _ = client.communicate("up\n", timeout=300)
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got["stored"] and got["found_before"] == 0 and got["found_in_outage"] == 0 and got["worker_healthy"]
+        if offered:
+            assert got["scheduler_healthy"] and (got["found_tokens"], got["loaded"]) == (tokens, True), got
+        else:
+            assert not got["scheduler_healthy"] and got["found_tokens"] == 0, got
+    finally:
+        if client.poll() is None:
             client.kill()
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()

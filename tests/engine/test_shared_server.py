@@ -1,5 +1,5 @@
-"""spec.offload.server PerNode against the engines of both offered pairs (engine/images.serving_images(): vLLM 0.26.0 +
-LMCache 0.5.3 and vLLM 0.33.0 + LMCache 0.5.6), by their own parsers in their engine venvs: the serving pod's vLLM
+"""spec.offload.server PerNode against the engines of the offered pairs that take it (LMCache >= 0.5.6: vLLM 0.33.0 +
+LMCache 0.5.6; 0.5.3 is refused), by their own parsers in their engine venvs: the serving pod's vLLM
 command line (vLLM's parser, create_engine_config() and KVConnectorFactory: LMCacheMPConnector to the node's server at
 the Service's address, lmcache.mp.mq_timeout lowered), and the node server's `lmcache server` command line (LMCache's
 own server parser and config converters: bound to the pod's addresses, the named /dev/shm L1 the serving pods map,
@@ -33,7 +33,12 @@ def rendered(image: str, tp: int) -> tuple[pipeline.Desired, dict, dict]:
     return d, pod["containers"][0], server
 
 
-@pytest.fixture(scope="module", params=list(images.serving_images()))
+# The offered pairs that take PerNode (engine/images.SHARED_SERVER_MIN_LMCACHE; the older is refused: test_shared_cache).
+SHARED_IMAGES = [i for i, p in images.serving_images().items()
+                 if images.version_tuple(p.lmcache, "lmcache") >= images.SHARED_SERVER_MIN_LMCACHE]
+
+
+@pytest.fixture(scope="module", params=SHARED_IMAGES)
 def engine(request):
     image = request.param
     pair = images.KNOWN_IMAGES[image]

@@ -43,7 +43,9 @@ EPHEMERAL_SPEC = {**FULL_SPEC, "offload": {**FULL_SPEC["offload"],
 # Fields of one backend only (backends/*.refuses): the LMCache server's memory needs backend lmcache-server (LRU).
 SERVER_SPEC = {**FULL_SPEC, "offload": {**FULL_SPEC["offload"], "backend": "lmcache-server", "cpu": {"size": "40Gi"},
                                         "server": "PerNode"},
-               "resources": {**FULL_SPEC["resources"], "serverBaseline": "2Gi"}}
+               # PerNode needs LMCache >= 0.5.6 (engine/images.SHARED_SERVER_MIN_LMCACHE), whose server floor is 4Gi.
+               "engine": {**FULL_SPEC["engine"], "vllmVersion": "0.33.0", "lmcacheVersion": "0.5.6"},
+               "resources": {**FULL_SPEC["resources"], "serverBaseline": "4Gi"}}
 
 
 def test_generated_files_are_current():

@@ -58,6 +58,11 @@ def servers(children):
      "with spec.offload.disk.storageClassName the allowed value is Sidecar"),
     ({"offload__server": "Everywhere"}, SETTINGS, "spec.offload.server",
      "'Everywhere' is not allowed; allowed values: Sidecar, PerNode"),
+    # LMCache 0.5.3's connector never looks up again after one lookup timed out in an outage
+    # (tests/engine/test_l2_restart.py runs both pairs' adapters through it).
+    ({"engine__image": "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3", "engine__vllmVersion": "0.26.0",
+      "engine__lmcacheVersion": "0.5.3"}, SETTINGS, "spec.offload.server",
+     "PerNode needs LMCache >= 0.5.6; the image holds LMCache 0.5.3"),
 ])
 def test_refused_naming_the_field_and_the_allowed_values(patch, settings, field, words):
     s = shared(**patch)

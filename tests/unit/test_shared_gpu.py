@@ -59,8 +59,8 @@ def test_render_node_adds_that_nodes_server_pinned_there_and_nothing_else(docs):
 def test_the_server_pod_as_containers_keeps_its_command_and_puts_each_host_path_where_asked(docs, tmp_path):
     dep = server_doc(docs)
     hp = {"dshm": str(tmp_path / "shm"), "kv-disk": str(tmp_path / "disk")}
-    run = gm.plain_pod(dep, str(tmp_path / "pod"), hp, "srv-1", "ghcr.io/kvoffload/vllm-lmcache:0.26.0-0.5.3",
-                       {"X": "1"})
+    image = dep["spec"]["template"]["spec"]["containers"][0]["image"]
+    run = gm.plain_pod(dep, str(tmp_path / "pod"), hp, "srv-1", image, {"X": "1"})
     roles = [(c.name, c.role) for c in run.containers]
     assert roles == [("prepare-shared-memory", "init"), ("prepare-disk-tier", "init"), ("lmcache-server", "main")]
     server = run.containers[-1]

@@ -218,6 +218,25 @@ def resolve(image: str, vllm: str | None, lmcache: str | None, *, needs_lmcache:
     return EnginePair(vllm=vllm, lmcache=lmcache)
 
 
+# spec.offload.server PerNode needs LMCache's connector to look the server up again after an outage. LMCache 0.5.3's
+# scheduler-side adapter never starts its heartbeat (vllm_multi_process_adapter.py: `_heartbeats = {}`, then
+# `if self._heartbeats is not None: return`), so once one lookup times out while the server is down it stays
+# unhealthy and never looks up again until vLLM restarts: every request recomputes (H200, 4 Dec 2026: 0 tokens from
+# the shared tier after a server restart; tests/engine/test_l2_restart.py). 0.5.6 starts it.
+SHARED_SERVER_MIN_LMCACHE = (0, 5, 6)
+
+
+def check_shared_server(server: str, pair: EnginePair, allowed: str) -> None:
+    """Refuse PerNode where the image's LMCache would stop using the shared server after its first outage."""
+    lmc = version_tuple(pair.lmcache, "spec.engine.lmcacheVersion") if pair.lmcache else (0,)
+    if lmc < SHARED_SERVER_MIN_LMCACHE:
+        need = ".".join(map(str, SHARED_SERVER_MIN_LMCACHE))
+        raise ConfigError("spec.offload.server", f"{server} needs LMCache >= {need}; the image holds LMCache "
+                          f"{pair.lmcache or 'none'}, whose vLLM connector stops looking the shared server up for good "
+                          "once a lookup timed out while the server was down (spec.engine.image / lmcacheVersion); "
+                          f"allowed values with this image: {allowed}")
+
+
 def check_backend(backend: str, need_vllm: str, need_lmcache: str | None, pair: EnginePair) -> None:
     """Refuse a backend the image's pair does not have (each backend declares its minimum pair, checked in the
     installed sources of the default pair; older pairs are refused rather than guessed at), naming both versions."""
