@@ -200,7 +200,9 @@ plan-routing|plan-routing-wait)
   tar -C /root/kvout -cJf "${OUT:-/root}/routing.tar.xz" routing ;;
 plan035|plan035-wait)
   # Issue 35: spec.offload.server PerNode as rendered (benchmarks/gpu/shared_gpu.py): the node's shared LMCache server
-  # pod and two serving pods of the shared example (vLLM 0.26.0 + LMCache 0.5.3, the host's pair), from the captures
+  # pod and two serving pods of the shared example (runs 1-4, 4 Dec 2026: vLLM 0.26.0 + LMCache 0.5.3, the host's pair;
+  # PerNode now needs LMCache >= 0.5.6, so the example renders the 0.33.0-0.5.6 pair, whose site must be installed
+  # and this entry taught to use it, as plan033 does, before the next run), from the captures
   # oci/shared and oci/shared-server: a second replica's and a recreated replica's first request for a stored 32K
   # prefix, the server killed under load and replaced, the reload from its kept L2. Detached (setsid: a call ends at
   # 600 s, the run may not) in /root/kvout/shared; plan035-wait waits for it; each call brings back what it has as

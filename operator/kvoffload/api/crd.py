@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..engine import flags
+from ..engine import flags, images
 from ..engine import router as engine_router
 from . import conditions, managed, rules
 
@@ -300,8 +300,9 @@ def _offload() -> Schema:
                       "shared by them (each prefix stored once per node; a replica added or restarted there starts "
                       "warm), kept a grace period after the last replica left the node; vLLM reaches it through a "
                       "per-resource shared-memory directory under the operator's sharedMemoryRoot (hostPath: Pod "
-                      "Security \"privileged\") and a node-local Service. Other backends run no server: "
-                      "docs/shared-cache.md.",
+                      "Security \"privileged\") and a node-local Service; needs LMCache >= "
+                      f"{'.'.join(map(str, images.SHARED_SERVER_MIN_LMCACHE))} (refused with an older image). Other "
+                      "backends run no server: docs/shared-cache.md.",
                       enum=list(rules.SERVER_PLACEMENTS), default=rules.SIDECAR),
          "cpu": cpu,
          "disk": disk},
