@@ -33,7 +33,7 @@ def rendered(image: str, tp: int) -> tuple[pipeline.Desired, dict, dict]:
     return d, pod["containers"][0], server
 
 
-# The offered pairs that take PerNode (engine/images.SHARED_SERVER_MIN_LMCACHE; the older is refused: test_shared_cache).
+# The offered pairs that take PerNode (engine/images.SHARED_SERVER_MIN_LMCACHE; older ones are refused).
 SHARED_IMAGES = [i for i, p in images.serving_images().items()
                  if images.version_tuple(p.lmcache, "lmcache") >= images.SHARED_SERVER_MIN_LMCACHE]
 
