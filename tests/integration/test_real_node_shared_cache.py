@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from kvoffload.engine import images
 from kvtest import condition, node
 from kvtest.specs import SHARED_MEMORY_ROOT
 
@@ -77,6 +78,12 @@ def shm_root():
 
 def shared_spec(image: str, disk: Path, replicas: int) -> dict:
     body = node.serve_spec(NAME, image, disk)
+    # PerNode needs LMCache >= 0.5.6 (engine/images.SHARED_SERVER_MIN_LMCACHE): the resource declares the default pair
+    # and that pair's server floor. The stand-in holds no engine of either pair; what it reports leaves EngineVerified
+    # False, which this test does not read.
+    pair = images.KNOWN_IMAGES[images.DEFAULT_IMAGE]
+    body["spec"]["engine"].update(vllmVersion=pair.vllm, lmcacheVersion=pair.lmcache)
+    body["spec"]["resources"]["serverBaseline"] = images.server_baseline_floor(pair.lmcache)
     body["spec"]["offload"]["server"] = "PerNode"
     body["spec"]["replicas"] = replicas
     return body
