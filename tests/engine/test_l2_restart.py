@@ -17,18 +17,20 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import engine_venv
 import pytest
 
+from kvoffload.api.fetch import SourceError
 from kvoffload.api.settings import Settings
 from kvoffload.backends import lmcache_server
 from kvoffload.controller import pipeline
 from kvoffload.engine import images
+from kvoffload.exporter.lmcache_server import fetch_status
 from kvoffload.rendering import render
 from kvtest.fidelity import for_image
+from kvtest.procs import free_ports
 from kvtest.specs import spec
 
 SCRIPT = engine_venv.HERE / "l2_restart_check.py"
@@ -69,12 +71,6 @@ def test_a_restarted_servers_fs_native_l2_reads_the_kept_chunk_but_does_not_coun
     assert again["files"] == [chunk]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(venv, argv: list[str], log: Path) -> subprocess.Popen:
     proc = subprocess.Popen([str(venv / "bin" / argv[0]), *argv[1:]], env={**os.environ, **QUIET},
                             stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -92,9 +88,8 @@ def start_server(venv, argv: list[str], log: Path) -> subprocess.Popen:
 
 def registered(http_port: int) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=5) as r:
-            return bool(json.loads(r.read()).get("registered_non_cuda_instance_ids"))
-    except OSError:
+        return fetch_status(f"http://127.0.0.1:{http_port}/status", 5.0).engines > 0
+    except SourceError:
         return False
 
 
@@ -117,7 +112,7 @@ def rendered_server(pair, tmp_path: Path) -> tuple[list[str], dict, int, Path, s
                if c["kind"] == "StatefulSet")["spec"]["template"]["spec"]
     containers = {c["name"]: c for c in pod["containers"] + pod["initContainers"]}
     argv = [a.replace("$(POD_NAME)", "svc-0") for a in render.exec_argv(containers["lmcache-server"])]
-    zmq_port, http, base = free_port(), free_port(), tmp_path / "kvcache"
+    (zmq_port, http), base = free_ports(2), tmp_path / "kvcache"
     base.mkdir()
     shm = f"lmcache_l1_pool_kvtest{os.getpid()}"
     for flag, value in (("--port", str(zmq_port)), ("--http-port", str(http)), ("--shm-name", shm)):
@@ -171,7 +166,7 @@ def test_a_running_vllm_looks_the_kept_l2_up_after_an_outage_only_where_pernode_
     venv = engine_venv.require(pair.vllm, pair.lmcache)
     argv, kv, http, base, shm = rendered_server(pair, tmp_path)
     tokens, model, log = 1024, "meta-llama/Llama-3.1-8B-Instruct", tmp_path / "server.log"
-    offered = images.version_tuple(pair.lmcache, "lmcache") >= images.SHARED_SERVER_MIN_LMCACHE
+    offered = images.takes_shared_server(pair.lmcache)
     server = start_server(venv, argv, log)
     client = subprocess.Popen([engine_venv.python(venv), str(RELOAD), json.dumps(kv), model, str(tokens), "restart"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **QUIET},

@@ -34,8 +34,7 @@ def rendered(image: str, tp: int) -> tuple[pipeline.Desired, dict, dict]:
 
 
 # The offered pairs that take PerNode (engine/images.SHARED_SERVER_MIN_LMCACHE; older ones are refused).
-SHARED_IMAGES = [i for i, p in images.serving_images().items()
-                 if images.version_tuple(p.lmcache, "lmcache") >= images.SHARED_SERVER_MIN_LMCACHE]
+SHARED_IMAGES = [i for i, p in images.serving_images().items() if images.takes_shared_server(p.lmcache)]
 
 
 @pytest.fixture(scope="module", params=SHARED_IMAGES)

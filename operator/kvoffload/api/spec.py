@@ -604,12 +604,10 @@ def parse(spec: dict[str, Any], settings: Settings) -> Spec:
     flags.check_dtypes(parsed.model.kv_dtype, parsed.engine.dtype, parsed.engine.vllm_version)
     backend = _declared(parsed.offload.backend)
     assert backend is not None  # _enum held the backend to the declared names
-    images.check_backend(parsed.offload.backend, backend["minVllm"], backend["minLmcache"],
-                         images.EnginePair(parsed.engine.vllm_version, parsed.engine.lmcache_version))
+    pair = images.EnginePair(parsed.engine.vllm_version, parsed.engine.lmcache_version)
+    images.check_backend(parsed.offload.backend, backend["minVllm"], backend["minLmcache"], pair)
     if parsed.offload.shared:
-        images.check_shared_server(parsed.offload.server, images.EnginePair(parsed.engine.vllm_version,
-                                                                            parsed.engine.lmcache_version),
-                                   rules.SIDECAR)
+        images.check_shared_server(parsed.offload.server, pair, rules.SIDECAR)
     floor = images.server_baseline_floor(parsed.engine.lmcache_version)
     floor_bytes = to_bytes(floor, "SERVER_BASELINE_FLOOR") if floor else 0
     if parsed.resources.server_baseline < floor_bytes:

@@ -226,10 +226,14 @@ def resolve(image: str, vllm: str | None, lmcache: str | None, *, needs_lmcache:
 SHARED_SERVER_MIN_LMCACHE = (0, 5, 6)
 
 
+def takes_shared_server(lmcache: str) -> bool:
+    """Whether an image with this LMCache ("" for none) may run PerNode."""
+    return bool(lmcache) and version_tuple(lmcache, "spec.engine.lmcacheVersion") >= SHARED_SERVER_MIN_LMCACHE
+
+
 def check_shared_server(server: str, pair: EnginePair, allowed: str) -> None:
     """Refuse PerNode where the image's LMCache would stop using the shared server after its first outage."""
-    lmc = version_tuple(pair.lmcache, "spec.engine.lmcacheVersion") if pair.lmcache else (0,)
-    if lmc < SHARED_SERVER_MIN_LMCACHE:
+    if not takes_shared_server(pair.lmcache):
         need = ".".join(map(str, SHARED_SERVER_MIN_LMCACHE))
         raise ConfigError("spec.offload.server", f"{server} needs LMCache >= {need}; the image holds LMCache "
                           f"{pair.lmcache or 'none'}, whose vLLM connector stops looking the shared server up for good "
